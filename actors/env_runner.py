@@ -1,0 +1,271 @@
+"""EnvRunner: steps a vector of environments with an inference-only module and emits episode chunks.
+
+The per-step path does one batched forward pass and one vector-env step; nothing per sub-env
+except the env's own ``step``. Steps go into time-major buffers (``[T, num_envs]``) that are
+cut into one chunk per episode segment at the end of ``sample()``.
+
+The same class runs in the driver process (``num_env_runners=0``) or as a Ray actor.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from actors.module import RLModule
+from actors.vector_env import EnvContext, make_vector_env
+from protocols import nested
+from protocols.episode import EpisodeChunk, new_episode_id
+
+
+@dataclass
+class EnvRunnerSettings:
+    """What an env runner needs to know; filled in by the driver from the algorithm config."""
+
+    env_creator: Callable[[EnvContext], gym.Env]
+    env_config: dict = field(default_factory=dict)
+    num_envs: int = 1
+    vectorize_mode: str = "sync"
+    rollout_fragment_length: int = 200
+    batch_mode: str = "truncate_episodes"
+    explore: bool = True
+    model_config: dict = field(default_factory=dict)
+    observation_space: gym.Space | None = None
+    action_space: gym.Space | None = None
+    clip_rewards: bool | float | None = None
+    normalize_actions: bool = True
+    clip_actions: bool = False
+    seed: int | None = None
+    num_env_runners: int = 0
+    restart_failed_sub_environments: bool = False
+    torch_threads: int = 1
+
+
+@dataclass
+class _Slot:
+    """The episode currently running in one sub-env."""
+
+    episode_id: str
+    chunk_index: int = 0
+    t_started: int = 0
+    ret: float = 0.0
+    length: int = 0
+    pending: list = field(default_factory=list)  # held-back chunks (complete_episodes mode)
+
+
+class EnvRunner:
+    def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0) -> None:
+        self.s = settings
+        self.worker_index = worker_index
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed + 7919 * worker_index)
+        if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
+            torch.set_num_threads(settings.torch_threads)
+        self.env = make_vector_env(
+            settings.vectorize_mode, creator=settings.env_creator, env_config=settings.env_config,
+            num_envs=settings.num_envs, worker_index=worker_index, num_workers=settings.num_env_runners,
+            seed=settings.seed, restart_failed=settings.restart_failed_sub_environments,
+        )
+        self.observation_space = settings.observation_space or self.env.single_observation_space
+        self.action_space = settings.action_space or self.env.single_action_space
+        self.module = RLModule(self.observation_space, self.action_space, settings.model_config, inference_only=True)
+        self.module.eval()
+        self.weights_version = 0
+        self._obs: Any = None
+        self._slots: list[_Slot] = []
+        self._box_low = self._box_high = None
+        if isinstance(self.action_space, gym.spaces.Box):
+            self._box_low, self._box_high = self.action_space.low, self.action_space.high
+        self._new_returns: list[float] = []
+        self._new_lengths: list[int] = []
+        self.num_env_steps_sampled_lifetime = 0
+        self.num_episodes_lifetime = 0
+
+    # --- sampling ---------------------------------------------------------------------------
+    def sample(self, num_timesteps: int | None = None, num_episodes: int | None = None,
+               explore: bool | None = None, random_actions: bool = False) -> list[EpisodeChunk]:
+        """Step all sub-envs and return the episode chunks collected.
+
+        ``num_timesteps`` (default ``rollout_fragment_length * num_envs``) continues running
+        episodes across calls (``truncate_episodes``) or returns only whole episodes
+        (``complete_episodes``). ``num_episodes`` starts fresh episodes and returns exactly that
+        many whole ones.
+        """
+        explore = self.s.explore if explore is None else explore
+        if num_episodes is not None:
+            return self._sample_episodes(num_episodes, explore, random_actions)
+        if num_timesteps is None:
+            num_timesteps = self.s.rollout_fragment_length * self.s.num_envs
+        if self._obs is None:
+            self._reset_all()
+        complete = self.s.batch_mode == "complete_episodes"
+        out: list[EpisodeChunk] = []
+        collected = 0
+        while collected < num_timesteps:
+            steps = max(1, math.ceil((num_timesteps - collected) / self.s.num_envs))
+            chunks = self._run(steps, explore, random_actions, hold_back=complete)
+            out.extend(chunks)
+            collected += sum(len(c) for c in chunks) if complete else steps * self.s.num_envs
+        return out
+
+    def _sample_episodes(self, num_episodes: int, explore: bool, random_actions: bool) -> list[EpisodeChunk]:
+        self._reset_all()
+        done: list[EpisodeChunk] = []
+        while len(done) < num_episodes:
+            done.extend(self._run(self.s.rollout_fragment_length, explore, random_actions, hold_back=True))
+        self._obs = None  # unfinished episodes are dropped; the next sample() starts fresh ones
+        return done[:num_episodes]
+
+    def _reset_all(self) -> None:
+        self._obs = self.env.reset()
+        self._slots = [_Slot(new_episode_id()) for _ in range(self.s.num_envs)]
+
+    @torch.inference_mode()
+    def _run(self, steps: int, explore: bool, random_actions: bool, hold_back: bool) -> list[EpisodeChunk]:
+        n = self.s.num_envs
+        obs_rows, act_rows, logp_rows, dist_rows = [], [], [], []
+        rewards = np.zeros((steps, n), np.float32)
+        terminated = np.zeros((steps, n), bool)
+        truncated = np.zeros((steps, n), bool)
+        final_obs: dict[tuple[int, int], Any] = {}
+        obs = self._obs
+        module, spec = self.module, self.module.dist_spec
+        for t in range(steps):
+            obs_rows.append(obs)
+            dist_inputs = module.forward_exploration(nested.map_structure(torch.from_numpy, obs))["action_dist_inputs"]
+            dist = spec.build(dist_inputs)
+            if random_actions:
+                actions = torch.as_tensor(np.stack([self.action_space.sample() for _ in range(n)]))
+            else:
+                actions = dist.sample() if explore else dist.deterministic()
+            act_np = actions.numpy()
+            act_rows.append(act_np)
+            logp_rows.append(dist.logp(actions).numpy())
+            dist_rows.append(dist_inputs.numpy())
+            res = self.env.step(self._to_env_actions(act_np))
+            rewards[t], terminated[t], truncated[t] = res.rewards, res.terminated, res.truncated
+            for i, o in res.final_obs.items():
+                final_obs[(t, i)] = o
+            obs = res.obs
+        self._obs = obs
+        obs_rows.append(obs)
+        self.num_env_steps_sampled_lifetime += steps * n
+        return self._cut(obs_rows, act_rows, logp_rows, dist_rows, rewards, terminated, truncated, final_obs, hold_back)
+
+    def _to_env_actions(self, actions: np.ndarray) -> np.ndarray:
+        if self._box_low is None:
+            return self.module.dist_spec.to_env(actions)
+        if self.s.normalize_actions:  # the policy acts in [-1, 1]; the env sees [low, high]
+            low, high = self._box_low, self._box_high
+            actions = low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (high - low)
+        elif self.s.clip_actions:
+            actions = np.clip(actions, self._box_low, self._box_high)
+        return actions.astype(self.action_space.dtype, copy=False)
+
+    def _clip(self, rewards: np.ndarray) -> np.ndarray:
+        c = self.s.clip_rewards
+        if c is None or c is False:
+            return rewards
+        if c is True:
+            return np.sign(rewards)
+        return np.clip(rewards, -c, c)
+
+    def _cut(self, obs_rows, act_rows, logp_rows, dist_rows, rewards, terminated, truncated, final_obs,
+             hold_back: bool) -> list[EpisodeChunk]:
+        """Time-major buffers -> one chunk per (sub-env, episode segment)."""
+        env_major = lambda rows: nested.map_structure(lambda a: np.ascontiguousarray(np.swapaxes(a, 0, 1)), nested.stack(rows))  # noqa: E731
+        obs = env_major(obs_rows)  # [n, T+1, ...]
+        acts = env_major(act_rows)
+        logp = np.ascontiguousarray(np.stack(logp_rows).T)
+        dists = env_major(dist_rows)
+        raw_rewards = np.ascontiguousarray(rewards.T)
+        clipped = self._clip(raw_rewards)
+        dones = (terminated | truncated).T
+        col = lambda struct, j, a, b: nested.map_structure(lambda x: x[j, a:b], struct)  # noqa: E731
+        out: list[EpisodeChunk] = []
+        steps = rewards.shape[0]
+        for j, slot in enumerate(self._slots):
+            start = 0
+            for t in [*np.flatnonzero(dones[j]), steps - 1]:
+                t = int(t)
+                if t < start:
+                    continue
+                ended = bool(dones[j, t])
+                seg_obs = col(obs, j, start, t + 1 + (not ended))
+                if ended:
+                    last = nested.map_structure(lambda a: np.asarray(a)[None], final_obs[(t, j)])
+                    seg_obs = nested.concat([seg_obs, last])
+                chunk = EpisodeChunk(
+                    episode_id=slot.episode_id, chunk_index=slot.chunk_index, obs=seg_obs,
+                    actions=col(acts, j, start, t + 1), rewards=clipped[j, start : t + 1],
+                    terminated=bool(terminated[t, j]), truncated=bool(truncated[t, j]),
+                    extra={"action_logp": logp[j, start : t + 1], "action_dist_inputs": col(dists, j, start, t + 1)},
+                    t_started=slot.t_started, weights_version=self.weights_version,
+                    env_runner_index=self.worker_index, env_index=j,
+                )
+                slot.ret += float(raw_rewards[j, start : t + 1].sum())
+                slot.length += t + 1 - start
+                slot.chunk_index += 1
+                slot.t_started += t + 1 - start
+                if hold_back:
+                    slot.pending.append(chunk)
+                    if ended:
+                        out.append(EpisodeChunk.concat(slot.pending))
+                else:
+                    out.append(chunk)
+                if ended:
+                    self._new_returns.append(slot.ret)
+                    self._new_lengths.append(slot.length)
+                    self.num_episodes_lifetime += 1
+                    slot = self._slots[j] = _Slot(new_episode_id())
+                start = t + 1
+        return out
+
+    def sample_with_metrics(self, **kwargs: Any) -> tuple[list[EpisodeChunk], dict[str, Any]]:
+        """``sample(**kwargs)`` and ``get_metrics()`` in one request (one round trip per runner)."""
+        return self.sample(**kwargs), self.get_metrics()
+
+    # --- metrics, weights, state ------------------------------------------------------------
+    def get_metrics(self) -> dict[str, Any]:
+        """Episodes finished since the last call, plus lifetime counters."""
+        m = {
+            "episode_returns": self._new_returns,
+            "episode_lengths": self._new_lengths,
+            "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
+            "num_episodes_lifetime": self.num_episodes_lifetime,
+            "num_sub_env_restarts": self.env.num_restarts,
+        }
+        self._new_returns, self._new_lengths = [], []
+        return m
+
+    def set_weights(self, weights: dict[str, np.ndarray], weights_version: int = 0) -> None:
+        self.module.set_state(weights)
+        self.weights_version = weights_version
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        return self.module.get_state()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"weights": self.get_weights(), "weights_version": self.weights_version,
+                "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
+                "num_episodes_lifetime": self.num_episodes_lifetime}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.set_weights(state["weights"], state.get("weights_version", 0))
+        self.num_env_steps_sampled_lifetime = state.get("num_env_steps_sampled_lifetime", 0)
+        self.num_episodes_lifetime = state.get("num_episodes_lifetime", 0)
+
+    def ping(self) -> str:
+        return "ok"
+
+    def apply(self, fn: Callable[["EnvRunner"], Any]) -> Any:
+        """Run ``fn(self)`` here (``Algorithm.foreach_env_runner``)."""
+        return fn(self)
+
+    def stop(self) -> None:
+        self.env.close()
+

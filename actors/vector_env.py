@@ -1,0 +1,175 @@
+"""Vectorized environments for env runners, with same-step autoreset.
+
+``step`` returns the *reset* observation for a sub-env whose episode just ended, and its real last
+observation in ``final_obs[i]``: each episode's next observation is then stored exactly once.
+
+``SyncVectorEnv`` steps its sub-envs in this process and can recreate one that raises (its
+episode is closed as truncated). ``AsyncVectorEnv`` runs each sub-env in its own process
+(gymnasium's ``AsyncVectorEnv``); a failure there recreates the whole vector.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import gymnasium as gym
+import numpy as np
+
+from protocols import nested
+
+log = logging.getLogger(__name__)
+
+
+class EnvContext(dict):
+    """The ``env_config`` dict handed to an env creator, plus where the env lives."""
+
+    def __init__(self, env_config: dict | None, worker_index: int = 0, vector_index: int = 0,
+                 num_workers: int = 0, recreated: bool = False) -> None:
+        super().__init__(env_config or {})
+        self.worker_index = worker_index
+        self.vector_index = vector_index
+        self.num_workers = num_workers
+        self.recreated = recreated
+
+
+@dataclass
+class StepResult:
+    obs: Any
+    """Batched next observations (reset observations where an episode ended)."""
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    final_obs: dict[int, Any] = field(default_factory=dict)
+    """Sub-env index -> the last observation of the episode that ended at this step."""
+    restarted: list[int] = field(default_factory=list)
+    """Sub-envs that raised and were recreated; their episodes were closed as truncated."""
+    infos: list[dict] | None = None
+
+
+class SyncVectorEnv:
+    def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
+                 worker_index: int, num_workers: int, seed: int | None, restart_failed: bool) -> None:
+        self.creator, self.env_config = creator, env_config
+        self.worker_index, self.num_workers = worker_index, num_workers
+        self.seed, self.restart_failed = seed, restart_failed
+        self.num_restarts = 0
+        self.envs = [self._make(i) for i in range(num_envs)]
+        self.num_envs = num_envs
+        self.single_observation_space = self.envs[0].observation_space
+        self.single_action_space = self.envs[0].action_space
+        self._last_obs: list[Any] = []
+
+    def _make(self, i: int, recreated: bool = False) -> gym.Env:
+        return self.creator(EnvContext(self.env_config, self.worker_index, i, self.num_workers, recreated))
+
+    def _seed(self, i: int) -> int | None:
+        if self.seed is None:
+            return None
+        return self.seed + 10_000 * self.worker_index + i + 1_000_000 * self.num_restarts
+
+    def reset(self) -> Any:
+        self._last_obs = [env.reset(seed=self._seed(i))[0] for i, env in enumerate(self.envs)]
+        return nested.stack(self._last_obs)
+
+    def step(self, actions: np.ndarray) -> StepResult:
+        n = self.num_envs
+        rewards = np.zeros(n, np.float32)
+        terminated = np.zeros(n, bool)
+        truncated = np.zeros(n, bool)
+        final_obs: dict[int, Any] = {}
+        restarted: list[int] = []
+        last_obs = self._last_obs
+        for i, env in enumerate(self.envs):
+            try:
+                obs, rew, term, trunc, _ = env.step(actions[i])
+                if term or trunc:
+                    final_obs[i] = obs
+                    obs, _ = env.reset()
+            except Exception as err:  # noqa: BLE001 - any env error is survivable here
+                if not self.restart_failed:
+                    raise
+                obs = self._restart(i, err)
+                final_obs[i], rew, term, trunc = last_obs[i], 0.0, False, True
+                restarted.append(i)
+            last_obs[i] = obs
+            rewards[i] = rew
+            terminated[i] = term
+            truncated[i] = trunc
+        return StepResult(nested.stack(last_obs), rewards, terminated, truncated, final_obs, restarted)
+
+    def _restart(self, i: int, err: Exception) -> Any:
+        log.warning("sub-environment %d of env runner %d raised %r; recreating it", i, self.worker_index, err)
+        self.num_restarts += 1
+        try:
+            self.envs[i].close()
+        except Exception:  # noqa: BLE001 - a broken env may fail to close too
+            pass
+        self.envs[i] = self._make(i, recreated=True)
+        return self.envs[i].reset(seed=self._seed(i))[0]
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+class AsyncVectorEnv:
+    """Each sub-env in its own process (gymnasium); for envs slow enough to be worth the IPC."""
+
+    def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
+                 worker_index: int, num_workers: int, seed: int | None, restart_failed: bool) -> None:
+        self._fns = [
+            (lambda i=i: creator(EnvContext(env_config, worker_index, i, num_workers))) for i in range(num_envs)
+        ]
+        self.num_envs, self.seed, self.restart_failed = num_envs, seed, restart_failed
+        self.worker_index = worker_index
+        self.num_restarts = 0
+        self._env = self._make()
+        self.single_observation_space = self._env.single_observation_space
+        self.single_action_space = self._env.single_action_space
+        self._last_obs = None
+
+    def _make(self) -> gym.vector.AsyncVectorEnv:
+        return gym.vector.AsyncVectorEnv(self._fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+    def reset(self) -> Any:
+        seed = None if self.seed is None else [self.seed + 10_000 * self.worker_index + i for i in range(self.num_envs)]
+        self._last_obs = self._env.reset(seed=seed)[0]
+        return self._last_obs
+
+    def step(self, actions: np.ndarray) -> StepResult:
+        try:
+            obs, rew, term, trunc, info = self._env.step(actions)
+        except Exception as err:  # noqa: BLE001
+            if not self.restart_failed:
+                raise
+            log.warning("async vector env of env runner %d raised %r; recreating all its sub-envs", self.worker_index, err)
+            self.num_restarts += self.num_envs
+            try:
+                self._env.close(terminate=True)
+            except Exception:  # noqa: BLE001
+                pass
+            self._env = self._make()
+            prev = self._last_obs
+            n = self.num_envs
+            final = {i: nested.map_structure(lambda a: a[i], prev) for i in range(n)}
+            self._last_obs = self._env.reset()[0]
+            return StepResult(self._last_obs, np.zeros(n, np.float32), np.zeros(n, bool), np.ones(n, bool),
+                              final, list(range(n)))
+        final_obs = {}
+        if "_final_obs" in info:
+            for i in np.flatnonzero(info["_final_obs"]):
+                final_obs[int(i)] = info["final_obs"][i]
+        self._last_obs = obs
+        return StepResult(obs, rew.astype(np.float32), term, trunc, final_obs)
+
+    def close(self) -> None:
+        self._env.close()
+
+
+def make_vector_env(mode: str, **kwargs) -> SyncVectorEnv | AsyncVectorEnv:
+    if mode == "sync":
+        return SyncVectorEnv(**kwargs)
+    if mode == "async":
+        return AsyncVectorEnv(**kwargs)
+    raise ValueError(f"vectorize mode {mode!r} is not one of ['sync', 'async']")

@@ -1,0 +1,348 @@
+"""AlgorithmConfig: the settings every algorithm shares, with RLlib's builder methods.
+
+Each builder (``environment``, ``env_runners``, ``training``...) sets the fields of its group and
+returns the config, so calls chain. A key a builder does not know is remembered and reported at
+``build()``/``validate()`` together with the closest valid names, never silently ignored.
+Algorithm configs (``PPOConfig``...) subclass this and add their own fields; those belong to the
+``training`` group.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import importlib
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "environment": ("env", "env_config", "observation_space", "action_space", "clip_rewards",
+                    "normalize_actions", "clip_actions"),
+    "env_runners": ("num_env_runners", "num_envs_per_env_runner", "rollout_fragment_length", "batch_mode",
+                    "num_cpus_per_env_runner", "explore", "gym_env_vectorize_mode"),
+    "learners": ("num_learners", "num_gpus_per_learner", "num_cpus_per_learner"),
+    "training": ("gamma", "lr", "grad_clip", "grad_clip_by", "train_batch_size_per_learner",
+                 "minibatch_size", "num_epochs"),
+    "rl_module": ("model_config",),
+    "resources": ("num_cpus_for_main_process",),
+    "reporting": ("metrics_num_episodes_for_smoothing", "min_time_s_per_iteration",
+                  "min_sample_timesteps_per_iteration", "min_train_timesteps_per_iteration"),
+    "checkpointing": ("export_native_model_files",),
+    "debugging": ("seed", "log_level"),
+    "fault_tolerance": ("restart_failed_env_runners", "ignore_env_runner_failures", "max_num_env_runner_restarts",
+                        "delay_between_env_runner_restarts_s", "env_runner_health_probe_timeout_s",
+                        "restart_failed_sub_environments"),
+    "callbacks": ("callbacks_class",),
+}
+CHOICES = {
+    "batch_mode": ("truncate_episodes", "complete_episodes"),
+    "grad_clip_by": ("value", "norm", "global_norm"),
+    "gym_env_vectorize_mode": ("sync", "async"),
+    "log_level": ("DEBUG", "INFO", "WARN", "WARNING", "ERROR"),
+}
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names it and what would be valid."""
+
+
+@dataclass
+class AlgorithmConfig:
+    algo_name: ClassVar[str] = "Algorithm"
+
+    # environment
+    env: Any = None
+    """Gymnasium id, a name given to ``pipeline.register_env``, an env class, or ``"pkg.module:Class"``."""
+    env_config: dict = field(default_factory=dict)
+    """Passed to the env creator (as an ``EnvContext`` that also carries runner and vector indices)."""
+    observation_space: Any = None
+    """Observation space, if the env's own should not be used."""
+    action_space: Any = None
+    """Action space, if the env's own should not be used."""
+    clip_rewards: bool | float | None = None
+    """True: sign of the reward; a float c: clip to [-c, c]; None: leave rewards alone."""
+    normalize_actions: bool = True
+    """Box actions: the policy acts in [-1, 1] and runners rescale to the space's bounds."""
+    clip_actions: bool = False
+    """Box actions without normalize_actions: clip into the space's bounds."""
+
+    # env_runners
+    num_env_runners: int = 2
+    """Remote env runner actors; 0 samples in the driver process."""
+    num_envs_per_env_runner: int = 8
+    """Sub-environments each runner steps as one vector."""
+    rollout_fragment_length: int | str = "auto"
+    """Steps per sub-env per sample request; "auto" divides the train batch among all sub-envs."""
+    batch_mode: str = "truncate_episodes"
+    """truncate_episodes: fixed-length fragments; complete_episodes: only whole episodes."""
+    num_cpus_per_env_runner: float = 1
+    """CPUs Ray reserves for each env runner actor."""
+    explore: bool = True
+    """Sample actions stochastically while training (False: greedy)."""
+    gym_env_vectorize_mode: str = "sync"
+    """sync: sub-envs stepped in the runner's process; async: one process per sub-env."""
+
+    # learners
+    num_learners: int = 0
+    """0: one learner in the driver process; n >= 1: n Ray learner actors (data-parallel when n > 1)."""
+    num_gpus_per_learner: float = 0
+    """GPUs per learner; > 0 puts the learner's module on CUDA."""
+    num_cpus_per_learner: float = 1
+    """CPUs Ray reserves for each learner actor."""
+
+    # training
+    gamma: float = 0.99
+    """Discount factor."""
+    lr: float | list = 3e-4
+    """Learning rate, or a piecewise-linear schedule ``[[timestep, lr], ...]`` over sampled env steps."""
+    grad_clip: float | None = None
+    """Clip threshold for gradients (None: no clipping)."""
+    grad_clip_by: str = "global_norm"
+    """value: each element; norm: each tensor's norm; global_norm: the norm of all gradients."""
+    train_batch_size_per_learner: int = 4000
+    """Env steps each learner trains on per update."""
+    minibatch_size: int = 128
+    """Steps per SGD minibatch."""
+    num_epochs: int = 1
+    """Passes over each train batch."""
+
+    # rl_module
+    model_config: dict = field(default_factory=dict)
+    """Default module settings (see ``actors.module.ModelConfig``: fcnet_hiddens, fcnet_activation, ...)."""
+
+    # resources
+    num_cpus_for_main_process: float = 1
+    """CPUs the driver (local learner, local runner) is counted for."""
+
+    # reporting
+    metrics_num_episodes_for_smoothing: int = 100
+    """Episode metrics are averaged over at least this many of the latest episodes."""
+    min_time_s_per_iteration: float | None = None
+    """Repeat training steps within one ``train()`` until this much time has passed."""
+    min_sample_timesteps_per_iteration: int = 0
+    """Repeat training steps within one ``train()`` until this many env steps were sampled."""
+    min_train_timesteps_per_iteration: int = 0
+    """Repeat training steps within one ``train()`` until this many env steps were trained on."""
+
+    # checkpointing
+    export_native_model_files: bool = False
+    """Also write ``model_native.pt``: the whole torch module, for use outside runnel (never loaded by runnel)."""
+
+    # debugging
+    seed: int | None = None
+    """Seeds torch, numpy and every sub-environment (runner and vector index are mixed in)."""
+    log_level: str = "WARN"
+    """Logging level of runnel's loggers."""
+
+    # fault_tolerance
+    restart_failed_env_runners: bool = True
+    """Recreate a dead env runner at the same index and restore its weights."""
+    ignore_env_runner_failures: bool = False
+    """Without restarts, go on with the healthy runners instead of raising."""
+    max_num_env_runner_restarts: int = 1000
+    """Restarts allowed per runner index before it is given up."""
+    delay_between_env_runner_restarts_s: float = 1.0
+    """Pause before recreating a failed runner (lets a crashing env's resources go)."""
+    env_runner_health_probe_timeout_s: float = 30.0
+    """A runner that does not answer a probe (or a request) within this is treated as failed."""
+    restart_failed_sub_environments: bool = False
+    """Recreate a sub-environment that raises inside its runner; its episode ends as truncated."""
+
+    # callbacks
+    callbacks_class: Any = None
+    """A class with RLlib-style hooks (``on_train_result``, ``on_env_runners_recreated``...), or its import path."""
+
+    _unknown: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # --- builders -----------------------------------------------------------------------------
+    def _set(self, group: str, kwargs: dict[str, Any]) -> "AlgorithmConfig":
+        valid = self._group_keys(group)
+        for key, value in kwargs.items():
+            if key in valid:
+                setattr(self, key, value)
+            else:
+                self._unknown[key] = (group, sorted(valid))
+        return self
+
+    def _group_keys(self, group: str) -> set[str]:
+        keys = set(GROUPS[group])
+        if group == "training":
+            keys |= {f.name for f in fields(self)} - {k for g in GROUPS.values() for k in g} - {"_unknown"}
+        return keys
+
+    def environment(self, env: Any = None, **kwargs: Any) -> "AlgorithmConfig":
+        if env is not None:
+            kwargs["env"] = env
+        return self._set("environment", kwargs)
+
+    def env_runners(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("env_runners", kwargs)
+
+    def learners(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("learners", kwargs)
+
+    def training(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("training", kwargs)
+
+    def rl_module(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("rl_module", kwargs)
+
+    def resources(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("resources", kwargs)
+
+    def reporting(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("reporting", kwargs)
+
+    def checkpointing(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("checkpointing", kwargs)
+
+    def debugging(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("debugging", kwargs)
+
+    def fault_tolerance(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("fault_tolerance", kwargs)
+
+    def callbacks(self, callbacks_class: Any) -> "AlgorithmConfig":
+        return self._set("callbacks", {"callbacks_class": callbacks_class})
+
+    # --- (de)serialisation --------------------------------------------------------------------
+    def copy(self) -> "AlgorithmConfig":
+        return copy.deepcopy(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-able settings; classes and functions become ``"module:qualname"`` paths."""
+        out = {}
+        for f in fields(self):
+            if f.name == "_unknown":
+                continue
+            out[f.name] = _to_plain(getattr(self, f.name), f.name)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AlgorithmConfig":
+        cfg = cls()
+        valid = {f.name for f in fields(cls)} - {"_unknown"}
+        for key, value in d.items():
+            if isinstance(value, dict) and "__space__" in value:
+                from protocols.spaces import space_from_dict
+
+                value = space_from_dict(value["__space__"])
+            if key in valid:
+                setattr(cfg, key, value)
+            else:
+                cfg._unknown[key] = ("config", sorted(valid))
+        return cfg
+
+    def update_from_dict(self, d: dict[str, Any]) -> "AlgorithmConfig":
+        other = type(self).from_dict(d)
+        for key in d:
+            if key in other._unknown:
+                self._unknown[key] = other._unknown[key]
+            else:
+                setattr(self, key, getattr(other, key))
+        return self
+
+    # --- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ConfigError naming every unknown key (with the closest valid ones) or bad value."""
+        problems = []
+        for key, (group, valid) in self._unknown.items():
+            close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f"; valid keys: {valid}"
+            problems.append(f"unknown {group} setting {key!r}{hint}")
+        for key, choices in CHOICES.items():
+            if getattr(self, key) not in choices:
+                problems.append(f"{key}={getattr(self, key)!r} is not one of {list(choices)}")
+        for key in ("num_env_runners", "num_learners", "min_sample_timesteps_per_iteration",
+                    "min_train_timesteps_per_iteration", "max_num_env_runner_restarts"):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+                problems.append(f"{key} must be an int >= 0, got {getattr(self, key)!r}")
+        for key in ("num_envs_per_env_runner", "train_batch_size_per_learner", "minibatch_size", "num_epochs",
+                    "metrics_num_episodes_for_smoothing"):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
+                problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
+        rfl = self.rollout_fragment_length
+        if rfl != "auto" and (not _is_int(rfl) or rfl < 1):
+            problems.append(f"rollout_fragment_length must be 'auto' or an int >= 1, got {rfl!r}")
+        if not 0.0 <= float(self.gamma) <= 1.0:
+            problems.append(f"gamma must be in [0, 1], got {self.gamma!r}")
+        problems += _check_schedule("lr", self.lr)
+        if self.grad_clip is not None and not float(self.grad_clip) > 0:
+            problems.append(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        if self.env is None:
+            problems.append("no environment: call .environment('CartPole-v1') (a gymnasium id, a registered name, "
+                            "an env class or 'pkg.module:Class')")
+        if not isinstance(self.model_config, dict):
+            problems.append(f"model_config must be a dict, got {type(self.model_config).__name__}")
+        if problems:
+            raise ConfigError(f"invalid {self.algo_name} config:\n  - " + "\n  - ".join(problems))
+
+    def get_rollout_fragment_length(self) -> int:
+        if self.rollout_fragment_length != "auto":
+            return int(self.rollout_fragment_length)
+        envs = max(1, self.num_env_runners) * self.num_envs_per_env_runner
+        learners = max(1, self.num_learners)
+        return max(1, -(-self.train_batch_size_per_learner * learners // envs))
+
+    def build(self, **kwargs: Any):
+        """Validate and build the algorithm this config belongs to."""
+        from pipeline.algorithm import algorithm_class_for
+
+        self.validate()
+        return algorithm_class_for(type(self))(self.copy(), **kwargs)
+
+    build_algo = build
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_schedule(name: str, value: Any) -> list[str]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [] if value >= 0 else [f"{name} must be >= 0, got {value!r}"]
+    ok = isinstance(value, (list, tuple)) and value and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p) for p in value)
+    return [] if ok else [f"{name} must be a number or a schedule [[timestep, value], ...], got {value!r}"]
+
+
+def import_path(obj: Any) -> str:
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+def resolve_import_path(path: str, what: str) -> Any:
+    """``"package.module:Name"`` -> the object, with an error that says what was looked for."""
+    module_name, _, qualname = path.partition(":")
+    if not module_name or not qualname:
+        raise ConfigError(f"{what} {path!r} is not an import path; write it as 'package.module:Name'")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"cannot import {what} {path!r}: {err}") from err
+    return obj
+
+
+def _to_plain(value: Any, name: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _to_plain(v, name) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v, name) for v in value]
+    if dataclasses.is_dataclass(value):
+        return _to_plain(dataclasses.asdict(value), name)
+    if callable(value):
+        if "<lambda>" in getattr(value, "__qualname__", "<lambda>") or "<locals>" in value.__qualname__:
+            raise ConfigError(
+                f"config setting {name!r} holds {value!r}, which cannot be referenced by import path; "
+                f"define it at module level, or register it with pipeline.register_env(name, creator) and use the name"
+            )
+        return import_path(value)
+    from protocols.spaces import space_to_dict
+
+    try:
+        return {"__space__": space_to_dict(value)}
+    except Exception:  # noqa: BLE001 - not a space either
+        raise ConfigError(f"config setting {name!r}={value!r} cannot be stored as plain data") from None

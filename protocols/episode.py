@@ -1,0 +1,304 @@
+"""The experience data model: single-agent episodes and the chunks they travel in.
+
+An *episode chunk* is a contiguous slice of one episode. It holds ``T`` steps: ``T + 1``
+observations (the observation after the last action closes the chunk, so a next observation is
+never stored twice inside a chunk), ``T`` actions, rewards and extra model outputs. Consecutive
+chunks of one episode share their boundary observation: the last row of chunk ``k`` is the
+first row of chunk ``k + 1``.
+
+``EpisodeBuilder`` collects one episode step by step (appending to lists is cheap) and cuts
+finalized numpy chunks from it; ``EpisodeChunk.concat`` glues chunks back together.
+
+Multi-agent episodes will hold one single-agent episode per agent (``agent_id``/``module_id``
+are already carried by each chunk) plus the step pattern that interleaves them.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from protocols import nested
+from protocols.errors import ProtocolError
+
+
+def new_episode_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class EpisodeChunk:
+    """A finalized slice of one episode: numpy arrays with a shared leading time dimension."""
+
+    episode_id: str
+    """Unique id of the episode this chunk belongs to."""
+    chunk_index: int
+    """0 for the episode's first chunk, then 1, 2, ... in order."""
+    obs: Any
+    """Observations, ``T + 1`` rows; an array or a nested dict/tuple of arrays."""
+    actions: Any
+    """Actions, ``T`` rows; an array or a nested dict/tuple of arrays."""
+    rewards: np.ndarray
+    """float32 rewards, shape ``(T,)``."""
+    terminated: bool = False
+    """The episode ended in a terminal state at this chunk's last step."""
+    truncated: bool = False
+    """The episode was cut (time limit, crashed env) at this chunk's last step."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Model outputs per step, ``T`` rows each: ``action_logp``, ``vf_preds``,
+    ``action_dist_inputs``, recurrent ``state_in``..."""
+    infos: list = field(default_factory=list)
+    """Env info dicts, ``T + 1`` entries, or empty when infos were not recorded."""
+    t_started: int = 0
+    """Env steps of the episode that came before this chunk's first observation."""
+    weights_version: int = 0
+    """Version of the policy weights that chose these actions."""
+    env_runner_index: int = 0
+    """Index of the env runner that sampled this chunk (0 = local)."""
+    env_index: int = 0
+    """Index of the sub-environment inside its runner's vector env."""
+    agent_id: str | None = None
+    """Agent that acted (multi-agent); None for single-agent episodes."""
+    module_id: str | None = None
+    """Module (policy) that acted (multi-agent); None for the default module."""
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+    @property
+    def is_done(self) -> bool:
+        return self.terminated or self.truncated
+
+    @property
+    def ret(self) -> float:
+        """Sum of this chunk's rewards."""
+        return float(self.rewards.sum(dtype=np.float64))
+
+    def validate(self) -> "EpisodeChunk":
+        """Check the internal consistency; raise ProtocolError naming the first problem."""
+        if not isinstance(self.episode_id, str) or not self.episode_id:
+            raise ProtocolError(f"episode_id must be a non-empty str, got {self.episode_id!r}")
+        for name in ("chunk_index", "t_started", "weights_version", "env_runner_index", "env_index"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise ProtocolError(f"{name} must be an int >= 0, got {value!r}")
+        if self.terminated and self.truncated:
+            raise ProtocolError("a chunk cannot be both terminated and truncated")
+        if not isinstance(self.rewards, np.ndarray) or self.rewards.ndim != 1:
+            raise ProtocolError(f"rewards must be a 1-d array, got {type(self.rewards).__name__}")
+        steps = len(self.rewards)
+        _check_rows("obs", self.obs, steps + 1)
+        _check_rows("actions", self.actions, steps)
+        if not isinstance(self.extra, dict):
+            raise ProtocolError(f"extra must be a dict, got {type(self.extra).__name__}")
+        for key, value in self.extra.items():
+            _check_rows(f"extra[{key!r}]", value, steps)
+        if self.infos and len(self.infos) != steps + 1:
+            raise ProtocolError(f"infos has {len(self.infos)} entries; expected 0 or {steps + 1}")
+        return self
+
+    def slice(self, start: int, stop: int, chunk_index: int | None = None) -> "EpisodeChunk":
+        """Steps ``[start, stop)`` as a chunk (observations ``[start, stop]``).
+
+        Array data are views, not copies. Only a slice that reaches this chunk's end keeps
+        its terminated/truncated flags.
+        """
+        steps = len(self)
+        if not 0 <= start < stop <= steps:
+            raise ValueError(f"slice [{start}, {stop}) is outside a chunk of {steps} steps")
+        at_end = stop == steps
+        return replace(
+            self,
+            chunk_index=self.chunk_index if chunk_index is None else chunk_index,
+            obs=nested.map_structure(lambda a: a[start : stop + 1], self.obs),
+            actions=nested.map_structure(lambda a: a[start:stop], self.actions),
+            rewards=self.rewards[start:stop],
+            terminated=self.terminated and at_end,
+            truncated=self.truncated and at_end,
+            extra={k: nested.map_structure(lambda a: a[start:stop], v) for k, v in self.extra.items()},
+            infos=self.infos[start : stop + 1] if self.infos else [],
+            t_started=self.t_started + start,
+        )
+
+    def split(self, max_len: int) -> list["EpisodeChunk"]:
+        """Cut into consecutive chunks of at most ``max_len`` steps, renumbered in order."""
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        starts = range(0, len(self), max_len)
+        return [
+            self.slice(s, min(s + max_len, len(self)), chunk_index=self.chunk_index + i)
+            for i, s in enumerate(starts)
+        ]
+
+    @staticmethod
+    def concat(chunks: list["EpisodeChunk"]) -> "EpisodeChunk":
+        """Glue consecutive chunks of one episode back together.
+
+        Raises ValueError when they do not fit: different episodes, a gap or a repeat in
+        ``chunk_index``/``t_started``, a done flag before the last chunk, or boundary
+        observations that differ.
+        """
+        if not chunks:
+            raise ValueError("concat needs at least one chunk")
+        first = chunks[0]
+        for prev, nxt in zip(chunks, chunks[1:]):
+            if nxt.episode_id != first.episode_id:
+                raise ValueError(
+                    f"cannot concat chunks of different episodes: {first.episode_id} and {nxt.episode_id}"
+                )
+            if nxt.chunk_index != prev.chunk_index + 1:
+                raise ValueError(
+                    f"chunk_index {nxt.chunk_index} does not follow {prev.chunk_index} "
+                    f"in episode {first.episode_id}: sort the chunks or fill the gap"
+                )
+            if nxt.t_started != prev.t_started + len(prev):
+                raise ValueError(
+                    f"chunk {nxt.chunk_index} starts at step {nxt.t_started}, but chunk "
+                    f"{prev.chunk_index} ends at step {prev.t_started + len(prev)}"
+                )
+            if prev.is_done:
+                raise ValueError(f"chunk {prev.chunk_index} ends the episode but is not the last chunk")
+            last_obs = nested.map_structure(lambda a: a[-1], prev.obs)
+            first_obs = nested.map_structure(lambda a: a[0], nxt.obs)
+            if not all(np.array_equal(a, b) for a, b in zip(nested.flatten(last_obs), nested.flatten(first_obs))):
+                raise ValueError(
+                    f"the last observation of chunk {prev.chunk_index} differs from the first of "
+                    f"chunk {nxt.chunk_index}: these chunks are not consecutive"
+                )
+        if len(chunks) == 1:
+            return first
+        if set(first.extra) != {k for c in chunks for k in c.extra}:
+            raise ValueError("chunks carry different `extra` keys and cannot be concatenated")
+        last = chunks[-1]
+        with_infos = all(c.infos for c in chunks)
+        return replace(
+            first,
+            obs=nested.concat([first.obs] + [nested.map_structure(lambda a: a[1:], c.obs) for c in chunks[1:]]),
+            actions=nested.concat([c.actions for c in chunks]),
+            rewards=np.concatenate([c.rewards for c in chunks]),
+            terminated=last.terminated,
+            truncated=last.truncated,
+            extra={k: nested.concat([c.extra[k] for c in chunks]) for k in first.extra},
+            infos=(first.infos + [i for c in chunks[1:] for i in c.infos[1:]]) if with_infos else [],
+            weights_version=min(c.weights_version for c in chunks),
+        )
+
+
+def _check_rows(name: str, struct: Any, expected: int) -> None:
+    for leaf in nested.flatten(struct):
+        if not isinstance(leaf, np.ndarray):
+            raise ProtocolError(f"{name} must hold numpy arrays, got {type(leaf).__name__}")
+        if leaf.ndim == 0 or len(leaf) != expected:
+            got = "a 0-d array" if leaf.ndim == 0 else f"{len(leaf)} rows"
+            raise ProtocolError(f"{name} must have {expected} rows, got {got}")
+
+
+class EpisodeBuilder:
+    """Collects one episode step by step and cuts finalized chunks from it.
+
+    Usage::
+
+        b = EpisodeBuilder()
+        b.add_reset(obs)
+        b.add_step(action, reward, next_obs, terminated=..., truncated=..., extra={...})
+        chunk = b.cut()        # steps so far as a chunk; the builder goes on from next_obs
+    """
+
+    def __init__(
+        self,
+        episode_id: str | None = None,
+        *,
+        env_runner_index: int = 0,
+        env_index: int = 0,
+        weights_version: int = 0,
+        record_infos: bool = False,
+    ) -> None:
+        self.episode_id = episode_id or new_episode_id()
+        self.env_runner_index = env_runner_index
+        self.env_index = env_index
+        self.weights_version = weights_version
+        self.record_infos = record_infos
+        self.terminated = False
+        self.truncated = False
+        self.total_return = 0.0
+        self.total_length = 0
+        self._chunk_index = 0
+        self._t_started = 0
+        self._obs: list[Any] = []
+        self._actions: list[Any] = []
+        self._rewards: list[float] = []
+        self._extra: dict[str, list[Any]] = {}
+        self._infos: list[dict] = []
+
+    @property
+    def is_done(self) -> bool:
+        return self.terminated or self.truncated
+
+    def __len__(self) -> int:
+        """Steps collected since the last cut."""
+        return len(self._actions)
+
+    def add_reset(self, obs: Any, info: dict | None = None) -> None:
+        if self._obs:
+            raise ValueError("add_reset called twice; an episode starts once")
+        self._obs.append(obs)
+        if self.record_infos:
+            self._infos.append(info or {})
+
+    def add_step(
+        self,
+        action: Any,
+        reward: float,
+        next_obs: Any,
+        *,
+        terminated: bool = False,
+        truncated: bool = False,
+        info: dict | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        if not self._obs:
+            raise ValueError("add_step before add_reset: give the episode its first observation")
+        if self.is_done:
+            raise ValueError(f"episode {self.episode_id} is already done; start a new EpisodeBuilder")
+        self._actions.append(action)
+        self._rewards.append(float(reward))
+        self._obs.append(next_obs)
+        extra = extra or {}
+        if self._actions[1:] and set(extra) != set(self._extra):
+            raise ValueError(f"extra keys changed mid-episode: {sorted(self._extra)} -> {sorted(extra)}")
+        for key, value in extra.items():
+            self._extra.setdefault(key, []).append(value)
+        if self.record_infos:
+            self._infos.append(info or {})
+        self.terminated = bool(terminated)
+        self.truncated = bool(truncated)
+        self.total_return += float(reward)
+        self.total_length += 1
+
+    def cut(self) -> EpisodeChunk:
+        """Finalize the steps collected since the last cut into a numpy chunk."""
+        if not self._actions:
+            raise ValueError("nothing to cut: the builder holds no steps since the last cut")
+        chunk = EpisodeChunk(
+            episode_id=self.episode_id,
+            chunk_index=self._chunk_index,
+            obs=nested.stack(self._obs),
+            actions=nested.stack(self._actions),
+            rewards=np.asarray(self._rewards, dtype=np.float32),
+            terminated=self.terminated,
+            truncated=self.truncated,
+            extra={k: nested.stack(v) for k, v in self._extra.items()},
+            infos=list(self._infos),
+            t_started=self._t_started,
+            weights_version=self.weights_version,
+            env_runner_index=self.env_runner_index,
+            env_index=self.env_index,
+        )
+        self._chunk_index += 1
+        self._t_started += len(self._actions)
+        self._obs = self._obs[-1:]
+        self._infos = self._infos[-1:]
+        self._actions, self._rewards, self._extra = [], [], {}
+        return chunk
