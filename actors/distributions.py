@@ -67,7 +67,7 @@ class DiagGaussian:
         self.std = self.log_std.exp()
 
     def sample(self) -> torch.Tensor:
-        return self.mean + self.std * torch.randn_like(self.mean)
+        return (self.mean + self.std * torch.randn_like(self.mean)).detach()
 
     def deterministic(self) -> torch.Tensor:
         return self.mean

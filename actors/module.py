@@ -203,7 +203,7 @@ class RLModule(nn.Module):
             raise ValueError(f"module state lacks {missing[:5]}{'...' if len(missing) > 5 else ''}: was it saved from another model config?")
         with torch.no_grad():
             for k, t in own.items():
-                t.copy_(torch.as_tensor(np.asarray(state[k])))
+                t.copy_(torch.from_numpy(np.array(state[k], copy=True)) if not isinstance(state[k], torch.Tensor) else state[k])
 
 
 def to_torch(obs: Any, device: torch.device | str = "cpu") -> Any:

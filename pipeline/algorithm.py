@@ -321,8 +321,7 @@ class Algorithm:
         config_cls, algo_cls = get_algorithm(manifest["algorithm"])
         _, config_dict, _, _ = read_checkpoint(checkpoint_dir)
         config = config_cls.from_dict(config_dict)
-        for key, value in kwargs.items():  # e.g. num_env_runners=0 to evaluate locally
-            setattr(config, key, value)
+        config.update_from_dict(kwargs)  # e.g. num_env_runners=0 to evaluate locally; typos fail in validate
         algo = algo_cls(config)
         algo.restore(checkpoint_dir)
         return algo

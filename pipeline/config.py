@@ -20,7 +20,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                     "normalize_actions", "clip_actions"),
     "env_runners": ("num_env_runners", "num_envs_per_env_runner", "rollout_fragment_length", "batch_mode",
                     "num_cpus_per_env_runner", "explore", "gym_env_vectorize_mode"),
-    "learners": ("num_learners", "num_gpus_per_learner", "num_cpus_per_learner"),
+    "learners": ("num_learners", "num_gpus_per_learner", "num_cpus_per_learner", "learner_placement_timeout_s"),
     "training": ("gamma", "lr", "grad_clip", "grad_clip_by", "train_batch_size_per_learner",
                  "minibatch_size", "num_epochs"),
     "rl_module": ("model_config",),
@@ -89,6 +89,8 @@ class AlgorithmConfig:
     """GPUs per learner; > 0 puts the learner's module on CUDA."""
     num_cpus_per_learner: float = 1
     """CPUs Ray reserves for each learner actor."""
+    learner_placement_timeout_s: float = 300.0
+    """Fail (naming the resources) when learner actors cannot be placed on the cluster within this."""
 
     # training
     gamma: float = 0.99
@@ -245,6 +247,15 @@ class AlgorithmConfig:
     # --- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ConfigError naming every unknown key (with the closest valid ones) or bad value."""
+        try:
+            problems = self._problems()
+        except (TypeError, ValueError) as err:  # a value of the wrong type deep in a check
+            problems = [f"a setting has a value of the wrong type: {err}"]
+        if problems:
+            raise ConfigError(f"invalid {self.algo_name} config:\n  - " + "\n  - ".join(problems))
+
+    def _problems(self) -> list[str]:
+        """Every problem found; algorithm configs extend this list."""
         problems = []
         for key, (group, valid) in self._unknown.items():
             close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
@@ -264,18 +275,17 @@ class AlgorithmConfig:
         rfl = self.rollout_fragment_length
         if rfl != "auto" and (not _is_int(rfl) or rfl < 1):
             problems.append(f"rollout_fragment_length must be 'auto' or an int >= 1, got {rfl!r}")
-        if not 0.0 <= float(self.gamma) <= 1.0:
+        if not _is_number(self.gamma) or not 0.0 <= self.gamma <= 1.0:
             problems.append(f"gamma must be in [0, 1], got {self.gamma!r}")
         problems += _check_schedule("lr", self.lr)
-        if self.grad_clip is not None and not float(self.grad_clip) > 0:
+        if self.grad_clip is not None and (not _is_number(self.grad_clip) or self.grad_clip <= 0):
             problems.append(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
         if self.env is None:
             problems.append("no environment: call .environment('CartPole-v1') (a gymnasium id, a registered name, "
                             "an env class or 'pkg.module:Class')")
         if not isinstance(self.model_config, dict):
             problems.append(f"model_config must be a dict, got {type(self.model_config).__name__}")
-        if problems:
-            raise ConfigError(f"invalid {self.algo_name} config:\n  - " + "\n  - ".join(problems))
+        return problems
 
     def get_rollout_fragment_length(self) -> int:
         if self.rollout_fragment_length != "auto":
@@ -296,6 +306,10 @@ class AlgorithmConfig:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _check_schedule(name: str, value: Any) -> list[str]:

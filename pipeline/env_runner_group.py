@@ -32,8 +32,28 @@ class EnvRunnerGroup:
                 lambda i: remote_cls.remote(settings, worker_index=i), num_env_runners, fault_tolerance,
                 on_restart=self._restore, name="env runner",
             )
-            # Surface construction errors (bad env, bad spaces) now rather than at the first sample.
-            self.manager.foreach_actor("ping", timeout_s=max(60.0, fault_tolerance.probe_timeout_s))
+            self._check_started(max(120.0, fault_tolerance.probe_timeout_s))
+
+    def _check_started(self, timeout_s: float) -> None:
+        """Surface construction errors (a broken env creator, unplaceable actors) at build time,
+        as one clear error, instead of as a loop of restarts."""
+        refs = {m.handle.ping.remote(): i for i, m in self.manager.members.items()}
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        try:
+            if pending:
+                raise RuntimeError(
+                    f"env runner(s) {sorted(refs[r] for r in pending)} did not start within {timeout_s:.0f} s; "
+                    f"the cluster has {ray.available_resources()} available for {len(refs)} runners needing "
+                    f"num_cpus_per_env_runner each. Lower num_env_runners or add nodes.")
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as err:
+                    cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                    raise RuntimeError(f"env runner {refs[ref]} failed to start: {cause}") from None
+        except RuntimeError:
+            self.stop()
+            raise
 
     @property
     def num_runners(self) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 from typing import Any, Callable
 
 import gymnasium as gym
@@ -30,11 +31,18 @@ class _GymMaker:
 
 
 class _ClassMaker:
+    """Env class -> ``cls(env_config)``, or ``cls()`` when its constructor takes no arguments."""
+
     def __init__(self, cls: type) -> None:
         self.cls = cls
+        try:
+            params = inspect.signature(cls).parameters.values()
+            self.takes_config = any(p.kind is not p.KEYWORD_ONLY for p in params)
+        except (TypeError, ValueError):
+            self.takes_config = True
 
     def __call__(self, ctx: EnvContext) -> gym.Env:
-        return self.cls(ctx)
+        return self.cls(ctx) if self.takes_config else self.cls()
 
 
 def env_creator(env: Any) -> Callable[[EnvContext], gym.Env]:

@@ -55,12 +55,19 @@ class LearnerGroup:
                        device=device, rank=r, world_size=n)
             for r in range(n)
         ]
+        try:
+            ray.get([l.ping.remote() for l in self.remote], timeout=config.learner_placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.stop()
+            raise RuntimeError(
+                f"{n} learner actor(s) with {config.num_cpus_per_learner} CPU(s) and {config.num_gpus_per_learner} "
+                f"GPU(s) each could not be placed within {config.learner_placement_timeout_s:.0f} s; the cluster "
+                f"has {ray.available_resources()} available. Lower num_learners/num_cpus_per_learner/"
+                f"num_gpus_per_learner or add nodes.") from None
         if n > 1:
             addr = ray.get(self.remote[0].apply.remote(_node_ip))
             port = ray.get(self.remote[0].apply.remote(lambda _l: _free_port()))
             ray.get([l.setup_distributed.remote(addr, port) for l in self.remote])
-        else:
-            ray.get(self.remote[0].ping.remote())
 
     def update(self, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
         if self.local is not None:

@@ -20,7 +20,7 @@ from actors.learner import Learner, chunks_to_batch, piecewise
 from actors.module import RLModule
 from pipeline.algorithm import Algorithm, register_algorithm
 from pipeline.algorithms.returns import gae
-from pipeline.config import AlgorithmConfig, ConfigError
+from pipeline.config import AlgorithmConfig
 from protocols import nested
 from protocols.episode import EpisodeChunk
 
@@ -61,9 +61,8 @@ class PPOConfig(AlgorithmConfig):
     normalize_advantages: bool = True
     """Standardize advantages per minibatch."""
 
-    def validate(self) -> None:
-        super().validate()
-        problems = []
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
         if not 0 < self.clip_param < 1:
             problems.append(f"clip_param must be in (0, 1), got {self.clip_param!r}")
         if not 0 <= self.lambda_ <= 1:
@@ -73,8 +72,7 @@ class PPOConfig(AlgorithmConfig):
         if self.minibatch_size > self.train_batch_size_per_learner:
             problems.append(f"minibatch_size ({self.minibatch_size}) must not exceed train_batch_size_per_learner "
                             f"({self.train_batch_size_per_learner})")
-        if problems:
-            raise ConfigError("invalid PPO config:\n  - " + "\n  - ".join(problems))
+        return problems
 
 
 def ppo_loss(module: RLModule, batch: dict[str, Any], config: PPOConfig, kl_coeff: float,

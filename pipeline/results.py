@@ -1,0 +1,197 @@
+"""Writing training results to a run directory, the way Tune's loggers do.
+
+``ResultLogger(logdir)`` keeps four files in ``logdir``:
+
+- ``params.json``   the algorithm config (``write_params``, once per run);
+- ``result.json``   one JSON object per ``train()`` result, one per line; NaN and infinities are
+                    written as ``null`` (strict JSON), numpy scalars and arrays as plain numbers/lists;
+- ``progress.csv``  one row per result, one column per flattened key (``"env_runners/episode_return_mean"``);
+                    a key that first appears in a later result (evaluation results, a new learner stat)
+                    adds a column: the file is rewritten with the wider header, older rows left empty there;
+- ``events.out.tfevents.*``  TensorBoard scalars (tag = flattened key, step = ``training_iteration``),
+                    written with ``tensorboardX``; ``tensorboard --logdir <logdir>`` shows them.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import warnings
+from typing import Any, Iterable
+
+import numpy as np
+
+Scalar = bool | int | float | str | None
+
+__all__ = ["ResultLogger", "flatten_result", "to_json_safe"]
+
+
+def _scalar(value: Any) -> tuple[bool, Scalar]:
+    """-> (is_scalar, plain python value). numpy scalars, 0-d arrays and 0-d tensors count as scalars."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True, value
+    if isinstance(value, np.generic):
+        return True, value.item()
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # 0-d numpy array or torch tensor
+        try:
+            return True, value.item()
+        except Exception:  # noqa: BLE001 - not a real scalar after all
+            return False, None
+    return False, None
+
+
+def flatten_result(d: dict[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Scalar]:
+    """Nested result dict -> ``{"a/b/c": scalar}``.
+
+    Scalars are None, bool, int, float, str (numpy scalars and 0-d arrays/tensors are converted to
+    these). Lists, arrays with dimensions and other objects are left out: CSV columns and
+    TensorBoard scalars hold single values; ``result.json`` keeps everything.
+    """
+    out: dict[str, Scalar] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_result(value, sep=sep, prefix=f"{name}{sep}"))
+            continue
+        ok, plain = _scalar(value)
+        if ok:
+            out[name] = plain
+    return out
+
+
+def to_json_safe(value: Any) -> Any:
+    """Plain JSON data: NaN/inf -> None, numpy/torch values -> python numbers and lists, other objects -> str."""
+    if isinstance(value, dict):
+        return {str(k): to_json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_json_safe(v) for v in value]
+    ok, plain = _scalar(value)
+    if ok:
+        if isinstance(plain, float) and not math.isfinite(plain):
+            return None
+        return plain
+    if hasattr(value, "tolist"):  # numpy arrays, torch tensors
+        try:
+            return to_json_safe(value.tolist())
+        except Exception:  # noqa: BLE001
+            pass
+    return str(value)
+
+
+def _csv_value(value: Scalar) -> Any:
+    return "" if value is None else value
+
+
+class ResultLogger:
+    """Writes ``params.json``, ``result.json``, ``progress.csv`` and TensorBoard events into ``logdir``.
+
+    Usage::
+
+        logger = ResultLogger(run_dir, params=algo.config.to_dict())  # or logger.write_params(...) later
+        for _ in range(n):
+            logger.log(algo.train())
+        logger.close()
+
+    ``params`` (or a later ``write_params``) writes ``params.json``. ``tensorboard=False`` skips the TensorBoard files (so does a missing ``tensorboardX``, with a warning).
+    """
+
+    def __init__(self, logdir: str | os.PathLike, params: dict[str, Any] | None = None,
+                 tensorboard: bool = True) -> None:
+        self.logdir = os.path.abspath(os.fspath(logdir))
+        os.makedirs(self.logdir, exist_ok=True)
+        self.params_path = os.path.join(self.logdir, "params.json")
+        self.result_path = os.path.join(self.logdir, "result.json")
+        self.progress_path = os.path.join(self.logdir, "progress.csv")
+        self._json = open(self.result_path, "w", encoding="utf-8")
+        self._fields: list[str] = []
+        self._num_rows = 0
+        self._num_results = 0
+        self._params_written = False
+        self._writer = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:  # pragma: no cover - tensorboardX is a dependency
+                warnings.warn("tensorboardX is not installed: no TensorBoard event files are written", stacklevel=2)
+            else:
+                self._writer = SummaryWriter(logdir=self.logdir, flush_secs=30)
+        self._closed = False
+        if params is not None:
+            self.write_params(params)
+
+    # --- params -------------------------------------------------------------------------------
+    def write_params(self, params: dict[str, Any]) -> None:
+        """Write ``params.json`` (the run's config). Only the first call writes."""
+        if self._params_written:
+            return
+        tmp = self.params_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(to_json_safe(params), f, indent=2, sort_keys=True, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, self.params_path)
+        self._params_written = True
+
+    # --- results ------------------------------------------------------------------------------
+    def log(self, result: dict[str, Any]) -> None:
+        """Append one ``train()`` result to every output."""
+        if self._closed:
+            raise RuntimeError("ResultLogger is closed")
+        self._num_results += 1
+        self._json.write(json.dumps(to_json_safe(result), allow_nan=False) + "\n")
+        self._json.flush()
+        flat = flatten_result(result)
+        self._write_csv(flat)
+        if self._writer is not None:
+            step = flat.get("training_iteration")
+            step = int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else self._num_results
+            for tag, value in flat.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self._writer.add_scalar(tag, value, global_step=step)
+            self._writer.flush()
+
+    on_result = log
+
+    def _write_csv(self, flat: dict[str, Scalar]) -> None:
+        new = [k for k in flat if k not in set(self._fields)]
+        if new or self._num_rows == 0:
+            self._fields.extend(new)
+            self._rewrite_csv()
+        with open(self.progress_path, "a", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=self._fields, restval="")
+            w.writerow({k: _csv_value(v) for k, v in flat.items()})
+        self._num_rows += 1
+
+    def _rewrite_csv(self) -> None:
+        """Write the header with the current columns, keeping the rows written so far."""
+        rows: Iterable[dict] = []
+        if self._num_rows and os.path.exists(self.progress_path):
+            with open(self.progress_path, newline="", encoding="utf-8") as f:
+                rows = list(csv.DictReader(f))
+        tmp = self.progress_path + ".tmp"
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=self._fields, restval="", extrasaction="ignore")
+            w.writeheader()
+            for row in rows:
+                w.writerow(row)
+        os.replace(tmp, self.progress_path)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def flush(self) -> None:
+        self._json.flush()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._json.close()
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> "ResultLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

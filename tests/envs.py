@@ -1,0 +1,91 @@
+"""Small deterministic environments for tests."""
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+
+class CountingEnv(gym.Env):
+    """obs = [step index]; reward 1 per step; terminates after ``length`` steps (truncates if ``truncate``)."""
+
+    def __init__(self, config=None):
+        config = config or {}
+        self.length = int(config.get("length", 5))
+        self.truncate = bool(config.get("truncate", False))
+        self.observation_space = gym.spaces.Box(0, 1e6, (1,), np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.array([0.0], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        done = self.t >= self.length
+        return np.array([self.t], np.float32), 1.0, done and not self.truncate, done and self.truncate, {}
+
+
+class DictObsEnv(gym.Env):
+    """Dict observation; reward 1 when the action equals ``target`` (encoded one-hot in obs), else 0.
+
+    A policy can only do well by reading the Discrete part of the observation: a learning test.
+    """
+
+    def __init__(self, config=None):
+        self.observation_space = gym.spaces.Dict({
+            "target": gym.spaces.Discrete(3),
+            "noise": gym.spaces.Box(-1, 1, (2,), np.float32),
+            "pair": gym.spaces.Tuple((gym.spaces.MultiBinary(2), gym.spaces.MultiDiscrete([2, 3]))),
+        })
+        self.action_space = gym.spaces.Discrete(3)
+        self.t = 0
+        self._target = 0
+
+    def _obs(self):
+        rng = self.np_random
+        self._target = int(rng.integers(3))
+        return {"target": self._target, "noise": rng.uniform(-1, 1, 2).astype(np.float32),
+                "pair": (rng.integers(0, 2, 2).astype(np.int8), np.array([rng.integers(2), rng.integers(3)]))}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        reward = 1.0 if int(action) == self._target else 0.0
+        self.t += 1
+        return self._obs(), reward, False, self.t >= 20, {}
+
+
+class FlakyEnv(gym.Env):
+    """CartPole that raises in ``step`` at configured global step counts on chosen runner indices.
+
+    config: ``fail_on_runners`` (list of worker indices), ``fail_at_steps`` (list of step counts of
+    this env instance), ``fail_on_reset`` (bool), ``hang`` (sleep instead of raising).
+    """
+
+    def __init__(self, config=None):
+        config = config or {}
+        self.env = gym.make("CartPole-v1")
+        self.observation_space, self.action_space = self.env.observation_space, self.env.action_space
+        on_this = getattr(config, "worker_index", 0) in config.get("fail_on_runners", [])
+        recreated = getattr(config, "recreated", False)
+        self.fail_at = set(config.get("fail_at_steps", [])) if on_this and not recreated else set()
+        self.hang = config.get("hang", False)
+        self.steps = 0
+
+    def reset(self, *, seed=None, options=None):
+        return self.env.reset(seed=seed)
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps in self.fail_at:
+            if self.hang:
+                import time
+
+                time.sleep(3600)
+            raise RuntimeError(f"injected env failure at step {self.steps}")
+        return self.env.step(action)
