@@ -58,7 +58,7 @@ class _Slot:
 
 
 class EnvRunner:
-    def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0) -> None:
+    def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0, recreated: bool = False) -> None:
         self.s = settings
         self.worker_index = worker_index
         if settings.seed is not None:
@@ -68,7 +68,7 @@ class EnvRunner:
         self.env = make_vector_env(
             settings.vectorize_mode, creator=settings.env_creator, env_config=settings.env_config,
             num_envs=settings.num_envs, worker_index=worker_index, num_workers=settings.num_env_runners,
-            seed=settings.seed, restart_failed=settings.restart_failed_sub_environments,
+            seed=settings.seed, restart_failed=settings.restart_failed_sub_environments, recreated=recreated,
         )
         self.observation_space = settings.observation_space or self.env.single_observation_space
         self.action_space = settings.action_space or self.env.single_action_space

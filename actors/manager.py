@@ -54,12 +54,12 @@ class _Member:
 
 
 class ActorManager:
-    def __init__(self, make_actor: Callable[[int], Any], num_actors: int, settings: FaultToleranceSettings,
+    def __init__(self, make_actor: Callable[[int, bool], Any], num_actors: int, settings: FaultToleranceSettings,
                  on_restart: Callable[[int, Any], None] | None = None, name: str = "env runner") -> None:
-        """``make_actor(index)`` creates the Ray actor for an index (1-based, as RLlib numbers runners);
-        ``on_restart(index, handle)`` restores state into a recreated actor before it is used."""
+        """``make_actor(index, recreated)`` creates the Ray actor for an index (1-based, as RLlib numbers
+        runners); ``on_restart(index, handle)`` restores state into a recreated actor before it is used."""
         self.make_actor, self.settings, self.on_restart, self.name = make_actor, settings, on_restart, name
-        self.members: dict[int, _Member] = {i: _Member(make_actor(i)) for i in range(1, num_actors + 1)}
+        self.members: dict[int, _Member] = {i: _Member(make_actor(i, False)) for i in range(1, num_actors + 1)}
         self.num_restarts = 0
         self.num_failures = 0
         self.num_dropped_results = 0
@@ -176,7 +176,7 @@ class ActorManager:
                 ray.kill(m.handle, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
-            handle = self.make_actor(i)
+            handle = self.make_actor(i, True)
             try:
                 ray.get(handle.ping.remote(), timeout=s.probe_timeout_s)
                 if self.on_restart is not None:

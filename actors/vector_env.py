@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 
 class EnvContext(dict):
-    """The ``env_config`` dict handed to an env creator, plus where the env lives."""
+    """The ``env_config`` dict handed to an env creator, plus where the env lives.
+
+    ``recreated`` is True for an env that replaces a failed one (or lives in a recreated runner)."""
 
     def __init__(self, env_config: dict | None, worker_index: int = 0, vector_index: int = 0,
                  num_workers: int = 0, recreated: bool = False) -> None:
@@ -49,8 +51,9 @@ class StepResult:
 
 class SyncVectorEnv:
     def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
-                 worker_index: int, num_workers: int, seed: int | None, restart_failed: bool) -> None:
-        self.creator, self.env_config = creator, env_config
+                 worker_index: int, num_workers: int, seed: int | None, restart_failed: bool,
+                 recreated: bool = False) -> None:
+        self.creator, self.env_config, self.recreated = creator, env_config, recreated
         self.worker_index, self.num_workers = worker_index, num_workers
         self.seed, self.restart_failed = seed, restart_failed
         self.num_restarts = 0
@@ -61,7 +64,8 @@ class SyncVectorEnv:
         self._last_obs: list[Any] = []
 
     def _make(self, i: int, recreated: bool = False) -> gym.Env:
-        return self.creator(EnvContext(self.env_config, self.worker_index, i, self.num_workers, recreated))
+        return self.creator(EnvContext(self.env_config, self.worker_index, i, self.num_workers,
+                                       recreated or self.recreated))
 
     def _seed(self, i: int) -> int | None:
         if self.seed is None:
@@ -117,9 +121,11 @@ class AsyncVectorEnv:
     """Each sub-env in its own process (gymnasium); for envs slow enough to be worth the IPC."""
 
     def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
-                 worker_index: int, num_workers: int, seed: int | None, restart_failed: bool) -> None:
+                 worker_index: int, num_workers: int, seed: int | None, restart_failed: bool,
+                 recreated: bool = False) -> None:
         self._fns = [
-            (lambda i=i: creator(EnvContext(env_config, worker_index, i, num_workers))) for i in range(num_envs)
+            (lambda i=i: creator(EnvContext(env_config, worker_index, i, num_workers, recreated)))
+            for i in range(num_envs)
         ]
         self.num_envs, self.seed, self.restart_failed = num_envs, seed, restart_failed
         self.worker_index = worker_index

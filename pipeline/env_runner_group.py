@@ -29,7 +29,7 @@ class EnvRunnerGroup:
         if num_env_runners > 0:
             remote_cls = ray.remote(num_cpus=num_cpus_per_env_runner, max_restarts=0)(EnvRunner)
             self.manager = ActorManager(
-                lambda i: remote_cls.remote(settings, worker_index=i), num_env_runners, fault_tolerance,
+                lambda i, recreated: remote_cls.remote(settings, worker_index=i, recreated=recreated), num_env_runners, fault_tolerance,
                 on_restart=self._restore, name="env runner",
             )
             self._check_started(max(120.0, fault_tolerance.probe_timeout_s))

@@ -89,3 +89,12 @@ class FlakyEnv(gym.Env):
                 time.sleep(3600)
             raise RuntimeError(f"injected env failure at step {self.steps}")
         return self.env.step(action)
+
+
+class BrokenEnv(FlakyEnv):
+    """Builds in the driver (worker_index 0) but raises when a remote env runner builds it."""
+
+    def __init__(self, config=None):
+        if getattr(config, "worker_index", 0) > 0:
+            raise RuntimeError("BrokenEnv cannot be built on an env runner")
+        super().__init__(config)

@@ -1,0 +1,119 @@
+"""Fault injection on the synchronous (PPO) path: killed, crashing and hanging env runners."""
+import numpy as np
+import pytest
+import ray
+
+from actors.manager import ActorGroupError
+from pipeline import Callbacks, PPOConfig
+from tests.envs import FlakyEnv
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+RECREATED: list = []
+
+
+class RecordRecreation(Callbacks):
+    def on_env_runners_recreated(self, *, algorithm, env_runner_group, env_runner_indices, is_evaluation, **kw):
+        RECREATED.append((list(env_runner_indices), is_evaluation))
+
+
+def config(env_config=None, **fault_tolerance):
+    ft = {"delay_between_env_runner_restarts_s": 0.0, "env_runner_health_probe_timeout_s": 20.0} | fault_tolerance
+    return (PPOConfig().environment(FlakyEnv, env_config=env_config or {})
+            .env_runners(num_env_runners=2, num_envs_per_env_runner=2)
+            .training(train_batch_size_per_learner=400, minibatch_size=200, num_epochs=1)
+            .fault_tolerance(**ft).callbacks(RecordRecreation).debugging(seed=0))
+
+
+def kill_runner(algo, index):
+    ray.kill(algo.env_runner_group.manager.handle(index), no_restart=True)
+
+
+def test_killed_runner_is_recreated_with_current_weights_and_counted():
+    RECREATED.clear()
+    algo = config().build()
+    try:
+        algo.train()
+        kill_runner(algo, 1)
+        results = [algo.train() for _ in range(3)]
+        ft = results[-1]["fault_tolerance"]
+        assert ft["num_remote_worker_restarts"] == 1
+        assert ft["num_remote_worker_failures"] == 1
+        assert ft["num_healthy_workers"] == 2
+        assert RECREATED == [([1], False)]
+        # nothing lost: every iteration still trained on a full batch
+        assert all(r["learners"]["__all_modules__"]["num_env_steps_trained"] >= 400 for r in results)
+        # the new runner acts with the learner's current weights
+        learner_w = algo.get_weights()["pi_head.weight"]
+        for w in algo.foreach_env_runner(lambda r: r.get_weights()["pi_head.weight"]):
+            np.testing.assert_array_equal(w, learner_w)
+    finally:
+        algo.stop()
+
+
+def test_env_raising_in_one_runner_recreates_that_runner():
+    algo = config({"fail_on_runners": [2], "fail_at_steps": [30]}).build()
+    try:
+        results = [algo.train() for _ in range(4)]
+        ft = results[-1]["fault_tolerance"]
+        assert ft["num_remote_worker_failures"] == 1 and ft["num_remote_worker_restarts"] == 1
+        assert ft["num_healthy_workers"] == 2
+        assert results[-1]["num_env_steps_trained_lifetime"] >= 4 * 400
+    finally:
+        algo.stop()
+
+
+def test_sub_env_restart_keeps_the_runner_alive():
+    algo = config({"fail_on_runners": [1, 2], "fail_at_steps": [30]}, restart_failed_sub_environments=True).build()
+    try:
+        results = [algo.train() for _ in range(3)]
+        ft = results[-1]["fault_tolerance"]
+        assert ft["num_remote_worker_failures"] == 0
+        assert ft["num_sub_env_restarts"] == 4  # 2 runners x 2 sub-envs, each failing once at its step 30
+    finally:
+        algo.stop()
+
+
+def test_hanging_runner_is_detected_by_the_probe_timeout_and_replaced():
+    algo = config({"fail_on_runners": [1], "fail_at_steps": [30], "hang": True},
+                  env_runner_health_probe_timeout_s=3.0).build()
+    try:
+        results = [algo.train() for _ in range(3)]
+        ft = results[-1]["fault_tolerance"]
+        assert ft["num_remote_worker_failures"] == 1 and ft["num_remote_worker_restarts"] == 1
+        assert ft["num_healthy_workers"] == 2
+    finally:
+        algo.stop()
+
+
+def test_ignore_failures_goes_on_with_the_healthy_rest():
+    algo = config(restart_failed_env_runners=False, ignore_env_runner_failures=True).build()
+    try:
+        algo.train()
+        kill_runner(algo, 2)
+        result = algo.train()
+        result = algo.train()
+        assert result["fault_tolerance"]["num_healthy_workers"] == 1
+        assert result["fault_tolerance"]["num_remote_worker_restarts"] == 0
+        assert result["learners"]["__all_modules__"]["num_env_steps_trained"] >= 400
+    finally:
+        algo.stop()
+
+
+def test_fatal_mode_raises_naming_the_runner_and_cause():
+    algo = config({"fail_on_runners": [2], "fail_at_steps": [30]}, restart_failed_env_runners=False,
+                  ignore_env_runner_failures=False).build()
+    try:
+        with pytest.raises(ActorGroupError) as err:
+            for _ in range(3):
+                algo.train()
+        assert "env runner 2" in str(err.value) and "injected env failure" in str(err.value)
+        assert "restart_failed_env_runners=True" in str(err.value)
+    finally:
+        algo.stop()
+
+
+def test_runner_that_cannot_start_fails_the_build_clearly():
+    with pytest.raises(RuntimeError, match="env runner .* failed to start"):
+        (PPOConfig().environment("tests.envs:BrokenEnv").env_runners(num_env_runners=1)
+         .debugging(seed=0).build())
