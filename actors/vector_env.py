@@ -61,6 +61,8 @@ class SyncVectorEnv:
         self.num_envs = num_envs
         self.single_observation_space = self.envs[0].observation_space
         self.single_action_space = self.envs[0].action_space
+        # Python ints take gymnasium's cheap path in Discrete.contains (numpy ints cost an issubdtype each)
+        self._as_list = isinstance(self.single_action_space, gym.spaces.Discrete)
         self._last_obs: list[Any] = []
 
     def _make(self, i: int, recreated: bool = False) -> gym.Env:
@@ -84,6 +86,8 @@ class SyncVectorEnv:
         final_obs: dict[int, Any] = {}
         restarted: list[int] = []
         last_obs = self._last_obs
+        if self._as_list:
+            actions = actions.tolist()
         for i, env in enumerate(self.envs):
             try:
                 obs, rew, term, trunc, _ = env.step(actions[i])

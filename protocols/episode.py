@@ -169,7 +169,7 @@ class EpisodeChunk:
                 )
         if len(chunks) == 1:
             return first
-        if set(first.extra) != {k for c in chunks for k in c.extra}:
+        if any(set(c.extra) != set(first.extra) for c in chunks):
             raise ValueError("chunks carry different `extra` keys and cannot be concatenated")
         last = chunks[-1]
         with_infos = all(c.infos for c in chunks)
@@ -262,12 +262,12 @@ class EpisodeBuilder:
             raise ValueError("add_step before add_reset: give the episode its first observation")
         if self.is_done:
             raise ValueError(f"episode {self.episode_id} is already done; start a new EpisodeBuilder")
+        extra = extra or {}
+        if self._actions and set(extra) != set(self._extra):  # check before changing any state
+            raise ValueError(f"extra keys changed mid-episode: {sorted(self._extra)} -> {sorted(extra)}")
         self._actions.append(action)
         self._rewards.append(float(reward))
         self._obs.append(next_obs)
-        extra = extra or {}
-        if self._actions[1:] and set(extra) != set(self._extra):
-            raise ValueError(f"extra keys changed mid-episode: {sorted(self._extra)} -> {sorted(extra)}")
         for key, value in extra.items():
             self._extra.setdefault(key, []).append(value)
         if self.record_infos:

@@ -105,3 +105,16 @@ def test_weights_round_trip_and_version_stamp():
     r.set_weights(w, weights_version=7)
     np.testing.assert_allclose(r.get_weights()["pi_head.bias"], w["pi_head.bias"])
     assert all(c.weights_version == 7 for c in r.sample())
+
+
+def test_async_vectorization_matches_sync_layout():
+    r = runner(env_config={"length": 6}, num_envs=2, rollout_fragment_length=8, vectorize_mode="async")
+    try:
+        chunks = r.sample()
+        assert sum(len(c) for c in chunks) == 16
+        for c in chunks:
+            c.validate()
+            np.testing.assert_array_equal(c.obs[:, 0], np.arange(c.t_started, c.t_started + len(c) + 1))
+        assert any(c.terminated and len(c) + c.t_started == 6 for c in chunks)
+    finally:
+        r.stop()

@@ -94,6 +94,17 @@ def test_restored_policy_evaluates_at_450_or_more(cartpole_run):
         algo.stop()
 
 
+def test_runnel_evaluate_on_the_checkpoint_reports_450_or_more(cartpole_run, capsys):
+    import json
+
+    from pipeline.cli import main
+
+    _, _, path, _ = cartpole_run
+    assert main(["evaluate", path, "--episodes", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["episode_return_mean"] >= 450
+
+
 def test_local_env_runner_trains():
     algo = PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0).debugging(seed=1).build()
     try:
