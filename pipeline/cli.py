@@ -42,8 +42,6 @@ impossible), 2 usage or config error, 130 interrupted (Ctrl-C). Errors are one l
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import difflib
 import json
 import math
 import os
@@ -58,31 +56,12 @@ import traceback
 from datetime import datetime
 from typing import Any, Sequence
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-DEFAULT_STOP: dict[str, float] = {"training_iteration": 100}
-DEFAULT_OUTPUT_DIR = "~/runnel_results"
-FILE_KEYS = ("algo", "run", "env", "stop", "config", "checkpoint_freq", "checkpoint_at_end", "output_dir",
-             "framework")
-# RLlib's old result names -> runnel's (hints in the "stop key not in results" warning).
-_OLD_KEYS = {
-    "episode_reward_mean": "env_runners/episode_return_mean",
-    "episode_reward_max": "env_runners/episode_return_max",
-    "episode_reward_min": "env_runners/episode_return_min",
-    "episode_len_mean": "env_runners/episode_len_mean",
-    "timesteps_total": "num_env_steps_sampled_lifetime",
-    "episodes_total": "num_episodes_lifetime",
-    "evaluation/episode_reward_mean": "evaluation/env_runners/episode_return_mean",
-    "env_runners/episode_reward_mean": "env_runners/episode_return_mean",
-}
-_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+from pipeline.train_spec import (DEFAULT_OUTPUT_DIR, DEFAULT_STOP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK,
+                                  EXIT_USAGE, CLIError, TrainSpec, check_stop_keys, describe_exc, stop_reason,
+                                  train_spec)
 
 
-class CLIError(Exception):
-    """A problem to report as one line, with the exit status to return."""
 
-    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 # --- parser ----------------------------------------------------------------------------------------
@@ -229,174 +208,21 @@ def _one_line_config_error(message: str) -> str:
         f"({i}) {p}" for i, p in enumerate(problems, 1))
 
 
-def _describe_exc(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 # --- parsing inputs --------------------------------------------------------------------------------
-def parse_json_arg(text: str, flag: str) -> Any:
-    """JSON from a flag, with the error position marked (``>>>``) in a one-line message."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        lo, hi = max(0, err.pos - 40), min(len(text), err.pos + 20)
-        snippet = ("..." if lo else "") + text[lo:err.pos] + ">>>" + text[err.pos:hi] + ("..." if hi < len(text) else "")
-        snippet = snippet.replace("\n", "\\n")
-        raise CLIError(f"{flag} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno} "
-                       f"(marked >>>): {snippet}", EXIT_USAGE) from None
 
 
-def flatten_stop(stop: Any, source: str) -> dict[str, float]:
-    """``{"a": {"b": 1}}`` or ``{"a/b": 1}`` -> ``{"a/b": 1.0}``; thresholds must be numbers."""
-    if not isinstance(stop, dict):
-        raise CLIError(f"{source} must be a JSON object of result keys to thresholds, like "
-                       f"{{\"env_runners/episode_return_mean\": 450}}; got {type(stop).__name__} {stop!r}")
-    out: dict[str, float] = {}
-    for key, value in stop.items():
-        if isinstance(value, dict):
-            out.update({f"{key}/{k}": v for k, v in flatten_stop(value, source).items()})
-            continue
-        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-            value = float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise CLIError(f"{source}: the threshold of {key!r} must be a number, got {value!r}")
-        out[str(key)] = value
-    return out
 
 
-def _numbers_from_strings(value: Any) -> Any:
-    """YAML 1.1 reads ``1e-5`` as a string; read such strings as floats (inside config/stop only)."""
-    if isinstance(value, dict):
-        return {k: _numbers_from_strings(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_numbers_from_strings(v) for v in value]
-    if isinstance(value, str) and _FLOAT_RE.match(value.strip()) and any(c in value for c in "eE"):
-        return float(value)
-    return value
 
 
-def load_train_file(path: str) -> dict[str, Any]:
-    """Read a tuned-example file (YAML or JSON) -> its validated top-level mapping."""
-    import yaml
-
-    full = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(full):
-        raise CLIError(f"no such file: {path!r}" + (" (it is a directory)" if os.path.isdir(full) else ""))
-    try:
-        with open(full, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise CLIError(f"cannot read {path!r}: {err}") from None
-    if full.endswith(".json"):
-        data = parse_json_arg(text, path)
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise CLIError(f"{path!r} is not valid YAML: {problem}{where}") from None
-    if not isinstance(data, dict):
-        raise CLIError(f"{path!r} must hold a mapping with keys {list(FILE_KEYS)}, got {type(data).__name__}")
-    # RLlib's experiment layout: {experiment-name: {run: PPO, env: ..., stop: ..., config: ...}}
-    if len(data) == 1:
-        (name, inner), = data.items()
-        if name not in FILE_KEYS and isinstance(inner, dict) and ("run" in inner or "algo" in inner):
-            data = inner
-    unknown = [k for k in data if k not in FILE_KEYS]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), FILE_KEYS, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise CLIError(f"{path!r}: unknown top-level key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
-                       f"valid keys: {', '.join(FILE_KEYS)} (algorithm settings go under 'config:')")
-    if "algo" in data and "run" in data:
-        raise CLIError(f"{path!r}: give 'algo' or 'run' (its old RLlib name), not both")
-    if "run" in data:
-        data["algo"] = data.pop("run")
-    for key, kind in (("algo", str), ("env", str), ("output_dir", str), ("framework", str), ("config", dict),
-                      ("stop", dict), ("checkpoint_at_end", bool)):
-        if key in data and data[key] is not None and not isinstance(data[key], kind):
-            raise CLIError(f"{path!r}: {key!r} must be a {'mapping' if kind is dict else kind.__name__}, "
-                           f"got {data[key]!r}")
-    freq = data.get("checkpoint_freq")
-    if freq is not None and (isinstance(freq, bool) or not isinstance(freq, int) or freq < 0):
-        raise CLIError(f"{path!r}: 'checkpoint_freq' must be an integer >= 0, got {freq!r}")
-    for key in ("config", "stop"):
-        if data.get(key) is not None:
-            data[key] = _numbers_from_strings(data[key])
-    return data
 
 
-def _check_framework(value: Any, source: str) -> None:
-    if value is not None and str(value).lower() != "torch":
-        raise CLIError(f"{source} {value!r} is not supported: runnel runs on torch only (use 'torch' or leave it out)")
 
 
-@dataclasses.dataclass
-class TrainSpec:
-    algo: str
-    env: str | None
-    stop: dict[str, float]
-    config: dict[str, Any]
-    checkpoint_freq: int
-    checkpoint_at_end: bool
-    output_dir: str
-    num_env_runners: int | None
-    seed: int | None
 
 
-def train_spec(args: argparse.Namespace) -> TrainSpec:
-    """Merge a tuned-example file (if any) with the flags; flags win."""
-    file_path = args.file
-    if args.target:
-        if args.target[0] != "file":
-            raise CLIError(f"unexpected argument {args.target[0]!r}; train from a file with "
-                           f"'runnel train file {args.target[0]}', or use --algo/--env")
-        if len(args.target) != 2:
-            raise CLIError("'runnel train file' needs exactly one FILE (a .yaml or .json tuned example)"
-                           if len(args.target) == 1 else f"unexpected arguments {args.target[2:]}")
-        if file_path is not None:
-            raise CLIError("give the file once: 'file FILE' or -f FILE")
-        file_path = args.target[1]
-    data = load_train_file(file_path) if file_path else {}
-    src = repr(file_path)
-
-    config: dict[str, Any] = dict(data.get("config") or {})
-    if args.config is not None:
-        cli_config = parse_json_arg(args.config, "--config")
-        if not isinstance(cli_config, dict):
-            raise CLIError(f"--config must be a JSON object of config settings, like {{\"lr\": 0.0005}}; "
-                           f"got {type(cli_config).__name__} {cli_config!r}")
-        config.update(cli_config)
-    _check_framework(data.get("framework"), f"{src}: framework")
-    _check_framework(config.pop("framework", None), "config framework")
-    _check_framework(args.framework, "--framework")
-
-    algo = args.algo or data.get("algo")
-    if not algo:
-        raise CLIError("--algo is required (e.g. --algo PPO), or train from a file: runnel train file X.yaml")
-    env = args.env or data.get("env")
-    if env is None and config.get("env") is None:
-        raise CLIError("--env is required (a gymnasium id such as CartPole-v1, a registered name, or "
-                       "'package.module:Class')")
-    if args.stop is not None:
-        stop = flatten_stop(parse_json_arg(args.stop, "--stop"), "--stop")
-    elif data.get("stop") is not None:
-        stop = flatten_stop(data["stop"], f"{src}: stop")
-    else:
-        stop = dict(DEFAULT_STOP)
-    return TrainSpec(
-        algo=str(algo), env=env, stop=stop, config=config,
-        checkpoint_freq=args.checkpoint_freq if args.checkpoint_freq is not None else int(data.get("checkpoint_freq") or 0),
-        checkpoint_at_end=(args.checkpoint_at_end if args.checkpoint_at_end is not None
-                           else bool(data.get("checkpoint_at_end", True))),
-        output_dir=args.output_dir or data.get("output_dir") or DEFAULT_OUTPUT_DIR,
-        num_env_runners=args.num_env_runners, seed=args.seed,
-    )
 
 
 # --- train -----------------------------------------------------------------------------------------
@@ -438,51 +264,10 @@ def _fmt_num(value: Any, spec: str = ".2f") -> str:
     return "n/a"
 
 
-def _stop_reason(result: dict, stop: dict[str, float]) -> str | None:
-    from pipeline.algorithm import lookup
-
-    for key, threshold in stop.items():
-        value = lookup(result, key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value) \
-                and value >= threshold:
-            return f"{key} = {value:g} >= {threshold:g}"
-    return None
 
 
-def _suggest_keys(key: str, flat_keys: list[str]) -> list[str]:
-    out: list[str] = []
-    if key in _OLD_KEYS and _OLD_KEYS[key] in flat_keys:
-        out.append(_OLD_KEYS[key])
-    out += difflib.get_close_matches(key, flat_keys, n=3, cutoff=0.6)
-    leaf = key.rsplit("/", 1)[-1].replace("reward", "return")
-    leaves = {k: k.rsplit("/", 1)[-1] for k in flat_keys}
-    out += [k for k in flat_keys if difflib.SequenceMatcher(None, leaf, leaves[k]).ratio() >= 0.8]
-    seen: list[str] = []
-    for k in out:
-        if k not in seen and k != key:
-            seen.append(k)
-    return seen[:4]
 
 
-def check_stop_keys(result: dict, stop: dict[str, float]) -> list[str]:
-    """Warnings for stop keys that the (first) result lacks or that name a section, with close matches."""
-    from pipeline.algorithm import lookup
-    from pipeline.results import flatten_result
-
-    flat_keys = list(flatten_result(result))
-    warnings_ = []
-    for key in stop:
-        value = lookup(result, key)
-        if isinstance(value, dict):
-            inner = [k for k in flat_keys if k.startswith(key + "/")][:5]
-            warnings_.append(f"stop key {key!r} names a group of results, not a value; use one of {inner}")
-        elif value is None:
-            close = _suggest_keys(key, flat_keys)
-            hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
-                    else "see the columns of progress.csv for the keys there are")
-            warnings_.append(f"stop key {key!r} is not in the results of iteration 1 (it can only stop training "
-                             f"if it appears later, e.g. an evaluation result); {hint}")
-    return warnings_
 
 
 def _validate(config: Any) -> None:
@@ -493,7 +278,7 @@ def _validate(config: Any) -> None:
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:  # a value of the wrong type that validate() trips over
-        raise CLIError(f"invalid {config.algo_name} config: {_describe_exc(err)}", EXIT_USAGE) from None
+        raise CLIError(f"invalid {config.algo_name} config: {describe_exc(err)}", EXIT_USAGE) from None
 
 
 class _GracefulInterrupt:
@@ -555,7 +340,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - Ray, actors, the env itself
-            raise CLIError(f"building {algo_name} on {_env_label(config.env)} failed: {_describe_exc(err)}",
+            raise CLIError(f"building {algo_name} on {_env_label(config.env)} failed: {describe_exc(err)}",
                            EXIT_FAILURE) from err
         run_dir = _make_run_dir(run_dir)
         algo.logdir = run_dir
@@ -565,7 +350,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             try:
                 algo.stop()
             except Exception as err:  # noqa: BLE001 - shutting down; report, do not mask the result
-                _warn(f"stopping the algorithm's actors failed: {_describe_exc(err)}")
+                _warn(f"stopping the algorithm's actors failed: {describe_exc(err)}")
         if not ray_was_up and ray.is_initialized():
             ray.shutdown()
 
@@ -616,7 +401,7 @@ def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str) -> int
                         _warn(w)
                 if spec.checkpoint_freq and algo.iteration % spec.checkpoint_freq == 0:
                     save()
-                reason = _stop_reason(result, spec.stop)
+                reason = stop_reason(result, spec.stop)
                 if reason or interrupt.requested:
                     break
         except KeyboardInterrupt:
@@ -631,7 +416,7 @@ def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str) -> int
             logger.close()
             shutil.rmtree(run_dir, ignore_errors=True)
             if outcome == "failed":
-                raise CLIError(f"training failed before the first iteration finished: {_describe_exc(failure)}",
+                raise CLIError(f"training failed before the first iteration finished: {describe_exc(failure)}",
                                EXIT_FAILURE) from failure
             print("runnel: interrupted before the first iteration finished; nothing was saved", file=sys.stderr,
                   flush=True)
@@ -642,7 +427,7 @@ def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str) -> int
             with open(os.path.join(run_dir, "error.txt"), "w", encoding="utf-8") as f:
                 f.write("".join(traceback.format_exception(type(failure), failure, failure.__traceback__)))
             last = f"; last checkpoint: {checkpoint}" if checkpoint else ""
-            raise CLIError(f"training failed in iteration {algo.iteration + 1}: {_describe_exc(failure)} "
+            raise CLIError(f"training failed in iteration {algo.iteration + 1}: {describe_exc(failure)} "
                            f"(traceback in {os.path.join(run_dir, 'error.txt')}; results so far in {run_dir}{last})",
                            EXIT_FAILURE) from failure
 
@@ -704,7 +489,7 @@ def _check_render(algo: Any, env_label: str) -> None:
         env = algo.runner_settings.env_creator(EnvContext(env_config))
     except Exception as err:  # noqa: BLE001
         raise CLIError(f"cannot render {env_label}: creating it with render_mode='human' failed: "
-                       f"{_describe_exc(err)}", EXIT_FAILURE) from None
+                       f"{describe_exc(err)}", EXIT_FAILURE) from None
     try:
         modes = list((getattr(env, "metadata", None) or {}).get("render_modes", []))
         mode = getattr(env, "render_mode", None)
@@ -745,7 +530,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         except (CheckpointError, ConfigError, CLIError, KeyboardInterrupt):
             raise
         except Exception as err:  # noqa: BLE001
-            raise CLIError(f"loading checkpoint {path!r} failed: {_describe_exc(err)}", EXIT_FAILURE) from err
+            raise CLIError(f"loading checkpoint {path!r} failed: {describe_exc(err)}", EXIT_FAILURE) from err
         env_label = _env_label(algo.config.env)
         if args.render:
             _check_render(algo, env_label)
@@ -754,7 +539,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             raise
         except Exception as err:  # noqa: BLE001
-            raise CLIError(f"evaluating on {env_label} failed: {_describe_exc(err)}", EXIT_FAILURE) from err
+            raise CLIError(f"evaluating on {env_label} failed: {describe_exc(err)}", EXIT_FAILURE) from err
     finally:
         if algo is not None:
             algo.stop()
