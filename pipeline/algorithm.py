@@ -172,12 +172,13 @@ class Algorithm:
         trained0 = self.counters["num_env_steps_trained_lifetime"]
         stats: dict[str, Any] = {}
         timers = {"training_step": 0.0}
-        steps = 0
+        steps = new_episodes = 0
         while True:
             ts = time.perf_counter()
             stats = self.training_step()
             timers["training_step"] += time.perf_counter() - ts
             steps += 1
+            new_episodes += stats.get("_new_episodes", 0)
             elapsed = time.perf_counter() - t0
             if ((c.min_time_s_per_iteration is None or elapsed >= c.min_time_s_per_iteration)
                     and self.counters["num_env_steps_sampled_lifetime"] - sampled0 >= c.min_sample_timesteps_per_iteration
@@ -186,6 +187,7 @@ class Algorithm:
         self.iteration += 1
         dt = time.perf_counter() - t0
         self.time_total_s += dt
+        stats["_new_episodes"] = new_episodes
         result = self._result(stats, timers, dt, self.counters["num_env_steps_sampled_lifetime"] - sampled0,
                               self.counters["num_env_steps_trained_lifetime"] - trained0, steps)
         self.callbacks.on_train_result(algorithm=self, result=result)
