@@ -52,8 +52,12 @@ def get_algorithm(name: str) -> tuple[type[AlgorithmConfig], type["Algorithm"]]:
 
 
 def init_ray_if_needed(config: AlgorithmConfig) -> None:
-    """Start an embedded local Ray when none is running, with room for every actor the config asks for."""
+    """Join the cluster named by ``RAY_ADDRESS`` (as ``ray job submit`` sets it), or else start an
+    embedded local Ray with room for every actor the config asks for."""
     if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level=logging.WARNING)
         return
     needed = config.num_env_runners * config.num_cpus_per_env_runner + config.num_learners * config.num_cpus_per_learner
     ray.init(num_cpus=max(os.cpu_count() or 1, int(np.ceil(needed))), include_dashboard=False,
