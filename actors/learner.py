@@ -118,6 +118,8 @@ class Learner:
         stats["curr_lr"] = lr
         return stats
 
+    update_from_episodes = update  # RLlib's name for the same call
+
     def apply_gradients(self, loss: torch.Tensor) -> float:
         """Backward, average gradients across learners, clip, step. Returns the global grad norm."""
         params = [p for p in self.module.parameters() if p.requires_grad]
