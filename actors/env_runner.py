@@ -269,3 +269,46 @@ class EnvRunner:
     def stop(self) -> None:
         self.env.close()
 
+    # --- streaming (asynchronous algorithms: IMPALA, APPO) ----------------------------------
+    # A background thread (actors.stream.RunnerStream) samples rollout_fragment_length steps per
+    # sub-env at a time and pushes each fragment's chunks over ZeroMQ; the actor's main thread
+    # keeps serving calls. While streaming, weights arrive through set_weights_async (applied
+    # between fragments, never mid-fragment) and metrics leave through get_stream_metrics.
+    def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
+                        stall_timeout_s: float = 60.0) -> None:
+        """Start (or keep) the sampling thread pushing chunks to the receiver at ``address``."""
+        from actors.stream import RunnerStream
+
+        stream = getattr(self, "_stream", None)
+        if stream is not None and stream.alive():
+            if stream.address == address:
+                return
+            stream.stop()
+        self._stream = RunnerStream(self, address, hwm=hwm, compress=compress, sndbuf=sndbuf,
+                                    stall_timeout_s=stall_timeout_s)
+        self._stream.start()
+
+    def stop_streaming(self, timeout_s: float = 10.0) -> bool:
+        """Stop the sampling thread (a send blocked by back-pressure gives up). True if it ended."""
+        stream = getattr(self, "_stream", None)
+        return True if stream is None else stream.stop(timeout_s)
+
+    def is_streaming(self) -> bool:
+        stream = getattr(self, "_stream", None)
+        return stream is not None and stream.alive()
+
+    def set_weights_async(self, weights: dict[str, np.ndarray], weights_version: int = 0) -> None:
+        """While streaming: apply these weights before the next fragment. Otherwise: now."""
+        stream = getattr(self, "_stream", None)
+        if stream is not None and stream.alive():
+            stream.set_pending_weights(weights, weights_version)
+        else:
+            self.set_weights(weights, weights_version)
+
+    def get_stream_metrics(self) -> dict[str, Any]:
+        """``get_metrics()`` plus stream counters, safe to call while the sampling thread runs.
+        Raises if the sampling thread failed or hangs, so the driver recreates this runner."""
+        stream = getattr(self, "_stream", None)
+        if stream is None:
+            return self.get_metrics()
+        return stream.metrics()

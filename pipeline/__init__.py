@@ -1,10 +1,13 @@
 """runnel's driver side and user API: configs, algorithms, checkpoints, the CLI."""
 from pipeline.algorithm import Algorithm, get_algorithm, register_algorithm
+from pipeline.algorithms.appo import APPO, APPOConfig
+from pipeline.algorithms.impala import IMPALA, IMPALAConfig
 from pipeline.algorithms.ppo import PPO, PPOConfig
 from pipeline.callbacks import Callbacks
 from pipeline.checkpoint import CheckpointError
 from pipeline.config import AlgorithmConfig, ConfigError
 from pipeline.envs import register_env
 
-__all__ = ["Algorithm", "AlgorithmConfig", "Callbacks", "CheckpointError", "ConfigError", "PPO", "PPOConfig",
+__all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "Callbacks", "CheckpointError", "ConfigError",
+           "IMPALA", "IMPALAConfig", "PPO", "PPOConfig",
            "get_algorithm", "register_algorithm", "register_env"]

@@ -1,0 +1,242 @@
+"""APPO: asynchronous PPO with V-trace and a target network (IMPACT, Luo et al., 2020), as in RLlib.
+
+The streaming, batching, broadcasting and fault tolerance are IMPALA's (``pipeline/algorithms/
+impala.py``); APPO changes what a learner does with a batch and how batches are reused:
+
+* **Target network**: a frozen copy of the policy, refreshed every ``target_network_update_freq``
+  updates. It is the "old" policy of the PPO clip ratio and of the KL term, and the target policy
+  of V-trace (the behaviour policy is the runners' slightly older one).
+* **Surrogate**: ``ratio = clip(pi_behaviour / pi_target, 0, target_worker_clipping) * pi / pi_behaviour``
+  (about ``pi / pi_target``), clipped to ``1 +- clip_param`` as in PPO, times the V-trace
+  policy-gradient advantages; value loss to the V-trace targets; entropy bonus; optionally an
+  adaptive KL(target || current) penalty whose coefficient is tuned at each target update.
+* **Circular buffer**: each train batch from the queue joins a buffer of
+  ``circular_buffer_num_batches``; every update trains on a random buffered batch, and a batch
+  leaves after ``circular_buffer_iterations_per_batch`` updates (or when it is the oldest and a new
+  batch comes in). A learner faster than the runners reuses data up to K times instead of waiting.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from actors.learner import Learner, piecewise
+from actors.module import RLModule
+from actors.stream import ChunkBatch
+from pipeline.algorithm import register_algorithm
+from pipeline.algorithms.impala import IMPALA, IMPALAConfig, sgd, vtrace_inputs
+from pipeline.algorithms.returns import vtrace
+from pipeline.config import _is_int, _is_number
+from protocols.episode import EpisodeChunk
+
+
+@dataclass
+class APPOConfig(IMPALAConfig):
+    algo_name = "APPO"
+
+    broadcast_interval: int = 2
+    """Send new weights to the runners every this many updates (APPO updates up to
+    ``circular_buffer_iterations_per_batch`` times per sampled batch: 2 keeps IMPALA's rate per env step)."""
+    vf_loss_coeff: float = 0.5
+    """Weight of the value loss (``0.5 * mean squared error to the V-trace targets``)."""
+    entropy_coeff: float | list = 0.0
+    """Weight of the entropy bonus, or a schedule ``[[timestep, coeff], ...]``."""
+    clip_param: float = 0.4
+    """PPO clip range for the ratio of the current to the target policy."""
+    use_kl_loss: bool = False
+    """Add an adaptive KL(target || current) penalty to the loss."""
+    kl_coeff: float = 1.0
+    """Initial coefficient of the KL penalty."""
+    kl_target: float = 0.01
+    """At each target update the KL coefficient grows x1.5 above 2x this KL, and halves below half of it."""
+    target_network_update_freq: int = 4
+    """Refresh the target network (and tune the KL coefficient) every this many learner updates."""
+    target_worker_clipping: float = 2.0
+    """Upper clip of the behaviour-to-target probability ratio inside the surrogate's ratio."""
+    circular_buffer_num_batches: int = 4
+    """Train batches the circular buffer holds (N in the IMPACT paper)."""
+    circular_buffer_iterations_per_batch: int = 2
+    """Updates a batch may serve before it leaves the buffer (K in the IMPACT paper)."""
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        if not _is_number(self.clip_param) or not 0 < self.clip_param < 1:
+            problems.append(f"clip_param must be in (0, 1), got {self.clip_param!r}")
+        for key in ("kl_coeff", "kl_target", "target_worker_clipping"):
+            if not _is_number(getattr(self, key)) or getattr(self, key) <= 0:
+                problems.append(f"{key} must be a number > 0, got {getattr(self, key)!r}")
+        for key in ("target_network_update_freq", "circular_buffer_num_batches", "circular_buffer_iterations_per_batch"):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
+                problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
+        return problems
+
+
+# --- loss -------------------------------------------------------------------------------------
+def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_coeff: float,
+              entropy_coeff: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """APPO's loss on one (mini)batch.
+
+    ``batch`` holds ``obs``, ``actions``, ``action_logp`` (behaviour policy), ``old_action_logp``
+    and ``old_action_dist_inputs`` (target network), and the V-trace ``vtrace_targets`` and
+    ``pg_advantages`` (computed with the target network as V-trace's target policy).
+    """
+    entropy_coeff = config.entropy_coeff if entropy_coeff is None else entropy_coeff
+    out = module.forward_train(batch["obs"])
+    dist = module.action_dist(out["action_dist_inputs"])
+    logp = dist.logp(batch["actions"])
+    behaviour_logp, old_logp = batch["action_logp"], batch["old_action_logp"]
+    is_ratio = torch.exp(behaviour_logp - old_logp).clamp(0.0, config.target_worker_clipping)
+    ratio = is_ratio * torch.exp(logp - behaviour_logp)
+    adv = batch["pg_advantages"]
+    surrogate = torch.min(ratio * adv, ratio.clamp(1 - config.clip_param, 1 + config.clip_param) * adv)
+    policy_loss = -surrogate.mean()
+    targets = batch["vtrace_targets"]
+    vf_loss = 0.5 * (out["vf_preds"] - targets).pow(2).mean()
+    entropy = dist.entropy().mean()
+    kl = module.action_dist(batch["old_action_dist_inputs"]).kl(dist).mean()
+    total = policy_loss + config.vf_loss_coeff * vf_loss - entropy_coeff * entropy
+    if config.use_kl_loss:
+        total = total + kl_coeff * kl
+    var = targets.var() if targets.numel() > 1 else torch.tensor(0.0)
+    stats = {"policy_loss": policy_loss.detach(), "vf_loss": vf_loss.detach(), "entropy": entropy.detach(),
+             "mean_kl_loss": kl.detach(), "total_loss": total.detach(), "mean_ratio": ratio.mean().detach(),
+             "vf_explained_var": (1 - (targets - out["vf_preds"]).var() / var).detach() if var > 0 else torch.tensor(0.0)}
+    return total, stats
+
+
+# --- target network ---------------------------------------------------------------------------
+def _policy_state(module: RLModule) -> dict[str, torch.Tensor]:
+    """A detached copy of the policy's tensors (checkpoint-safe: plain tensors)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items() if not k.startswith(("vf_trunk.", "vf_head."))}
+
+
+def target_network(learner: Learner) -> RLModule:
+    """The learner's frozen target policy, built on first use from ``algo_state["target_weights"]``
+    (which a checkpoint carries), or from the current policy."""
+    state = learner.algo_state.get("target_weights")
+    if state is None:
+        state = learner.algo_state["target_weights"] = _policy_state(learner.module)
+    target = getattr(learner, "_appo_target", None)
+    if target is None:
+        m = learner.module
+        target = RLModule(m.observation_space, m.action_space, m.config, inference_only=True).to(learner.device)
+        target.requires_grad_(False)
+        target.eval()
+        learner._appo_target, learner._appo_target_src = target, None
+    if learner._appo_target_src is not state:  # new weights (an update, or a restored checkpoint)
+        target.set_state(state)
+        learner._appo_target_src = state
+    return target
+
+
+def appo_update(learner: Learner, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
+    """V-trace with the target network as target policy, one PPO-clip update, then (every
+    ``target_network_update_freq`` updates) refresh the target network and tune the KL coefficient."""
+    cfg: APPOConfig = learner.config
+    st = learner.algo_state
+    target = target_network(learner)
+    b, values, _ = vtrace_inputs(learner, chunks)
+    with torch.no_grad():
+        old_inputs = target.forward_inference(b.obs)["action_dist_inputs"]
+        old_logp = target.action_dist(old_inputs).logp(b.actions)
+    behaviour_logp = b.extra["action_logp"]
+    vs, pg_adv = vtrace(behaviour_logp.cpu().numpy(), old_logp.cpu().numpy(), b.rewards, values.cpu().numpy(),
+                        b.lengths, b.terminated, cfg.gamma, cfg.vtrace_clip_rho_threshold,
+                        cfg.vtrace_clip_pg_rho_threshold)
+    dev = learner.device
+    tensors = {"obs": b.obs, "actions": b.actions, "action_logp": behaviour_logp, "old_action_logp": old_logp,
+               "old_action_dist_inputs": old_inputs, "vtrace_targets": torch.as_tensor(vs, device=dev),
+               "pg_advantages": torch.as_tensor(pg_adv, device=dev)}
+    kl_coeff = st.setdefault("kl_coeff", float(cfg.kl_coeff))
+    entropy_coeff = piecewise(cfg.entropy_coeff, timestep)
+    out = sgd(learner, tensors, lambda mb: appo_loss(learner.module, mb, cfg, kl_coeff, entropy_coeff), len(b))
+    st["updates_since_target_update"] = st.get("updates_since_target_update", 0) + 1
+    if st["updates_since_target_update"] >= cfg.target_network_update_freq:
+        st["target_weights"] = _policy_state(learner.module)
+        st["updates_since_target_update"] = 0
+        st["num_target_updates"] = st.get("num_target_updates", 0) + 1
+        if cfg.use_kl_loss:
+            kl = out["mean_kl_loss"]
+            if kl > 2.0 * cfg.kl_target:
+                st["kl_coeff"] = kl_coeff * 1.5
+            elif kl < 0.5 * cfg.kl_target:
+                st["kl_coeff"] = kl_coeff * 0.5
+    out["curr_kl_coeff"] = st["kl_coeff"]
+    out["curr_entropy_coeff"] = entropy_coeff
+    out["num_target_updates"] = float(st.get("num_target_updates", 0))
+    out["num_module_steps_trained"] = float(len(b))
+    return out
+
+
+# --- circular buffer --------------------------------------------------------------------------
+class CircularBuffer:
+    """Holds up to N train batches; each sample is a uniformly random one, which leaves after K samples."""
+
+    def __init__(self, num_batches: int, iterations_per_batch: int, seed: int | None = None) -> None:
+        self.num_batches, self.iterations_per_batch = num_batches, iterations_per_batch
+        self._entries: collections.deque[list] = collections.deque()  # [batch, times sampled]
+        self._rng = np.random.default_rng(seed)
+        self.num_added = 0
+        self.num_evicted_unused = 0
+        """Batches pushed out by newer ones before they were trained on even once."""
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, batch: ChunkBatch) -> None:
+        if len(self._entries) >= self.num_batches:
+            _, uses = self._entries.popleft()
+            self.num_evicted_unused += uses == 0
+        self._entries.append([batch, 0])
+        self.num_added += 1
+
+    def sample(self) -> ChunkBatch:
+        if not self._entries:
+            raise IndexError("sample from an empty circular buffer")
+        i = int(self._rng.integers(len(self._entries)))
+        entry = self._entries[i]
+        entry[1] += 1
+        if entry[1] >= self.iterations_per_batch:
+            del self._entries[i]
+        return entry[0]
+
+    def stats(self) -> dict[str, int]:
+        return {"size": len(self), "num_batches_added": self.num_added,
+                "num_batches_evicted_unused": self.num_evicted_unused}
+
+
+# --- algorithm --------------------------------------------------------------------------------
+class APPO(IMPALA):
+    config_class = APPOConfig
+    update_fn = staticmethod(appo_update)
+
+    def setup(self) -> None:
+        super().setup()
+        cfg = self.config
+        self.circular_buffer = CircularBuffer(cfg.circular_buffer_num_batches, cfg.circular_buffer_iterations_per_batch,
+                                              seed=cfg.seed)
+
+    def training_step(self) -> dict[str, Any]:
+        self._ensure_streaming()
+        buf = self.circular_buffer
+        t0 = time.perf_counter()
+        # take a new batch when there is one; wait for one only when the buffer has nothing left to train on
+        batch = self.receiver.get_batch(timeout=0) if len(buf) else self._next_batch()
+        if batch is not None:
+            self._last_batch_at = time.monotonic()
+            self._iter["qsize_sum"] += self.receiver.qsize()
+            self._iter["qsize_n"] += 1
+            buf.add(batch)
+        self._iter["wait_s"] += time.perf_counter() - t0
+        if len(buf):
+            self._last_stats = self._update(buf.sample())
+        self._poll_runners()
+        return self._step_result() | {"_result_circular_buffer": buf.stats()}
+
+
+register_algorithm("APPO", APPOConfig, APPO)

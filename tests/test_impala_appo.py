@@ -1,0 +1,396 @@
+"""IMPALA and APPO: losses on fake batches, updates, the circular buffer, configs, and (with Ray)
+CartPole to 450 over streaming runners, weights lag, fault tolerance, checkpoints and clean stops.
+
+Training is seeded but asynchronous, so runs are not bit-identical; step budgets are generous and
+the tests assert returns and counters, never wall-clock time.
+"""
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import ray
+import torch
+
+from actors.env_runner import EnvRunner, EnvRunnerSettings
+from actors.learner import Learner
+from actors.module import RLModule
+from actors.stream import ChunkBatch
+from pipeline import APPO, APPOConfig, IMPALA, IMPALAConfig, Algorithm, ConfigError, get_algorithm
+from pipeline.algorithms.appo import CircularBuffer, appo_loss, appo_update, target_network
+from pipeline.algorithms.impala import impala_loss, impala_update
+from tests.envs import FlakyEnv
+
+OBS_SPACE = gym.spaces.Box(-1, 1, (4,), np.float32)
+ACT_SPACE = gym.spaces.Discrete(2)
+
+
+# --- losses on fake batches -------------------------------------------------------------------
+@pytest.fixture
+def module():
+    torch.manual_seed(0)
+    return RLModule(OBS_SPACE, ACT_SPACE, {"fcnet_hiddens": [16]})
+
+
+def fake_batch(module, n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(n, 4, generator=g)
+    with torch.no_grad():
+        dist_inputs = module.forward_inference(obs)["action_dist_inputs"]
+        dist = module.action_dist(dist_inputs)
+        actions = dist.sample()
+        logp = dist.logp(actions)
+    return {"obs": obs, "actions": actions, "action_logp": logp, "old_action_logp": logp.clone(),
+            "old_action_dist_inputs": dist_inputs, "pg_advantages": torch.randn(n, generator=g),
+            "vtrace_targets": torch.randn(n, generator=g)}
+
+
+def test_impala_loss_terms(module):
+    cfg = IMPALAConfig(vf_loss_coeff=0.25, entropy_coeff=0.01)
+    batch = fake_batch(module)
+    loss, stats = impala_loss(module, batch, cfg)
+    out = module.forward_train(batch["obs"])
+    dist = module.action_dist(out["action_dist_inputs"])
+    logp = dist.logp(batch["actions"])
+    pi = -(logp * batch["pg_advantages"]).mean()
+    vf = 0.5 * (out["vf_preds"] - batch["vtrace_targets"]).pow(2).mean()
+    ent = dist.entropy().mean()
+    pi, vf, ent = float(pi.detach()), float(vf.detach()), float(ent.detach())
+    assert float(stats["policy_loss"]) == pytest.approx(pi, rel=1e-5)
+    assert float(stats["vf_loss"]) == pytest.approx(vf, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(pi + 0.25 * vf - 0.01 * ent, rel=1e-5)
+    # an explicit entropy coefficient (a schedule's current value) overrides the config's
+    loss2, _ = impala_loss(module, batch, cfg, entropy_coeff=0.0)
+    assert float(loss2.detach()) == pytest.approx(pi + 0.25 * vf, rel=1e-5)
+
+
+def test_impala_loss_gradient_raises_the_probability_of_advantaged_actions(module):
+    cfg = IMPALAConfig(vf_loss_coeff=0.0, entropy_coeff=0.0)
+    batch = fake_batch(module)
+    batch["pg_advantages"] = torch.where(batch["actions"] == 1, 1.0, -1.0)
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+
+    def p1():
+        with torch.no_grad():
+            return float(module.action_dist(module.forward_inference(batch["obs"])["action_dist_inputs"]).logp(
+                torch.ones(len(batch["obs"]), dtype=torch.long)).exp().mean())
+
+    before = p1()
+    for _ in range(5):
+        loss, _ = impala_loss(module, batch, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert p1() > before + 0.05
+
+
+def test_appo_loss_on_policy_is_minus_mean_advantage_with_zero_kl(module):
+    cfg = APPOConfig(vf_loss_coeff=0.5, entropy_coeff=0.0, use_kl_loss=True)
+    batch = fake_batch(module)
+    loss, stats = appo_loss(module, batch, cfg, kl_coeff=1.0)
+    assert float(stats["mean_ratio"]) == pytest.approx(1.0, abs=1e-5)
+    assert abs(float(stats["mean_kl_loss"])) < 1e-6
+    assert float(stats["policy_loss"]) == pytest.approx(-float(batch["pg_advantages"].mean()), abs=1e-5)
+    vf = 0.5 * (module.forward_train(batch["obs"])["vf_preds"] - batch["vtrace_targets"]).pow(2).mean()
+    assert float(loss.detach()) == pytest.approx(float(stats["policy_loss"]) + 0.5 * float(vf.detach()), rel=1e-5)
+
+
+def test_appo_ratio_is_clipped_against_the_target_policy(module):
+    cfg = APPOConfig(vf_loss_coeff=0.0, entropy_coeff=0.0, clip_param=0.4)
+    batch = fake_batch(module)
+    batch["pg_advantages"] = batch["pg_advantages"].abs() + 0.1
+    # behaviour = target, both far less likely than the current policy: ratio ~ e^5, capped at 1 + clip
+    batch["action_logp"] = batch["action_logp"] - 5.0
+    batch["old_action_logp"] = batch["action_logp"].clone()
+    loss, stats = appo_loss(module, batch, cfg, kl_coeff=0.0)
+    assert float(stats["policy_loss"]) == pytest.approx(-1.4 * float(batch["pg_advantages"].mean()), rel=1e-5)
+    module.zero_grad()
+    loss.backward()
+    assert all(p.grad is None or float(p.grad.abs().max()) == 0.0 for n, p in module.named_parameters()
+               if n.startswith(("pi_", "encoder")))
+    # behaviour far likelier than the target: the behaviour/target factor is capped at target_worker_clipping
+    batch = fake_batch(module)
+    batch["pg_advantages"] = batch["pg_advantages"].abs() + 0.1
+    batch["old_action_logp"] = batch["action_logp"] - 5.0
+    _, stats = appo_loss(module, batch, cfg, kl_coeff=0.0)
+    assert float(stats["mean_ratio"]) == pytest.approx(cfg.target_worker_clipping, rel=1e-4)
+
+
+def test_appo_kl_term_is_added_only_with_use_kl_loss(module):
+    batch = fake_batch(module)
+    batch["old_action_dist_inputs"] = batch["old_action_dist_inputs"] + torch.tensor([1.0, -1.0])
+    with_kl, s1 = appo_loss(module, batch, APPOConfig(use_kl_loss=True), kl_coeff=2.0)
+    without, s2 = appo_loss(module, batch, APPOConfig(use_kl_loss=False), kl_coeff=2.0)
+    assert float(s1["mean_kl_loss"]) > 0.01
+    assert float(with_kl.detach()) == pytest.approx(float(without.detach()) + 2.0 * float(s1["mean_kl_loss"]), rel=1e-5)
+
+
+# --- updates on sampled chunks -------------------------------------------------------------------
+def sampled_chunks(steps=1000):
+    settings = EnvRunnerSettings(env_creator=lambda ctx: gym.make("CartPole-v1"), num_envs=4,
+                                 rollout_fragment_length=25, seed=0)
+    r = EnvRunner(settings, worker_index=1)
+    out = []
+    while sum(len(c) for c in out) < steps:
+        out += r.sample()
+    return r, out
+
+
+def make_learner(cfg, update_fn, runner):
+    cfg = cfg.environment("CartPole-v1").debugging(seed=0)
+    learner = Learner(runner.observation_space, runner.action_space, {}, cfg, update_fn)
+    runner.set_weights(learner.get_weights(inference_only=True))  # the chunks' behaviour policy = the learner's
+    return learner
+
+
+def test_impala_update_on_policy_chunks():
+    torch.manual_seed(0)
+    r, _ = sampled_chunks(0)
+    learner = make_learner(IMPALAConfig().training(train_batch_size_per_learner=200, minibatch_size=100), impala_update, r)
+    chunks = r.sample()
+    before = {k: v.copy() for k, v in learner.get_weights().items()}  # get_weights aliases the live tensors
+    stats = learner.update(ChunkBatch(chunks), timestep=0)
+    assert stats["mean_rho"] == pytest.approx(1.0, abs=1e-4)  # same policy sampled and learns
+    assert stats["rho_clipped_fraction"] < 0.5
+    for key in ("policy_loss", "vf_loss", "entropy", "total_loss", "gradients_global_norm", "curr_lr"):
+        assert np.isfinite(stats[key]), key
+    assert learner.num_updates == 1  # 100 steps, minibatch 100: one SGD step
+    after = learner.get_weights()
+    assert any(not np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_appo_target_network_follows_every_freq_updates_and_tunes_kl():
+    r, chunks = sampled_chunks(600)
+    cfg = APPOConfig().training(target_network_update_freq=2, use_kl_loss=True, kl_target=1e-9, kl_coeff=1.0,
+                                train_batch_size_per_learner=100, minibatch_size=100)
+    learner = make_learner(cfg, appo_update, r)
+    batches = [ChunkBatch(chunks[i : i + 4]) for i in range(0, 12, 4)]
+    initial = {k: v.clone() for k, v in learner.module.state_dict().items()}
+    learner.update(batches[0], 0)
+    target = target_network(learner)
+    # one update: the target is still the initial policy
+    torch.testing.assert_close(target.pi_head.weight, initial["pi_head.weight"])
+    assert not torch.equal(learner.module.pi_head.weight, initial["pi_head.weight"])
+    stats = learner.update(batches[1], 0)
+    target = target_network(learner)
+    torch.testing.assert_close(target.pi_head.weight, learner.module.pi_head.weight)
+    assert stats["num_target_updates"] == 1
+    assert stats["curr_kl_coeff"] == pytest.approx(1.5)  # the KL exceeded 2 x (a tiny) target
+    # the target travels in the learner state and survives torch.save/torch.load(weights_only=True)
+    import io
+
+    buf = io.BytesIO()
+    torch.save(learner.get_state(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    learner2 = make_learner(cfg, appo_update, r)
+    learner2.set_state(state)
+    torch.testing.assert_close(target_network(learner2).pi_head.weight, learner.module.pi_head.weight)
+
+
+def test_circular_buffer_serves_each_batch_at_most_k_times_and_evicts_the_oldest():
+    buf = CircularBuffer(num_batches=2, iterations_per_batch=3, seed=0)
+    a, b, c = ChunkBatch([]), ChunkBatch([]), ChunkBatch([])
+    buf.add(a)
+    buf.add(b)
+    served = [buf.sample() for _ in range(6)]
+    assert len(buf) == 0
+    assert sum(x is a for x in served) == 3 and sum(x is b for x in served) == 3
+    buf.add(a)
+    buf.add(b)
+    buf.add(c)  # evicts a, never trained on
+    assert len(buf) == 2 and buf.stats()["num_batches_evicted_unused"] == 1
+    assert all(buf.sample() is not a for _ in range(6))
+    with pytest.raises(IndexError):
+        buf.sample()
+
+
+# --- configs ----------------------------------------------------------------------------------
+def test_configs_validate_and_register():
+    assert get_algorithm("impala") == (IMPALAConfig, IMPALA) and get_algorithm("APPO") == (APPOConfig, APPO)
+    cfg = (APPOConfig().environment("CartPole-v1").training(vtrace_clip_rho_threshold=2.0, broadcast_interval=2,
+                                                             circular_buffer_num_batches=8, learner_queue_size=2)
+           .env_runners(num_envs_per_env_runner=4))
+    cfg.validate()
+    assert cfg.broadcast_interval == 2 and cfg.circular_buffer_num_batches == 8
+    with pytest.raises(ConfigError, match="num_learners=0"):
+        IMPALAConfig().environment("CartPole-v1").learners(num_learners=2).validate()
+    with pytest.raises(ConfigError, match="circular_buffer_num_batches"):
+        APPOConfig().environment("CartPole-v1").training(circular_buffer_num_batches=0).validate()
+    with pytest.raises(ConfigError, match="did you mean 'broadcast_interval'"):
+        IMPALAConfig().environment("CartPole-v1").training(broadcast_intervall=3).validate()
+    with pytest.raises(ConfigError, match="clip_param"):
+        APPOConfig().environment("CartPole-v1").training(clip_param=1.5).validate()
+    assert APPOConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
+# --- with Ray: CartPole, fault tolerance, checkpoints, stop -------------------------------------
+def train_until(algo, target, max_steps):
+    best, result = -np.inf, None
+    while True:
+        result = algo.train()
+        ret = result["env_runners"]["episode_return_mean"]
+        best = max(best, ret) if not np.isnan(ret) else best
+        if best >= target or result["num_env_steps_sampled_lifetime"] >= max_steps:
+            return best, result
+
+
+def runnel_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("runnel-")]
+
+
+def assert_stopped_cleanly(algo, handles):
+    assert algo.receiver.closed and not algo.receiver._thread.is_alive()
+    assert algo.receiver._ctx.closed
+    assert runnel_threads() == []
+    for h in handles:  # the runner actors (and their sampling threads) are gone; ray.kill lands asynchronously
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                ray.get(h.ping.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                break
+            assert time.monotonic() < deadline, "an env runner actor is still alive after stop()"
+            time.sleep(0.2)
+
+
+def run_cartpole(config_cls, tmp_path_factory, max_steps=1_000_000):
+    algo = config_cls().environment("CartPole-v1").env_runners(num_env_runners=2).debugging(seed=0).build()
+    handles = [m.handle for m in algo.env_runner_group.manager.members.values()]
+    results = []
+    try:
+        while True:
+            results.append(algo.train())
+            ret = results[-1]["env_runners"]["episode_return_mean"]
+            if ret >= 450 or results[-1]["num_env_steps_sampled_lifetime"] >= max_steps:
+                break
+        streaming = [r.value for r in algo.env_runner_group.manager.foreach_actor("is_streaming")]
+        path = algo.save(str(tmp_path_factory.mktemp("ckpt") / config_cls.algo_name))
+        saved = {"learner": algo.learner_group.get_state(), "weights_version": algo.weights_version,
+                 "counters": dict(algo.counters)}
+    finally:
+        algo.stop()
+    assert_stopped_cleanly(algo, handles)
+    return results, streaming, path, saved
+
+
+@pytest.fixture(scope="module")
+def impala_run(ray_cluster, tmp_path_factory):
+    return run_cartpole(IMPALAConfig, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def appo_run(ray_cluster, tmp_path_factory):
+    return run_cartpole(APPOConfig, tmp_path_factory)
+
+
+def check_cartpole(results, streaming):
+    last = results[-1]
+    assert last["env_runners"]["episode_return_mean"] >= 450, \
+        f"mean return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']} steps"
+    assert last["num_env_steps_sampled_lifetime"] <= 1_000_000
+    assert streaming == [True, True]
+    for r in results:
+        stream = r["stream"]
+        if r["num_learner_updates"]:  # weights lag: learner version minus chunk versions, over trained batches
+            assert 0 <= stream["weights_lag_mean"] <= stream["weights_lag_max"] < 1000
+        assert stream["num_frames_dropped_decode_error"] == stream["num_chunks_dropped_invalid"] == 0
+        assert 0 <= r["learner_queue"]["size"] <= r["learner_queue"]["capacity"]
+    assert any(r["stream"]["weights_lag_mean"] > 0 for r in results)  # asynchronous: the policy lags
+    assert last["num_env_steps_trained_per_s"] > 0 and last["num_env_steps_sampled_per_s"] > 0
+    assert last["learners"]["__all_modules__"]["num_env_steps_trained_lifetime"] > 0
+    for key in ("policy_loss", "vf_loss", "entropy", "curr_lr", "gradients_global_norm"):
+        assert np.isfinite(last["learners"]["default_policy"][key]), key
+    assert last["fault_tolerance"]["num_healthy_workers"] == 2
+    assert last["env_runners"]["num_episodes_lifetime"] >= last["env_runners"]["num_episodes"] > 0
+    assert "learner_update" in last["timers"]
+
+
+def test_impala_cartpole_reaches_450(impala_run):
+    results, streaming, _, _ = impala_run
+    check_cartpole(results, streaming)
+    assert results[-1]["num_env_steps_trained_lifetime"] <= results[-1]["num_env_steps_sampled_lifetime"]
+
+
+def test_appo_cartpole_reaches_450(appo_run):
+    results, streaming, _, _ = appo_run
+    check_cartpole(results, streaming)
+    last = results[-1]
+    assert last["learners"]["default_policy"]["num_target_updates"] >= 1
+    assert last["circular_buffer"]["num_batches_added"] > 0
+    # the circular buffer reuses batches: more steps trained than sampled
+    assert last["num_env_steps_trained_lifetime"] > last["num_env_steps_sampled_lifetime"]
+
+
+def test_appo_checkpoint_restores_learner_target_and_streams_again(appo_run):
+    _, _, path, saved = appo_run
+    algo = Algorithm.from_checkpoint(path)
+    try:
+        assert isinstance(algo, APPO) and algo.weights_version == saved["weights_version"]
+        state = algo.learner_group.get_state()
+        for k, v in saved["learner"]["module"].items():
+            torch.testing.assert_close(state["module"][k], v, rtol=0, atol=0)
+        for k, v in saved["learner"]["algo_state"]["target_weights"].items():
+            torch.testing.assert_close(state["algo_state"]["target_weights"][k], v, rtol=0, atol=0)
+        result = algo.train()
+        assert result["num_env_steps_sampled_lifetime"] > saved["counters"]["num_env_steps_sampled_lifetime"]
+        assert result["env_runners"]["episode_return_mean"] >= 300  # keeps the learned policy
+    finally:
+        algo.stop()
+
+
+class GILHangEnv(FlakyEnv):
+    """FlakyEnv that, at its failing step, hangs in C code holding the GIL (a runaway regex): the runner's
+    main thread cannot answer either, so only the driver's probe of silent runners can catch it."""
+
+    def step(self, action):
+        if self.steps + 1 in self.fail_at:
+            import re
+
+            re.match(r"(a+)+$", "a" * 64 + "b")
+        return super().step(action)
+
+
+@pytest.mark.parametrize("env_cls,hang", [(FlakyEnv, False), (FlakyEnv, True), (GILHangEnv, False)],
+                         ids=["raises", "hangs", "hangs-holding-the-gil"])
+def test_failed_streaming_runner_is_recreated_and_streams_again(ray_cluster, env_cls, hang):
+    env_config = {"fail_on_runners": [1], "fail_at_steps": [1500], "hang": hang}
+    algo = (IMPALAConfig().environment(env_cls, env_config=env_config).env_runners(num_env_runners=2)
+            .fault_tolerance(delay_between_env_runner_restarts_s=0.2, env_runner_health_probe_timeout_s=3.0)
+            .debugging(seed=0).build())
+    try:
+        result = None
+        for _ in range(60):
+            result = algo.train()
+            if result["fault_tolerance"]["num_remote_worker_restarts"] >= 1:
+                break
+        ft = result["fault_tolerance"]
+        assert ft["num_remote_worker_failures"] == 1 and ft["num_remote_worker_restarts"] == 1
+        version = algo.weights_version
+        sampled = result["num_env_steps_sampled_lifetime"]
+        for _ in range(3):
+            result = algo.train()
+        assert result["fault_tolerance"]["num_healthy_workers"] == 2
+        assert result["num_env_steps_sampled_lifetime"] > sampled
+        # the recreated runner streams, with weights no older than those at its restart
+        runner1 = algo.env_runner_group.manager.handle(1)
+        assert ray.get(runner1.is_streaming.remote())
+        assert ray.get(runner1.get_stream_metrics.remote())["weights_version"] >= version
+    finally:
+        algo.stop()
+    assert runnel_threads() == []
+
+
+def test_local_streaming_runner_trains_and_stops(ray_cluster):
+    algo = (IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=0, num_envs_per_env_runner=8)
+            .reporting(min_time_s_per_iteration=0.5).debugging(seed=0).build())
+    try:
+        results = [algo.train() for _ in range(3)]
+        assert results[-1]["num_learner_updates"] > 0
+        assert results[-1]["env_runners"]["num_episodes_lifetime"] > 0
+        assert results[-1]["fault_tolerance"]["num_healthy_workers"] == 0  # no remote runners
+        assert algo.env_runner_group.local.is_streaming()
+    finally:
+        algo.stop()
+    assert runnel_threads() == [] and algo.receiver.closed

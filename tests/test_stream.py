@@ -1,0 +1,280 @@
+"""Chunk streams over ZeroMQ (actors/stream.py): round trip, bad frames, back-pressure, runner streaming.
+
+Everything runs in this process (no Ray): a ChunkSender or a local EnvRunner pushes to a
+ChunkReceiver over TCP on loopback. Waits poll for a condition with a deadline; nothing is timed.
+"""
+import logging
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import zmq
+
+from actors.env_runner import EnvRunner, EnvRunnerSettings
+from actors.stream import ChunkBatch, ChunkReceiver, ChunkSender, SpaceChecker
+from protocols import EpisodeChunk, ProtocolError, encode
+from tests.envs import CountingEnv, DictObsEnv, FlakyEnv
+
+OBS_SPACE = gym.spaces.Box(0, 1e6, (1,), np.float32)
+ACT_SPACE = gym.spaces.Discrete(2)
+
+
+def wait_for(cond, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def counting_chunks(num_envs=3, fragments=4, length=7, fragment_len=5):
+    settings = EnvRunnerSettings(env_creator=lambda ctx: CountingEnv(ctx), env_config={"length": length},
+                                 num_envs=num_envs, rollout_fragment_length=fragment_len, seed=0)
+    r = EnvRunner(settings, worker_index=1)
+    return [r.sample() for _ in range(fragments)]
+
+
+@pytest.fixture
+def receiver():
+    rec = ChunkReceiver(OBS_SPACE, ACT_SPACE, batch_size=12, queue_size=64, hwm=8, host="127.0.0.1").start()
+    yield rec
+    rec.close()
+
+
+@pytest.fixture
+def sender(receiver):
+    s = ChunkSender(receiver.address, "env-runner-7", hwm=8)
+    yield s
+    s.close()
+
+
+def drain(rec, n_steps, timeout=20.0):
+    got, steps = [], 0
+    deadline = time.monotonic() + timeout
+    while steps < n_steps:
+        b = rec.get_batch(timeout=0.1)
+        if b is not None:
+            got.append(b)
+            steps += b.num_steps
+        assert time.monotonic() < deadline, f"only {steps} of {n_steps} steps arrived"
+    return got
+
+
+def glue(parts):
+    """The pieces of one chunk split across batches (same episode_id and chunk_index, consecutive t_started)."""
+    for a, b in zip(parts, parts[1:]):
+        assert (b.episode_id, b.chunk_index, b.t_started) == (a.episode_id, a.chunk_index, a.t_started + len(a))
+        assert not a.is_done
+        np.testing.assert_array_equal(a.obs[-1], b.obs[0])
+    last = parts[-1]
+    return EpisodeChunk(parts[0].episode_id, parts[0].chunk_index,
+                        obs=np.concatenate([parts[0].obs] + [p.obs[1:] for p in parts[1:]]),
+                        actions=np.concatenate([p.actions for p in parts]),
+                        rewards=np.concatenate([p.rewards for p in parts]),
+                        terminated=last.terminated, truncated=last.truncated,
+                        extra={"action_logp": np.concatenate([p.extra["action_logp"] for p in parts])},
+                        t_started=parts[0].t_started, weights_version=parts[0].weights_version,
+                        env_runner_index=parts[0].env_runner_index)
+
+
+def test_round_trip_keeps_chunks_intact_and_cuts_exact_batches(receiver, sender):
+    fragments = counting_chunks()
+    for k, frag in enumerate(fragments):
+        for c in frag:
+            c.weights_version = 100 + k
+        assert sender.send(frag)
+    sent = [c for frag in fragments for c in frag]
+    total = sum(len(c) for c in sent)  # 4 fragments * 3 envs * 5 steps = 60 = 5 batches of 12
+    batches = drain(receiver, total)
+    assert [b.num_steps for b in batches] == [12] * 5
+    received = [c for b in batches for c in b]
+    # chunks split at batch boundaries glue back into exactly what was sent, in order
+    glued, i = [], 0
+    for c in sent:
+        parts, n = [], 0
+        while n < len(c):
+            parts.append(received[i])
+            n += len(received[i])
+            i += 1
+        assert n == len(c)
+        glued.append(glue(parts))
+    assert i == len(received)
+    for a, b in zip(sent, glued):
+        assert (a.episode_id, a.chunk_index, a.t_started, a.terminated, a.truncated) == \
+               (b.episode_id, b.chunk_index, b.t_started, b.terminated, b.truncated)
+        assert b.weights_version == a.weights_version and b.env_runner_index == 1
+        np.testing.assert_array_equal(a.obs, b.obs)
+        np.testing.assert_array_equal(a.actions, b.actions)
+        np.testing.assert_array_equal(a.rewards, b.rewards)
+        np.testing.assert_array_equal(a.extra["action_logp"], b.extra["action_logp"])
+    # the loader laid each batch out for the learner already
+    b0 = batches[0]
+    assert isinstance(b0, ChunkBatch) and b0.batch is not None and len(b0.batch) == 12
+    np.testing.assert_array_equal(b0.batch.weights_versions, np.repeat([c.weights_version for c in b0], [len(c) for c in b0]))
+    s = receiver.stats()
+    assert s["num_frames_received"] == 4 and s["num_env_steps_received"] == 60
+    assert s["num_frames_dropped_decode_error"] == s["num_chunks_dropped_invalid"] == 0
+
+
+def test_bad_frames_are_counted_dropped_and_logged_once_naming_the_sender(receiver, caplog):
+    good = counting_chunks(fragments=1)[0]  # 15 steps
+    frame = encode(good)
+    wrong_version = bytearray(frame)
+    wrong_version[4] = 99  # header: magic (4 bytes), then the version byte
+    bad_shape = EpisodeChunk("ep-x", 0, obs=np.zeros((4, 3), np.float32), actions=np.zeros(3, np.int64),
+                             rewards=np.ones(3, np.float32), extra={"action_logp": np.zeros(3, np.float32)})
+    no_logp = EpisodeChunk("ep-y", 0, obs=np.zeros((4, 1), np.float32), actions=np.zeros(3, np.int64),
+                           rewards=np.ones(3, np.float32))
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(receiver.address)
+    try:
+        with caplog.at_level(logging.WARNING, logger="actors.stream"):
+            push.send_multipart([b"env-runner-3", b"\x00garbage" * 10])  # corrupt
+            push.send_multipart([b"env-runner-4", bytes(wrong_version)])  # wrong codec version
+            push.send_multipart([b"env-runner-5", encode([bad_shape] + good[:1])])  # one chunk of two wrong
+            push.send_multipart([b"env-runner-6", encode(no_logp)])  # lacks the behaviour log-probs
+            push.send_multipart([b"only-one-part"])  # no [sender, frame] envelope
+            push.send_multipart([b"env-runner-8", encode({"hello": 1})])  # a message, not chunks
+            push.send_multipart([b"env-runner-9", frame])  # the loader goes on: this one arrives
+            wait_for(lambda: receiver.counters["num_frames_received"] == 7, what="7 frames")
+    finally:
+        push.close(linger=0)
+        ctx.term()
+    s = receiver.stats()
+    assert s["num_frames_dropped_decode_error"] == 2
+    assert s["num_chunks_dropped_invalid"] == 2
+    assert s["num_frames_dropped_bad_envelope"] == 1
+    assert s["num_frames_dropped_not_chunks"] == 1
+    assert s["num_env_steps_dropped"] == 6
+    assert s["num_env_steps_received"] == len(good[0]) + 15  # the good chunk beside the bad one, and the good frame
+    lines = [r.getMessage() for r in caplog.records if r.name == "actors.stream"]
+    assert len(lines) == 6, lines
+    for sender_id in ("env-runner-3", "env-runner-4", "env-runner-5", "env-runner-6", "only-one-part", "env-runner-8"):
+        assert sum(sender_id in line for line in lines) == 1, (sender_id, lines)
+    assert any("version 99" in line for line in lines)
+    assert any("shape (4, 3)" in line and "(4, 1)" in line for line in lines)
+    assert any("action_logp" in line for line in lines)
+    assert dict(receiver.dropped_by_sender)["env-runner-5"] == 1
+    assert drain(receiver, 12)  # the good data still makes batches
+
+
+def test_space_checker_nested_observations():
+    env = DictObsEnv()
+    checker = SpaceChecker(env.observation_space, env.action_space)
+    settings = EnvRunnerSettings(env_creator=lambda ctx: DictObsEnv(ctx), num_envs=2, rollout_fragment_length=4, seed=0)
+    chunks = EnvRunner(settings, worker_index=1).sample()
+    for c in chunks:
+        checker.check(c)
+    c = chunks[0]
+    c.obs = {k: v for k, v in c.obs.items() if k != "noise"}
+    with pytest.raises(ProtocolError, match="keys"):
+        checker.check(c)
+
+
+def rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_stalled_consumer_blocks_the_sender_and_memory_stays_bounded():
+    """The slow-learner case: nobody takes batches, the sender must block after a bounded number of frames."""
+    frame_steps = 64
+    obs_space = gym.spaces.Box(-np.inf, np.inf, (4096,), np.float32)  # ~1 MiB of random floats per frame
+    rec = ChunkReceiver(obs_space, ACT_SPACE, batch_size=frame_steps, queue_size=1, hwm=2, rcvbuf=256 * 1024,
+                        host="127.0.0.1").start()
+    sender = ChunkSender(rec.address, "env-runner-1", hwm=2, sndbuf=256 * 1024, compress=False)
+    rng = np.random.default_rng(0)
+    chunk = EpisodeChunk("ep", 0, obs=rng.normal(size=(frame_steps + 1, 4096)).astype(np.float32),
+                         actions=np.zeros(frame_steps, np.int64), rewards=np.ones(frame_steps, np.float32),
+                         extra={"action_logp": np.zeros(frame_steps, np.float32)})
+    stop = threading.Event()
+
+    def produce():  # a fresh frame each time, as a runner encodes each fragment (zero-copy sends of one
+        while not stop.is_set():  # bytes object would hide any growth)
+            if not sender.send(chunk, stop):
+                return
+
+    rss0 = rss_bytes()
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    try:
+        # the sender blocks: its count stops moving (for a whole second, so a busy machine's pause is not taken for it)
+        history = [-1, -2]
+        deadline = time.monotonic() + 30
+        while not (history[-1] == history[-2] == sender.frames_sent):
+            history.append(sender.frames_sent)
+            assert time.monotonic() < deadline, f"the sender never blocked: frames sent {history[-10:]}"
+            time.sleep(0.5)
+        stalled_at = sender.frames_sent
+        time.sleep(1.0)
+        assert sender.frames_sent == stalled_at, f"{stalled_at} -> {sender.frames_sent} frames while blocked"
+        # 1 queued batch + 1 batch waiting to be queued + 2 (PUSH hwm) + 2 (PULL hwm) + kernel buffers
+        assert stalled_at <= 12, f"{stalled_at} frames in flight with a stalled consumer"
+        assert rec.qsize() == 1
+        growth = rss_bytes() - rss0
+        assert growth < 48 * 2**20, f"RSS grew by {growth / 2**20:.0f} MiB"
+        assert sender.blocked_s > 0
+        # the consumer resumes: frames flow again
+        for _ in range(3):
+            assert rec.get_batch(timeout=10) is not None
+        wait_for(lambda: sender.frames_sent > stalled_at, what="the sender to resume")
+    finally:
+        stop.set()
+        t.join(10)
+        sender.close()
+        rec.close()
+    assert not t.is_alive()
+
+
+def local_runner(env_cls=CountingEnv, env_config=None, num_envs=2, fragment=10):
+    settings = EnvRunnerSettings(env_creator=lambda ctx: env_cls(ctx), env_config=env_config or {"length": 25},
+                                 num_envs=num_envs, rollout_fragment_length=fragment, seed=0)
+    return EnvRunner(settings, worker_index=1)
+
+
+def test_runner_streams_applies_weights_between_fragments_and_stops():
+    r = local_runner()
+    rec = ChunkReceiver(r.observation_space, r.action_space, batch_size=20, queue_size=2, hwm=2, host="127.0.0.1").start()
+    try:
+        weights = r.get_weights()
+        r.start_streaming(rec.address, hwm=2)
+        assert r.is_streaming()
+        assert rec.get_batch(timeout=20) is not None
+        r.set_weights_async(weights, 5)
+        # every batch is one fragment of one weights version: soon they are all version 5
+        deadline = time.monotonic() + 20
+        while True:
+            b = rec.get_batch(timeout=5)
+            if b is not None and all(c.weights_version == 5 for c in b):
+                break
+            assert time.monotonic() < deadline, "new weights never reached the chunks"
+        m = r.get_stream_metrics()
+        assert m["weights_version"] == 5 and m["num_weight_updates_applied"] == 1
+        assert m["num_frames_sent"] >= 2 and m["num_env_steps_sampled_lifetime"] >= 40
+        assert all(x == 25.0 for x in m["episode_returns"])
+        assert r.stop_streaming(timeout_s=10)  # even though the sender is blocked on a full queue
+        assert not r.is_streaming()
+        assert not [t for t in threading.enumerate() if t.name.startswith("runnel-stream")]
+    finally:
+        r.stop_streaming()
+        rec.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("runnel-chunk-loader")]
+
+
+def test_runner_stream_reports_a_failed_env():
+    r = local_runner(FlakyEnv, {"fail_on_runners": [1], "fail_at_steps": [30]}, num_envs=1, fragment=10)
+    rec = ChunkReceiver(r.observation_space, r.action_space, batch_size=10, queue_size=8, host="127.0.0.1").start()
+    try:
+        r.start_streaming(rec.address)
+        wait_for(lambda: not r.is_streaming(), what="the sampling thread to die")
+        with pytest.raises(RuntimeError, match="injected env failure"):
+            r.get_stream_metrics()
+    finally:
+        r.stop_streaming()
+        rec.close()
