@@ -202,7 +202,9 @@ class EnvRunner:
                 chunk = EpisodeChunk(
                     episode_id=slot.episode_id, chunk_index=slot.chunk_index, obs=seg_obs,
                     actions=col(acts, j, start, t + 1), rewards=clipped[j, start : t + 1],
-                    terminated=bool(terminated[t, j]), truncated=bool(truncated[t, j]),
+                    # gymnasium allows both flags at once (CartPole at its time limit): terminal wins,
+                    # since nothing should be bootstrapped past a terminal state
+                    terminated=bool(terminated[t, j]), truncated=bool(truncated[t, j] and not terminated[t, j]),
                     extra={"action_logp": logp[j, start : t + 1], "action_dist_inputs": col(dists, j, start, t + 1)},
                     t_started=slot.t_started, weights_version=self.weights_version,
                     env_runner_index=self.worker_index, env_index=j,

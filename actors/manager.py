@@ -182,6 +182,10 @@ class ActorManager:
                 if self.on_restart is not None:
                     self.on_restart(i, handle)
             except (RayError, GetTimeoutError) as err:
+                try:  # the replacement did not come up: free its resources before the next try
+                    ray.kill(handle, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
                 m.failed_at, m.last_error = time.monotonic(), _describe(err)
                 m.restarts += 1
                 continue

@@ -191,7 +191,8 @@ class RLModule(nn.Module):
     # --- state ----------------------------------------------------------------------------
     def get_state(self, inference_only: bool = False) -> dict[str, np.ndarray]:
         """Weights as numpy arrays (codec- and ``ray.put``-friendly)."""
-        state = {k: v.detach().cpu().numpy() for k, v in self.state_dict().items()}
+        # copies: a snapshot must not change as training goes on (.numpy() aliases CPU parameters)
+        state = {k: v.detach().cpu().numpy().copy() for k, v in self.state_dict().items()}
         if inference_only:
             state = {k: v for k, v in state.items() if not k.startswith(("vf_trunk.", "vf_head."))}
         return state

@@ -275,9 +275,6 @@ class RunnerStream:
                     r._new_returns, r._new_lengths = [], []
                 if not chunks:
                     continue
-                for c in chunks:  # an env may report both at the last step (CartPole at 500): terminal wins
-                    if c.terminated and c.truncated:
-                        c.truncated = False
                 self._set_state("sending")
                 if not self._sender.send(chunks, self._stop):
                     break

@@ -118,3 +118,19 @@ def test_async_vectorization_matches_sync_layout():
         assert any(c.terminated and len(c) + c.t_started == 6 for c in chunks)
     finally:
         r.stop()
+
+
+class BothFlagsEnv(CountingEnv):
+    """Reports terminated and truncated together at the last step, as gymnasium allows."""
+
+    def step(self, action):
+        obs, reward, terminated, _, info = super().step(action)
+        return obs, reward, terminated, terminated, info
+
+
+def test_terminal_wins_when_an_env_reports_both_flags():
+    r = runner(BothFlagsEnv, env_config={"length": 3}, num_envs=1, rollout_fragment_length=6)
+    done = [c for c in r.sample() if c.is_done]
+    assert done and all(c.terminated and not c.truncated for c in done)
+    for c in done:
+        c.validate()

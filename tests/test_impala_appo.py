@@ -226,16 +226,6 @@ def test_configs_validate_and_register():
 
 
 # --- with Ray: CartPole, fault tolerance, checkpoints, stop -------------------------------------
-def train_until(algo, target, max_steps):
-    best, result = -np.inf, None
-    while True:
-        result = algo.train()
-        ret = result["env_runners"]["episode_return_mean"]
-        best = max(best, ret) if not np.isnan(ret) else best
-        if best >= target or result["num_env_steps_sampled_lifetime"] >= max_steps:
-            return best, result
-
-
 def runnel_threads():
     return [t.name for t in threading.enumerate() if t.name.startswith("runnel-")]
 
@@ -394,3 +384,22 @@ def test_local_streaming_runner_trains_and_stops(ray_cluster):
     finally:
         algo.stop()
     assert runnel_threads() == [] and algo.receiver.closed
+
+
+def test_stream_compression_auto_follows_the_observation_dtype():
+    from pipeline.algorithms.impala import IMPALA
+
+    class Probe:
+        def __init__(self, space, setting):
+            self.observation_space = space
+            self.config = IMPALAConfig(stream_compress=setting)
+
+    image = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)
+    vector = gym.spaces.Box(-1, 1, (4,), np.float32)
+    nested = gym.spaces.Dict({"pos": vector, "cam": gym.spaces.Box(0, 255, (16, 16, 3), np.uint8)})
+    assert IMPALA._compress_frames(Probe(image, "auto")) is True
+    assert IMPALA._compress_frames(Probe(vector, "auto")) is False
+    assert IMPALA._compress_frames(Probe(nested, "auto")) is True
+    assert IMPALA._compress_frames(Probe(vector, True)) is True
+    with pytest.raises(ConfigError, match="stream_compress"):
+        IMPALAConfig(env="CartPole-v1", stream_compress="yes").validate()

@@ -8,20 +8,10 @@ import torch
 
 from pipeline import Algorithm, PPOConfig
 from pipeline.config import ConfigError
+from tests.helpers import train_until
 from tests.envs import DictObsEnv
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-
-
-def train_until(algo, target, max_steps):
-    best = -np.inf
-    result = None
-    while True:
-        result = algo.train()
-        ret = result["env_runners"]["episode_return_mean"]
-        best = max(best, ret) if not np.isnan(ret) else best
-        if best >= target or result["num_env_steps_sampled_lifetime"] >= max_steps:
-            return best, result
 
 
 OBS = np.array([0.01, -0.02, 0.03, 0.0], np.float32)

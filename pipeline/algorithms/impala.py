@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import ray
 import torch
@@ -81,13 +82,17 @@ class IMPALAConfig(AlgorithmConfig):
     stream_socket_buffer_bytes: int = 256 * 1024
     """Kernel send/receive buffer of each stream socket: bounds the data in flight beyond the high-water
     marks (0 = the OS default, which on loopback holds many MB, i.e. hundreds of stale fragments)."""
-    stream_compress: bool = False
-    """LZ4-compress streamed frames (saves bandwidth across nodes; costs CPU on one machine)."""
+    stream_compress: bool | str = "auto"
+    """LZ4-compress streamed frames: True, False, or "auto" = compress when observations hold integer
+    (pixel-like) arrays, which shrink 20x and more, and not for float vectors, which shrink ~1.3x
+    for ~17% of sampling throughput on CartPole."""
     env_runner_metrics_interval_s: float = 0.5
     """How often the driver fetches episode metrics (and liveness) from the streaming runners."""
 
     def _problems(self) -> list[str]:
         problems = super()._problems()
+        if self.stream_compress not in (True, False, "auto"):
+            problems.append(f"stream_compress must be True, False or 'auto', got {self.stream_compress!r}")
         if self.num_learners != 0:
             problems.append(f"{self.algo_name} supports only num_learners=0 (the learner runs in the driver, next to "
                             f"the thread that receives the chunk streams); remote learners for the asynchronous "
@@ -244,9 +249,15 @@ class IMPALA(Algorithm):
     # --- streaming ----------------------------------------------------------------------------
     def _stream_args(self) -> dict[str, Any]:
         cfg = self.config
-        return {"address": self.receiver.address, "hwm": cfg.stream_hwm, "compress": cfg.stream_compress,
+        return {"address": self.receiver.address, "hwm": cfg.stream_hwm, "compress": self._compress_frames(),
                 "sndbuf": cfg.stream_socket_buffer_bytes,
                 "stall_timeout_s": cfg.env_runner_health_probe_timeout_s}
+
+    def _compress_frames(self) -> bool:
+        if self.config.stream_compress != "auto":
+            return bool(self.config.stream_compress)
+        return any(np.issubdtype(leaf.dtype, np.integer) and int(np.prod(leaf.shape)) >= 64
+                   for leaf in _box_leaves(self.observation_space))
 
     def _ensure_streaming(self) -> None:
         group = self.env_runner_group
@@ -431,3 +442,11 @@ class IMPALA(Algorithm):
 
 
 register_algorithm("IMPALA", IMPALAConfig, IMPALA)
+
+
+def _box_leaves(space: gym.Space) -> list[gym.spaces.Box]:
+    if isinstance(space, gym.spaces.Dict):
+        return [b for s in space.spaces.values() for b in _box_leaves(s)]
+    if isinstance(space, gym.spaces.Tuple):
+        return [b for s in space.spaces for b in _box_leaves(s)]
+    return [space] if isinstance(space, gym.spaces.Box) else []
