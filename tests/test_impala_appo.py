@@ -403,3 +403,44 @@ def test_stream_compression_auto_follows_the_observation_dtype():
     assert IMPALA._compress_frames(Probe(vector, True)) is True
     with pytest.raises(ConfigError, match="stream_compress"):
         IMPALAConfig(env="CartPole-v1", stream_compress="yes").validate()
+
+
+def test_killed_streaming_runner_is_recreated_and_counted(ray_cluster):
+    algo = (IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2)
+            .fault_tolerance(delay_between_env_runner_restarts_s=0.2, env_runner_health_probe_timeout_s=3.0)
+            .debugging(seed=0).build())
+    try:
+        algo.train()
+        ray.kill(algo.env_runner_group.manager.handle(2), no_restart=True)
+        result = None
+        for _ in range(30):
+            result = algo.train()
+            if result["fault_tolerance"]["num_remote_worker_restarts"] >= 1:
+                break
+        sampled = result["num_env_steps_sampled_lifetime"]
+        result = algo.train()
+        ft = result["fault_tolerance"]
+        assert ft["num_remote_worker_failures"] == 1 and ft["num_remote_worker_restarts"] == 1
+        assert ft["num_healthy_workers"] == 2
+        assert result["num_env_steps_sampled_lifetime"] > sampled
+    finally:
+        algo.stop()
+    assert runnel_threads() == []
+
+
+def test_streaming_fatal_mode_raises_naming_the_runner_and_cause(ray_cluster):
+    from actors.manager import ActorGroupError
+
+    algo = (IMPALAConfig().environment(FlakyEnv, env_config={"fail_on_runners": [1], "fail_at_steps": [1500]})
+            .env_runners(num_env_runners=2)
+            .fault_tolerance(restart_failed_env_runners=False, ignore_env_runner_failures=False,
+                             env_runner_health_probe_timeout_s=3.0)
+            .debugging(seed=0).build())
+    try:
+        with pytest.raises(ActorGroupError) as err:
+            for _ in range(60):
+                algo.train()
+        assert "env runner 1" in str(err.value) and "injected env failure" in str(err.value)
+    finally:
+        algo.stop()
+    assert runnel_threads() == []
