@@ -35,7 +35,7 @@ def test_on_policy_batch_has_zero_kl_and_surrogate_equal_to_minus_mean_advantage
     vf = module.forward_train(batch["obs"])["vf_preds"]
     expected_vf = float((vf - batch["value_targets"]).pow(2).mean().detach())
     assert float(stats["vf_loss"]) == pytest.approx(expected_vf, rel=1e-5)
-    assert float(loss) == pytest.approx(float(stats["policy_loss"]) + 0.5 * expected_vf, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(stats["policy_loss"]) + 0.5 * expected_vf, rel=1e-5)
 
 
 def test_ratio_is_clipped(module):
