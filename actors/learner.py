@@ -157,6 +157,28 @@ class Learner:
             perm = np.resize(perm, num_minibatches * minibatch_size)
         return [perm[i * minibatch_size : (i + 1) * minibatch_size] for i in range(num_minibatches)]
 
+    def sgd(self, tensors: dict[str, Any], loss_fn: Callable[[dict[str, Any]], tuple[torch.Tensor, dict]],
+            n: int, minibatch_size: int, num_minibatches: int, num_epochs: int) -> dict[str, float]:
+        """``num_epochs`` passes of ``num_minibatches`` minibatches of ``tensors`` (``n`` rows each
+        leaf), one gradient step per minibatch; returns the mean of ``loss_fn``'s stats. A single
+        minibatch covering all rows uses the batch as it is."""
+        whole = num_minibatches == 1 and minibatch_size >= n
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(num_epochs):
+            for idx in [None] if whole else self.minibatches(n, minibatch_size, num_minibatches):
+                if idx is None:
+                    mb = tensors
+                else:
+                    idx_t = torch.as_tensor(idx, device=self.device)
+                    mb = nested.map_structure(lambda t: t[idx_t], tensors)
+                loss, stats = loss_fn(mb)
+                stats["gradients_global_norm"] = self.apply_gradients(loss)
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+        return {k: v / count for k, v in sums.items()}
+
     # --- state --------------------------------------------------------------------------------
     def get_weights(self, inference_only: bool = False) -> dict[str, np.ndarray]:
         return self.module.get_state(inference_only=inference_only)

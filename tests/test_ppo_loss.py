@@ -58,8 +58,8 @@ def test_entropy_and_kl_terms_enter_the_total(module):
     base, s0 = ppo_loss(module, batch, cfg, kl_coeff=0.0, entropy_coeff=0.0)
     with_terms, s1 = ppo_loss(module, batch, cfg, kl_coeff=0.5, entropy_coeff=0.1)
     assert float(s1["mean_kl_loss"]) > 0
-    expected = float(base) + 0.5 * float(s1["mean_kl_loss"]) - 0.1 * float(s1["entropy"])
-    assert float(with_terms) == pytest.approx(expected, rel=1e-5)
+    expected = float(base.detach()) + 0.5 * float(s1["mean_kl_loss"]) - 0.1 * float(s1["entropy"])
+    assert float(with_terms.detach()) == pytest.approx(expected, rel=1e-5)
 
 
 def test_value_error_clip(module):

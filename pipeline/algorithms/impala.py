@@ -35,7 +35,6 @@ from actors.stream import ChunkBatch, ChunkReceiver, batch_from
 from pipeline.algorithm import Algorithm, register_algorithm
 from pipeline.algorithms.returns import vtrace
 from pipeline.config import AlgorithmConfig, _is_int, _is_number, _check_schedule
-from protocols import nested
 from protocols.episode import EpisodeChunk
 
 log = logging.getLogger("runnel")
@@ -161,28 +160,10 @@ def vtrace_inputs(learner: Learner, chunks: list[EpisodeChunk]):
 
 
 def sgd(learner: Learner, tensors: dict[str, Any], loss_fn, n: int) -> dict[str, float]:
-    """``num_epochs`` passes of ``minibatch_size`` steps over ``tensors``; mean stats."""
+    """``num_epochs`` passes of ``minibatch_size``-step minibatches over a batch of ``n`` steps."""
     cfg = learner.config
     mbs = min(cfg.minibatch_size, n)
-    sums: dict[str, float] = {}
-    count = 0
-    for _ in range(cfg.num_epochs):
-        if mbs >= n:
-            batches = [None]
-        else:
-            batches = learner.minibatches(n, mbs, -(-n // mbs))
-        for idx in batches:
-            if idx is None:
-                mb = tensors
-            else:
-                idx_t = torch.as_tensor(idx, device=learner.device)
-                mb = nested.map_structure(lambda t: t[idx_t], tensors)
-            loss, stats = loss_fn(mb)
-            stats["gradients_global_norm"] = learner.apply_gradients(loss)
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            count += 1
-    return {k: v / count for k, v in sums.items()}
+    return learner.sgd(tensors, loss_fn, n, mbs, -(-n // mbs), cfg.num_epochs)
 
 
 def impala_update(learner: Learner, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:

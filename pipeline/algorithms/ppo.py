@@ -21,7 +21,6 @@ from actors.module import RLModule
 from pipeline.algorithm import Algorithm, register_algorithm
 from pipeline.algorithms.returns import gae
 from pipeline.config import AlgorithmConfig
-from protocols import nested
 from protocols.episode import EpisodeChunk
 
 
@@ -127,19 +126,11 @@ def ppo_update(learner: Learner, chunks: list[EpisodeChunk], timestep: int) -> d
                "value_targets": torch.as_tensor(targets, device=learner.device)}
     kl_coeff = learner.algo_state.setdefault("kl_coeff", cfg.kl_coeff)
     entropy_coeff = piecewise(cfg.entropy_coeff, timestep)
+    # The minibatch count comes from the config, not the shard size: data-parallel learners must
+    # take the same number of steps to meet at every gradient all-reduce.
     num_minibatches = -(-cfg.train_batch_size_per_learner // cfg.minibatch_size)
-    sums: dict[str, float] = {}
-    count = 0
-    for _ in range(cfg.num_epochs):
-        for idx in learner.minibatches(len(b), cfg.minibatch_size, num_minibatches):
-            idx_t = torch.as_tensor(idx, device=learner.device)
-            mb = nested.map_structure(lambda t: t[idx_t], tensors)
-            loss, stats = ppo_loss(learner.module, mb, cfg, kl_coeff, entropy_coeff)
-            stats["gradients_global_norm"] = learner.apply_gradients(loss)
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            count += 1
-    out = {k: v / count for k, v in sums.items()}
+    out = learner.sgd(tensors, lambda mb: ppo_loss(learner.module, mb, cfg, kl_coeff, entropy_coeff),
+                      len(b), cfg.minibatch_size, num_minibatches, cfg.num_epochs)
     if cfg.use_kl_loss:
         kl = float(learner.allreduce_mean(np.array([out["mean_kl_loss"]]))[0])
         if kl > 2.0 * cfg.kl_target:
