@@ -77,4 +77,4 @@ def test_gaussian_actions_loss_is_finite_and_differentiable():
     batch = fake_batch(module)
     loss, stats = ppo_loss(module, batch, PPOConfig(), kl_coeff=0.2, entropy_coeff=0.01)
     loss.backward()
-    assert np.isfinite(float(loss)) and module.pi_head.weight.grad is not None
+    assert np.isfinite(float(loss.detach())) and module.pi_head.weight.grad is not None
