@@ -1,11 +1,18 @@
-"""ActorManager: a group of Ray actors that survives the death of its members.
+"""ActorManager: a group of stage instances that survives the death of its members.
 
-It tracks, per actor index, whether the actor is healthy and which requests are in flight. A call
-that fails (actor died, method raised, no answer within the timeout) marks the actor unhealthy
-and is reported to the caller as a failed result — never silently dropped. Unhealthy actors are
-then either recreated at the same index (and their state restored through ``on_restart``), or,
-when restarts are off and failures are ignored, left out while the healthy rest go on; with
-neither, the first failure raises ``ActorGroupError`` naming the actor and the cause.
+A group's members are Ray actors, or -- hosted in-process (``num_env_runners=0``, a local learner)
+-- plain objects in this process; the caller's code is the same either way: ``foreach_actor``
+calls a method on members and waits, ``submit``/``fetch_ready`` run requests asynchronously.
+In-process calls run at once, and an exception in one propagates to the caller with its traceback
+(serial mode is for debugging; there is no process to isolate a failure in).
+
+For Ray members the manager tracks, per actor index, whether the actor is healthy and which
+requests are in flight. A call that fails (actor died, method raised, no answer within the
+timeout) marks the actor unhealthy and is reported to the caller as a failed result -- never
+silently dropped. Unhealthy actors are then either recreated at the same index (and their state
+restored through ``on_restart``), or, when restarts are off and failures are ignored, left out
+while the healthy rest go on; with neither, the first failure raises ``ActorGroupError`` naming
+the actor and the cause.
 """
 from __future__ import annotations
 
@@ -39,8 +46,12 @@ class FaultToleranceSettings:
     ignore_failures: bool = False
     max_restarts: int = 1000
     restart_delay_s: float = 1.0
-    probe_timeout_s: float = 30.0
+    probe_timeout_s: float | None = 30.0
+    """A call not answered within this fails the actor; None waits as long as it takes."""
     max_requests_in_flight: int = 2
+    fatal_hint: str = ("Set restart_failed_env_runners=True to recreate failed runners, or "
+                       "ignore_env_runner_failures=True to go on without them.")
+    """Appended to the error raised when a member fails and neither restarts nor ignoring are on."""
 
 
 @dataclass
@@ -49,21 +60,32 @@ class _Member:
     healthy: bool = True
     restarts: int = 0
     failed_at: float = 0.0
-    in_flight: dict = field(default_factory=dict)  # ObjectRef -> tag
+    in_flight: dict = field(default_factory=dict)  # request -> tag
     last_error: str = ""
 
 
+class _Done:
+    """An in-process call's result, standing where a Ray ObjectRef would."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 class ActorManager:
-    def __init__(self, make_actor: Callable[[int, bool], Any], num_actors: int, settings: FaultToleranceSettings,
-                 on_restart: Callable[[int, Any], None] | None = None, name: str = "env runner") -> None:
-        """``make_actor(index, recreated)`` creates the Ray actor for an index (1-based, as RLlib numbers
-        runners); ``on_restart(index, handle)`` restores state into a recreated actor before it is used."""
+    def __init__(self, make_actor: Callable[[int, bool], Any], actor_ids: list[int], settings: FaultToleranceSettings,
+                 on_restart: Callable[[int, Any], None] | None = None, name: str = "env runner",
+                 in_process: bool = False) -> None:
+        """``make_actor(index, recreated)`` creates the member for an index (remote env runners are
+        numbered from 1, as RLlib numbers them; an in-process one is 0); ``on_restart(index,
+        handle)`` restores state into a recreated actor before it is used."""
         self.make_actor, self.settings, self.on_restart, self.name = make_actor, settings, on_restart, name
-        self.members: dict[int, _Member] = {i: _Member(make_actor(i, False)) for i in range(1, num_actors + 1)}
+        self.in_process = in_process
+        self.members: dict[int, _Member] = {i: _Member(make_actor(i, False)) for i in actor_ids}
         self.num_restarts = 0
         self.num_failures = 0
         self.num_dropped_results = 0
-        self.recently_restarted: list[int] = []
 
     # --- views --------------------------------------------------------------------------------
     def healthy_ids(self) -> list[int]:
@@ -73,22 +95,42 @@ class ActorManager:
         return len(self.healthy_ids())
 
     def handle(self, actor_id: int) -> Any:
+        """The Ray actor handle, or the object itself when hosted in-process."""
         return self.members[actor_id].handle
 
     def num_in_flight(self, actor_id: int) -> int:
         return len(self.members[actor_id].in_flight)
 
+    def share(self, value: Any) -> Any:
+        """``value`` as members should receive it when many read it: one ``ray.put`` (the object
+        ref goes to each), or the value itself in-process."""
+        return value if self.in_process else ray.put(value)
+
+    def _start(self, member: _Member, method: str, args: tuple, kwargs: dict) -> Any:
+        if self.in_process:
+            return _Done(getattr(member.handle, method)(*args, **kwargs))
+        return getattr(member.handle, method).remote(*args, **kwargs)
+
     # --- synchronous calls --------------------------------------------------------------------
     def foreach_actor(self, method: str, *args: Any, actor_ids: list[int] | None = None,
-                      timeout_s: float | None = None, **kwargs: Any) -> list[CallResult]:
-        """Call ``method`` on every (given) healthy actor and wait; failed calls come back with ok=False."""
+                      per_actor_args: dict[int, tuple] | None = None, timeout_s: float | None = None,
+                      **kwargs: Any) -> list[CallResult]:
+        """Call ``method`` on every (given) healthy actor and wait; failed calls come back with
+        ok=False. ``per_actor_args`` gives some actors their own positional arguments."""
         ids = [i for i in (actor_ids or self.healthy_ids()) if self.members[i].healthy]
-        refs = {getattr(self.members[i].handle, method).remote(*args, **kwargs): i for i in ids}
+        per_actor_args = per_actor_args or {}
+        refs = {}
+        for i in ids:
+            refs[self._start(self.members[i], method, per_actor_args.get(i, args), kwargs)] = i
         return self._collect(refs, timeout_s if timeout_s is not None else self.settings.probe_timeout_s)
 
-    def _collect(self, refs: dict, timeout_s: float) -> list[CallResult]:
+    def _collect(self, refs: dict, timeout_s: float | None) -> list[CallResult]:
         results: dict[int, CallResult] = {}
-        ready, not_ready = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        remote = [r for r in refs if not isinstance(r, _Done)]
+        ready, not_ready = ray.wait(remote, num_returns=len(remote), timeout=timeout_s) if remote else ([], [])
+        for ref in refs:
+            if isinstance(ref, _Done):
+                results[refs[ref]] = CallResult(refs[ref], True, ref.value)
         for ref in ready:
             i = refs[ref]
             try:
@@ -111,8 +153,9 @@ class ActorManager:
         started = 0
         for i in actor_ids or self.healthy_ids():
             m = self.members[i]
-            if m.healthy and len(m.in_flight) < self.settings.max_requests_in_flight:
-                m.in_flight[getattr(m.handle, method).remote(*args, **kwargs)] = tag
+            # in-process requests are done when submitted: they hold no slot
+            if m.healthy and (self.in_process or len(m.in_flight) < self.settings.max_requests_in_flight):
+                m.in_flight[self._start(m, method, args, kwargs)] = tag
                 started += 1
         return started
 
@@ -120,11 +163,17 @@ class ActorManager:
         refs = {ref: i for i, m in self.members.items() for ref in m.in_flight}
         if not refs:
             return []
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        remote = [r for r in refs if not isinstance(r, _Done)]
+        ready = [r for r in refs if isinstance(r, _Done)]
+        if remote:
+            ready += ray.wait(remote, num_returns=len(remote), timeout=timeout_s)[0]
         out = []
         for ref in ready:
             i = refs[ref]
             tag = self.members[i].in_flight.pop(ref, None)
+            if isinstance(ref, _Done):
+                out.append(CallResult(i, True, ref.value, tag=tag))
+                continue
             try:
                 out.append(CallResult(i, True, ray.get(ref), tag=tag))
             except RayError as err:
@@ -132,7 +181,31 @@ class ActorManager:
                 self._mark_failed(i, err)
         return out
 
-    # --- failure handling ---------------------------------------------------------------------
+    # --- start-up and failure handling --------------------------------------------------------
+    def check_started(self, timeout_s: float, what: str) -> None:
+        """Surface construction errors (a broken env creator, unplaceable actors) at build time,
+        as one clear error, instead of as a loop of restarts. ``what`` says what each member
+        needs (named in the error when they cannot be placed)."""
+        if self.in_process:
+            return
+        refs = {m.handle.ping.remote(): i for i, m in self.members.items()}
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        try:
+            if pending:
+                raise RuntimeError(
+                    f"{self.name}(s) {sorted(refs[r] for r in pending)} did not start within {timeout_s:.0f} s; "
+                    f"the cluster has {ray.available_resources()} available for {len(refs)} {self.name}s needing "
+                    f"{what} each. Lower their number or resources, or add nodes.")
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayError as err:
+                    cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                    raise RuntimeError(f"{self.name} {refs[ref]} failed to start: {cause}") from None
+        except RuntimeError:
+            self.stop()
+            raise
+
     def _mark_failed(self, actor_id: int, err: BaseException, kill: bool = False) -> None:
         m = self.members[actor_id]
         if not m.healthy:
@@ -143,21 +216,15 @@ class ActorManager:
         m.in_flight.clear()
         log.warning("%s %d failed: %s", self.name, actor_id, m.last_error)
         if kill:  # a hung actor would hold its resources (and maybe a half-sent request) forever
-            try:
-                ray.kill(m.handle, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            _kill(m.handle)
         s = self.settings
         if not s.restart_failed and not s.ignore_failures:
-            raise ActorGroupError(
-                f"{self.name} {actor_id} failed: {m.last_error}. Set restart_failed_env_runners=True to recreate "
-                f"failed runners, or ignore_env_runner_failures=True to go on without them."
-            ) from err
+            raise ActorGroupError(f"{self.name} {actor_id} failed: {m.last_error}. {s.fatal_hint}".rstrip()) from err
 
     def probe_unhealthy_and_restart(self, force: bool = False) -> list[int]:
         """Recreate failed actors whose restart delay has passed; returns the indices recreated."""
         s = self.settings
-        restarted = []
+        restarted: list[int] = []
         if not s.restart_failed:
             if not s.ignore_failures and any(not m.healthy for m in self.members.values()):
                 bad = [i for i, m in self.members.items() if not m.healthy]
@@ -172,20 +239,14 @@ class ActorManager:
                 if not s.ignore_failures and not self.healthy_ids():
                     raise ActorGroupError(f"{self.name} {i} exceeded max restarts ({s.max_restarts}): {m.last_error}")
                 continue
-            try:
-                ray.kill(m.handle, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            _kill(m.handle)
             handle = self.make_actor(i, True)
             try:
                 ray.get(handle.ping.remote(), timeout=s.probe_timeout_s)
                 if self.on_restart is not None:
                     self.on_restart(i, handle)
             except (RayError, GetTimeoutError) as err:
-                try:  # the replacement did not come up: free its resources before the next try
-                    ray.kill(handle, no_restart=True)
-                except Exception:  # noqa: BLE001
-                    pass
+                _kill(handle)  # the replacement did not come up: free its resources before the next try
                 m.failed_at, m.last_error = time.monotonic(), _describe(err)
                 m.restarts += 1
                 continue
@@ -193,7 +254,6 @@ class ActorManager:
             self.num_restarts += 1
             restarted.append(i)
             log.warning("%s %d recreated (restart #%d)", self.name, i, m.restarts + 1)
-        self.recently_restarted.extend(restarted)
         return restarted
 
     def probe_health(self) -> list[int]:
@@ -206,12 +266,20 @@ class ActorManager:
         return next((m.last_error for m in self.members.values() if m.last_error), "unknown")
 
     def stop(self) -> None:
+        """In-process members are stopped (``stop()``); Ray actors are killed."""
         for m in self.members.values():
-            try:
-                ray.kill(m.handle, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            if self.in_process:
+                m.handle.stop()
+            else:
+                _kill(m.handle)
         self.members.clear()
+
+
+def _kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 def _describe(err: BaseException) -> str:

@@ -1,5 +1,5 @@
 """runnel's driver side and user API: configs, algorithms, checkpoints, the CLI."""
-from pipeline.algorithm import Algorithm, get_algorithm, register_algorithm
+from pipeline.algorithm import Algorithm
 from pipeline.algorithms.appo import APPO, APPOConfig
 from pipeline.algorithms.impala import IMPALA, IMPALAConfig
 from pipeline.algorithms.ppo import PPO, PPOConfig
@@ -7,6 +7,7 @@ from pipeline.callbacks import Callbacks
 from pipeline.checkpoint import CheckpointError
 from pipeline.config import AlgorithmConfig, ConfigError
 from pipeline.envs import register_env
+from pipeline.registry import get_algorithm, register_algorithm
 
 __all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "Callbacks", "CheckpointError", "ConfigError",
            "IMPALA", "IMPALAConfig", "PPO", "PPOConfig",

@@ -1,54 +1,52 @@
-"""Algorithm: wires env runners and learners, runs training iterations, saves and restores.
+"""Algorithm: builds the stages a config asks for, runs training iterations, saves and restores.
 
-An algorithm file subclasses it and implements ``training_step()`` (how the stages are driven in
-one step) and ``update_fn`` (what a learner does with a batch). Everything else — building the
-stages, metrics, stop criteria, checkpoints, computing actions — is shared here.
+An algorithm contributes only its pieces (see ``pipeline/algorithms/ppo.py``):
+
+* ``config_class`` -- its settings; ``learner_class`` -- what a learner does with a batch (and,
+  through its ``module_class``, the network every stage carries);
+* ``training_step()`` -- its plan: which groups are asked for what, how often (PPO's is a few
+  lines; IMPALA and APPO hand it to the reusable ``AsyncPlan``, built in ``build_plan()``).
+
+Everything else is shared here: the env runner and learner groups (``setup``), the metrics logger
+that every stage reports into and every result is reduced from, stop conditions of an iteration,
+checkpoints, and computing actions.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from collections import deque
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import ray
 import torch
 
-from actors.env_runner import EnvRunnerSettings
+from actors.env import EnvRunnerSettings
+from actors.learner import Learner
 from actors.manager import FaultToleranceSettings
-from actors.module import RLModule, to_torch
+from actors.metrics import MetricsLogger
+from actors.modules import ModuleSpec, RLModule, to_torch
+from actors.env.actions import EnvActions
+from actors.env.exploration import make_exploration
 from pipeline.callbacks import Callbacks
 from pipeline.checkpoint import CheckpointError, read_checkpoint, read_manifest, write_checkpoint
 from pipeline.config import AlgorithmConfig, ConfigError, resolve_import_path
 from pipeline.env_runner_group import EnvRunnerGroup
 from pipeline.envs import env_creator, probe_spaces
 from pipeline.learner_group import LearnerGroup
+from pipeline.registry import get_algorithm
 from protocols import nested
+from protocols.spaces import space_to_dict
+from protocols.transport import compress_by_default
 
 log = logging.getLogger("runnel")
 
-_ALGORITHMS: dict[str, tuple[type[AlgorithmConfig], type["Algorithm"]]] = {}
-
-
-def register_algorithm(name: str, config_cls: type[AlgorithmConfig], algo_cls: type["Algorithm"]) -> None:
-    _ALGORITHMS[name] = (config_cls, algo_cls)
-
-
-def algorithm_class_for(config_cls: type[AlgorithmConfig]) -> type["Algorithm"]:
-    for c, a in _ALGORITHMS.values():
-        if c is config_cls:
-            return a
-    raise ConfigError(f"{config_cls.__name__} belongs to no registered algorithm; known: {sorted(_ALGORITHMS)}")
-
-
-def get_algorithm(name: str) -> tuple[type[AlgorithmConfig], type["Algorithm"]]:
-    key = {k.upper(): k for k in _ALGORITHMS}.get(name.upper())
-    if key is None:
-        raise ConfigError(f"unknown algorithm {name!r}; available: {sorted(_ALGORITHMS)}")
-    return _ALGORITHMS[key]
+COUNTERS = {"num_env_steps_sampled_lifetime": "env_runners/num_env_steps_sampled_lifetime",
+            "num_env_steps_trained_lifetime": "learners/__all_modules__/num_env_steps_trained_lifetime",
+            "num_episodes_lifetime": "env_runners/num_episodes_lifetime"}
+"""The lifetime counters of a run (``algo.counters``), and where the metrics logger keeps them."""
 
 
 def init_ray_if_needed(config: AlgorithmConfig) -> None:
@@ -75,10 +73,16 @@ def lookup(result: dict, path: str) -> Any:
 
 
 class Algorithm:
-    config_class: type[AlgorithmConfig] = AlgorithmConfig
-    update_fn: Callable = None  # set by each algorithm file
+    config_class: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
+    learner_class: ClassVar[type[Learner]] = Learner
 
     def __init__(self, config: AlgorithmConfig, logdir: str | None = None) -> None:
+        self.logdir = logdir
+        self.setup(config)
+
+    # --- building -------------------------------------------------------------------------------
+    def setup(self, config: AlgorithmConfig) -> None:
+        """Build every stage ``config`` asks for (the name and signature of Tune's ``Trainable.setup``)."""
         config.validate()
         self.config = config
         logging.getLogger("runnel").setLevel("WARNING" if config.log_level == "WARN" else config.log_level)
@@ -86,50 +90,72 @@ class Algorithm:
             np.random.seed(config.seed)
             torch.manual_seed(config.seed)
         self.name = type(self).__name__
-        self.logdir = logdir
-        creator = env_creator(config.env)
+        self.env_creator = env_creator(config.env)
         obs_space, act_space = config.observation_space, config.action_space
         if obs_space is None or act_space is None:
-            probed = probe_spaces(creator, config.env_config)
+            probed = probe_spaces(self.env_creator, config.env_config)
             obs_space, act_space = obs_space or probed[0], act_space or probed[1]
         self.observation_space, self.action_space = obs_space, act_space
+        self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class)
         try:  # fail here, in the driver, with the space named, not later inside an actor
-            self.module = RLModule(obs_space, act_space, config.model_config)
+            self.module = self.module_spec.build()
         except ValueError as err:
             raise ConfigError(str(err)) from err
+        self._module_version = -1  # weights version self.module holds (refreshed by compute_actions)
+        self.env_actions = EnvActions(act_space, config.normalize_actions, config.clip_actions)
+        self.exploration = make_exploration({}, self.module.dist_spec)
         self.callbacks = self._make_callbacks()
         if config.num_env_runners > 0 or config.num_learners > 0:
             init_ray_if_needed(config)
-        self.ft_settings = FaultToleranceSettings(
-            restart_failed=config.restart_failed_env_runners, ignore_failures=config.ignore_env_runner_failures,
-            max_restarts=config.max_num_env_runner_restarts, restart_delay_s=config.delay_between_env_runner_restarts_s,
-            probe_timeout_s=config.env_runner_health_probe_timeout_s,
-            max_requests_in_flight=getattr(config, "max_requests_in_flight_per_env_runner", 2),
-        )
-        self.runner_settings = EnvRunnerSettings(
-            env_creator=creator, env_config=config.env_config, num_envs=config.num_envs_per_env_runner,
-            vectorize_mode=config.gym_env_vectorize_mode, rollout_fragment_length=config.get_rollout_fragment_length(),
-            batch_mode=config.batch_mode, explore=config.explore, model_config=config.model_config,
-            observation_space=obs_space, action_space=act_space, clip_rewards=config.clip_rewards,
-            normalize_actions=config.normalize_actions, clip_actions=config.clip_actions, seed=config.seed,
-            num_env_runners=config.num_env_runners,
-            restart_failed_sub_environments=config.restart_failed_sub_environments,
-        )
-        self.learner_group = LearnerGroup(config, obs_space, act_space, type(self).update_fn)
-        self.env_runner_group = EnvRunnerGroup(
-            self.runner_settings, config.num_env_runners, config.num_cpus_per_env_runner, self.ft_settings,
-            on_recreated=lambda ids: self._on_recreated(self.env_runner_group, ids, False),
-        )
-        self.weights_version = 0
+        self.metrics = MetricsLogger()
         self.iteration = 0
         self.time_total_s = 0.0
-        self.counters = {"num_env_steps_sampled_lifetime": 0, "num_env_steps_trained_lifetime": 0,
-                         "num_episodes_lifetime": 0}
-        self._returns: deque = deque(maxlen=config.metrics_num_episodes_for_smoothing)
-        self._lengths: deque = deque(maxlen=config.metrics_num_episodes_for_smoothing)
-        self.setup()
+        self.learner_group: LearnerGroup | None = None
+        self.env_runner_group: EnvRunnerGroup | None = None
+        self.plan: Any = None
+        try:
+            self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space)
+            self.env_runner_group = EnvRunnerGroup(
+                self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
+                self.fault_tolerance_settings(), compress_frames=self.compress_frames(),
+                on_recreated=lambda ids: self.callbacks.on_env_runners_recreated(
+                    algorithm=self, env_runner_group=self.env_runner_group, env_runner_indices=ids,
+                    is_evaluation=False))
+            self.plan = self.build_plan()
+        except BaseException:
+            self.stop()
+            raise
         self.sync_weights()
         self.callbacks.on_algorithm_init(algorithm=self)
+
+    def env_runner_settings(self) -> EnvRunnerSettings:
+        c = self.config
+        return EnvRunnerSettings(
+            env_creator=self.env_creator, env_config=c.env_config, num_envs=c.num_envs_per_env_runner,
+            vectorize_mode=c.gym_env_vectorize_mode, rollout_fragment_length=c.get_rollout_fragment_length(),
+            batch_mode=c.batch_mode, explore=c.explore, module_class=self.learner_class.module_class,
+            model_config=c.model_config,
+            observation_space=self.observation_space, action_space=self.action_space, clip_rewards=c.clip_rewards,
+            normalize_actions=c.normalize_actions, clip_actions=c.clip_actions, seed=c.seed,
+            num_env_runners=c.num_env_runners, restart_failed_sub_environments=c.restart_failed_sub_environments,
+            metrics_window=c.metrics_num_episodes_for_smoothing,
+        )
+
+    def fault_tolerance_settings(self) -> FaultToleranceSettings:
+        c = self.config
+        return FaultToleranceSettings(
+            restart_failed=c.restart_failed_env_runners, ignore_failures=c.ignore_env_runner_failures,
+            max_restarts=c.max_num_env_runner_restarts, restart_delay_s=c.delay_between_env_runner_restarts_s,
+            probe_timeout_s=c.env_runner_health_probe_timeout_s,
+            max_requests_in_flight=getattr(c, "max_requests_in_flight_per_env_runner", 2))
+
+    def compress_frames(self) -> bool:
+        """LZ4 for chunk frames: as configured (``stream_compress`` where an algorithm has it), or
+        by the observations' dtype ("auto")."""
+        setting = getattr(self.config, "stream_compress", "auto")
+        if setting != "auto":
+            return bool(setting)
+        return compress_by_default(space_to_dict(self.observation_space))
 
     def _make_callbacks(self) -> Callbacks:
         cls = self.config.callbacks_class
@@ -139,109 +165,30 @@ class Algorithm:
             cls = resolve_import_path(cls, "callbacks_class")
         return cls()
 
-    def _on_recreated(self, group: EnvRunnerGroup, ids: list[int], is_evaluation: bool) -> None:
-        self.callbacks.on_env_runners_recreated(algorithm=self, env_runner_group=group, env_runner_indices=ids,
-                                                is_evaluation=is_evaluation)
+    # --- what an algorithm provides -----------------------------------------------------------
+    def build_plan(self) -> Any:
+        """Stages beyond the env runner and learner groups that ``training_step`` drives (streams,
+        a circular buffer...); None when it needs none."""
+        return None
 
-    # --- to be provided by an algorithm -------------------------------------------------------
-    def setup(self) -> None:
-        """Build extra stages (streams, replay...). Runs before the first weight sync."""
-
-    def training_step(self) -> dict[str, Any]:
-        """One round of sampling and learning; returns learner stats. Must update ``self.counters``."""
+    def training_step(self) -> None:
+        """One round of sampling and learning; reports what happened into ``self.metrics``."""
         raise NotImplementedError
 
-    # --- shared machinery ---------------------------------------------------------------------
+    # --- weights ------------------------------------------------------------------------------
+    @property
+    def weights_version(self) -> int:
+        return self.learner_group.weights_version
+
+    @weights_version.setter
+    def weights_version(self, version: int) -> None:
+        self.learner_group.weights_version = version
+
     def sync_weights(self) -> None:
+        """Send the learner's current weights to every env runner and wait until they have them."""
         weights = self.learner_group.get_weights(inference_only=True)
         self.env_runner_group.sync_weights(weights, self.weights_version)
-        if self.learner_group.local is None:
-            self.module.set_state(self.learner_group.get_weights())
 
-    def record_runner_metrics(self, metrics: list[dict]) -> int:
-        """Fold runner metrics into the smoothing window; returns the number of new episodes."""
-        new = 0
-        for m in metrics:
-            self._returns.extend(m["episode_returns"])
-            self._lengths.extend(m["episode_lengths"])
-            new += len(m["episode_returns"])
-        self.counters["num_episodes_lifetime"] += new
-        return new
-
-    def train(self) -> dict[str, Any]:
-        """Run training steps until the iteration's minimum time/steps are reached; return results."""
-        t0 = time.perf_counter()
-        c = self.config
-        sampled0 = self.counters["num_env_steps_sampled_lifetime"]
-        trained0 = self.counters["num_env_steps_trained_lifetime"]
-        stats: dict[str, Any] = {}
-        timers = {"training_step": 0.0}
-        steps = new_episodes = 0
-        while True:
-            ts = time.perf_counter()
-            stats = self.training_step()
-            timers["training_step"] += time.perf_counter() - ts
-            steps += 1
-            new_episodes += stats.get("_new_episodes", 0)
-            elapsed = time.perf_counter() - t0
-            if ((c.min_time_s_per_iteration is None or elapsed >= c.min_time_s_per_iteration)
-                    and self.counters["num_env_steps_sampled_lifetime"] - sampled0 >= c.min_sample_timesteps_per_iteration
-                    and self.counters["num_env_steps_trained_lifetime"] - trained0 >= c.min_train_timesteps_per_iteration):
-                break
-        self.iteration += 1
-        dt = time.perf_counter() - t0
-        self.time_total_s += dt
-        stats["_new_episodes"] = new_episodes
-        result = self._result(stats, timers, dt, self.counters["num_env_steps_sampled_lifetime"] - sampled0,
-                              self.counters["num_env_steps_trained_lifetime"] - trained0, steps)
-        self.callbacks.on_train_result(algorithm=self, result=result)
-        return result
-
-    def _result(self, stats: dict, timers: dict, dt: float, sampled: int, trained: int, steps: int) -> dict:
-        returns = np.asarray(self._returns, np.float64)
-        lengths = np.asarray(self._lengths, np.float64)
-        nan = float("nan")
-        learner_stats = {k: v for k, v in stats.items() if not k.startswith("_")}
-        group = self.env_runner_group
-        result = {
-            "env_runners": {
-                "episode_return_mean": float(returns.mean()) if len(returns) else nan,
-                "episode_return_min": float(returns.min()) if len(returns) else nan,
-                "episode_return_max": float(returns.max()) if len(returns) else nan,
-                "episode_len_mean": float(lengths.mean()) if len(lengths) else nan,
-                "num_episodes": int(stats.get("_new_episodes", 0)),
-                "num_env_steps_sampled": sampled,
-                "num_env_steps_sampled_lifetime": self.counters["num_env_steps_sampled_lifetime"],
-                "num_episodes_lifetime": self.counters["num_episodes_lifetime"],
-            },
-            "learners": {"default_policy": learner_stats,
-                         "__all_modules__": {"num_env_steps_trained": trained,
-                                             "num_env_steps_trained_lifetime": self.counters["num_env_steps_trained_lifetime"],
-                                             "weights_version": self.weights_version}},
-            "fault_tolerance": {
-                "num_healthy_workers": group.num_healthy() if group.num_runners else 0,
-                "num_remote_worker_restarts": group.manager.num_restarts if group.manager else 0,
-                "num_remote_worker_failures": group.manager.num_failures if group.manager else 0,
-                "num_dropped_requests": group.manager.num_dropped_results if group.manager else 0,
-                "num_sub_env_restarts": int(sum(group.sub_env_restarts.values())),
-            },
-            "timers": {k: v / steps for k, v in timers.items()} | {k[7:]: v for k, v in stats.items() if k.startswith("_timer_")},
-            "num_env_steps_sampled_lifetime": self.counters["num_env_steps_sampled_lifetime"],
-            "num_env_steps_trained_lifetime": self.counters["num_env_steps_trained_lifetime"],
-            "num_episodes_lifetime": self.counters["num_episodes_lifetime"],
-            "num_env_steps_sampled_per_s": sampled / dt if dt > 0 else 0.0,
-            "num_training_step_calls_per_iteration": steps,
-            "training_iteration": self.iteration,
-            "time_this_iter_s": dt,
-            "time_total_s": self.time_total_s,
-            "timestamp": int(time.time()),
-        }
-        for k, v in stats.items():
-            if k.startswith("_result_"):  # algorithm-specific top-level sections
-                result[k[8:]] = v
-        return result
-
-    # --- weights and actions ------------------------------------------------------------------
     def get_weights(self) -> dict[str, np.ndarray]:
         return self.learner_group.get_weights()
 
@@ -250,25 +197,80 @@ class Algorithm:
         self.weights_version += 1
         self.sync_weights()
 
+    # --- training -----------------------------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, int]:
+        return {name: self.metrics.peek(key, 0) for name, key in COUNTERS.items()}
+
+    def train(self) -> dict[str, Any]:
+        """Run training steps until the iteration's minimum time/steps are reached; return results."""
+        t0 = time.perf_counter()
+        c = self.config
+        sampled0, trained0 = (self.counters[k] for k in ("num_env_steps_sampled_lifetime",
+                                                          "num_env_steps_trained_lifetime"))
+        steps = 0
+        while True:
+            with self.metrics.log_time("timers/training_step"):
+                self.training_step()
+            steps += 1
+            elapsed = time.perf_counter() - t0
+            counters = self.counters
+            if ((c.min_time_s_per_iteration is None or elapsed >= c.min_time_s_per_iteration)
+                    and counters["num_env_steps_sampled_lifetime"] - sampled0 >= c.min_sample_timesteps_per_iteration
+                    and counters["num_env_steps_trained_lifetime"] - trained0 >= c.min_train_timesteps_per_iteration):
+                break
+        self.iteration += 1
+        dt = time.perf_counter() - t0
+        self.time_total_s += dt
+        result = self._result(dt, steps)
+        self.callbacks.on_train_result(algorithm=self, result=result)
+        return result
+
+    def _result(self, dt: float, steps: int) -> dict[str, Any]:
+        self.env_runner_group.log_fault_tolerance(self.metrics)
+        result = self.metrics.reduce()
+        nan = float("nan")
+        env = result.setdefault("env_runners", {})
+        for key in ("episode_return_mean", "episode_return_min", "episode_return_max", "episode_len_mean"):
+            env.setdefault(key, nan)
+        for key in ("num_episodes", "num_env_steps_sampled", "num_env_steps_sampled_lifetime", "num_episodes_lifetime"):
+            env.setdefault(key, 0)
+        learners = result.setdefault("learners", {})
+        learners.setdefault("default_policy", {})
+        all_modules = learners.setdefault("__all_modules__", {})
+        all_modules.setdefault("num_env_steps_trained", 0)
+        all_modules.setdefault("num_env_steps_trained_lifetime", 0)
+        all_modules.setdefault("num_updates", 0)
+        all_modules["weights_version"] = self.weights_version
+        return result | {
+            "num_env_steps_sampled_lifetime": env["num_env_steps_sampled_lifetime"],
+            "num_env_steps_trained_lifetime": all_modules["num_env_steps_trained_lifetime"],
+            "num_episodes_lifetime": env["num_episodes_lifetime"],
+            "num_env_steps_sampled_per_s": env["num_env_steps_sampled"] / dt if dt > 0 else 0.0,
+            "num_env_steps_trained_per_s": all_modules["num_env_steps_trained"] / dt if dt > 0 else 0.0,
+            "num_learner_updates": all_modules["num_updates"],
+            "num_training_step_calls_per_iteration": steps,
+            "training_iteration": self.iteration,
+            "time_this_iter_s": dt,
+            "time_total_s": self.time_total_s,
+            "timestamp": int(time.time()),
+        }
+
+    # --- actions ------------------------------------------------------------------------------
     def _inference_module(self) -> RLModule:
-        if self.learner_group.local is not None:
-            return self.learner_group.local.module
+        if self._module_version != self.weights_version:
+            self.module.set_state(self.learner_group.get_weights())
+            self._module_version = self.weights_version
         return self.module
 
     def compute_actions(self, obs: Any, explore: bool = False) -> np.ndarray:
         """A batch of observations (leading batch dim, nested like the space) -> a batch of env actions."""
         module = self._inference_module()
-        device = next(module.parameters()).device
         with torch.inference_mode():
-            t_obs = to_torch(nested.map_structure(np.asarray, obs), device)
+            t_obs = to_torch(nested.map_structure(np.asarray, obs))
             dist = module.action_dist(module.forward_inference(t_obs)["action_dist_inputs"])
-            actions = (dist.sample() if explore else dist.deterministic()).cpu().numpy()
-        if module.dist_spec.kind == "gaussian" and self.config.normalize_actions:
-            low, high = self.action_space.low, self.action_space.high
-            actions = low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (high - low)
-        elif module.dist_spec.kind == "gaussian" and self.config.clip_actions:
-            actions = np.clip(actions, self.action_space.low, self.action_space.high)
-        return module.dist_spec.to_env(actions)
+            actions = self.exploration.actions(dist, explore, self.counters["num_env_steps_sampled_lifetime"])
+        return self.env_actions(actions.numpy())
 
     def compute_single_action(self, obs: Any, explore: bool = False) -> Any:
         """One observation (no batch dim) -> one action the env accepts."""
@@ -287,9 +289,19 @@ class Algorithm:
         return os.path.join(root, f"checkpoint_{self.iteration:06d}")
 
     def get_state(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "time_total_s": self.time_total_s, "counters": dict(self.counters),
-                "weights_version": self.weights_version, "episode_returns": list(self._returns),
-                "episode_lengths": list(self._lengths), "numpy_rng": _np_rng_state()}
+        """The driver's own state (plain data): iteration, time, weights version, metrics, numpy RNG."""
+        return {"iteration": self.iteration, "time_total_s": self.time_total_s,
+                "weights_version": self.weights_version, "metrics": self.metrics.get_state(),
+                "numpy_rng": _np_rng_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+        self.time_total_s = float(state["time_total_s"])
+        self.weights_version = int(state["weights_version"])
+        self.metrics.set_state(state["metrics"])
+        if state.get("numpy_rng"):
+            name, keys, pos, has_gauss, cached = state["numpy_rng"]
+            np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, cached))
 
     def save(self, checkpoint_dir: str | None = None) -> str:
         """Write a checkpoint directory (atomically) and return its path."""
@@ -306,15 +318,7 @@ class Algorithm:
         if manifest["algorithm"] != self.name:
             raise CheckpointError(f"checkpoint {checkpoint_dir!r} is of {manifest['algorithm']}, not {self.name}")
         self.learner_group.set_state(learner_state)
-        self.iteration = int(state["iteration"])
-        self.time_total_s = float(state["time_total_s"])
-        self.counters.update(state["counters"])
-        self.weights_version = int(state["weights_version"])
-        self._returns.clear(), self._returns.extend(state["episode_returns"])
-        self._lengths.clear(), self._lengths.extend(state["episode_lengths"])
-        if state.get("numpy_rng"):
-            name, keys, pos, has_gauss, cached = state["numpy_rng"]
-            np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, cached))
+        self.set_state(state)
         self.sync_weights()
         self.callbacks.on_checkpoint_loaded(algorithm=self)
 
@@ -329,7 +333,11 @@ class Algorithm:
         config = config_cls.from_dict(config_dict)
         config.update_from_dict(kwargs)  # e.g. num_env_runners=0 to evaluate locally; typos fail in validate
         algo = algo_cls(config)
-        algo.restore(checkpoint_dir)
+        try:
+            algo.restore(checkpoint_dir)
+        except BaseException:
+            algo.stop()
+            raise
         return algo
 
     def evaluate_episodes(self, num_episodes: int, explore: bool = False, render: bool = False) -> dict[str, Any]:
@@ -339,9 +347,10 @@ class Algorithm:
         return run_episodes(self, num_episodes, explore=explore, render=render)
 
     def stop(self) -> None:
-        """Stop every actor this algorithm started (Ray itself stays up)."""
-        self.env_runner_group.stop()
-        self.learner_group.stop()
+        """Stop every actor and thread this algorithm started (Ray itself stays up)."""
+        for stage in (self.plan, self.env_runner_group, self.learner_group):
+            if stage is not None:
+                stage.stop()
 
     def __enter__(self) -> "Algorithm":
         return self
@@ -353,4 +362,3 @@ class Algorithm:
 def _np_rng_state() -> list:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-

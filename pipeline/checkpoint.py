@@ -4,8 +4,10 @@ Layout::
 
     manifest.json   format version, algorithm, runnel version, files
     config.json     the algorithm config (plain data; callables as import paths)
-    learner.pt      module + optimizer tensors and torch RNG (loaded with torch weights_only=True)
-    state.json      counters, episode-metric window, numpy RNG state, algorithm extras
+    learner.pt      module, target and optimizer tensors, the learner's named fields, RNGs
+                    (loaded with torch weights_only=True)
+    state.json      iteration, time, weights version, the metrics logger's state (counters and
+                    episode-metric windows), numpy RNG state
 
 The directory is written under a temporary name beside the target and renamed into place, so a
 crash while saving leaves the previous checkpoint at that path intact.
@@ -21,8 +23,8 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
-RUNNEL_VERSION = "0.1.0"
+FORMAT_VERSION = 2
+RUNNEL_VERSION = "0.2.0"
 MANIFEST = "manifest.json"
 
 

@@ -15,6 +15,8 @@ import importlib
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from actors.learner import LearnerSettings
+
 GROUPS: dict[str, tuple[str, ...]] = {
     "environment": ("env", "env_config", "observation_space", "action_space", "clip_rewards",
                     "normalize_actions", "clip_actions"),
@@ -49,6 +51,8 @@ class ConfigError(ValueError):
 @dataclass
 class AlgorithmConfig:
     algo_name: ClassVar[str] = "Algorithm"
+    algo_class: ClassVar[Any] = None
+    """The algorithm this config builds (set by ``pipeline.registry.register_algorithm``)."""
 
     # environment
     env: Any = None
@@ -110,7 +114,7 @@ class AlgorithmConfig:
 
     # rl_module
     model_config: dict = field(default_factory=dict)
-    """Default module settings (see ``actors.module.ModelConfig``: fcnet_hiddens, fcnet_activation, ...)."""
+    """Default module settings (see ``actors.modules.ModelConfig``: fcnet_hiddens, fcnet_activation, ...)."""
 
     # resources
     num_cpus_for_main_process: float = 1
@@ -266,19 +270,19 @@ class AlgorithmConfig:
                 problems.append(f"{key}={getattr(self, key)!r} is not one of {list(choices)}")
         for key in ("num_env_runners", "num_learners", "min_sample_timesteps_per_iteration",
                     "min_train_timesteps_per_iteration", "max_num_env_runner_restarts"):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+            if not is_int(getattr(self, key)) or getattr(self, key) < 0:
                 problems.append(f"{key} must be an int >= 0, got {getattr(self, key)!r}")
         for key in ("num_envs_per_env_runner", "train_batch_size_per_learner", "minibatch_size", "num_epochs",
                     "metrics_num_episodes_for_smoothing"):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
+            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
         rfl = self.rollout_fragment_length
-        if rfl != "auto" and (not _is_int(rfl) or rfl < 1):
+        if rfl != "auto" and (not is_int(rfl) or rfl < 1):
             problems.append(f"rollout_fragment_length must be 'auto' or an int >= 1, got {rfl!r}")
-        if not _is_number(self.gamma) or not 0.0 <= self.gamma <= 1.0:
+        if not is_number(self.gamma) or not 0.0 <= self.gamma <= 1.0:
             problems.append(f"gamma must be in [0, 1], got {self.gamma!r}")
-        problems += _check_schedule("lr", self.lr)
-        if self.grad_clip is not None and (not _is_number(self.grad_clip) or self.grad_clip <= 0):
+        problems += check_schedule("lr", self.lr)
+        if self.grad_clip is not None and (not is_number(self.grad_clip) or self.grad_clip <= 0):
             problems.append(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
         if self.env is None:
             problems.append("no environment: call .environment('CartPole-v1') (a gymnasium id, a registered name, "
@@ -286,6 +290,10 @@ class AlgorithmConfig:
         if not isinstance(self.model_config, dict):
             problems.append(f"model_config must be a dict, got {type(self.model_config).__name__}")
         return problems
+
+    def learner_settings(self) -> LearnerSettings:
+        return LearnerSettings(lr=self.lr, grad_clip=self.grad_clip, grad_clip_by=self.grad_clip_by, seed=self.seed,
+                               model_config=self.model_config)
 
     def get_rollout_fragment_length(self) -> int:
         if self.rollout_fragment_length != "auto":
@@ -296,23 +304,24 @@ class AlgorithmConfig:
 
     def build(self, **kwargs: Any):
         """Validate and build the algorithm this config belongs to."""
-        from pipeline.algorithm import algorithm_class_for
-
+        if self.algo_class is None:
+            raise ConfigError(f"{type(self).__name__} belongs to no algorithm; use an algorithm's config "
+                              f"(PPOConfig, IMPALAConfig, APPOConfig...)")
         self.validate()
-        return algorithm_class_for(type(self))(self.copy(), **kwargs)
+        return self.algo_class(self.copy(), **kwargs)
 
     build_algo = build
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _check_schedule(name: str, value: Any) -> list[str]:
+def check_schedule(name: str, value: Any) -> list[str]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return [] if value >= 0 else [f"{name} must be >= 0, got {value!r}"]
     ok = isinstance(value, (list, tuple)) and value and all(

@@ -1,89 +1,110 @@
-"""EnvRunnerGroup: the driver's handle on its env runners, local or remote.
+"""EnvRunnerGroup: the driver's handle on its env runners, in-process or remote, one code path.
 
-With ``num_env_runners=0`` one EnvRunner samples in the driver process. Otherwise the runners are
-Ray actors owned by an ActorManager, which recreates dead ones and restores their weights.
+With ``num_env_runners=0`` one EnvRunner samples in the driver process; otherwise the runners are
+Ray actors. Either way an ``ActorManager`` hosts them, and the group only says what to ask:
+
+* synchronous sampling (``sample``): each healthy runner samples its share and returns one codec
+  frame with its metrics; a runner that fails mid-request is counted and replaced, and its share
+  is re-requested from the rest, so no batch comes up short;
+* weights (``sync_weights``): one ``ray.put``, read by every runner; a recreated runner gets the
+  latest weights before it is used again;
+* streaming (``start_streaming``/``poll``/``stop_streaming``): runners sample in their own
+  threads and push frames to a receiver; ``poll`` folds their metrics, probes runners that stopped
+  answering, recreates failed ones and sets them streaming again -- without ever waiting on a
+  healthy runner.
+
+Runner metrics (``EnvRunner.get_metrics()``) are merged into the driver's ``MetricsLogger``: bare
+keys under ``env_runners/``, ``section/key`` keys under their own section (``fault_tolerance/``,
+``stream/``).
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
 import ray
 
-from actors.env_runner import EnvRunner, EnvRunnerSettings
+from actors.env import EnvRunner, EnvRunnerSettings
 from actors.manager import ActorManager, FaultToleranceSettings
+from actors.metrics import MetricsLogger
+from protocols.codec import decode
 from protocols.episode import EpisodeChunk
+
+log = logging.getLogger("runnel")
 
 
 class EnvRunnerGroup:
     def __init__(self, settings: EnvRunnerSettings, num_env_runners: int, num_cpus_per_env_runner: float,
-                 fault_tolerance: FaultToleranceSettings, on_recreated: Callable[[list[int]], None] | None = None) -> None:
+                 fault_tolerance: FaultToleranceSettings, *, compress_frames: bool = False,
+                 on_recreated: Callable[[list[int]], None] | None = None) -> None:
         self.settings = settings
-        self.local = EnvRunner(settings, worker_index=0) if num_env_runners == 0 else None
-        self.manager: ActorManager | None = None
-        self._weights_ref: Any = None
-        self._weights_version = 0
+        self.compress_frames = compress_frames
         self.on_recreated = on_recreated
-        self.sub_env_restarts: dict[int, int] = {}
-        self.dropped_requests = 0
-        if num_env_runners > 0:
+        if num_env_runners == 0:
+            make: Callable[[int, bool], Any] = lambda i, recreated: EnvRunner(settings, i, recreated)  # noqa: E731
+        else:
             remote_cls = ray.remote(num_cpus=num_cpus_per_env_runner, max_restarts=0)(EnvRunner)
-            self.manager = ActorManager(
-                lambda i, recreated: remote_cls.remote(settings, worker_index=i, recreated=recreated), num_env_runners, fault_tolerance,
-                on_restart=self._restore, name="env runner",
-            )
-            self._check_started(max(120.0, fault_tolerance.probe_timeout_s))
+            make = lambda i, recreated: remote_cls.remote(settings, worker_index=i, recreated=recreated)  # noqa: E731
+        ids = [0] if num_env_runners == 0 else list(range(1, num_env_runners + 1))
+        self.manager = ActorManager(make, ids, fault_tolerance, on_restart=self._restore, name="env runner",
+                                    in_process=num_env_runners == 0)
+        self.manager.check_started(max(120.0, fault_tolerance.probe_timeout_s or 0.0),
+                                   f"num_cpus_per_env_runner={num_cpus_per_env_runner}")
+        self._weights: Any = None  # what a recreated runner gets (an object ref, or the dict in-process)
+        self._weights_version = 0
+        self._stream_args: dict[str, Any] | None = None
+        self._streaming: set[int] = set()  # runners told to stream
+        self._metrics_pending: set[int] = set()  # runners with a get_metrics request in flight
+        self._last_answer: dict[int, float] = {}  # runner -> when it last answered any request
+        self._last_metrics_at = 0.0
+        self._ft_logged = {"num_remote_worker_restarts": 0, "num_remote_worker_failures": 0,
+                           "num_dropped_requests": 0}  # manager counts already in the metrics
 
-    def _check_started(self, timeout_s: float) -> None:
-        """Surface construction errors (a broken env creator, unplaceable actors) at build time,
-        as one clear error, instead of as a loop of restarts."""
-        refs = {m.handle.ping.remote(): i for i, m in self.manager.members.items()}
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        try:
-            if pending:
-                raise RuntimeError(
-                    f"env runner(s) {sorted(refs[r] for r in pending)} did not start within {timeout_s:.0f} s; "
-                    f"the cluster has {ray.available_resources()} available for {len(refs)} runners needing "
-                    f"num_cpus_per_env_runner each. Lower num_env_runners or add nodes.")
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError as err:
-                    cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-                    raise RuntimeError(f"env runner {refs[ref]} failed to start: {cause}") from None
-        except RuntimeError:
-            self.stop()
-            raise
+    # --- views --------------------------------------------------------------------------------
+    @property
+    def local(self) -> EnvRunner | None:
+        """The in-process runner (``num_env_runners=0``), for debugging; None with remote runners."""
+        return self.manager.handle(0) if self.manager.in_process else None
 
     @property
     def num_runners(self) -> int:
-        return 0 if self.manager is None else len(self.manager.members)
+        """Remote runners (0 when sampling in-process)."""
+        return 0 if self.manager.in_process else len(self.manager.members)
 
     def num_healthy(self) -> int:
-        return 1 if self.manager is None else self.manager.num_healthy()
+        return self.manager.num_healthy()
+
+    # --- weights ------------------------------------------------------------------------------
+    def sync_weights(self, weights: dict, version: int, wait: bool = True) -> None:
+        """Send ``weights`` to every healthy runner. ``wait=False`` (streaming): fire and forget --
+        a streaming runner applies them between fragments, and ``poll`` collects the answers."""
+        self._weights, self._weights_version = self.manager.share(weights), version
+        if wait:
+            self.manager.foreach_actor("set_weights", self._weights, version)
+            self.restart_failed()
+        else:
+            self.manager.submit("set_weights", self._weights, version, tag="weights")
 
     def _restore(self, index: int, handle: Any) -> None:
-        if self._weights_ref is not None:
-            ray.get(handle.set_weights.remote(self._weights_ref, self._weights_version))
+        if self._weights is not None:
+            ray.get(handle.set_weights.remote(self._weights, self._weights_version))
 
-    def sync_weights(self, weights: dict, version: int) -> None:
-        self._weights_version = version
-        if self.local is not None:
-            self.local.set_weights(weights, version)
-            return
-        self._weights_ref = ray.put(weights)  # one copy in the object store, read by every runner
-        self.manager.foreach_actor("set_weights", self._weights_ref, version)
-        self.restart_failed()
+    def restart_failed(self, force: bool = False) -> list[int]:
+        restarted = self.manager.probe_unhealthy_and_restart(force=force)
+        for i in restarted:
+            self._streaming.discard(i)
+            self._metrics_pending.discard(i)
+            self._last_answer[i] = time.monotonic()
+        if restarted and self.on_recreated is not None:
+            self.on_recreated(restarted)
+        return restarted
 
-    def sample(self, num_timesteps: int, explore: bool | None = None) -> tuple[list[EpisodeChunk], list[dict]]:
-        """At least ``num_timesteps`` env steps in total from the healthy runners (split evenly),
-        plus each runner's metrics. A runner that fails mid-request is counted and replaced; its
-        share is re-requested from the rest."""
-        if self.local is not None:
-            chunks = self.local.sample(num_timesteps=num_timesteps, explore=explore)
-            return chunks, [self._collect_local_metrics()]
+    # --- synchronous sampling -----------------------------------------------------------------
+    def sample(self, num_timesteps: int, metrics: MetricsLogger, explore: bool | None = None) -> list[EpisodeChunk]:
+        """At least ``num_timesteps`` env steps in total from the healthy runners (split evenly);
+        their metrics go into ``metrics``."""
         chunks: list[EpisodeChunk] = []
-        metrics: list[dict] = []
         collected = 0
         while collected < num_timesteps:
             self.restart_failed()
@@ -93,37 +114,99 @@ class EnvRunnerGroup:
                 self.restart_failed(force=True)
                 continue
             per_runner = -(-(num_timesteps - collected) // len(ids))
-            timeout = self.manager.settings.probe_timeout_s
-            for res in self.manager.foreach_actor("sample_with_metrics", actor_ids=ids, timeout_s=timeout,
-                                                  num_timesteps=per_runner, explore=explore):
+            for res in self.manager.foreach_actor("sample_encoded", actor_ids=ids, num_timesteps=per_runner,
+                                                  explore=explore, compress=self.compress_frames):
                 if res.ok:
-                    runner_chunks, runner_metrics = res.value
-                    chunks.extend(runner_chunks)
-                    collected += sum(len(c) for c in runner_chunks)
-                    metrics.append(runner_metrics)
-                    self.sub_env_restarts[res.actor_id] = runner_metrics["num_sub_env_restarts"]
-        return chunks, metrics
+                    frame, runner_metrics = res.value
+                    got = decode(frame)
+                    chunks.extend(got)
+                    collected += sum(len(c) for c in got)
+                    self._fold_metrics(res.actor_id, runner_metrics, metrics)
+        return chunks
 
-    def _collect_local_metrics(self) -> dict:
-        m = self.local.get_metrics()
-        self.sub_env_restarts[0] = m["num_sub_env_restarts"]
-        return m
+    def _fold_metrics(self, runner_id: int, export: dict[str, Any], metrics: MetricsLogger) -> None:
+        if self._stream_args is not None:  # streamed steps count where they are received (AsyncPlan)
+            export = {k: v for k, v in export.items() if not k.startswith("num_env_steps_sampled")}
+        metrics.merge({k: v for k, v in export.items() if "/" in k})
+        metrics.merge({k: v for k, v in export.items() if "/" not in k}, prefix="env_runners")
+        if self._stream_args is not None and "weights_version" in export:
+            metrics.log_value(f"stream/runner_weights_versions/{runner_id}", export["weights_version"]["value"],
+                              reduce="max")
 
-    def restart_failed(self, force: bool = False) -> list[int]:
-        if self.manager is None:
-            return []
-        restarted = self.manager.probe_unhealthy_and_restart(force=force)
-        if restarted and self.on_recreated is not None:
-            self.on_recreated(restarted)
-        return restarted
+    # --- streaming ----------------------------------------------------------------------------
+    def start_streaming(self, **stream_args: Any) -> None:
+        """Have every healthy runner stream to ``stream_args["address"]`` (see
+        ``EnvRunner.start_streaming``); runners recreated later are started by ``poll``."""
+        self._stream_args = stream_args
+        ids = [i for i in self.manager.healthy_ids() if i not in self._streaming]
+        if ids:
+            for res in self.manager.foreach_actor("start_streaming", actor_ids=ids, **stream_args):
+                if res.ok:
+                    self._streaming.add(res.actor_id)
+
+    def poll(self, metrics: MetricsLogger, interval_s: float, force: bool = False) -> None:
+        """Fold finished requests (metrics, weight acks), ask for metrics every ``interval_s``,
+        probe runners that stopped answering, recreate failed ones and restart their streams."""
+        manager = self.manager
+        now = time.monotonic()
+        for res in manager.fetch_ready(0.0):
+            self._last_answer[res.actor_id] = now
+            if res.tag == "metrics":
+                self._metrics_pending.discard(res.actor_id)
+                if res.ok:
+                    self._fold_metrics(res.actor_id, res.value, metrics)
+        for i in list(self._streaming):
+            if not manager.members[i].healthy:
+                self._streaming.discard(i)
+                self._metrics_pending.discard(i)
+        if force or now - self._last_metrics_at >= interval_s:
+            self._last_metrics_at = now
+            for i in manager.healthy_ids():
+                if i not in self._metrics_pending and manager.submit("get_metrics", actor_ids=[i], tag="metrics"):
+                    self._metrics_pending.add(i)
+        # A runner whose requests go unanswered for probe_timeout_s (its main thread hangs too, e.g. an env
+        # stuck in C code holding the GIL) gets a health probe, which marks it failed if it does not answer.
+        timeout = manager.settings.probe_timeout_s
+        silent = [i for i in manager.healthy_ids() if timeout is not None and manager.num_in_flight(i)
+                  and now - self._last_answer.setdefault(i, now) > timeout]
+        if silent:
+            failed = set(manager.probe_health())
+            for i in silent:
+                self._last_answer[i] = time.monotonic()
+                if i in failed:
+                    self._metrics_pending.discard(i)
+                    self._streaming.discard(i)
+        self.restart_failed()
+        if self._stream_args is not None:
+            self.start_streaming(**self._stream_args)
+
+    def stop_streaming(self, timeout_s: float = 15.0) -> None:
+        """Stop every healthy runner's sampling thread (best effort: the actors are killed next anyway)."""
+        if self._stream_args is None:
+            return
+        self._stream_args = None
+        self._streaming.clear()
+        try:
+            self.manager.foreach_actor("stop_streaming", actor_ids=self.manager.healthy_ids(), timeout_s=timeout_s)
+        except Exception as err:  # noqa: BLE001 - the actors are stopped or killed next anyway
+            log.warning("stopping the env runners' streams: %s", err)
+
+    # --- results, user functions, shutdown ----------------------------------------------------
+    def log_fault_tolerance(self, metrics: MetricsLogger) -> None:
+        m = self.manager
+        metrics.log_value("fault_tolerance/num_healthy_workers", 0 if m.in_process else m.num_healthy(),
+                          reduce="max")
+        for key, value in (("num_remote_worker_restarts", m.num_restarts),
+                           ("num_remote_worker_failures", m.num_failures),
+                           ("num_dropped_requests", m.num_dropped_results)):
+            metrics.log_value(f"fault_tolerance/{key}", value - self._ft_logged[key], reduce="lifetime_sum")
+            self._ft_logged[key] = value
+        metrics.log_value("fault_tolerance/num_sub_env_restarts", 0, reduce="lifetime_sum")  # runners add theirs
 
     def foreach_env_runner(self, fn: Callable[[EnvRunner], Any], local: bool = True) -> list[Any]:
-        if self.local is not None:
-            return [fn(self.local)] if local else []
+        if self.manager.in_process and not local:
+            return []
         return [r.value for r in self.manager.foreach_actor("apply", fn) if r.ok]
 
     def stop(self) -> None:
-        if self.local is not None:
-            self.local.stop()
-        if self.manager is not None:
-            self.manager.stop()
+        self.manager.stop()

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import gymnasium as gym
 
-from actors.vector_env import EnvContext
+from actors.env import EnvContext
 from pipeline.config import ConfigError, resolve_import_path
 
 _REGISTRY: dict[str, Callable[[EnvContext], gym.Env]] = {}

@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.vector_env import EnvContext
+from actors.env import EnvContext
 
 
 def run_episodes(algo: Any, num_episodes: int, explore: bool = False, render: bool = False) -> dict[str, Any]:
@@ -13,7 +13,7 @@ def run_episodes(algo: Any, num_episodes: int, explore: bool = False, render: bo
     env_config = dict(algo.config.env_config)
     if render:
         env_config.setdefault("render_mode", "human")
-    env = algo.runner_settings.env_creator(EnvContext(env_config))
+    env = algo.env_creator(EnvContext(env_config))
     returns, lengths = [], []
     try:
         for i in range(num_episodes):

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import sys
 from typing import Any
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -43,6 +44,17 @@ class CLIError(Exception):
     def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
         super().__init__(message)
         self.code = code
+
+
+def env_label(env: Any) -> str:
+    """How an env setting is named in messages and run directories."""
+    if isinstance(env, str):
+        return env
+    return getattr(env, "__name__", type(env).__name__)
+
+
+def warn(message: str) -> None:
+    print(f"runnel: warning: {message}", file=sys.stderr, flush=True)
 
 
 def describe_exc(err: BaseException) -> str:

@@ -3,7 +3,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from actors.env_runner import EnvRunner, EnvRunnerSettings
+from actors.env import EnvRunner, EnvRunnerSettings
 from protocols.episode import EpisodeChunk
 from tests.envs import CountingEnv, DictObsEnv, FlakyEnv
 
@@ -36,8 +36,9 @@ def test_fragments_are_valid_and_glue_into_whole_episodes():
         assert len(ep) == 7 and ep.ret == 7.0 and ep.terminated
         np.testing.assert_array_equal(ep.obs[:, 0], np.arange(8))  # the terminal obs is kept, not the reset obs
     m = r.get_metrics()
-    assert m["episode_returns"] and all(x == 7.0 for x in m["episode_returns"])
-    assert m["num_env_steps_sampled_lifetime"] == 72
+    returns = m["episode_return_mean"]["values"]
+    assert returns and all(x == 7.0 for x in returns)
+    assert m["num_env_steps_sampled_lifetime"]["value"] == 72
 
 
 def test_truncated_episodes_are_flagged_truncated():
@@ -78,7 +79,7 @@ def test_box_actions_are_rescaled_into_bounds():
                                     rollout_fragment_length=20, seed=0), worker_index=1)
     c = r.sample()[0]
     assert c.actions.shape == (20, 1) and c.actions.dtype == np.float32
-    env_actions = r._to_env_actions(np.array([[-5.0], [0.0], [5.0]], np.float32))
+    env_actions = r.env_actions(np.array([[-5.0], [0.0], [5.0]], np.float32))
     np.testing.assert_allclose(env_actions[:, 0], [-2.0, 0.0, 2.0])
 
 
@@ -87,7 +88,7 @@ def test_failing_sub_env_is_recreated_and_its_episode_truncated():
                rollout_fragment_length=30, restart_failed_sub_environments=True)
     chunks = r.sample()
     assert sum(len(c) for c in chunks) == 60  # nothing lost: the runner kept stepping
-    assert r.get_metrics()["num_sub_env_restarts"] == 2  # env 0 and env 1 each failed once at step 5
+    assert r.get_metrics()["fault_tolerance/num_sub_env_restarts"]["value"] == 2  # env 0 and env 1 each failed once at step 5
     assert all(c.truncated for c in chunks if len(c) == 5 and c.t_started == 0)
 
 

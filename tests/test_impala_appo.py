@@ -13,13 +13,12 @@ import pytest
 import ray
 import torch
 
-from actors.env_runner import EnvRunner, EnvRunnerSettings
-from actors.learner import Learner
-from actors.module import RLModule
-from actors.stream import ChunkBatch
+from actors.env import EnvRunner, EnvRunnerSettings
+from actors.learner import ChunkBatch
+from actors.modules import ActorCriticModule as RLModule
 from pipeline import APPO, APPOConfig, IMPALA, IMPALAConfig, Algorithm, ConfigError, get_algorithm
-from pipeline.algorithms.appo import CircularBuffer, appo_loss, appo_update, target_network
-from pipeline.algorithms.impala import impala_loss, impala_update
+from pipeline.algorithms.appo import APPOLearner, CircularBuffer, appo_loss
+from pipeline.algorithms.impala import IMPALALearner, impala_loss
 from tests.envs import FlakyEnv
 
 OBS_SPACE = gym.spaces.Box(-1, 1, (4,), np.float32)
@@ -137,9 +136,9 @@ def sampled_chunks(steps=1000):
     return r, out
 
 
-def make_learner(cfg, update_fn, runner):
+def make_learner(cfg, learner_cls, runner):
     cfg = cfg.environment("CartPole-v1").debugging(seed=0)
-    learner = Learner(runner.observation_space, runner.action_space, {}, cfg, update_fn)
+    learner = learner_cls(cfg, runner.observation_space, runner.action_space)
     runner.set_weights(learner.get_weights(inference_only=True))  # the chunks' behaviour policy = the learner's
     return learner
 
@@ -147,7 +146,7 @@ def make_learner(cfg, update_fn, runner):
 def test_impala_update_on_policy_chunks():
     torch.manual_seed(0)
     r, _ = sampled_chunks(0)
-    learner = make_learner(IMPALAConfig().training(train_batch_size_per_learner=200, minibatch_size=100), impala_update, r)
+    learner = make_learner(IMPALAConfig().training(train_batch_size_per_learner=200, minibatch_size=100), IMPALALearner, r)
     chunks = r.sample()
     before = {k: v.copy() for k, v in learner.get_weights().items()}  # get_weights aliases the live tensors
     stats = learner.update(ChunkBatch(chunks), timestep=0)
@@ -164,16 +163,16 @@ def test_appo_target_network_follows_every_freq_updates_and_tunes_kl():
     r, chunks = sampled_chunks(600)
     cfg = APPOConfig().training(target_network_update_freq=2, use_kl_loss=True, kl_target=1e-9, kl_coeff=1.0,
                                 train_batch_size_per_learner=100, minibatch_size=100)
-    learner = make_learner(cfg, appo_update, r)
+    learner = make_learner(cfg, APPOLearner, r)
     batches = [ChunkBatch(chunks[i : i + 4]) for i in range(0, 12, 4)]
     initial = {k: v.clone() for k, v in learner.module.state_dict().items()}
     learner.update(batches[0], 0)
-    target = target_network(learner)
+    target = learner.target
     # one update: the target is still the initial policy
     torch.testing.assert_close(target.pi_head.weight, initial["pi_head.weight"])
     assert not torch.equal(learner.module.pi_head.weight, initial["pi_head.weight"])
     stats = learner.update(batches[1], 0)
-    target = target_network(learner)
+    target = learner.target
     torch.testing.assert_close(target.pi_head.weight, learner.module.pi_head.weight)
     assert stats["num_target_updates"] == 1
     assert stats["curr_kl_coeff"] == pytest.approx(1.5)  # the KL exceeded 2 x (a tiny) target
@@ -184,9 +183,9 @@ def test_appo_target_network_follows_every_freq_updates_and_tunes_kl():
     torch.save(learner.get_state(), buf)
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
-    learner2 = make_learner(cfg, appo_update, r)
+    learner2 = make_learner(cfg, APPOLearner, r)
     learner2.set_state(state)
-    torch.testing.assert_close(target_network(learner2).pi_head.weight, learner.module.pi_head.weight)
+    torch.testing.assert_close(learner2.target.pi_head.weight, learner.module.pi_head.weight)
 
 
 def test_circular_buffer_serves_each_batch_at_most_k_times_and_evicts_the_oldest():
@@ -231,9 +230,8 @@ def runnel_threads():
 
 
 def assert_stopped_cleanly(algo, handles):
-    assert algo.receiver.closed and not algo.receiver._thread.is_alive()
-    assert algo.receiver._ctx.closed
-    assert runnel_threads() == []
+    assert algo.plan.receiver.closed and algo.plan.receiver.puller.closed
+    assert runnel_threads() == []  # the loader and every sampling thread ended
     for h in handles:  # the runner actors (and their sampling threads) are gone; ray.kill lands asynchronously
         deadline = time.monotonic() + 30
         while True:
@@ -321,8 +319,8 @@ def test_appo_checkpoint_restores_learner_target_and_streams_again(appo_run):
         state = algo.learner_group.get_state()
         for k, v in saved["learner"]["module"].items():
             torch.testing.assert_close(state["module"][k], v, rtol=0, atol=0)
-        for k, v in saved["learner"]["algo_state"]["target_weights"].items():
-            torch.testing.assert_close(state["algo_state"]["target_weights"][k], v, rtol=0, atol=0)
+        for k, v in saved["learner"]["targets"]["target_policy"].items():
+            torch.testing.assert_close(state["targets"]["target_policy"][k], v, rtol=0, atol=0)
         result = algo.train()
         assert result["num_env_steps_sampled_lifetime"] > saved["counters"]["num_env_steps_sampled_lifetime"]
         assert result["env_runners"]["episode_return_mean"] >= 300  # keeps the learned policy
@@ -366,7 +364,7 @@ def test_failed_streaming_runner_is_recreated_and_streams_again(ray_cluster, env
         # the recreated runner streams, with weights no older than those at its restart
         runner1 = algo.env_runner_group.manager.handle(1)
         assert ray.get(runner1.is_streaming.remote())
-        assert ray.get(runner1.get_stream_metrics.remote())["weights_version"] >= version
+        assert ray.get(runner1.apply.remote(lambda r: r.weights_version)) >= version
     finally:
         algo.stop()
     assert runnel_threads() == []
@@ -383,7 +381,7 @@ def test_local_streaming_runner_trains_and_stops(ray_cluster):
         assert algo.env_runner_group.local.is_streaming()
     finally:
         algo.stop()
-    assert runnel_threads() == [] and algo.receiver.closed
+    assert runnel_threads() == [] and algo.plan.receiver.closed
 
 
 def test_stream_compression_auto_follows_the_observation_dtype():
@@ -397,10 +395,10 @@ def test_stream_compression_auto_follows_the_observation_dtype():
     image = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)
     vector = gym.spaces.Box(-1, 1, (4,), np.float32)
     nested = gym.spaces.Dict({"pos": vector, "cam": gym.spaces.Box(0, 255, (16, 16, 3), np.uint8)})
-    assert IMPALA._compress_frames(Probe(image, "auto")) is True
-    assert IMPALA._compress_frames(Probe(vector, "auto")) is False
-    assert IMPALA._compress_frames(Probe(nested, "auto")) is True
-    assert IMPALA._compress_frames(Probe(vector, True)) is True
+    assert IMPALA.compress_frames(Probe(image, "auto")) is True
+    assert IMPALA.compress_frames(Probe(vector, "auto")) is False
+    assert IMPALA.compress_frames(Probe(nested, "auto")) is True
+    assert IMPALA.compress_frames(Probe(vector, True)) is True
     with pytest.raises(ConfigError, match="stream_compress"):
         IMPALAConfig(env="CartPole-v1", stream_compress="yes").validate()
 

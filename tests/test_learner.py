@@ -4,15 +4,22 @@ import numpy as np
 import pytest
 import torch
 
-from actors.learner import Learner, piecewise
-from pipeline.algorithms.ppo import PPOConfig
+from actors.learner import piecewise
+from pipeline.algorithms.ppo import PPOConfig, PPOLearner
 
 OBS, ACT = gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(2)
 
 
+class NoOpPPOLearner(PPOLearner):
+    """PPO's learner with an update that does nothing: the base mechanics on their own."""
+
+    def train_on_batch(self, chunks, timestep):
+        return {}
+
+
 def make_learner(**training):
-    cfg = PPOConfig(seed=0, **training)
-    return Learner(OBS, ACT, {"fcnet_hiddens": [8]}, cfg, update_fn=lambda learner, chunks, t: {})
+    cfg = PPOConfig(seed=0, model_config={"fcnet_hiddens": [8]}, **training)
+    return NoOpPPOLearner(cfg, OBS, ACT)
 
 
 def big_loss(learner):
@@ -32,13 +39,13 @@ def test_piecewise_schedule_interpolates_and_holds():
 def test_lr_follows_the_schedule_by_sampled_timesteps():
     learner = make_learner(lr=[[0, 1e-2], [1000, 1e-3]])
     assert learner.update([], timestep=500)["curr_lr"] == pytest.approx(5.5e-3)
-    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(5.5e-3)
+    assert learner.optimizers["default"].optimizer.param_groups[0]["lr"] == pytest.approx(5.5e-3)
 
 
 @pytest.mark.parametrize("by", ["value", "norm", "global_norm"])
 def test_gradient_clipping_modes(by):
     learner = make_learner(grad_clip=0.5, grad_clip_by=by)
-    learner.optimizer.step = lambda: None  # inspect the clipped gradients, keep the weights
+    learner.optimizers["default"].optimizer.step = lambda: None  # inspect the clipped gradients, keep the weights
     norm = learner.apply_gradients(big_loss(learner))
     grads = [p.grad for p in learner.module.parameters() if p.grad is not None]
     if by == "value":
@@ -54,13 +61,13 @@ def test_gradient_clipping_modes(by):
 def test_state_round_trip_restores_module_optimizer_and_rng():
     a = make_learner()
     a.apply_gradients(big_loss(a))
-    a.algo_state["kl_coeff"] = 0.3
+    a.kl_coeff = 0.3
     state = a.get_state()
     b = make_learner()
     b.set_state(state)
     for k, v in a.module.state_dict().items():
         torch.testing.assert_close(b.module.state_dict()[k], v, rtol=0, atol=0)
-    assert b.algo_state == {"kl_coeff": 0.3}
+    assert b.kl_coeff == 0.3
     np.testing.assert_array_equal(a.minibatches(10, 5, 2)[0], b.minibatches(10, 5, 2)[0])
 
 
@@ -69,3 +76,102 @@ def test_minibatch_count_is_fixed_by_config_even_for_small_shards():
     batches = learner.minibatches(n=7, minibatch_size=4, num_minibatches=3)
     assert len(batches) == 3 and all(len(b) == 4 for b in batches)
     assert set(np.concatenate(batches)) == set(range(7))
+
+
+# --- a learner with two optimizers, a target network and its own fields ---------------------------
+class TwinLearner(PPOLearner):
+    """Actor and critic trained by separate optimizers with their own lr schedules, a target copy
+    of the module refreshed by Polyak averaging, and a temperature field -- the shape SAC will have."""
+
+    state_fields = ("kl_coeff", "alpha", "num_target_updates")
+
+    def __init__(self, cfg):
+        self.alpha = 0.5
+        self.num_target_updates = 0
+        super().__init__(cfg, OBS, ACT)
+
+    def build_targets(self):
+        target = self.module_class(OBS, ACT, self.settings.model_config)
+        target.set_state(self.module.get_state())
+        return {"target": target}
+
+    def build_optimizers(self):
+        from actors.learner import Optimizer
+
+        actor = [p for n, p in self.module.named_parameters() if not n.startswith("vf_")]
+        critic = [p for n, p in self.module.named_parameters() if n.startswith("vf_")]
+        return {"actor": Optimizer(torch.optim.Adam(actor, lr=1e-3), actor, [[0, 1e-3], [100, 1e-4]]),
+                "critic": Optimizer(torch.optim.Adam(critic, lr=5e-3), critic, 5e-3)}
+
+    def train_on_batch(self, obs, timestep):
+        out = self.module.forward_train(obs)
+        self.apply_gradients(out["action_dist_inputs"].pow(2).mean(), "actor")
+        out = self.module.forward_train(obs)
+        self.apply_gradients((out["vf_preds"] - 1.0).pow(2).mean(), "critic")
+        with torch.no_grad():
+            for t, s in zip(self.targets["target"].parameters(), self.module.parameters()):
+                t.mul_(0.9).add_(0.1 * s)
+        self.num_target_updates += 1
+        self.alpha *= 0.9
+        return {}
+
+
+def test_each_optimizer_follows_its_own_schedule():
+    learner = TwinLearner(PPOConfig(seed=0, model_config={"fcnet_hiddens": [8]}))
+    stats = learner.update(torch.randn(6, 3), timestep=50)
+    assert stats["curr_lr_actor"] == pytest.approx(5.5e-4) and stats["curr_lr_critic"] == pytest.approx(5e-3)
+    assert learner.optimizers["actor"].optimizer.param_groups[0]["lr"] == pytest.approx(5.5e-4)
+    assert learner.num_updates == 2  # one step per optimizer
+
+
+def test_state_round_trip_with_two_optimizers_a_target_and_fields_through_torch_save():
+    import io
+
+    cfg = PPOConfig(seed=0, model_config={"fcnet_hiddens": [8]})
+    a = TwinLearner(cfg)
+    g = torch.Generator().manual_seed(1)
+    for t in range(3):
+        a.update(torch.randn(6, 3, generator=g), timestep=t)
+    buf = io.BytesIO()
+    torch.save(a.get_state(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)  # what a checkpoint's learner.pt goes through
+
+    b = TwinLearner(cfg.copy().debugging(seed=7))  # other initial weights: everything must come from the state
+    b.set_state(state)
+    for name in ("module",):
+        for k, v in a.module.state_dict().items():
+            torch.testing.assert_close(b.module.state_dict()[k], v, rtol=0, atol=0)
+    for k, v in a.targets["target"].state_dict().items():
+        torch.testing.assert_close(b.targets["target"].state_dict()[k], v, rtol=0, atol=0)
+    assert not torch.equal(a.targets["target"].pi_head.weight, a.module.pi_head.weight)  # the target lags
+    for opt in ("actor", "critic"):
+        sa, sb = a.optimizers[opt].optimizer.state_dict(), b.optimizers[opt].optimizer.state_dict()
+        assert sa["param_groups"] == sb["param_groups"]
+        for k in sa["state"]:
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(sa["state"][k][name], sb["state"][k][name], rtol=0, atol=0)
+    assert (b.alpha, b.num_target_updates, b.kl_coeff, b.num_updates) == (a.alpha, 3, a.kl_coeff, 6)
+    # both continue identically: same update, same weights afterwards
+    obs = torch.randn(6, 3, generator=g)
+    a.update(obs, timestep=3)
+    b.update(obs, timestep=3)
+    for k, v in a.module.state_dict().items():
+        torch.testing.assert_close(b.module.state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_update_accepts_a_codec_frame_of_chunks():
+    """What a remote learner receives: the same chunks as one frame."""
+    from protocols import EpisodeChunk, encode
+
+    seen = []
+
+    class Recording(NoOpPPOLearner):
+        def train_on_batch(self, chunks, timestep):
+            seen.extend(chunks)
+            return {}
+
+    chunk = EpisodeChunk("ep", 0, obs=np.zeros((4, 3), np.float32), actions=np.zeros(3, np.int64),
+                         rewards=np.ones(3, np.float32))
+    Recording(PPOConfig(seed=0), OBS, ACT).update(encode([chunk], compress=False), timestep=0)
+    assert len(seen) == 1 and seen[0].episode_id == "ep" and len(seen[0]) == 3

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.distributions import Categorical, DiagGaussian, MultiCategorical
-from actors.module import RLModule, to_torch
+from actors.modules import ActorCriticModule as RLModule, to_torch
+from actors.modules.distributions import Categorical, DiagGaussian, MultiCategorical
 from protocols import nested
 
 SPACES = {

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.module import RLModule
+from actors.modules import ActorCriticModule as RLModule
 from pipeline.algorithms.ppo import PPOConfig, ppo_loss
 
 

@@ -56,7 +56,7 @@ def test_checkpoint_restores_weights_counters_optimizer_and_continues(cartpole_r
         a_state, b_state = saved["learner"], restored.learner_group.get_state()
         for k in a_state["module"]:
             torch.testing.assert_close(a_state["module"][k], b_state["module"][k], rtol=0, atol=0)
-        a_opt, b_opt = a_state["optimizer"]["state"], b_state["optimizer"]["state"]
+        a_opt, b_opt = a_state["optimizers"]["default"]["state"], b_state["optimizers"]["default"]["state"]
         for k in a_opt:
             for name in ("exp_avg", "exp_avg_sq", "step"):
                 torch.testing.assert_close(a_opt[k][name], b_opt[k][name], rtol=0, atol=0)

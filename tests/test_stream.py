@@ -1,4 +1,5 @@
-"""Chunk streams over ZeroMQ (actors/stream.py): round trip, bad frames, back-pressure, runner streaming.
+"""Chunk streams over ZeroMQ (protocols/transport.py, actors/learner/loader.py, actors/env/streaming.py):
+round trip, bad frames, back-pressure, runner streaming.
 
 Everything runs in this process (no Ray): a ChunkSender or a local EnvRunner pushes to a
 ChunkReceiver over TCP on loopback. Waits poll for a condition with a deadline; nothing is timed.
@@ -12,9 +13,12 @@ import numpy as np
 import pytest
 import zmq
 
-from actors.env_runner import EnvRunner, EnvRunnerSettings
-from actors.stream import ChunkBatch, ChunkReceiver, ChunkSender, SpaceChecker
+from actors.env import EnvRunner, EnvRunnerSettings
+from actors.learner import ChunkBatch
+from actors.learner.loader import ChunkReceiver
 from protocols import EpisodeChunk, ProtocolError, encode
+from protocols.schema import ChunkSchema
+from protocols.transport import ChunkSender
 from tests.envs import CountingEnv, DictObsEnv, FlakyEnv
 
 OBS_SPACE = gym.spaces.Box(0, 1e6, (1,), np.float32)
@@ -131,7 +135,7 @@ def test_bad_frames_are_counted_dropped_and_logged_once_naming_the_sender(receiv
     push = ctx.socket(zmq.PUSH)
     push.connect(receiver.address)
     try:
-        with caplog.at_level(logging.WARNING, logger="actors.stream"):
+        with caplog.at_level(logging.WARNING, logger="protocols.transport"):
             push.send_multipart([b"env-runner-3", b"\x00garbage" * 10])  # corrupt
             push.send_multipart([b"env-runner-4", bytes(wrong_version)])  # wrong codec version
             push.send_multipart([b"env-runner-5", encode([bad_shape] + good[:1])])  # one chunk of two wrong
@@ -150,7 +154,7 @@ def test_bad_frames_are_counted_dropped_and_logged_once_naming_the_sender(receiv
     assert s["num_frames_dropped_not_chunks"] == 1
     assert s["num_env_steps_dropped"] == 6
     assert s["num_env_steps_received"] == len(good[0]) + 15  # the good chunk beside the bad one, and the good frame
-    lines = [r.getMessage() for r in caplog.records if r.name == "actors.stream"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "protocols.transport"]
     assert len(lines) == 6, lines
     for sender_id in ("env-runner-3", "env-runner-4", "env-runner-5", "env-runner-6", "only-one-part", "env-runner-8"):
         assert sum(sender_id in line for line in lines) == 1, (sender_id, lines)
@@ -163,7 +167,7 @@ def test_bad_frames_are_counted_dropped_and_logged_once_naming_the_sender(receiv
 
 def test_space_checker_nested_observations():
     env = DictObsEnv()
-    checker = SpaceChecker(env.observation_space, env.action_space)
+    checker = ChunkSchema.for_spaces(env.observation_space, env.action_space)
     settings = EnvRunnerSettings(env_creator=lambda ctx: DictObsEnv(ctx), num_envs=2, rollout_fragment_length=4, seed=0)
     chunks = EnvRunner(settings, worker_index=1).sample()
     for c in chunks:
@@ -246,7 +250,7 @@ def test_runner_streams_applies_weights_between_fragments_and_stops():
         r.start_streaming(rec.address, hwm=2)
         assert r.is_streaming()
         assert rec.get_batch(timeout=20) is not None
-        r.set_weights_async(weights, 5)
+        r.set_weights(weights, 5)  # while streaming: applied before the next fragment
         # every batch is one fragment of one weights version: soon they are all version 5
         deadline = time.monotonic() + 20
         while True:
@@ -254,10 +258,10 @@ def test_runner_streams_applies_weights_between_fragments_and_stops():
             if b is not None and all(c.weights_version == 5 for c in b):
                 break
             assert time.monotonic() < deadline, "new weights never reached the chunks"
-        m = r.get_stream_metrics()
-        assert m["weights_version"] == 5 and m["num_weight_updates_applied"] == 1
-        assert m["num_frames_sent"] >= 2 and m["num_env_steps_sampled_lifetime"] >= 40
-        assert all(x == 25.0 for x in m["episode_returns"])
+        m = r.get_metrics()
+        assert m["weights_version"]["value"] == 5 and m["num_weight_updates_applied"]["value"] == 1
+        assert m["stream/runner_num_frames_sent"]["value"] >= 2 and m["num_env_steps_sampled_lifetime"]["value"] >= 40
+        assert all(x == 25.0 for x in m["episode_return_mean"]["values"])
         assert r.stop_streaming(timeout_s=10)  # even though the sender is blocked on a full queue
         assert not r.is_streaming()
         assert not [t for t in threading.enumerate() if t.name.startswith("runnel-stream")]
@@ -274,7 +278,7 @@ def test_runner_stream_reports_a_failed_env():
         r.start_streaming(rec.address)
         wait_for(lambda: not r.is_streaming(), what="the sampling thread to die")
         with pytest.raises(RuntimeError, match="injected env failure"):
-            r.get_stream_metrics()
+            r.get_metrics()
     finally:
         r.stop_streaming()
         rec.close()

@@ -1,7 +1,7 @@
 """APPO: asynchronous PPO with V-trace and a target network (IMPACT, Luo et al., 2020), as in RLlib.
 
-The streaming, batching, broadcasting and fault tolerance are IMPALA's (``pipeline/algorithms/
-impala.py``); APPO changes what a learner does with a batch and how batches are reused:
+The loop is IMPALA's (``pipeline.async_plan.AsyncPlan``); APPO changes what a learner does with a
+batch and where batches come from:
 
 * **Target network**: a frozen copy of the policy, refreshed every ``target_network_update_freq``
   updates. It is the "old" policy of the PPO clip ratio and of the KL term, and the target policy
@@ -18,32 +18,31 @@ impala.py``); APPO changes what a learner does with a batch and how batches are 
 from __future__ import annotations
 
 import collections
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
-from actors.learner import Learner, piecewise
-from actors.module import RLModule
-from actors.stream import ChunkBatch
-from pipeline.algorithm import register_algorithm
-from pipeline.algorithms.impala import IMPALA, IMPALAConfig, sgd, vtrace_inputs
-from pipeline.algorithms.returns import vtrace
-from pipeline.config import _is_int, _is_number
+from actors.learner import ChunkBatch, Learner, piecewise
+from actors.metrics import MetricsLogger
+from actors.modules import RLModule
+from pipeline.algorithm import Algorithm
+from pipeline.algorithms.vtrace import VTraceSettings, sgd_epochs, value_pass, vtrace_targets
+from pipeline.async_plan import AsyncPlan, AsyncPlanSettings, TakeBatch
+from pipeline.config import AlgorithmConfig, is_int, is_number
+from pipeline.registry import register_algorithm
 from protocols.episode import EpisodeChunk
 
 
 @dataclass
-class APPOConfig(IMPALAConfig):
+class APPOConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     algo_name = "APPO"
 
     broadcast_interval: int = 2
     """Send new weights to the runners every this many updates (APPO updates up to
     ``circular_buffer_iterations_per_batch`` times per sampled batch: 2 keeps IMPALA's rate per env step)."""
-    vf_loss_coeff: float = 0.5
-    """Weight of the value loss (``0.5 * mean squared error to the V-trace targets``)."""
     entropy_coeff: float | list = 0.0
     """Weight of the entropy bonus, or a schedule ``[[timestep, coeff], ...]``."""
     clip_param: float = 0.4
@@ -64,14 +63,14 @@ class APPOConfig(IMPALAConfig):
     """Updates a batch may serve before it leaves the buffer (K in the IMPACT paper)."""
 
     def _problems(self) -> list[str]:
-        problems = super()._problems()
-        if not _is_number(self.clip_param) or not 0 < self.clip_param < 1:
+        problems = super()._problems() + self.async_plan_problems() + self.vtrace_problems()
+        if not is_number(self.clip_param) or not 0 < self.clip_param < 1:
             problems.append(f"clip_param must be in (0, 1), got {self.clip_param!r}")
         for key in ("kl_coeff", "kl_target", "target_worker_clipping"):
-            if not _is_number(getattr(self, key)) or getattr(self, key) <= 0:
+            if not is_number(getattr(self, key)) or getattr(self, key) <= 0:
                 problems.append(f"{key} must be a number > 0, got {getattr(self, key)!r}")
         for key in ("target_network_update_freq", "circular_buffer_num_batches", "circular_buffer_iterations_per_batch"):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
+            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
         return problems
 
@@ -109,73 +108,66 @@ def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_co
     return total, stats
 
 
-# --- target network ---------------------------------------------------------------------------
-def _policy_state(module: RLModule) -> dict[str, torch.Tensor]:
-    """A detached copy of the policy's tensors (checkpoint-safe: plain tensors)."""
-    return {k: v.detach().clone() for k, v in module.state_dict().items() if not k.startswith(("vf_trunk.", "vf_head."))}
-
-
-def target_network(learner: Learner) -> RLModule:
-    """The learner's frozen target policy, built on first use from ``algo_state["target_weights"]``
-    (which a checkpoint carries), or from the current policy."""
-    state = learner.algo_state.get("target_weights")
-    if state is None:
-        state = learner.algo_state["target_weights"] = _policy_state(learner.module)
-    target = getattr(learner, "_appo_target", None)
-    if target is None:
-        m = learner.module
-        target = RLModule(m.observation_space, m.action_space, m.config, inference_only=True).to(learner.device)
-        target.requires_grad_(False)
-        target.eval()
-        learner._appo_target, learner._appo_target_src = target, None
-    if learner._appo_target_src is not state:  # new weights (an update, or a restored checkpoint)
-        target.set_state(state)
-        learner._appo_target_src = state
-    return target
-
-
-def appo_update(learner: Learner, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
+# --- learner ----------------------------------------------------------------------------------
+class APPOLearner(Learner):
     """V-trace with the target network as target policy, one PPO-clip update, then (every
     ``target_network_update_freq`` updates) refresh the target network and tune the KL coefficient."""
-    cfg: APPOConfig = learner.config
-    st = learner.algo_state
-    target = target_network(learner)
-    b, values, _ = vtrace_inputs(learner, chunks)
-    with torch.no_grad():
-        old_inputs = target.forward_inference(b.obs)["action_dist_inputs"]
-        old_logp = target.action_dist(old_inputs).logp(b.actions)
-    behaviour_logp = b.extra["action_logp"]
-    vs, pg_adv = vtrace(behaviour_logp.cpu().numpy(), old_logp.cpu().numpy(), b.rewards, values.cpu().numpy(),
-                        b.lengths, b.terminated, cfg.gamma, cfg.vtrace_clip_rho_threshold,
-                        cfg.vtrace_clip_pg_rho_threshold)
-    dev = learner.device
-    tensors = {"obs": b.obs, "actions": b.actions, "action_logp": behaviour_logp, "old_action_logp": old_logp,
-               "old_action_dist_inputs": old_inputs, "vtrace_targets": torch.as_tensor(vs, device=dev),
-               "pg_advantages": torch.as_tensor(pg_adv, device=dev)}
-    kl_coeff = st.setdefault("kl_coeff", float(cfg.kl_coeff))
-    entropy_coeff = piecewise(cfg.entropy_coeff, timestep)
-    out = sgd(learner, tensors, lambda mb: appo_loss(learner.module, mb, cfg, kl_coeff, entropy_coeff), len(b))
-    st["updates_since_target_update"] = st.get("updates_since_target_update", 0) + 1
-    if st["updates_since_target_update"] >= cfg.target_network_update_freq:
-        st["target_weights"] = _policy_state(learner.module)
-        st["updates_since_target_update"] = 0
-        st["num_target_updates"] = st.get("num_target_updates", 0) + 1
-        if cfg.use_kl_loss:
-            kl = out["mean_kl_loss"]
-            if kl > 2.0 * cfg.kl_target:
-                st["kl_coeff"] = kl_coeff * 1.5
-            elif kl < 0.5 * cfg.kl_target:
-                st["kl_coeff"] = kl_coeff * 0.5
-    out["curr_kl_coeff"] = st["kl_coeff"]
-    out["curr_entropy_coeff"] = entropy_coeff
-    out["num_target_updates"] = float(st.get("num_target_updates", 0))
-    out["num_module_steps_trained"] = float(len(b))
-    return out
+
+    state_fields = ("kl_coeff", "updates_since_target_update", "num_target_updates")
+
+    def __init__(self, config: APPOConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
+        self.config = config
+        self.kl_coeff = float(config.kl_coeff)
+        self.updates_since_target_update = 0
+        self.num_target_updates = 0
+        super().__init__(config.learner_settings(), observation_space, action_space, **placement)
+
+    def build_targets(self) -> dict[str, nn.Module]:
+        target = self.module_class(self.observation_space, self.action_space, self.settings.model_config,
+                                   inference_only=True)
+        target.set_state(self.module.get_state(inference_only=True))
+        return {"target_policy": target}
+
+    @property
+    def target(self) -> RLModule:
+        return self.targets["target_policy"]
+
+    def train_on_batch(self, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
+        cfg, target = self.config, self.target
+        b, values, _ = value_pass(self, chunks)
+        with torch.no_grad():
+            old_inputs = target.forward_inference(b.obs)["action_dist_inputs"]
+            old_logp = target.action_dist(old_inputs).logp(b.actions)
+        behaviour_logp = b.extra["action_logp"]
+        vs, pg_adv = vtrace_targets(cfg, b, behaviour_logp, old_logp, values)
+        tensors = {"obs": b.obs, "actions": b.actions, "action_logp": behaviour_logp, "old_action_logp": old_logp,
+                   "old_action_dist_inputs": old_inputs, "vtrace_targets": vs, "pg_advantages": pg_adv}
+        kl_coeff, entropy_coeff = self.kl_coeff, piecewise(cfg.entropy_coeff, timestep)
+        out = sgd_epochs(self, cfg, tensors, lambda mb: appo_loss(self.module, mb, cfg, kl_coeff, entropy_coeff),
+                         len(b))
+        self.updates_since_target_update += 1
+        if self.updates_since_target_update >= cfg.target_network_update_freq:
+            target.set_state(self.module.get_state(inference_only=True))
+            self.updates_since_target_update = 0
+            self.num_target_updates += 1
+            if cfg.use_kl_loss:
+                kl = out["mean_kl_loss"]
+                if kl > 2.0 * cfg.kl_target:
+                    self.kl_coeff = kl_coeff * 1.5
+                elif kl < 0.5 * cfg.kl_target:
+                    self.kl_coeff = kl_coeff * 0.5
+        out["curr_kl_coeff"] = self.kl_coeff
+        out["curr_entropy_coeff"] = entropy_coeff
+        out["num_target_updates"] = float(self.num_target_updates)
+        out["num_module_steps_trained"] = float(len(b))
+        return out
 
 
 # --- circular buffer --------------------------------------------------------------------------
 class CircularBuffer:
-    """Holds up to N train batches; each sample is a uniformly random one, which leaves after K samples."""
+    """Holds up to N train batches; each sample is a uniformly random one, which leaves after K samples.
+    As the plan's batch source: take a new batch when there is one, and wait for one only when
+    the buffer has nothing left to train on."""
 
     def __init__(self, num_batches: int, iterations_per_batch: int, seed: int | None = None) -> None:
         self.num_batches, self.iterations_per_batch = num_batches, iterations_per_batch
@@ -205,38 +197,30 @@ class CircularBuffer:
             del self._entries[i]
         return entry[0]
 
+    def next(self, take: TakeBatch) -> ChunkBatch | None:
+        batch = take(0.0 if len(self) else 0.1)
+        if batch is not None:
+            self.add(batch)
+        return self.sample() if len(self) else None
+
     def stats(self) -> dict[str, int]:
         return {"size": len(self), "num_batches_added": self.num_added,
                 "num_batches_evicted_unused": self.num_evicted_unused}
 
+    def log_metrics(self, metrics: MetricsLogger) -> None:
+        metrics.log_dict(self.stats(), prefix="circular_buffer", reduce="max", window=1)  # the latest values
 
-# --- algorithm --------------------------------------------------------------------------------
-class APPO(IMPALA):
+
+@register_algorithm
+class APPO(Algorithm):
     config_class = APPOConfig
-    update_fn = staticmethod(appo_update)
+    learner_class = APPOLearner
 
-    def setup(self) -> None:
-        super().setup()
+    def build_plan(self) -> AsyncPlan:
         cfg = self.config
-        self.circular_buffer = CircularBuffer(cfg.circular_buffer_num_batches, cfg.circular_buffer_iterations_per_batch,
-                                              seed=cfg.seed)
+        buffer = CircularBuffer(cfg.circular_buffer_num_batches, cfg.circular_buffer_iterations_per_batch, cfg.seed)
+        return AsyncPlan(cfg, self.env_runner_group, self.learner_group, self.metrics, self.observation_space,
+                         self.action_space, compress=self.compress_frames(), batches=buffer)
 
-    def training_step(self) -> dict[str, Any]:
-        self._ensure_streaming()
-        buf = self.circular_buffer
-        t0 = time.perf_counter()
-        # take a new batch when there is one; wait for one only when the buffer has nothing left to train on
-        batch = self.receiver.get_batch(timeout=0) if len(buf) else self._next_batch()
-        if batch is not None:
-            self._last_batch_at = time.monotonic()
-            self._iter["qsize_sum"] += self.receiver.qsize()
-            self._iter["qsize_n"] += 1
-            buf.add(batch)
-        self._iter["wait_s"] += time.perf_counter() - t0
-        if len(buf):
-            self._last_stats = self._update(buf.sample())
-        self._poll_runners()
-        return self._step_result() | {"_result_circular_buffer": buf.stats()}
-
-
-register_algorithm("APPO", APPOConfig, APPO)
+    def training_step(self) -> None:
+        self.plan.training_step()

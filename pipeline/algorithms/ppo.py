@@ -3,24 +3,26 @@
 Each training step: every env runner samples its share of ``train_batch_size_per_learner``
 steps with the current weights; the learner(s) compute GAE with their own value function and
 run ``num_epochs`` passes of minibatch SGD on the clipped surrogate loss; new weights go out.
+Here: ``PPOConfig`` (settings), ``ppo_loss`` (a pure function of module, batch and config),
+``PPOLearner`` (its update and its one piece of state, the KL coefficient) and ``PPO`` (the step).
 
 The defaults are tuned to solve CartPole-v1 fast and are sound elsewhere; scale
 ``train_batch_size_per_learner`` up for harder tasks.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from actors.learner import Learner, chunks_to_batch, piecewise
-from actors.module import RLModule
-from pipeline.algorithm import Algorithm, register_algorithm
+from actors.learner import Learner, as_batch, piecewise
+from actors.modules import RLModule
+from pipeline.algorithm import Algorithm
 from pipeline.algorithms.returns import gae
 from pipeline.config import AlgorithmConfig
+from pipeline.registry import register_algorithm
 from protocols.episode import EpisodeChunk
 
 
@@ -112,61 +114,61 @@ def ppo_loss(module: RLModule, batch: dict[str, Any], config: PPOConfig, kl_coef
     return total, stats
 
 
-def ppo_update(learner: Learner, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
-    """A learner's PPO update on its share of the train batch."""
-    cfg: PPOConfig = learner.config
-    b = chunks_to_batch(chunks, learner.device)
-    if cfg.use_critic:
-        with torch.no_grad():
-            values = learner.module.compute_values(b.all_obs).cpu().numpy()
-    else:
-        values = np.zeros(len(b) + len(b.lengths), np.float32)
-    lam = cfg.lambda_ if cfg.use_gae else 1.0
-    adv, targets = gae(b.rewards, values, b.lengths, b.terminated, cfg.gamma, lam)
-    tensors = {"obs": b.obs, "actions": b.actions, "action_logp": b.extra["action_logp"],
-               "action_dist_inputs": b.extra["action_dist_inputs"],
-               "advantages": torch.as_tensor(adv, device=learner.device),
-               "value_targets": torch.as_tensor(targets, device=learner.device)}
-    kl_coeff = learner.algo_state.setdefault("kl_coeff", cfg.kl_coeff)
-    entropy_coeff = piecewise(cfg.entropy_coeff, timestep)
-    # The minibatch count comes from the config, not the shard size: data-parallel learners must
-    # take the same number of steps to meet at every gradient all-reduce.
-    num_minibatches = -(-cfg.train_batch_size_per_learner // cfg.minibatch_size)
-    out = learner.sgd(tensors, lambda mb: ppo_loss(learner.module, mb, cfg, kl_coeff, entropy_coeff),
-                      len(b), cfg.minibatch_size, num_minibatches, cfg.num_epochs)
-    if cfg.use_kl_loss:
-        kl = float(learner.allreduce_mean(np.array([out["mean_kl_loss"]]))[0])
-        if kl > 2.0 * cfg.kl_target:
-            learner.algo_state["kl_coeff"] = kl_coeff * 1.5
-        elif kl < 0.5 * cfg.kl_target:
-            learner.algo_state["kl_coeff"] = kl_coeff * 0.5
-    out["curr_kl_coeff"] = learner.algo_state["kl_coeff"]
-    out["curr_entropy_coeff"] = entropy_coeff
-    out["num_module_steps_trained"] = float(len(b))
-    return out
+class PPOLearner(Learner):
+    """GAE with the learner's own value function, then ``num_epochs`` of minibatch SGD on ``ppo_loss``;
+    the KL coefficient adapts after each update when ``use_kl_loss`` is on."""
+
+    state_fields = ("kl_coeff",)
+
+    def __init__(self, config: PPOConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
+        self.config = config
+        self.kl_coeff = float(config.kl_coeff)
+        super().__init__(config.learner_settings(), observation_space, action_space, **placement)
+
+    def train_on_batch(self, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
+        cfg = self.config
+        b = as_batch(chunks, self.device)
+        if cfg.use_critic:
+            with torch.no_grad():
+                values = self.module.compute_values(b.all_obs).cpu().numpy()
+        else:
+            values = np.zeros(len(b) + len(b.lengths), np.float32)
+        lam = cfg.lambda_ if cfg.use_gae else 1.0
+        adv, targets = gae(b.rewards, values, b.lengths, b.terminated, cfg.gamma, lam)
+        tensors = {"obs": b.obs, "actions": b.actions, "action_logp": b.extra["action_logp"],
+                   "action_dist_inputs": b.extra["action_dist_inputs"],
+                   "advantages": torch.as_tensor(adv, device=self.device),
+                   "value_targets": torch.as_tensor(targets, device=self.device)}
+        kl_coeff, entropy_coeff = self.kl_coeff, piecewise(cfg.entropy_coeff, timestep)
+        # The minibatch count comes from the config, not the shard size: data-parallel learners must
+        # take the same number of steps to meet at every gradient all-reduce.
+        num_minibatches = -(-cfg.train_batch_size_per_learner // cfg.minibatch_size)
+        out = self.sgd(tensors, lambda mb: ppo_loss(self.module, mb, cfg, kl_coeff, entropy_coeff),
+                       len(b), cfg.minibatch_size, num_minibatches, cfg.num_epochs)
+        if cfg.use_kl_loss:
+            kl = float(self.allreduce_mean(np.array([out["mean_kl_loss"]]))[0])
+            if kl > 2.0 * cfg.kl_target:
+                self.kl_coeff = kl_coeff * 1.5
+            elif kl < 0.5 * cfg.kl_target:
+                self.kl_coeff = kl_coeff * 0.5
+        out["curr_kl_coeff"] = self.kl_coeff
+        out["curr_entropy_coeff"] = entropy_coeff
+        out["num_module_steps_trained"] = float(len(b))
+        return out
 
 
+@register_algorithm
 class PPO(Algorithm):
     config_class = PPOConfig
-    update_fn = staticmethod(ppo_update)
+    learner_class = PPOLearner
 
-    def training_step(self) -> dict[str, Any]:
-        cfg = self.config
+    def training_step(self) -> None:
+        """Sample a train batch from every runner, one learner update, weights out."""
+        cfg, m = self.config, self.metrics
         batch_size = cfg.train_batch_size_per_learner * max(1, cfg.num_learners)
-        t0 = time.perf_counter()
-        chunks, metrics = self.env_runner_group.sample(batch_size)
-        t1 = time.perf_counter()
-        steps = sum(len(c) for c in chunks)
-        self.counters["num_env_steps_sampled_lifetime"] += steps
-        new_episodes = self.record_runner_metrics(metrics)
-        stats = self.learner_group.update(chunks, self.counters["num_env_steps_sampled_lifetime"])
-        t2 = time.perf_counter()
-        self.counters["num_env_steps_trained_lifetime"] += steps
-        self.weights_version += 1
-        self.sync_weights()
-        t3 = time.perf_counter()
-        return stats | {"_new_episodes": new_episodes, "_timer_env_runner_sampling_timer": t1 - t0,
-                        "_timer_learner_update_timer": t2 - t1, "_timer_synch_weights": t3 - t2}
-
-
-register_algorithm("PPO", PPOConfig, PPO)
+        with m.log_time("timers/env_runner_sampling_timer"):
+            chunks = self.env_runner_group.sample(batch_size, m)
+        with m.log_time("timers/learner_update_timer"):
+            self.learner_group.update(chunks, self.counters["num_env_steps_sampled_lifetime"], m)
+        with m.log_time("timers/synch_weights"):
+            self.sync_weights()

@@ -25,7 +25,7 @@ import gymnasium as gym
 import ray
 import torch
 
-from actors.env_runner import EnvRunner, EnvRunnerSettings
+from actors.env import EnvRunner, EnvRunnerSettings
 from pipeline import PPOConfig
 from pipeline.envs import env_creator
 
@@ -52,10 +52,10 @@ def sampling_remote(num_runners: int, num_envs: int, seconds: float) -> float:
     try:
         group = algo.env_runner_group
         per_call = num_runners * num_envs * 128
-        group.sample(per_call)  # warm-up
+        group.sample(per_call, algo.metrics)  # warm-up
         steps, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            chunks, _ = group.sample(per_call)
+            chunks = group.sample(per_call, algo.metrics)
             steps += sum(len(c) for c in chunks)
         return steps / (time.perf_counter() - t0)
     finally:

@@ -19,6 +19,9 @@ class Categorical:
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits - logits.logsumexp(-1, keepdim=True)
 
+    def __len__(self) -> int:
+        return self.logits.shape[0]
+
     def sample(self) -> torch.Tensor:
         # Gumbel-max: one uniform draw per logit, no normalisation pass, no validation.
         u = torch.rand_like(self.logits).clamp_(1e-20, 1.0)
@@ -41,6 +44,9 @@ class MultiCategorical:
     def __init__(self, inputs: torch.Tensor, nvec: list[int]) -> None:
         self.nvec = list(nvec)
         self.cats = [Categorical(x) for x in torch.split(inputs, self.nvec, dim=-1)]
+
+    def __len__(self) -> int:
+        return len(self.cats[0])
 
     def sample(self) -> torch.Tensor:
         return torch.stack([c.sample() for c in self.cats], -1)
@@ -65,6 +71,9 @@ class DiagGaussian:
         self.mean, log_std = inputs.chunk(2, dim=-1)
         self.log_std = log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
         self.std = self.log_std.exp()
+
+    def __len__(self) -> int:
+        return self.mean.shape[0]
 
     def sample(self) -> torch.Tensor:
         return (self.mean + self.std * torch.randn_like(self.mean)).detach()
@@ -119,16 +128,17 @@ class ActionDistSpec:
         """Model actions -> the dtype the env's space declares."""
         return actions.astype(self.space.dtype, copy=False)
 
-    def action_dtype(self) -> torch.dtype:
-        return torch.float32 if self.kind == "gaussian" else torch.long
+    def random(self, n: int) -> torch.Tensor:
+        """``n`` uniformly random actions in the module's action space, drawn in one call
+        (Box: uniform in [-1, 1], the normalized range the policy acts in)."""
+        if self.kind == "categorical":
+            return torch.randint(0, self.input_dim, (n,))
+        if self.kind == "multi_categorical":
+            return torch.stack([torch.randint(0, k, (n,)) for k in self.nvec], -1)
+        return torch.rand(n, self.input_dim // 2) * 2.0 - 1.0
 
 
 def apply_log_std_init(bias: torch.Tensor, spec: ActionDistSpec, log_std_init: float) -> None:
     if spec.kind == "gaussian":
         with torch.no_grad():
             bias[spec.input_dim // 2 :] = log_std_init
-
-
-def clip_to_box(actions: np.ndarray, space: gym.spaces.Box) -> np.ndarray:
-    return np.clip(actions, space.low, space.high)
-

@@ -1,9 +1,10 @@
-"""The default RLModule: an observation encoder, a policy head and (unless inference-only) a value head.
+"""Building blocks every module shares: the model settings, observation encoders, MLP trunks, heads.
 
 Observations of any supported gymnasium space are turned into one float vector: Box leaves are
 flattened, Discrete/MultiDiscrete leaves one-hot encoded, MultiBinary leaves cast to float, and
 nested Dict/Tuple spaces concatenated in sorted-key order. A single image-shaped Box
-(``(H, W, C)``) goes through a CNN instead.
+(``(H, W, C)``) goes through a CNN instead. A new module (a Q network, SAC's actor and critics)
+is these pieces put together differently.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from actors.distributions import ActionDistSpec, apply_log_std_init
 from protocols import nested
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "silu": nn.SiLU, "swish": nn.SiLU, "linear": nn.Identity}
@@ -23,7 +23,7 @@ ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "silu": nn.SiLU,
 
 @dataclass
 class ModelConfig:
-    """Settings of the default module (``config.rl_module(model_config={...})``)."""
+    """Settings of the default modules (``config.rl_module(model_config={...})``)."""
 
     fcnet_hiddens: list[int] = field(default_factory=lambda: [64, 64])
     """Sizes of the hidden layers of the MLP (policy and value trunks)."""
@@ -51,7 +51,7 @@ class ModelConfig:
         return cls(**d)
 
 
-def _is_image(space: gym.Space) -> bool:
+def is_image(space: gym.Space) -> bool:
     return isinstance(space, gym.spaces.Box) and len(space.shape) == 3 and min(space.shape[:2]) >= 16
 
 
@@ -116,7 +116,13 @@ class CNNEncoder(nn.Module):
         return self.net(obs.permute(0, 3, 1, 2).float() * self.scale)
 
 
-def _mlp(in_dim: int, hiddens: list[int], activation: str) -> tuple[nn.Sequential, int]:
+def build_encoder(space: gym.Space, cfg: ModelConfig) -> nn.Module:
+    """A CNN for a single image observation, else the flattening encoder; ``.out_dim`` is its width."""
+    return CNNEncoder(space, cfg) if is_image(space) else ObsEncoder(space)
+
+
+def mlp(in_dim: int, hiddens: list[int], activation: str) -> tuple[nn.Sequential, int]:
+    """Orthogonally initialised hidden layers; returns the trunk and its output width."""
     layers: list[nn.Module] = []
     for h in hiddens:
         layer = nn.Linear(in_dim, h)
@@ -127,86 +133,8 @@ def _mlp(in_dim: int, hiddens: list[int], activation: str) -> tuple[nn.Sequentia
     return nn.Sequential(*layers), in_dim
 
 
-def _head(in_dim: int, out_dim: int, gain: float) -> nn.Linear:
+def head(in_dim: int, out_dim: int, gain: float) -> nn.Linear:
     layer = nn.Linear(in_dim, out_dim)
     nn.init.orthogonal_(layer.weight, gain=gain)
     nn.init.zeros_(layer.bias)
     return layer
-
-
-class RLModule(nn.Module):
-    """Policy (and value function) for one agent.
-
-    ``forward_inference`` / ``forward_exploration`` return the action distribution inputs;
-    ``forward_train`` adds the value predictions. ``inference_only=True`` builds the copy that env
-    runners carry: no value trunk or head, and ``set_state`` ignores their weights.
-    """
-
-    def __init__(
-        self,
-        observation_space: gym.Space,
-        action_space: gym.Space,
-        model_config: dict[str, Any] | ModelConfig | None = None,
-        inference_only: bool = False,
-    ) -> None:
-        super().__init__()
-        cfg = model_config if isinstance(model_config, ModelConfig) else ModelConfig.from_dict(model_config)
-        self.config = cfg
-        self.observation_space = observation_space
-        self.action_space = action_space
-        self.inference_only = inference_only
-        self.dist_spec = ActionDistSpec(action_space)
-        self.encoder: nn.Module = CNNEncoder(observation_space, cfg) if _is_image(observation_space) else ObsEncoder(observation_space)
-        feat = self.encoder.out_dim
-        self.pi_trunk, pi_dim = _mlp(feat, cfg.fcnet_hiddens, cfg.fcnet_activation)
-        self.pi_head = _head(pi_dim, self.dist_spec.input_dim, gain=0.01)
-        apply_log_std_init(self.pi_head.bias, self.dist_spec, cfg.log_std_init)
-        if not inference_only:
-            if cfg.vf_share_layers:
-                self.vf_trunk, vf_dim = None, pi_dim
-            else:
-                self.vf_trunk, vf_dim = _mlp(feat, cfg.fcnet_hiddens, cfg.fcnet_activation)
-            self.vf_head = _head(vf_dim, 1, gain=1.0)
-
-    # --- forward passes -------------------------------------------------------------------
-    def forward_inference(self, obs: Any) -> dict[str, torch.Tensor]:
-        return {"action_dist_inputs": self.pi_head(self.pi_trunk(self.encoder(obs)))}
-
-    forward_exploration = forward_inference
-
-    def forward_train(self, obs: Any) -> dict[str, torch.Tensor]:
-        if self.inference_only:
-            raise RuntimeError("an inference-only module has no value head; build it with inference_only=False")
-        feats = self.encoder(obs)
-        pi_out = self.pi_trunk(feats)
-        vf_in = pi_out if self.vf_trunk is None else self.vf_trunk(feats)
-        return {"action_dist_inputs": self.pi_head(pi_out), "vf_preds": self.vf_head(vf_in).squeeze(-1)}
-
-    def compute_values(self, obs: Any) -> torch.Tensor:
-        return self.forward_train(obs)["vf_preds"]
-
-    def action_dist(self, dist_inputs: torch.Tensor):
-        return self.dist_spec.build(dist_inputs)
-
-    # --- state ----------------------------------------------------------------------------
-    def get_state(self, inference_only: bool = False) -> dict[str, np.ndarray]:
-        """Weights as numpy arrays (codec- and ``ray.put``-friendly)."""
-        # copies: a snapshot must not change as training goes on (.numpy() aliases CPU parameters)
-        state = {k: v.detach().cpu().numpy().copy() for k, v in self.state_dict().items()}
-        if inference_only:
-            state = {k: v for k, v in state.items() if not k.startswith(("vf_trunk.", "vf_head."))}
-        return state
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        own = self.state_dict()
-        missing = [k for k in own if k not in state]
-        if missing:
-            raise ValueError(f"module state lacks {missing[:5]}{'...' if len(missing) > 5 else ''}: was it saved from another model config?")
-        with torch.no_grad():
-            for k, t in own.items():
-                t.copy_(torch.from_numpy(np.array(state[k], copy=True)) if not isinstance(state[k], torch.Tensor) else state[k])
-
-
-def to_torch(obs: Any, device: torch.device | str = "cpu") -> Any:
-    """Nested numpy -> nested torch tensors (no copy on CPU where the dtype allows)."""
-    return nested.map_structure(lambda a: torch.as_tensor(a, device=device), obs)

@@ -1,14 +1,20 @@
 """EnvRunner: steps a vector of environments with an inference-only module and emits episode chunks.
 
-The per-step path does one batched forward pass and one vector-env step; nothing per sub-env
-except the env's own ``step``. Steps go into time-major buffers (``[T, num_envs]``) that are
-cut into one chunk per episode segment at the end of ``sample()``.
+The per-step path does one batched forward pass, one exploration call and one vector-env step;
+nothing per sub-env except the env's own ``step``. Steps go into time-major buffers
+(``[T, num_envs]``) that are cut into one chunk per episode segment at the end of each run.
 
-The same class runs in the driver process (``num_env_runners=0``) or as a Ray actor.
+The same class runs in the driver process (``num_env_runners=0``) or as a Ray actor; a stage
+group talks to it through the same methods either way (``sample_encoded``, ``set_weights``,
+``get_metrics``, ``start_streaming``...). What it observes goes to ``self.metrics`` (a
+``MetricsLogger``) and leaves through ``get_metrics()`` as plain data the driver merges: episode
+statistics under their RLlib names, step and episode counters, the weights version it acts with,
+and ``fault_tolerance/...`` and ``stream/...`` keys for the result sections of those names.
 """
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,9 +22,14 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from actors.module import RLModule
-from actors.vector_env import EnvContext, make_vector_env
+from actors.core import EnvRunnerRole
+from actors.env.actions import EnvActions
+from actors.env.exploration import make_exploration
+from actors.env.vector_env import EnvContext, make_vector_env
+from actors.metrics import MetricsLogger
+from actors.modules import ActorCriticModule, RLModule
 from protocols import nested
+from protocols.codec import encode
 from protocols.episode import EpisodeChunk, new_episode_id
 
 
@@ -33,9 +44,11 @@ class EnvRunnerSettings:
     rollout_fragment_length: int = 200
     batch_mode: str = "truncate_episodes"
     explore: bool = True
+    module_class: type[RLModule] = ActorCriticModule
     model_config: dict = field(default_factory=dict)
     observation_space: gym.Space | None = None
     action_space: gym.Space | None = None
+    exploration_config: dict = field(default_factory=dict)
     clip_rewards: bool | float | None = None
     normalize_actions: bool = True
     clip_actions: bool = False
@@ -43,6 +56,8 @@ class EnvRunnerSettings:
     num_env_runners: int = 0
     restart_failed_sub_environments: bool = False
     torch_threads: int = 1
+    metrics_window: int = 100
+    """Episodes the runner's own episode statistics are averaged over."""
 
 
 @dataclass
@@ -57,7 +72,7 @@ class _Slot:
     pending: list = field(default_factory=list)  # held-back chunks (complete_episodes mode)
 
 
-class EnvRunner:
+class EnvRunner(EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0, recreated: bool = False) -> None:
         self.s = settings
         self.worker_index = worker_index
@@ -72,22 +87,25 @@ class EnvRunner:
         )
         self.observation_space = settings.observation_space or self.env.single_observation_space
         self.action_space = settings.action_space or self.env.single_action_space
-        self.module = RLModule(self.observation_space, self.action_space, settings.model_config, inference_only=True)
+        self.module = settings.module_class(self.observation_space, self.action_space, settings.model_config,
+                                            inference_only=True)
         self.module.eval()
+        self.exploration = make_exploration(settings.exploration_config, self.module.dist_spec)
+        self.env_actions = EnvActions(self.action_space, settings.normalize_actions, settings.clip_actions)
+        self.metrics = MetricsLogger()
         self.weights_version = 0
+        self.num_env_steps_sampled_lifetime = 0
         self._obs: Any = None
         self._slots: list[_Slot] = []
-        self._box_low = self._box_high = None
-        if isinstance(self.action_space, gym.spaces.Box):
-            self._box_low, self._box_high = self.action_space.low, self.action_space.high
-        self._new_returns: list[float] = []
-        self._new_lengths: list[int] = []
-        self.num_env_steps_sampled_lifetime = 0
-        self.num_episodes_lifetime = 0
+        self._restarts_seen = 0
+        # weights that arrive while a stream samples in another thread wait here for its next fragment
+        self._weights_lock = threading.Lock()
+        self._pending_weights: tuple[Any, int] | None = None
+        self._stream: Any = None
 
     # --- sampling ---------------------------------------------------------------------------
     def sample(self, num_timesteps: int | None = None, num_episodes: int | None = None,
-               explore: bool | None = None, random_actions: bool = False) -> list[EpisodeChunk]:
+               explore: bool | None = None) -> list[EpisodeChunk]:
         """Step all sub-envs and return the episode chunks collected.
 
         ``num_timesteps`` (default ``rollout_fragment_length * num_envs``) continues running
@@ -97,7 +115,7 @@ class EnvRunner:
         """
         explore = self.s.explore if explore is None else explore
         if num_episodes is not None:
-            return self._sample_episodes(num_episodes, explore, random_actions)
+            return self._sample_episodes(num_episodes, explore)
         if num_timesteps is None:
             num_timesteps = self.s.rollout_fragment_length * self.s.num_envs
         if self._obs is None:
@@ -107,16 +125,23 @@ class EnvRunner:
         collected = 0
         while collected < num_timesteps:
             steps = max(1, math.ceil((num_timesteps - collected) / self.s.num_envs))
-            chunks = self._run(steps, explore, random_actions, hold_back=complete)
+            chunks = self._run(steps, explore, hold_back=complete)
             out.extend(chunks)
             collected += sum(len(c) for c in chunks) if complete else steps * self.s.num_envs
         return out
 
-    def _sample_episodes(self, num_episodes: int, explore: bool, random_actions: bool) -> list[EpisodeChunk]:
+    def sample_encoded(self, num_timesteps: int | None = None, explore: bool | None = None,
+                       compress: bool = False) -> tuple[bytes, dict[str, Any]]:
+        """``sample()`` as one codec frame, plus ``get_metrics()``: what a stage group asks for, so
+        chunks cross every process boundary as codec frames (and do so in-process too)."""
+        frame = encode(self.sample(num_timesteps=num_timesteps, explore=explore), compress=compress)
+        return frame, self.get_metrics()
+
+    def _sample_episodes(self, num_episodes: int, explore: bool) -> list[EpisodeChunk]:
         self._reset_all()
         done: list[EpisodeChunk] = []
         while len(done) < num_episodes:
-            done.extend(self._run(self.s.rollout_fragment_length, explore, random_actions, hold_back=True))
+            done.extend(self._run(self.s.rollout_fragment_length, explore, hold_back=True))
         self._obs = None  # unfinished episodes are dropped; the next sample() starts fresh ones
         return done[:num_episodes]
 
@@ -125,7 +150,7 @@ class EnvRunner:
         self._slots = [_Slot(new_episode_id()) for _ in range(self.s.num_envs)]
 
     @torch.inference_mode()
-    def _run(self, steps: int, explore: bool, random_actions: bool, hold_back: bool) -> list[EpisodeChunk]:
+    def _run(self, steps: int, explore: bool, hold_back: bool) -> list[EpisodeChunk]:
         n = self.s.num_envs
         obs_rows, act_rows, logp_rows, dist_rows = [], [], [], []
         rewards = np.zeros((steps, n), np.float32)
@@ -133,20 +158,19 @@ class EnvRunner:
         truncated = np.zeros((steps, n), bool)
         final_obs: dict[tuple[int, int], Any] = {}
         obs = self._obs
-        module, spec = self.module, self.module.dist_spec
+        module, spec, exploration = self.module, self.module.dist_spec, self.exploration
+        forward = module.forward_exploration if explore else module.forward_inference
+        t0 = self.num_env_steps_sampled_lifetime
         for t in range(steps):
             obs_rows.append(obs)
-            dist_inputs = module.forward_exploration(nested.map_structure(torch.from_numpy, obs))["action_dist_inputs"]
+            dist_inputs = forward(nested.map_structure(torch.from_numpy, obs))["action_dist_inputs"]
             dist = spec.build(dist_inputs)
-            if random_actions:
-                actions = torch.as_tensor(np.stack([self.action_space.sample() for _ in range(n)]))
-            else:
-                actions = dist.sample() if explore else dist.deterministic()
+            actions = exploration.actions(dist, explore, t0 + t * n)
             act_np = actions.numpy()
             act_rows.append(act_np)
             logp_rows.append(dist.logp(actions).numpy())
             dist_rows.append(dist_inputs.numpy())
-            res = self.env.step(self._to_env_actions(act_np))
+            res = self.env.step(self.env_actions(act_np))
             rewards[t], terminated[t], truncated[t] = res.rewards, res.terminated, res.truncated
             for i, o in res.final_obs.items():
                 final_obs[(t, i)] = o
@@ -154,17 +178,26 @@ class EnvRunner:
         self._obs = obs
         obs_rows.append(obs)
         self.num_env_steps_sampled_lifetime += steps * n
+        self._log_steps(steps * n)
         return self._cut(obs_rows, act_rows, logp_rows, dist_rows, rewards, terminated, truncated, final_obs, hold_back)
 
-    def _to_env_actions(self, actions: np.ndarray) -> np.ndarray:
-        if self._box_low is None:
-            return self.module.dist_spec.to_env(actions)
-        if self.s.normalize_actions:  # the policy acts in [-1, 1]; the env sees [low, high]
-            low, high = self._box_low, self._box_high
-            actions = low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (high - low)
-        elif self.s.clip_actions:
-            actions = np.clip(actions, self._box_low, self._box_high)
-        return actions.astype(self.action_space.dtype, copy=False)
+    def _log_steps(self, steps: int) -> None:
+        m = self.metrics
+        m.log_value("num_env_steps_sampled", steps, reduce="sum")
+        m.log_value("num_env_steps_sampled_lifetime", steps, reduce="lifetime_sum")
+        restarts = self.env.num_restarts - self._restarts_seen
+        if restarts:
+            self._restarts_seen = self.env.num_restarts
+            m.log_value("fault_tolerance/num_sub_env_restarts", restarts, reduce="lifetime_sum")
+
+    def _log_episode(self, ret: float, length: int) -> None:
+        m, w = self.metrics, self.s.metrics_window
+        m.log_value("episode_return_mean", ret, window=w)
+        m.log_value("episode_return_min", ret, reduce="min", window=w)
+        m.log_value("episode_return_max", ret, reduce="max", window=w)
+        m.log_value("episode_len_mean", length, window=w)
+        m.log_value("num_episodes", 1, reduce="sum")
+        m.log_value("num_episodes_lifetime", 1, reduce="lifetime_sum")
 
     def _clip(self, rewards: np.ndarray) -> np.ndarray:
         c = self.s.clip_rewards
@@ -220,46 +253,57 @@ class EnvRunner:
                 else:
                     out.append(chunk)
                 if ended:
-                    self._new_returns.append(slot.ret)
-                    self._new_lengths.append(slot.length)
-                    self.num_episodes_lifetime += 1
+                    self._log_episode(slot.ret, slot.length)
                     slot = self._slots[j] = _Slot(new_episode_id())
                 start = t + 1
         return out
 
-    def sample_with_metrics(self, **kwargs: Any) -> tuple[list[EpisodeChunk], dict[str, Any]]:
-        """``sample(**kwargs)`` and ``get_metrics()`` in one request (one round trip per runner)."""
-        return self.sample(**kwargs), self.get_metrics()
-
-    # --- metrics, weights, state ------------------------------------------------------------
-    def get_metrics(self) -> dict[str, Any]:
-        """Episodes finished since the last call, plus lifetime counters."""
-        m = {
-            "episode_returns": self._new_returns,
-            "episode_lengths": self._new_lengths,
-            "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
-            "num_episodes_lifetime": self.num_episodes_lifetime,
-            "num_sub_env_restarts": self.env.num_restarts,
-        }
-        self._new_returns, self._new_lengths = [], []
-        return m
-
+    # --- weights, metrics, state ------------------------------------------------------------
     def set_weights(self, weights: dict[str, np.ndarray], weights_version: int = 0) -> None:
+        """Apply now, or -- while a stream samples in its own thread -- before its next fragment
+        (never in the middle of one)."""
+        with self._weights_lock:
+            if self.is_streaming():
+                self._pending_weights = (weights, weights_version)
+                return
+        self._apply_weights(weights, weights_version)
+
+    def apply_pending_weights(self) -> bool:
+        """Apply weights that arrived while streaming; the stream calls this between fragments."""
+        with self._weights_lock:
+            pending, self._pending_weights = self._pending_weights, None
+        if pending is None:
+            return False
+        self._apply_weights(*pending)
+        self.metrics.log_value("num_weight_updates_applied", 1, reduce="lifetime_sum")
+        return True
+
+    def _apply_weights(self, weights: dict[str, np.ndarray], weights_version: int) -> None:
         self.module.set_state(weights)
         self.weights_version = weights_version
+        self.metrics.log_value("weights_version", weights_version, reduce="max")
 
     def get_weights(self) -> dict[str, np.ndarray]:
         return self.module.get_state()
 
+    def get_metrics(self) -> dict[str, Any]:
+        """What was logged since the last call, as plain data for ``MetricsLogger.merge``. While
+        streaming, raises if the sampling thread failed or hangs, so the driver's stage group treats
+        this runner as failed and recreates it."""
+        if self._stream is not None:
+            self._stream.check_health()
+            self._stream.log_counters()
+        return self.metrics.export()
+
     def get_state(self) -> dict[str, Any]:
         return {"weights": self.get_weights(), "weights_version": self.weights_version,
                 "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
-                "num_episodes_lifetime": self.num_episodes_lifetime}
+                "exploration": self.exploration.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.set_weights(state["weights"], state.get("weights_version", 0))
         self.num_env_steps_sampled_lifetime = state.get("num_env_steps_sampled_lifetime", 0)
-        self.num_episodes_lifetime = state.get("num_episodes_lifetime", 0)
+        self.exploration.set_state(state.get("exploration", {}))
 
     def ping(self) -> str:
         return "ok"
@@ -269,19 +313,18 @@ class EnvRunner:
         return fn(self)
 
     def stop(self) -> None:
+        self.stop_streaming()
         self.env.close()
 
     # --- streaming (asynchronous algorithms: IMPALA, APPO) ----------------------------------
-    # A background thread (actors.stream.RunnerStream) samples rollout_fragment_length steps per
-    # sub-env at a time and pushes each fragment's chunks over ZeroMQ; the actor's main thread
-    # keeps serving calls. While streaming, weights arrive through set_weights_async (applied
-    # between fragments, never mid-fragment) and metrics leave through get_stream_metrics.
     def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
                         stall_timeout_s: float = 60.0) -> None:
-        """Start (or keep) the sampling thread pushing chunks to the receiver at ``address``."""
-        from actors.stream import RunnerStream
+        """Start (or keep) a thread that samples fragment after fragment and pushes each one's
+        chunks to the receiver at ``address`` (``actors.env.streaming``); this object's other
+        methods stay callable meanwhile."""
+        from actors.env.streaming import RunnerStream
 
-        stream = getattr(self, "_stream", None)
+        stream = self._stream
         if stream is not None and stream.alive():
             if stream.address == address:
                 return
@@ -292,25 +335,15 @@ class EnvRunner:
 
     def stop_streaming(self, timeout_s: float = 10.0) -> bool:
         """Stop the sampling thread (a send blocked by back-pressure gives up). True if it ended."""
-        stream = getattr(self, "_stream", None)
-        return True if stream is None else stream.stop(timeout_s)
+        stream = self._stream
+        if stream is None:
+            return True
+        stopped = stream.stop(timeout_s)
+        if stopped:
+            self._stream = None
+            self.apply_pending_weights()  # what arrived for a fragment that never came
+        return stopped
 
     def is_streaming(self) -> bool:
-        stream = getattr(self, "_stream", None)
+        stream = self._stream
         return stream is not None and stream.alive()
-
-    def set_weights_async(self, weights: dict[str, np.ndarray], weights_version: int = 0) -> None:
-        """While streaming: apply these weights before the next fragment. Otherwise: now."""
-        stream = getattr(self, "_stream", None)
-        if stream is not None and stream.alive():
-            stream.set_pending_weights(weights, weights_version)
-        else:
-            self.set_weights(weights, weights_version)
-
-    def get_stream_metrics(self) -> dict[str, Any]:
-        """``get_metrics()`` plus stream counters, safe to call while the sampling thread runs.
-        Raises if the sampling thread failed or hangs, so the driver recreates this runner."""
-        stream = getattr(self, "_stream", None)
-        if stream is None:
-            return self.get_metrics()
-        return stream.metrics()

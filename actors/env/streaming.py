@@ -1,0 +1,113 @@
+"""RunnerStream: the sampling thread of a streaming env runner (asynchronous algorithms).
+
+It samples one fragment (``rollout_fragment_length`` steps per sub-env) at a time with the
+runner's own ``sample()``, pushes the fragment's chunks as one codec frame over a ZeroMQ PUSH
+socket (``protocols.transport.ChunkSender``) and, between fragments, applies weights the actor's
+main thread received (``EnvRunner.apply_pending_weights``). The actor's main thread stays free for
+``ping``/``get_metrics``/``set_weights``.
+
+A send blocked at the high-water mark is back-pressure, not a failure. A thread that dies, or
+makes no progress while sampling for ``stall_timeout_s`` (a hung environment), is reported by
+``check_health``, which the runner's ``get_metrics`` calls, so the driver recreates the runner.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from protocols.transport import ChunkSender
+
+log = logging.getLogger(__name__)
+
+
+class RunnerStream:
+    def __init__(self, runner: Any, address: str, *, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
+                 stall_timeout_s: float = 60.0) -> None:
+        self.runner, self.address = runner, address
+        self.hwm, self.compress, self.sndbuf = hwm, compress, sndbuf
+        self.stall_timeout_s = stall_timeout_s
+        self.sender_id = f"env-runner-{runner.worker_index}"
+        self._stop = threading.Event()
+        self._sender: ChunkSender | None = None
+        self._counters_lock = threading.Lock()
+        self._reported = {"num_frames_sent": 0, "num_bytes_sent": 0, "send_blocked_s": 0.0}
+        self.error: str | None = None
+        self._status = ("starting", time.monotonic())  # (state, since): one tuple, replaced atomically
+        # torch.set_num_threads only reaches the thread that calls it (OpenMP's per-thread
+        # setting): a new thread would run with one intra-op thread per core, which on a busy
+        # machine makes each small forward pass dozens of times slower. Carry the setting over.
+        self._torch_threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._loop, name=f"runnel-stream-{runner.worker_index}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _set_state(self, state: str) -> None:
+        self._status = (state, time.monotonic())  # never a new state with the old time (see check_health)
+
+    def _loop(self) -> None:
+        runner = self.runner
+        try:
+            torch.set_num_threads(self._torch_threads)
+            self._sender = ChunkSender(self.address, self.sender_id, hwm=self.hwm, compress=self.compress,
+                                       sndbuf=self.sndbuf)
+            while not self._stop.is_set():
+                runner.apply_pending_weights()
+                self._set_state("sampling")
+                chunks = runner.sample()
+                if not chunks:
+                    continue
+                self._set_state("sending")
+                if not self._sender.send(chunks, self._stop):
+                    break
+            self._set_state("stopped")
+        except BaseException as err:  # noqa: BLE001 - reported through check_health, which the driver polls
+            self.error = f"{type(err).__name__}: {err}"
+            self._set_state("failed")
+            log.error("%s: sampling thread failed:\n%s", self.sender_id, traceback.format_exc())
+        finally:
+            if self._sender is not None:
+                self.log_counters()
+                self._sender.close()
+
+    def log_counters(self) -> None:
+        """The sender's counters into the runner's logger, as deltas (the logger sums them up).
+
+        The runner's ``get_metrics`` calls this before exporting: the sender counts a frame under
+        a lock its ``counters()`` takes too, so whoever saw a frame arrive and then asks for
+        metrics finds it counted."""
+        sender = self._sender
+        if sender is None:
+            return
+        with self._counters_lock:
+            now = sender.counters()
+            for key, value in now.items():
+                delta = value - self._reported[key]
+                if delta:
+                    self.runner.metrics.log_value(f"stream/runner_{key}", delta, reduce="lifetime_sum")
+            self._reported = now
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if the thread died or sampled nothing for ``stall_timeout_s``."""
+        if self.error is not None:
+            raise RuntimeError(f"{self.sender_id}: sampling thread failed: {self.error}")
+        if not self._thread.is_alive() and not self._stop.is_set():
+            raise RuntimeError(f"{self.sender_id}: sampling thread is not running")
+        state, since = self._status
+        stalled = time.monotonic() - since
+        if state == "sampling" and stalled > self.stall_timeout_s:  # blocked sending is back-pressure, not a stall
+            raise RuntimeError(f"{self.sender_id}: no fragment sampled for {stalled:.0f} s (a hung environment?)")
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stop sampling (a blocked send gives up) and join the thread. True if it ended."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()

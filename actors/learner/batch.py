@@ -1,0 +1,101 @@
+"""Laying chunks out for a learner: the steps of many chunks end to end, as torch tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from protocols import nested
+from protocols.episode import EpisodeChunk
+
+
+@dataclass
+class Batch:
+    """Steps of many chunks laid end to end (torch tensors on the learner's device)."""
+
+    obs: Any
+    """Observations at which each step's action was taken, ``[N, ...]``."""
+    all_obs: Any
+    """Every observation incl. each chunk's closing one, ``[N + num_chunks, ...]`` (for values)."""
+    actions: Any
+    rewards: np.ndarray
+    lengths: np.ndarray
+    terminated: np.ndarray
+    extra: dict[str, Any]
+    weights_versions: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+    def tensors(self) -> list[Any]:
+        """The device tensors (for stream bookkeeping on GPU)."""
+        return [self.obs, self.all_obs, self.actions, self.extra]
+
+
+def step_rows(lengths: np.ndarray) -> np.ndarray:
+    """Indices of ``all_obs`` rows at which an action was taken (all but each chunk's closing row)."""
+    keep = np.ones(int(lengths.sum() + len(lengths)), bool)
+    keep[np.cumsum(lengths + 1) - 1] = False
+    return np.flatnonzero(keep)
+
+
+def chunks_to_batch(chunks: list[EpisodeChunk], device: torch.device) -> Batch:
+    lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
+    all_obs = nested.concat([c.obs for c in chunks])
+    to_t = lambda a: torch.as_tensor(np.ascontiguousarray(a), device=device)  # noqa: E731
+    all_obs_t = nested.map_structure(to_t, all_obs)
+    rows_t = torch.as_tensor(step_rows(lengths), device=device)
+    return Batch(
+        obs=nested.map_structure(lambda a: a[rows_t], all_obs_t),
+        all_obs=all_obs_t,
+        actions=nested.map_structure(to_t, nested.concat([c.actions for c in chunks])),
+        rewards=np.concatenate([c.rewards for c in chunks]).astype(np.float32, copy=False),
+        lengths=lengths,
+        terminated=np.fromiter((c.terminated for c in chunks), bool, len(chunks)),
+        extra={k: nested.map_structure(to_t, nested.concat([c.extra[k] for c in chunks])) for k in chunks[0].extra},
+        weights_versions=np.repeat([c.weights_version for c in chunks], lengths),
+    )
+
+
+class ChunkBatch(list):
+    """A train batch: its chunks (a plain list), plus the learner-ready ``Batch`` a loader thread
+    may have built from them already (``to_batch`` reuses it).
+
+    Batches cut from a stream hold exactly ``batch_size`` steps: a chunk that straddles two batches
+    is cut with ``EpisodeChunk.slice`` (both pieces keep its ``chunk_index``; ``t_started`` tells
+    them apart; the first piece bootstraps from the observation where it was cut)."""
+
+    def __init__(self, chunks: list[EpisodeChunk]) -> None:
+        super().__init__(chunks)
+        self.batch: Batch | None = None
+        self.device: torch.device | None = None
+        self.ready_event: Any = None  # CUDA event recorded after the side-stream copy
+
+    @property
+    def num_steps(self) -> int:
+        return sum(len(c) for c in self)
+
+    def weights_versions(self) -> tuple[np.ndarray, np.ndarray]:
+        """(weights_version, steps) per chunk."""
+        return (np.fromiter((c.weights_version for c in self), np.int64, len(self)),
+                np.fromiter((len(c) for c in self), np.int64, len(self)))
+
+    def to_batch(self, device: torch.device) -> Batch:
+        """The learner ``Batch`` on ``device``: the prebuilt one when it matches, else built now."""
+        if self.batch is not None and self.device == device:
+            if self.ready_event is not None:  # the copy ran in the loader's CUDA stream
+                stream = torch.cuda.current_stream(device)
+                stream.wait_event(self.ready_event)
+                nested.map_structure(lambda t: t.record_stream(stream), self.batch.tensors())
+                self.ready_event = None
+            return self.batch
+        return chunks_to_batch(list(self), device)
+
+
+def as_batch(chunks: list[EpisodeChunk], device: torch.device) -> Batch:
+    """Any list of chunks as a learner ``Batch`` (a ``ChunkBatch``'s prebuilt one when it has it)."""
+    if isinstance(chunks, ChunkBatch):
+        return chunks.to_batch(device)
+    return chunks_to_batch(chunks, device)

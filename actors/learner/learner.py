@@ -1,0 +1,254 @@
+"""Learner: the mechanics every algorithm's learner shares; the algorithm supplies the rest.
+
+An algorithm's learner (``PPOLearner``, ``APPOLearner``...) subclasses this and provides:
+
+* ``module_class`` (or ``build_module()``): the trainable module (``self.module``);
+* ``build_targets()``: frozen copies it keeps, e.g. a target network (``self.targets``), optional;
+* ``build_optimizers()``: named optimizers, each with its own parameters and learning-rate
+  schedule (default: one Adam, ``"default"``, over the module at ``settings.lr``);
+* ``state_fields``: the names of its own numbers (a KL coefficient, an entropy ``alpha``, update
+  counters) that belong to its state;
+* ``train_on_batch(batch, timestep)``: what to do with a batch -- typically a loss that is a pure
+  function of ``(module, batch, config)``, minimised with ``sgd`` or ``apply_gradients``.
+
+This class does the rest: learning-rate schedules by sampled timestep, the gradient step
+(backward, averaging across data-parallel learners with torch.distributed -- gloo on CPU, nccl on
+GPU -- clipping, optimizer step), minibatch epochs, and a complete ``get_state``/``set_state``
+(module, targets, every optimizer, the named fields, RNGs) that a checkpoint stores with
+``torch.save`` and reads back with ``weights_only=True``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from actors.core import LearnerRole
+from actors.modules import ActorCriticModule, RLModule
+from protocols import nested
+from protocols.codec import decode
+
+
+def piecewise(schedule: float | list, t: int) -> float:
+    """A constant, or ``[[t0, v0], [t1, v1], ...]`` interpolated linearly (held after the last)."""
+    if not isinstance(schedule, (list, tuple)):
+        return float(schedule)
+    points = sorted((int(a), float(b)) for a, b in schedule)
+    if t <= points[0][0]:
+        return points[0][1]
+    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+        if t < t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+    return points[-1][1]
+
+
+@dataclass
+class LearnerSettings:
+    """What every learner needs beyond its algorithm's own settings."""
+
+    lr: float | list = 3e-4
+    """Learning rate of the default optimizer, or a piecewise-linear schedule ``[[timestep, lr], ...]``."""
+    grad_clip: float | None = None
+    """Clip threshold for gradients (None: no clipping)."""
+    grad_clip_by: str = "global_norm"
+    """value: each element; norm: each tensor's norm; global_norm: the norm of all of an optimizer's gradients."""
+    seed: int | None = None
+    """Seeds torch (same on every learner: identical initial weights) and the minibatch shuffling."""
+    model_config: dict = field(default_factory=dict)
+    """Settings of the module (``actors.modules.ModelConfig``)."""
+
+
+@dataclass
+class Optimizer:
+    """A named optimizer slot: the torch optimizer, the parameters it steps, its lr schedule."""
+
+    optimizer: torch.optim.Optimizer
+    params: list[nn.Parameter]
+    lr: float | list
+
+
+class Learner(LearnerRole):
+    module_class: ClassVar[type[RLModule]] = ActorCriticModule
+    """The module this learner trains; env runners carry its inference-only copy."""
+    state_fields: ClassVar[tuple[str, ...]] = ()
+    """Names of the subclass's own numbers (attributes) saved in and restored from the state."""
+
+    def __init__(self, settings: LearnerSettings, observation_space: gym.Space, action_space: gym.Space, *,
+                 device: str = "cpu", rank: int = 0, world_size: int = 1) -> None:
+        self.settings = settings
+        self.observation_space, self.action_space = observation_space, action_space
+        self.device = torch.device(device)
+        self.rank, self.world_size = rank, world_size
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed)  # same seed on every learner: identical initial weights
+        self.module: nn.Module = self.build_module().to(self.device)
+        self.targets: dict[str, nn.Module] = {}
+        for name, target in self.build_targets().items():
+            self.targets[name] = target.to(self.device).requires_grad_(False).eval()
+        self.optimizers: dict[str, Optimizer] = self.build_optimizers()
+        self.rng = np.random.default_rng(None if settings.seed is None else settings.seed + rank)
+        self.num_updates = 0
+        self.timestep = 0
+
+    # --- what an algorithm provides ---------------------------------------------------------
+    def build_module(self) -> nn.Module:
+        return self.module_class(self.observation_space, self.action_space, self.settings.model_config)
+
+    def build_targets(self) -> dict[str, nn.Module]:
+        return {}
+
+    def build_optimizers(self) -> dict[str, Optimizer]:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        adam = torch.optim.Adam(params, lr=piecewise(self.settings.lr, 0), eps=1e-5)
+        return {"default": Optimizer(adam, params, self.settings.lr)}
+
+    def train_on_batch(self, batch: Any, timestep: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    # --- updating -----------------------------------------------------------------------------
+    def update(self, batch: Any, timestep: int) -> dict[str, float]:
+        """Set every optimizer's learning rate for ``timestep`` (env steps sampled so far), then
+        run the algorithm's ``train_on_batch``. Returns its statistics plus the current rates.
+        ``batch`` is a list of chunks, or a codec frame of them (how it crosses to a remote learner)."""
+        if isinstance(batch, (bytes, bytearray, memoryview)):
+            batch = decode(batch)
+        self.timestep = timestep
+        rates = {}
+        for name, slot in self.optimizers.items():
+            lr = piecewise(slot.lr, timestep)
+            for group in slot.optimizer.param_groups:
+                group["lr"] = lr
+            rates["curr_lr" if name == "default" else f"curr_lr_{name}"] = lr
+        return self.train_on_batch(batch, timestep) | rates
+
+    update_from_episodes = update  # RLlib's name for the same call
+
+    def apply_gradients(self, loss: torch.Tensor, optimizer: str = "default") -> float:
+        """Backward, average gradients across learners, clip, step one optimizer. Returns the
+        global norm of its gradients before clipping."""
+        slot = self.optimizers[optimizer]
+        params = slot.params
+        slot.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        if self.world_size > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            flat /= self.world_size
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+        clip, by = self.settings.grad_clip, self.settings.grad_clip_by
+        if clip is not None and by == "value":
+            torch.nn.utils.clip_grad_value_(params, clip)
+        elif clip is not None and by == "norm":
+            for p in params:
+                torch.nn.utils.clip_grad_norm_([p], clip)
+        if clip is not None and by == "global_norm":
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        slot.optimizer.step()
+        self.num_updates += 1
+        return float(norm)
+
+    def minibatches(self, n: int, minibatch_size: int, num_minibatches: int) -> list[np.ndarray]:
+        """Index sets for one epoch. The count is fixed by the caller, not by ``n``, so every
+        learner of a data-parallel group takes the same number of steps (and meets at each
+        gradient all-reduce) even when their shards differ in size."""
+        perm = self.rng.permutation(n)
+        if num_minibatches * minibatch_size > n:
+            perm = np.resize(perm, num_minibatches * minibatch_size)
+        return [perm[i * minibatch_size : (i + 1) * minibatch_size] for i in range(num_minibatches)]
+
+    def sgd(self, tensors: dict[str, Any], loss_fn: Callable[[dict[str, Any]], tuple[torch.Tensor, dict]],
+            n: int, minibatch_size: int, num_minibatches: int, num_epochs: int,
+            optimizer: str = "default") -> dict[str, float]:
+        """``num_epochs`` passes of ``num_minibatches`` minibatches of ``tensors`` (``n`` rows each
+        leaf), one gradient step per minibatch; returns the mean of ``loss_fn``'s stats. A single
+        minibatch covering all rows uses the batch as it is."""
+        whole = num_minibatches == 1 and minibatch_size >= n
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(num_epochs):
+            for idx in [None] if whole else self.minibatches(n, minibatch_size, num_minibatches):
+                if idx is None:
+                    mb = tensors
+                else:
+                    idx_t = torch.as_tensor(idx, device=self.device)
+                    mb = nested.map_structure(lambda t: t[idx_t], tensors)
+                loss, stats = loss_fn(mb)
+                stats["gradients_global_norm"] = self.apply_gradients(loss, optimizer)
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+        return {k: v / count for k, v in sums.items()}
+
+    # --- distributed --------------------------------------------------------------------------
+    def setup_distributed(self, master_addr: str, master_port: int) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if master_addr in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all learners on this machine
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=self.world_size)
+
+    def allreduce_mean(self, values: np.ndarray) -> np.ndarray:
+        """Average numbers across learners (e.g. the KL that adapts the KL coefficient)."""
+        if self.world_size == 1:
+            return values
+        t = torch.as_tensor(np.asarray(values, np.float64))
+        dist.all_reduce(t)
+        return (t / self.world_size).numpy()
+
+    # --- weights and state --------------------------------------------------------------------
+    def get_weights(self, inference_only: bool = False) -> dict[str, np.ndarray]:
+        return self.module.get_state(inference_only=inference_only)
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        self.module.set_state(weights)
+
+    def get_state(self) -> dict[str, Any]:
+        """Everything to continue exactly: tensors, optimizer states, named fields, counters, RNGs."""
+        def tensors(m: nn.Module) -> dict[str, torch.Tensor]:
+            return {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
+
+        return {
+            "module": tensors(self.module),
+            "targets": {name: tensors(t) for name, t in self.targets.items()},
+            "optimizers": {name: slot.optimizer.state_dict() for name, slot in self.optimizers.items()},
+            "fields": {name: getattr(self, name) for name in self.state_fields},
+            "num_updates": self.num_updates,
+            "rng": self.rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["module"])
+        for name, target in self.targets.items():
+            target.load_state_dict(state["targets"][name])
+        for name, slot in self.optimizers.items():
+            slot.optimizer.load_state_dict(state["optimizers"][name])
+        for name in self.state_fields:
+            setattr(self, name, state["fields"][name])
+        self.num_updates = int(state.get("num_updates", 0))
+        if "rng" in state:
+            self.rng.bit_generator.state = state["rng"]
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+
+    def ping(self) -> str:
+        return "ok"
+
+    def apply(self, fn: Callable[["Learner"], Any]) -> Any:
+        return fn(self)
+
+    def stop(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

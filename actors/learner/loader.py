@@ -1,0 +1,176 @@
+"""ChunkReceiver: the learner side of the chunk streams -- receive, check, cut train batches, queue.
+
+One loader thread pulls frames (``protocols.transport.ChunkPuller``: bounded decode, schema check,
+drops counted and logged by sender), cuts the stream into train batches of exactly ``batch_size``
+steps and puts them into a bounded queue of ``queue_size`` batches. Each batch is also laid out as
+a learner ``Batch`` in the loader thread (on GPU: copied in a side CUDA stream), so sampling,
+decoding, batching and learning overlap.
+
+Back-pressure: while a finished batch waits for room in the queue, the loader reads nothing; the
+PULL socket's queue fills, then the senders' PUSH queues, and the runners block.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import traceback
+from typing import Any
+
+import gymnasium as gym
+import torch
+
+from actors.learner.batch import Batch, ChunkBatch, chunks_to_batch
+from actors.network import node_address
+from protocols import nested
+from protocols.codec import Limits
+from protocols.episode import EpisodeChunk
+from protocols.schema import ChunkSchema
+from protocols.transport import STREAM_LIMITS, ChunkPuller
+
+log = logging.getLogger(__name__)
+
+
+class ChunkReceiver:
+    """``address`` is ``tcp://<node ip>:<random port>``; hand it to runners' ``start_streaming``."""
+
+    def __init__(self, observation_space: gym.Space | None, action_space: gym.Space | None, batch_size: int, *,
+                 queue_size: int = 8, hwm: int = 4, host: str | None = None, limits: Limits = STREAM_LIMITS,
+                 rcvbuf: int = 0, device: str | torch.device = "cpu", prebuild: bool = True,
+                 required_extra: tuple[str, ...] = ("action_logp",), max_log_lines_per_sender: int = 100) -> None:
+        if batch_size < 1 or queue_size < 1 or hwm < 1:
+            raise ValueError(f"batch_size, queue_size and hwm must be >= 1, got {batch_size}, {queue_size}, {hwm}")
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        self.prebuild = prebuild
+        schema = ChunkSchema.for_spaces(observation_space, action_space, required_extra)
+        self.puller = ChunkPuller(host or node_address(), schema, hwm=hwm, rcvbuf=rcvbuf, limits=limits,
+                                  max_log_lines_per_sender=max_log_lines_per_sender)
+        self.address = self.puller.address
+        self._queue: queue.Queue[ChunkBatch] = queue.Queue(maxsize=queue_size)
+        self._ready: collections.deque[ChunkBatch] = collections.deque()
+        self._pending: collections.deque[EpisodeChunk] = collections.deque()
+        self._pending_steps = 0
+        self.num_batches_built = 0
+        self._stop = threading.Event()
+        self._torch_threads = torch.get_num_threads()  # per-thread setting (see actors.env.streaming)
+        self._thread = threading.Thread(target=self._loop, name="runnel-chunk-loader", daemon=True)
+        self._cuda_stream = None
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            self._cuda_stream = torch.cuda.Stream(self.device)
+        self.error: str | None = None
+        self.closed = False
+
+    @property
+    def counters(self) -> collections.Counter:
+        return self.puller.counters
+
+    @property
+    def dropped_by_sender(self) -> collections.Counter:
+        return self.puller.dropped_by_sender
+
+    # --- consumer side ------------------------------------------------------------------------
+    def start(self) -> "ChunkReceiver":
+        self._thread.start()
+        return self
+
+    def get_batch(self, timeout: float | None = None) -> ChunkBatch | None:
+        """The next train batch, or None if none arrived within ``timeout`` seconds."""
+        if self.error is not None:
+            raise RuntimeError(f"the chunk loader thread failed: {self.error}")
+        try:
+            return self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def qsize(self) -> int:
+        """Train batches waiting in the learner queue."""
+        return self._queue.qsize()
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self.puller.counters)
+        out["num_batches_built"] = self.num_batches_built
+        out["learner_queue_size"] = self._queue.qsize()
+        out["num_env_steps_pending"] = self._pending_steps
+        return out
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loader thread, close the socket and the ZeroMQ context."""
+        if self.closed:
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("the chunk loader thread did not stop within %.0f s", timeout_s)
+        self.puller.close()
+        self.closed = True
+
+    # --- loader thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        puller, stop = self.puller, self._stop
+        try:
+            torch.set_num_threads(self._torch_threads)
+            while not stop.is_set():
+                if self._ready:  # batches waiting for room: read nothing (back-pressure)
+                    try:
+                        self._queue.put(self._ready[0], timeout=0.05)
+                        self._ready.popleft()
+                    except queue.Full:
+                        pass
+                    continue
+                if not puller.poll(50):
+                    continue
+                while not self._ready:  # drain what is there, then go back to the stop check
+                    chunks = puller.receive()
+                    if chunks is None:
+                        break
+                    if chunks:
+                        self._add(chunks)
+        except BaseException as err:  # noqa: BLE001 - reported to the consumer by get_batch
+            self.error = f"{type(err).__name__}: {err}"
+            log.error("chunk loader thread failed:\n%s", traceback.format_exc())
+
+    def _add(self, chunks: list[EpisodeChunk]) -> None:
+        self._pending.extend(chunks)
+        self._pending_steps += sum(len(c) for c in chunks)
+        b = self.batch_size
+        while self._pending_steps >= b:
+            take: list[EpisodeChunk] = []
+            n = 0
+            while n < b:
+                chunk = self._pending.popleft()
+                if n + len(chunk) <= b:
+                    take.append(chunk)
+                    n += len(chunk)
+                else:  # split: the head completes this batch, the tail starts the next one
+                    k = b - n
+                    take.append(chunk.slice(0, k))
+                    self._pending.appendleft(chunk.slice(k, len(chunk)))
+                    n = b
+            self._pending_steps -= b
+            self._ready.append(self._make_batch(take))
+            self.num_batches_built += 1
+
+    def _make_batch(self, chunks: list[EpisodeChunk]) -> ChunkBatch:
+        out = ChunkBatch(chunks)
+        if not self.prebuild:
+            return out
+        if self._cuda_stream is None:
+            out.batch, out.device = chunks_to_batch(chunks, self.device), self.device
+            return out
+        # GPU: lay the batch out in pinned host memory, copy it in a side stream, record an event
+        # that the learner's stream waits on (ChunkBatch.to_batch) -- the copy overlaps the update.
+        host = chunks_to_batch(chunks, torch.device("cpu"))
+        with torch.cuda.stream(self._cuda_stream):
+            move = lambda t: t.pin_memory().to(self.device, non_blocking=True)  # noqa: E731
+            out.batch = Batch(
+                obs=nested.map_structure(move, host.obs), all_obs=nested.map_structure(move, host.all_obs),
+                actions=nested.map_structure(move, host.actions), rewards=host.rewards, lengths=host.lengths,
+                terminated=host.terminated, extra={k: nested.map_structure(move, v) for k, v in host.extra.items()},
+                weights_versions=host.weights_versions)
+            out.ready_event = torch.cuda.Event()
+            out.ready_event.record(self._cuda_stream)
+        out.device = self.device
+        return out

@@ -1,0 +1,97 @@
+"""Checking received episode chunks against the observation and action spaces a receiver expects.
+
+Built from plain space descriptions (``protocols.spaces``), so a receiver -- a learner's loader, a
+replay stage, a policy server -- can check chunks from untrusted peers without gymnasium objects.
+Structure (Dict keys, Tuple lengths), per-row shapes and numeric dtypes are checked; values are not
+(a Box bound is the environment's business, not the wire's).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from protocols.episode import EpisodeChunk
+from protocols.errors import ProtocolError
+
+_NUMERIC = frozenset("biuf")
+
+
+class _Leaf:
+    __slots__ = ("shape",)
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+
+def _spec(desc: dict) -> Any:
+    kind = desc.get("type")
+    if kind == "Dict":
+        return {k: _spec(s) for k, s in desc["spaces"].items()}
+    if kind == "Tuple":
+        return [_spec(s) for s in desc["spaces"]]
+    if kind in ("Box", "MultiDiscrete"):
+        return _Leaf(tuple(int(d) for d in desc["shape"]))
+    if kind == "Discrete":
+        return _Leaf(())
+    if kind == "MultiBinary":
+        n = desc["n"]
+        return _Leaf((int(n),) if isinstance(n, int) else tuple(int(d) for d in n))
+    raise ProtocolError(f"cannot check chunks against a space of type {kind!r}")
+
+
+class ChunkSchema:
+    """What a receiver accepts: observation and action structure and shapes, and required extras.
+
+    ``required_extra`` names per-step float arrays every chunk must carry (e.g. the behaviour
+    policy's ``action_logp`` that V-trace needs)."""
+
+    def __init__(self, observation: dict | None, action: dict | None,
+                 required_extra: tuple[str, ...] = ()) -> None:
+        self.obs_spec = None if observation is None else _spec(observation)
+        self.act_spec = None if action is None else _spec(action)
+        self.required_extra = tuple(required_extra)
+
+    @classmethod
+    def for_spaces(cls, observation_space: Any, action_space: Any,
+                   required_extra: tuple[str, ...] = ()) -> "ChunkSchema":
+        """The schema of gymnasium spaces (None: that side is not checked)."""
+        from protocols.spaces import space_to_dict
+
+        return cls(None if observation_space is None else space_to_dict(observation_space),
+                   None if action_space is None else space_to_dict(action_space), required_extra)
+
+    def check(self, chunk: EpisodeChunk) -> None:
+        """Raise ProtocolError naming the first mismatch."""
+        steps = len(chunk)
+        if self.obs_spec is not None:
+            _check("obs", self.obs_spec, chunk.obs, steps + 1)
+        if self.act_spec is not None:
+            _check("actions", self.act_spec, chunk.actions, steps)
+        for key in self.required_extra:
+            value = chunk.extra.get(key)
+            if not isinstance(value, np.ndarray) or value.shape != (steps,) or value.dtype.kind != "f":
+                got = "nothing" if value is None else f"{getattr(value, 'shape', type(value).__name__)}"
+                raise ProtocolError(f"extra[{key!r}] must be a float array of shape ({steps},), got {got}")
+
+
+def _check(where: str, spec: Any, value: Any, rows: int) -> None:
+    if isinstance(spec, dict):
+        if not isinstance(value, dict) or set(value) != set(spec):
+            got = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise ProtocolError(f"{where}: expected a dict with keys {sorted(spec)}, got {got}")
+        for k in spec:
+            _check(f"{where}[{k!r}]", spec[k], value[k], rows)
+    elif isinstance(spec, list):
+        if not isinstance(value, (tuple, list)) or len(value) != len(spec):
+            got = f"{len(value)} items" if isinstance(value, (tuple, list)) else type(value).__name__
+            raise ProtocolError(f"{where}: expected a tuple of {len(spec)} items, got {got}")
+        for i, (s, v) in enumerate(zip(spec, value)):
+            _check(f"{where}[{i}]", s, v, rows)
+    else:
+        if not isinstance(value, np.ndarray):
+            raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")
+        if value.shape != (rows, *spec.shape):
+            raise ProtocolError(f"{where} has shape {value.shape}; the space expects {(rows, *spec.shape)}")
+        if value.dtype.kind not in _NUMERIC:
+            raise ProtocolError(f"{where} has dtype {value.dtype}; expected a bool, int or float dtype")
