@@ -370,8 +370,10 @@ def test_failed_streaming_runner_is_recreated_and_streams_again(ray_cluster, env
     assert runnel_threads() == []
 
 
-def test_local_streaming_runner_trains_and_stops(ray_cluster):
-    algo = (IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=0, num_envs_per_env_runner=8)
+@pytest.mark.parametrize("config_cls", [IMPALAConfig, APPOConfig], ids=["IMPALA", "APPO"])
+def test_local_streaming_runner_trains_and_stops(ray_cluster, config_cls):
+    """num_env_runners=0: the same plan and group code, the runner hosted in-process."""
+    algo = (config_cls().environment("CartPole-v1").env_runners(num_env_runners=0, num_envs_per_env_runner=8)
             .reporting(min_time_s_per_iteration=0.5).debugging(seed=0).build())
     try:
         results = [algo.train() for _ in range(3)]

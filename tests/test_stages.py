@@ -133,3 +133,38 @@ def test_runner_counts_exploration_steps_into_its_state():
     again = EnvRunner(settings, worker_index=1)
     again.set_state(state)  # a recreated runner resumes the schedule where the old one was
     assert again.num_env_steps_sampled_lifetime == 10
+
+
+def private_keys(d, prefix=""):
+    out = []
+    for k, v in d.items():
+        k = str(k)
+        if k.startswith("_") and not (k.startswith("__") and k.endswith("__")):  # RLlib's __all_modules__ is a name
+            out.append(prefix + k)
+        if isinstance(v, dict):
+            out += private_keys(v, f"{prefix}{k}/")
+    return out
+
+
+@pytest.mark.parametrize("config_cls", ["PPO", "IMPALA", "APPO"])
+def test_results_are_reduced_from_the_metrics_logger_with_no_private_keys(config_cls):
+    from pipeline import get_algorithm
+
+    config = get_algorithm(config_cls)[0]().environment("CartPole-v1").env_runners(
+        num_env_runners=0, num_envs_per_env_runner=4).debugging(seed=0)
+    if config_cls == "PPO":
+        config.training(train_batch_size_per_learner=256, minibatch_size=128, num_epochs=1)
+    else:
+        config.reporting(min_time_s_per_iteration=0.2)
+    algo = config.build()
+    try:
+        results = [algo.train() for _ in range(2)]
+    finally:
+        algo.stop()
+    for r in results:
+        assert private_keys(r) == []
+        assert r["env_runners"]["num_env_steps_sampled_lifetime"] == r["num_env_steps_sampled_lifetime"] > 0
+        assert r["learners"]["__all_modules__"]["num_env_steps_trained_lifetime"] == r["num_env_steps_trained_lifetime"]
+        assert algo.counters["num_env_steps_sampled_lifetime"] >= r["num_env_steps_sampled_lifetime"]
+    assert results[1]["training_iteration"] == 2
+    assert results[1]["num_env_steps_sampled_lifetime"] > results[0]["num_env_steps_sampled_lifetime"]
