@@ -36,6 +36,11 @@ Number = int | float
 
 
 def _as_number(key: str, value: Any, reduce: str) -> Number:
+    t = type(value)  # fast path: plain Python numbers (per-episode logging sits on the sampling path)
+    if t is float:
+        return value
+    if t is int:
+        return float(value) if reduce == "mean" else value
     if isinstance(value, np.ndarray) and value.ndim == 0:
         value = value.item()
     if isinstance(value, numbers.Integral):  # bool and numpy ints included
@@ -145,7 +150,18 @@ class MetricsLogger:
     def log_value(self, key: str, value: float, reduce: str = "mean", window: int | None = None) -> None:
         with self._lock:
             number = _as_number(key, value, reduce)
-            self._stat(key, reduce, window).add(number)
+            stat = self._stats.get(key)
+            if stat is None or stat.reduce != reduce or stat.window != window:
+                stat = self._stat(key, reduce, window)  # creates, or raises naming the clash
+            stat.add(number)
+
+    def log_values(self, key: str, values: list[float], reduce: str = "mean", window: int | None = None) -> None:
+        """Log several values under one key at once (one lock, one check)."""
+        with self._lock:
+            numbers = [_as_number(key, v, reduce) for v in values]
+            stat = self._stat(key, reduce, window)
+            for number in numbers:
+                stat.add(number)
 
     def log_dict(
         self, values: dict[str, Any], *, prefix: str = "", reduce: str = "mean", window: int | None = None

@@ -170,6 +170,8 @@ class AsyncPlan:
         new, self._received_counted = received - self._received_counted, received
         m.log_value("env_runners/num_env_steps_sampled", new, reduce="sum")
         m.log_value("env_runners/num_env_steps_sampled_lifetime", new, reduce="lifetime_sum")
+        for key in ("num_frames_sent", "num_bytes_sent", "send_blocked_s"):  # runners add theirs: in results from the start
+            m.log_value(f"stream/runner_{key}", 0, reduce="lifetime_sum")
         for key in ("num_frames_received", "num_chunks_received", "num_frames_dropped_decode_error",
                     "num_frames_dropped_bad_envelope", "num_frames_dropped_not_chunks", "num_chunks_dropped_invalid",
                     "num_env_steps_dropped"):

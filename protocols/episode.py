@@ -7,7 +7,10 @@ chunks of one episode share their boundary observation: the last row of chunk ``
 first row of chunk ``k + 1``.
 
 ``EpisodeBuilder`` collects one episode step by step (appending to lists is cheap) and cuts
-finalized numpy chunks from it; ``EpisodeChunk.concat`` glues chunks back together.
+finalized numpy chunks from it: the builder for producers that see one step at a time, such as a
+simulator that drives an external client. Env runners, which step many sub-envs at once, cut
+chunks from their own time-major buffers instead. ``EpisodeChunk.concat`` glues chunks back
+together.
 
 Multi-agent episodes will hold one single-agent episode per agent (``agent_id``/``module_id``
 are already carried by each chunk) plus the step pattern that interleaves them.

@@ -363,3 +363,16 @@ def test_threaded_logging_while_exporting_loses_nothing():
     total += m.export().get("count", {"value": 0})["value"]
     assert total == n_threads * per_thread
     assert m.peek("count") == n_threads * per_thread
+
+
+def test_log_values_equals_logging_each_value():
+    one, many = MetricsLogger(), MetricsLogger()
+    values = [3.0, 1.0, 4.0, 1.0, 5.0]
+    for reduce, window in (("mean", 3), ("min", None), ("max", 2), ("sum", None), ("lifetime_sum", None)):
+        key = f"k_{reduce}"
+        for v in values:
+            one.log_value(key, v, reduce=reduce, window=window)
+        many.log_values(key, values, reduce=reduce, window=window)
+    assert many.export() == one.export() and many.reduce() == one.reduce()
+    with pytest.raises(ValueError, match="k_sum"):
+        many.log_values("k_sum", [1.0], reduce="mean")

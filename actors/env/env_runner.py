@@ -190,14 +190,14 @@ class EnvRunner(EnvRunnerRole):
             self._restarts_seen = self.env.num_restarts
             m.log_value("fault_tolerance/num_sub_env_restarts", restarts, reduce="lifetime_sum")
 
-    def _log_episode(self, ret: float, length: int) -> None:
+    def _log_episodes(self, returns: list[float], lengths: list[int]) -> None:
         m, w = self.metrics, self.s.metrics_window
-        m.log_value("episode_return_mean", ret, window=w)
-        m.log_value("episode_return_min", ret, reduce="min", window=w)
-        m.log_value("episode_return_max", ret, reduce="max", window=w)
-        m.log_value("episode_len_mean", length, window=w)
-        m.log_value("num_episodes", 1, reduce="sum")
-        m.log_value("num_episodes_lifetime", 1, reduce="lifetime_sum")
+        m.log_values("episode_return_mean", returns, window=w)
+        m.log_values("episode_return_min", returns, reduce="min", window=w)
+        m.log_values("episode_return_max", returns, reduce="max", window=w)
+        m.log_values("episode_len_mean", lengths, window=w)
+        m.log_value("num_episodes", len(returns), reduce="sum")
+        m.log_value("num_episodes_lifetime", len(returns), reduce="lifetime_sum")
 
     def _clip(self, rewards: np.ndarray) -> np.ndarray:
         c = self.s.clip_rewards
@@ -220,6 +220,8 @@ class EnvRunner(EnvRunnerRole):
         dones = (terminated | truncated).T
         col = lambda struct, j, a, b: nested.map_structure(lambda x: x[j, a:b], struct)  # noqa: E731
         out: list[EpisodeChunk] = []
+        ended_returns: list[float] = []
+        ended_lengths: list[int] = []
         steps = rewards.shape[0]
         for j, slot in enumerate(self._slots):
             start = 0
@@ -253,9 +255,12 @@ class EnvRunner(EnvRunnerRole):
                 else:
                     out.append(chunk)
                 if ended:
-                    self._log_episode(slot.ret, slot.length)
+                    ended_returns.append(slot.ret)
+                    ended_lengths.append(slot.length)
                     slot = self._slots[j] = _Slot(new_episode_id())
                 start = t + 1
+        if ended_returns:  # logged before the chunks leave, so whoever receives them finds them counted
+            self._log_episodes(ended_returns, ended_lengths)
         return out
 
     # --- weights, metrics, state ------------------------------------------------------------

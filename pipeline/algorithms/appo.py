@@ -29,6 +29,7 @@ from actors.learner import ChunkBatch, Learner, piecewise
 from actors.metrics import MetricsLogger
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
+from pipeline.algorithms.returns import adapt_kl_coeff
 from pipeline.algorithms.vtrace import VTraceSettings, sgd_epochs, value_pass, vtrace_targets
 from pipeline.async_plan import AsyncPlan, AsyncPlanSettings, TakeBatch
 from pipeline.config import AlgorithmConfig, is_int, is_number
@@ -151,11 +152,7 @@ class APPOLearner(Learner):
             self.updates_since_target_update = 0
             self.num_target_updates += 1
             if cfg.use_kl_loss:
-                kl = out["mean_kl_loss"]
-                if kl > 2.0 * cfg.kl_target:
-                    self.kl_coeff = kl_coeff * 1.5
-                elif kl < 0.5 * cfg.kl_target:
-                    self.kl_coeff = kl_coeff * 0.5
+                self.kl_coeff = adapt_kl_coeff(kl_coeff, out["mean_kl_loss"], cfg.kl_target)
         out["curr_kl_coeff"] = self.kl_coeff
         out["curr_entropy_coeff"] = entropy_coeff
         out["num_target_updates"] = float(self.num_target_updates)

@@ -20,7 +20,7 @@ import torch
 from actors.learner import Learner, as_batch, piecewise
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
-from pipeline.algorithms.returns import gae
+from pipeline.algorithms.returns import adapt_kl_coeff, gae
 from pipeline.config import AlgorithmConfig
 from pipeline.registry import register_algorithm
 from protocols.episode import EpisodeChunk
@@ -147,10 +147,7 @@ class PPOLearner(Learner):
                        len(b), cfg.minibatch_size, num_minibatches, cfg.num_epochs)
         if cfg.use_kl_loss:
             kl = float(self.allreduce_mean(np.array([out["mean_kl_loss"]]))[0])
-            if kl > 2.0 * cfg.kl_target:
-                self.kl_coeff = kl_coeff * 1.5
-            elif kl < 0.5 * cfg.kl_target:
-                self.kl_coeff = kl_coeff * 0.5
+            self.kl_coeff = adapt_kl_coeff(kl_coeff, kl, cfg.kl_target)
         out["curr_kl_coeff"] = self.kl_coeff
         out["curr_entropy_coeff"] = entropy_coeff
         out["num_module_steps_trained"] = float(len(b))

@@ -1,4 +1,4 @@
-"""Return and advantage math shared by the algorithms: GAE and V-trace.
+"""Math shared by the algorithms: GAE, V-trace, and the adaptive KL coefficient.
 
 Both work on a *flat batch of chunks*: the steps of all chunks laid end to end, where
 ``values`` has one more entry per chunk than steps (the value of the chunk's closing
@@ -61,6 +61,15 @@ def gae(rewards: np.ndarray, values: np.ndarray, lengths: np.ndarray, terminated
         adv[:, t] = running
     advantages = _unpad(adv, lengths)
     return advantages, (advantages + v).astype(np.float32)
+
+
+def adapt_kl_coeff(coeff: float, kl: float, kl_target: float) -> float:
+    """PPO's adaptive KL penalty: x1.5 when the measured KL exceeds twice the target, /2 below half of it."""
+    if kl > 2.0 * kl_target:
+        return coeff * 1.5
+    if kl < 0.5 * kl_target:
+        return coeff * 0.5
+    return coeff
 
 
 def vtrace(behaviour_logp: np.ndarray, target_logp: np.ndarray, rewards: np.ndarray, values: np.ndarray,
