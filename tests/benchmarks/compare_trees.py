@@ -25,8 +25,58 @@ from pathlib import Path
 
 NEW = Path(__file__).resolve().parents[2]
 
+# One in-process env runner sampling CartPole for a few seconds: short enough to repeat many times
+# (a noisy machine needs many windows to resolve a few percent). Imports either module layout.
+SAMPLING = """
+import json, sys, time, torch
+try:
+    from actors.env import EnvRunner, EnvRunnerSettings
+except ImportError:  # trees before the actors/ restructure
+    from actors.env_runner import EnvRunner, EnvRunnerSettings
+from pipeline.envs import env_creator
+torch.set_num_threads(1)
+runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator("CartPole-v1"), num_envs=32,
+                                     rollout_fragment_length=64, seed=0), worker_index=1)
+runner.sample()
+for _ in range(int(sys.argv[1])):
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < float(sys.argv[2]):
+        steps += sum(len(c) for c in runner.sample())
+    print(json.dumps({"bench": "sampling_window", "env_steps_per_s": steps / (time.perf_counter() - t0)}))
+"""
+
+# Two Ray env-runner actors x 16 envs, sampled through the group as PPO does, measured at the driver.
+REMOTE_SAMPLING = """
+import json, sys, time, ray
+from pipeline import PPOConfig
+ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+algo = (PPOConfig().environment("CartPole-v1")
+        .env_runners(num_env_runners=2, num_envs_per_env_runner=16, rollout_fragment_length=128)
+        .debugging(seed=0).build())
+group = algo.env_runner_group
+metrics = getattr(algo, "metrics", None)  # the driver's metrics logger, after the restructure
+def sample(n):
+    return group.sample(n)[0] if metrics is None else group.sample(n, metrics)
+sample(4096)
+for _ in range(int(sys.argv[1])):
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < float(sys.argv[2]):
+        steps += sum(len(c) for c in sample(4096))
+    print(json.dumps({"bench": "remote_sampling_window", "env_steps_per_s": steps / (time.perf_counter() - t0)}))
+algo.stop()
+ray.shutdown()
+"""
+
 # figure name -> (script and its arguments, how to pick the figure's values from the script's lines)
 BENCHES = {
+    "remote_sampling": (["-c", REMOTE_SAMPLING, "4", "2.0"], {
+        "sampling_2x16_ray_actors_steps_per_s": lambda ls: [x["env_steps_per_s"] for x in ls
+                                                            if x.get("bench") == "remote_sampling_window"],
+    }),
+    "sampling": (["-c", SAMPLING, "3", "2.0"], {
+        "sampling_1x32_in_process_steps_per_s": lambda ls: [x["env_steps_per_s"] for x in ls
+                                                            if x.get("bench") == "sampling_window"],
+    }),
     "ppo": (["tests/benchmarks/ppo_cartpole.py", "--seeds", "0,1,2", "--sampling-seconds", "5"], {
         "ppo_time_to_450_train_s": lambda ls: [x["train_s"] for x in ls if x.get("bench") == "time_to_450" and x["reached"]],
         "ppo_env_steps_to_450": lambda ls: [x["env_steps"] for x in ls if x.get("bench") == "time_to_450" and x["reached"]],
@@ -56,10 +106,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old", required=True, help="the other tree (e.g. a git worktree of the previous commit)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--bench", choices=[*BENCHES, "all"], default="all")
+    p.add_argument("--bench", choices=list(BENCHES), action="append",
+                   help="a benchmark to run (repeatable); default: all of them")
     args = p.parse_args()
     trees = {"old": Path(args.old).resolve(), "new": NEW}
-    names = list(BENCHES) if args.bench == "all" else [args.bench]
+    names = args.bench or list(BENCHES)
     values: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
         order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
