@@ -48,6 +48,9 @@ class FaultToleranceSettings:
     restart_delay_s: float = 1.0
     probe_timeout_s: float | None = 30.0
     """A call not answered within this fails the actor; None waits as long as it takes."""
+    start_timeout_s: float = 120.0
+    """How long a new actor -- the first or a replacement -- may take to come up (a process that
+    imports torch can take seconds on a busy machine: far longer than a probe should wait)."""
     max_requests_in_flight: int = 2
     fatal_hint: str = ("Set restart_failed_env_runners=True to recreate failed runners, or "
                        "ignore_env_runner_failures=True to go on without them.")
@@ -242,7 +245,7 @@ class ActorManager:
             _kill(m.handle)
             handle = self.make_actor(i, True)
             try:
-                ray.get(handle.ping.remote(), timeout=s.probe_timeout_s)
+                ray.get(handle.ping.remote(), timeout=max(s.start_timeout_s, s.probe_timeout_s or 0.0))
                 if self.on_restart is not None:
                     self.on_restart(i, handle)
             except (RayError, GetTimeoutError) as err:

@@ -49,7 +49,7 @@ class EnvRunnerGroup:
         ids = [0] if num_env_runners == 0 else list(range(1, num_env_runners + 1))
         self.manager = ActorManager(make, ids, fault_tolerance, on_restart=self._restore, name="env runner",
                                     in_process=num_env_runners == 0)
-        self.manager.check_started(max(120.0, fault_tolerance.probe_timeout_s or 0.0),
+        self.manager.check_started(max(fault_tolerance.start_timeout_s, fault_tolerance.probe_timeout_s or 0.0),
                                    f"num_cpus_per_env_runner={num_cpus_per_env_runner}")
         self._weights: Any = None  # what a recreated runner gets (an object ref, or the dict in-process)
         self._weights_version = 0
