@@ -1,0 +1,349 @@
+"""The replay stage: episode chunks in, n-step training batches out, under a samples-per-insert limit.
+
+Chunks go into a ring of preallocated rows (``storage``), each observation once. Batches are
+drawn uniformly among stored steps or, with ``prioritized``, in proportion to ``priority **
+alpha`` on a sum tree (Schaul et al., 2016), and their n-step returns are computed at sample time,
+vectorized over the batch, never across an episode end. A ``RateLimiter`` keeps samples per
+insert near ``samples_per_insert``; ``add`` and ``sample`` wait on it, sharing one lock with the
+storage so that the counters always describe what is stored.
+
+One seeded generator drives every random choice, and ``get_state`` holds everything (rings,
+episode map, sum tree, limiter counters, generator state), so a restored buffer returns the same
+batches as the original would have.
+"""
+from __future__ import annotations
+
+import numbers
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from actors.core import ReplayRole
+from actors.metrics import MetricsLogger
+from actors.replay.rate_limiter import RateLimiter, RateLimiterTimeout, limiter_problems
+from actors.replay.storage import RingStorage
+from actors.replay.sum_tree import SumTree
+from protocols.codec import decode, encode
+from protocols.episode import EpisodeChunk
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def n_step_range(n_step: Any) -> tuple[int, int] | None:
+    """``(lo, hi)`` for a valid ``n_step`` (an int >= 1 or a pair 1 <= lo <= hi), else None."""
+    if _int(n_step) and n_step >= 1:
+        return int(n_step), int(n_step)
+    if isinstance(n_step, (tuple, list)) and len(n_step) == 2 and all(map(_int, n_step)) \
+            and 1 <= n_step[0] <= n_step[1]:
+        return int(n_step[0]), int(n_step[1])
+    return None
+
+
+@dataclass
+class ReplaySettings:
+    """What a replay buffer stores, how it samples and how fast sampling may run ahead of inserts."""
+
+    capacity: int = 50_000
+    """Rows in the ring, about one per env step (an episode of N steps takes N + 1 rows). Allocated
+    once, on the first add; the oldest rows are overwritten first."""
+    prioritized: bool = False
+    """Sample in proportion to priority ** alpha (PER) instead of uniformly."""
+    alpha: float = 0.6
+    """PER: how strongly priorities shape sampling, >= 0 (0: uniform)."""
+    beta: float = 0.4
+    """PER: importance-weight exponent in [0, 1] (1: full correction of the sampling bias)."""
+    epsilon: float = 1e-6
+    """PER: added to |priority| so no stored step becomes impossible to sample, >= 0."""
+    n_step: int | tuple[int, int] = 1
+    """Steps per return: an int >= 1, or (lo, hi) to draw n uniformly from lo..hi per sampled row."""
+    gamma: float = 0.99
+    """Discount in [0, 1] of the n-step returns and of the bootstrap (``discounts`` = gamma ** n)."""
+    samples_per_insert: float | None = None
+    """Transitions sampled per transition inserted that the rate limiter keeps to (None: no limit)."""
+    min_size_to_sample: int = 1
+    """Stored transitions needed before the first sample (waits with a limit, raises without)."""
+    error_buffer: float | tuple[float, float] | None = None
+    """How far the ratio may stray, in sampled transitions: a number e (band spi * min_size +- e), or
+    explicit (min_diff, max_diff). None: max(1, samples_per_insert) * 1000, wide enough for batches
+    and adds of up to ~1000 transitions each."""
+    timeout_s: float | None = 60.0
+    """How long add/sample wait on the rate limiter before raising RateLimiterTimeout (None: forever)."""
+    seed: int | None = None
+    """Seed of the generator behind every random choice (None: fresh entropy, not reproducible)."""
+
+    def problems(self) -> list[str]:
+        """Every invalid value, with the valid choices (empty: all valid)."""
+        out = []
+        cap, min_size = self.capacity, self.min_size_to_sample
+        if not _int(cap) or cap < 2:
+            out.append(f"capacity must be an int >= 2 (rows, about one per env step), got {cap!r}")
+        elif _int(min_size) and cap <= min_size:
+            out.append(f"capacity={cap} rows hold at most {cap - 1} transitions (one row per episode holds only "
+                       f"its last observation), fewer than min_size_to_sample={min_size}: raise capacity above "
+                       f"{min_size} or lower min_size_to_sample")
+        if not isinstance(self.prioritized, bool):
+            out.append(f"prioritized must be True or False, got {self.prioritized!r}")
+        if not _real(self.alpha) or not self.alpha >= 0:
+            out.append(f"alpha must be a number >= 0, got {self.alpha!r}")
+        if not _real(self.beta) or not 0 <= self.beta <= 1:
+            out.append(f"beta must be a number in [0, 1], got {self.beta!r}")
+        if not _real(self.epsilon) or not self.epsilon >= 0:
+            out.append(f"epsilon must be a number >= 0, got {self.epsilon!r}")
+        if n_step_range(self.n_step) is None:
+            out.append(f"n_step must be an int >= 1 or a pair (lo, hi) of ints with 1 <= lo <= hi, got {self.n_step!r}")
+        if not _real(self.gamma) or not 0 <= self.gamma <= 1:
+            out.append(f"gamma must be a number in [0, 1], got {self.gamma!r}")
+        if self.timeout_s is not None and (not _real(self.timeout_s) or not self.timeout_s > 0):
+            out.append(f"timeout_s must be a number > 0 or None (wait forever), got {self.timeout_s!r}")
+        if self.seed is not None and (not _int(self.seed) or self.seed < 0):
+            out.append(f"seed must be None or an int >= 0, got {self.seed!r}")
+        return out + limiter_problems(self.samples_per_insert, min_size, self.error_buffer)
+
+
+class ReplayBuffer(ReplayRole):
+    def __init__(self, settings: ReplaySettings | None = None) -> None:
+        settings = settings if settings is not None else ReplaySettings()
+        problems = settings.problems()
+        if problems:
+            raise ValueError("invalid replay settings: " + "; ".join(problems))
+        self.settings = settings
+        self.n_lo, self.n_hi = n_step_range(settings.n_step)
+        self.lock = threading.RLock()
+        self.storage = RingStorage(settings.capacity)
+        self.tree = SumTree(settings.capacity) if settings.prioritized else None
+        self.max_priority = 1.0  # raw (|p| + epsilon); new steps get max_priority ** alpha
+        self.limiter = None if settings.samples_per_insert is None else RateLimiter(
+            settings.samples_per_insert, settings.min_size_to_sample, settings.error_buffer, lock=self.lock)
+        self.rng = np.random.default_rng(settings.seed)
+        self.metrics = MetricsLogger()
+        self.num_inserts = 0
+        self.num_samples = 0
+        self._feed: Any = None  # the stream intake, when runners stream to this stage
+
+    def __len__(self) -> int:
+        """Stored transitions (rows that can be sampled)."""
+        return self.storage.num_steps
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.settings.timeout_s if timeout_s is None else timeout_s
+
+    def _blocked_s(self) -> float:
+        lim = self.limiter
+        return 0.0 if lim is None else lim.insert_blocked_s + lim.sample_blocked_s
+
+    # --- adding -------------------------------------------------------------------------------
+    def add(self, chunks: list[EpisodeChunk] | EpisodeChunk | bytes, timeout_s: float | None = None) -> None:
+        """Store chunks (a list, one chunk, or a codec frame of them), waiting on the rate limiter for
+        their total number of steps; ValueError when they do not match the first chunk's structure."""
+        if isinstance(chunks, (bytes, bytearray, memoryview)):
+            chunks = decode(chunks)
+        chunks = [c.validate() for c in ([chunks] if isinstance(chunks, EpisodeChunk) else chunks)]
+        n = sum(len(c) for c in chunks)
+        if not n:
+            return
+        with self.lock:
+            spec = self.storage.spec or RingStorage.spec_of(chunks[0])
+            for c in chunks:  # refuse the whole call before storing any of it
+                RingStorage.check(c, spec)
+            self._wait("insert", n, timeout_s)
+            touched = [self.storage.add(c) for c in chunks]
+            if self.tree is not None:
+                # One tree update for the call, from the final state of every touched row: new steps
+                # (and closing rows that just became steps) at max priority, overwritten rows and
+                # closing rows at 0.
+                rows = np.concatenate(touched)
+                steps = self.storage.cols["has_action"][rows]
+                self.tree.update(rows, np.where(steps, self.max_priority**self.settings.alpha, 0.0))
+            self.num_inserts += n
+            if self.limiter is not None:
+                self.limiter.record_insert(n, size=len(self))
+            self._log("inserts", n)
+
+    def can_add(self, num_steps: int) -> bool:
+        return self.limiter is None or self.limiter.can_insert(num_steps)
+
+    # --- sampling -----------------------------------------------------------------------------
+    def can_sample(self, batch_size: int) -> bool:
+        with self.lock:
+            if self.limiter is not None:
+                return self.limiter.can_sample(batch_size)
+            return len(self) >= self.settings.min_size_to_sample
+
+    def sample(self, batch_size: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """A batch of ``batch_size`` transitions with n-step returns (see the module docstring)."""
+        if not _int(batch_size) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        s = self.settings
+        with self.lock:
+            self._wait("sample", batch_size, timeout_s)
+            if self.limiter is None and len(self) < s.min_size_to_sample:  # min_size_to_sample >= 1
+                raise RuntimeError(
+                    f"cannot sample: the buffer holds {len(self)} transitions and min_size_to_sample="
+                    f"{s.min_size_to_sample}; add more chunks first (check can_sample()), or set "
+                    "samples_per_insert so that sample() waits for inserts")
+            rows, weights = self._draw(batch_size)
+            n = self.n_hi if self.n_lo == self.n_hi else self.rng.integers(self.n_lo, self.n_hi + 1, batch_size)
+            ret, boot, used, term = self.storage.n_step(rows, n, s.gamma)
+            batch = {
+                "obs": self.storage.gather("obs", rows),
+                "actions": self.storage.gather("actions", rows),
+                "rewards": ret.astype(np.float32),
+                "next_obs": self.storage.gather("obs", boot),
+                "n_steps": used,
+                "terminateds": term,
+                "discounts": np.where(term, 0.0, np.float64(s.gamma) ** used).astype(np.float32),
+                "weights": weights,
+                "indices": rows,
+            }
+            self.num_samples += batch_size
+            if self.limiter is not None:
+                self.limiter.record_sample(batch_size)
+            self._log("samples", batch_size)
+            return batch
+
+    def _draw(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.tree is not None:
+            total = self.tree.total()
+            rows = self.tree.sample(self.rng.random(batch_size) * total)
+            prob = self.tree.get(rows) / total
+            weights = (len(self) * prob) ** -self.settings.beta
+            return rows, (weights / weights.max()).astype(np.float32)
+        has_action, filled = self.storage.cols["has_action"], self.storage.filled
+        parts, need = [], batch_size
+        for _ in range(8):
+            # Each stored episode has one closing row that is not a step: draw a few extra
+            # candidates so one round almost always suffices, and drop the non-steps.
+            cand = self.rng.integers(0, filled, need + need // 4 + 8)
+            cand = cand[has_action[cand]][:need]
+            parts.append(cand)
+            need -= len(cand)
+            if not need:
+                break
+        else:  # few steps among many rows: draw from the exact list instead
+            parts.append(self.rng.choice(np.flatnonzero(has_action[:filled]), need))
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return rows.astype(np.int64, copy=False), np.ones(batch_size, np.float32)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> None:
+        """Set sampled rows' priorities to (|p| + epsilon) ** alpha (a no-op for uniform replay).
+        A row overwritten since it was sampled keeps priority 0 if it is no step now, and otherwise
+        takes the priority meant for its old transition (rare: as in RLlib's buffers)."""
+        idx, pri = np.asarray(indices).reshape(-1), np.asarray(priorities, np.float64).reshape(-1)
+        if len(idx) != len(pri):
+            raise ValueError(f"update_priorities got {len(idx)} indices but {len(pri)} priorities: pass one each")
+        if len(idx) and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= self.settings.capacity):
+            raise ValueError(f"indices must be rows in [0, {self.settings.capacity}) as returned by sample()")
+        if not np.all(np.isfinite(pri)):
+            raise ValueError(f"priorities must be finite, got {pri[~np.isfinite(pri)][:5]!r}")
+        if self.tree is None or not len(idx):
+            return
+        with self.lock:
+            keep = self.storage.cols["has_action"][idx]
+            raw = np.abs(pri[keep]) + self.settings.epsilon
+            if len(raw):
+                self.max_priority = max(self.max_priority, float(raw.max()))
+                self.tree.update(idx[keep], raw**self.settings.alpha)
+
+    # --- stage --------------------------------------------------------------------------------
+    def _wait(self, kind: str, n: int, timeout_s: float | None) -> None:
+        """Wait on the rate limiter (if any) and log the time blocked, also when the wait fails."""
+        before = self._blocked_s()
+        try:
+            if self.limiter is not None:
+                wait = self.limiter.await_insert if kind == "insert" else self.limiter.await_sample
+                wait(n, self._timeout(timeout_s))
+        finally:
+            self.metrics.log_value("blocked_s", self._blocked_s() - before, reduce="lifetime_sum")
+
+    def _log(self, key: str, n: int) -> None:
+        m = self.metrics
+        m.log_value(key, n, reduce="lifetime_sum")
+        m.log_value("size", len(self), reduce="max", window=1)
+        m.log_value("samples_per_insert", self.num_samples / max(1, self.num_inserts), reduce="max", window=1)
+
+    def get_metrics(self) -> dict[str, Any]:
+        """What was logged since the last call (``MetricsLogger.export``); raises if the stream
+        intake failed, so the stage group treats this stage as failed."""
+        if self._feed is not None:
+            self._feed.check_health()
+        return self.metrics.export()
+
+    # --- as a remote stage: fed by runners' streams, sampled by a learner -----------------------
+    def start_receiving(self, observation_space: Any, action_space: Any, hwm: int = 4, rcvbuf: int = 0) -> str:
+        """Start (or keep) the thread that inserts the chunks runners stream here; returns the
+        address (``tcp://<node ip>:<port>``) to hand to their ``start_streaming``."""
+        if self._feed is None:
+            from actors.network import node_address
+            from actors.replay.feed import ReplayFeed
+            from protocols.schema import ChunkSchema
+
+            schema = ChunkSchema.for_spaces(observation_space, action_space)
+            self._feed = ReplayFeed(self, schema, node_address(), hwm=hwm, rcvbuf=rcvbuf).start()
+        return self._feed.address
+
+    def sample_encoded(self, batch_size: int, timeout_s: float | None = None) -> bytes | None:
+        """``sample()`` as one codec frame -- how a batch crosses to a learner in another process --
+        or None when the rate limiter held it back for ``timeout_s`` (the caller asks again)."""
+        try:
+            return encode(self.sample(batch_size, timeout_s), compress=False)
+        except RateLimiterTimeout:
+            return None
+
+    def feed_counters(self) -> dict[str, int]:
+        """Frames, chunks and env steps the stream intake received and dropped."""
+        return {} if self._feed is None else self._feed.counters()
+
+    def ping(self) -> str:
+        return "ok"
+
+    def apply(self, fn: Callable[["ReplayBuffer"], Any]) -> Any:
+        return fn(self)
+
+    def stop(self) -> None:
+        if self.limiter is not None:
+            self.limiter.close()  # wake waiting add/sample calls with an error
+        if self._feed is not None:
+            self._feed.stop()
+
+    # --- state --------------------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        """Nested dicts with str keys whose leaves are numpy arrays or JSON-able values (no pickle):
+        ``storage`` (RingStorage.get_state: rings under ``obs``/``actions`` by leaf index, columns,
+        the open-episode map), ``sum_tree`` (or None), ``max_priority``, ``limiter`` (or None),
+        ``rng`` (the generator's bit_generator state), counters and ``metrics``."""
+        with self.lock:
+            return {
+                "storage": self.storage.get_state(),
+                "sum_tree": None if self.tree is None else self.tree.get_state(),
+                "max_priority": self.max_priority,
+                "limiter": None if self.limiter is None else self.limiter.get_state(),
+                "rng": self.rng.bit_generator.state,
+                "num_inserts": self.num_inserts,
+                "num_samples": self.num_samples,
+                "metrics": self.metrics.get_state(),
+            }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            self.storage.set_state(state["storage"])
+            self.max_priority = float(state["max_priority"])
+            if self.tree is not None and state.get("sum_tree") is not None:
+                self.tree.set_state(state["sum_tree"])
+            elif self.tree is not None:  # saved by a uniform buffer: every stored step at max priority
+                self.tree = SumTree(self.settings.capacity)
+                steps = np.flatnonzero(self.storage.cols.get("has_action", np.zeros(0, bool)))
+                self.tree.update(steps, self.max_priority**self.settings.alpha)
+            if self.limiter is not None:
+                self.limiter.set_state(state.get("limiter") or {
+                    "inserts": state["num_inserts"], "samples": state["num_samples"], "size": len(self)})
+            self.rng.bit_generator.state = state["rng"]
+            self.num_inserts, self.num_samples = int(state["num_inserts"]), int(state["num_samples"])
+            self.metrics.set_state(state["metrics"])
