@@ -64,9 +64,9 @@ class EnvRunnerRole(Stage, Saveable, MetricsSource):
         """``sample`` as one codec frame, with ``get_metrics()`` (one round trip per request)."""
 
     @abstractmethod
-    def set_weights(self, weights: dict[str, Any], weights_version: int = 0) -> None:
+    def set_weights(self, weights: dict[str, Any], weights_version: int = 0, timestep: int | None = None) -> None:
         """New policy weights, stamped on the chunks sampled with them (applied between fragments
-        while streaming)."""
+        while streaming); ``timestep``, the run's env steps so far, drives exploration schedules."""
 
     @abstractmethod
     def get_weights(self) -> dict[str, Any]:
@@ -91,7 +91,7 @@ class LearnerRole(Stage, Saveable):
 
     @abstractmethod
     def update(self, batch: Any, timestep: int) -> dict[str, float]:
-        """One update from a batch (a list of chunks); returns its statistics."""
+        """One update from a batch (a list of chunks, or replayed transitions); returns its statistics."""
 
     @abstractmethod
     def get_weights(self, inference_only: bool = False) -> dict[str, Any]:

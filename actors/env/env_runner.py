@@ -13,6 +13,7 @@ and ``fault_tolerance/...`` and ``stream/...`` keys for the result sections of t
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 from dataclasses import dataclass, field
@@ -29,8 +30,8 @@ from actors.env.vector_env import EnvContext, make_vector_env
 from actors.metrics import MetricsLogger
 from actors.modules import ActorCriticModule, RLModule
 from protocols import nested
-from protocols.codec import encode
-from protocols.episode import EpisodeChunk, new_episode_id
+from protocols.codec import decode, encode
+from protocols.episode import EpisodeChunk
 
 
 @dataclass
@@ -46,6 +47,7 @@ class EnvRunnerSettings:
     explore: bool = True
     module_class: type[RLModule] = ActorCriticModule
     model_config: dict = field(default_factory=dict)
+    module_kwargs: dict = field(default_factory=dict)
     observation_space: gym.Space | None = None
     action_space: gym.Space | None = None
     exploration_config: dict = field(default_factory=dict)
@@ -88,16 +90,19 @@ class EnvRunner(EnvRunnerRole):
         self.observation_space = settings.observation_space or self.env.single_observation_space
         self.action_space = settings.action_space or self.env.single_action_space
         self.module = settings.module_class(self.observation_space, self.action_space, settings.model_config,
-                                            inference_only=True)
+                                            inference_only=True, **settings.module_kwargs)
         self.module.eval()
         self.exploration = make_exploration(settings.exploration_config, self.module.dist_spec)
         self.env_actions = EnvActions(self.action_space, settings.normalize_actions, settings.clip_actions)
         self.metrics = MetricsLogger()
         self.weights_version = 0
         self.num_env_steps_sampled_lifetime = 0
+        self._timestep_offset = 0  # the run's env steps minus this runner's, as of the last weights
         self._obs: Any = None
         self._slots: list[_Slot] = []
         self._restarts_seen = 0
+        # episode ids: unique across runs (OS entropy), yet the same after a resume (state is saved)
+        self._ids = np.random.default_rng()
         # weights that arrive while a stream samples in another thread wait here for its next fragment
         self._weights_lock = threading.Lock()
         self._pending_weights: tuple[Any, int] | None = None
@@ -145,9 +150,12 @@ class EnvRunner(EnvRunnerRole):
         self._obs = None  # unfinished episodes are dropped; the next sample() starts fresh ones
         return done[:num_episodes]
 
+    def _new_episode_id(self) -> str:
+        return self._ids.bytes(16).hex()
+
     def _reset_all(self) -> None:
         self._obs = self.env.reset()
-        self._slots = [_Slot(new_episode_id()) for _ in range(self.s.num_envs)]
+        self._slots = [_Slot(self._new_episode_id()) for _ in range(self.s.num_envs)]
 
     @torch.inference_mode()
     def _run(self, steps: int, explore: bool, hold_back: bool) -> list[EpisodeChunk]:
@@ -160,7 +168,7 @@ class EnvRunner(EnvRunnerRole):
         obs = self._obs
         module, spec, exploration = self.module, self.module.dist_spec, self.exploration
         forward = module.forward_exploration if explore else module.forward_inference
-        t0 = self.num_env_steps_sampled_lifetime
+        t0 = self.num_env_steps_sampled_lifetime + self._timestep_offset
         for t in range(steps):
             obs_rows.append(obs)
             dist_inputs = forward(nested.map_structure(torch.from_numpy, obs))["action_dist_inputs"]
@@ -257,21 +265,23 @@ class EnvRunner(EnvRunnerRole):
                 if ended:
                     ended_returns.append(slot.ret)
                     ended_lengths.append(slot.length)
-                    slot = self._slots[j] = _Slot(new_episode_id())
+                    slot = self._slots[j] = _Slot(self._new_episode_id())
                 start = t + 1
         if ended_returns:  # logged before the chunks leave, so whoever receives them finds them counted
             self._log_episodes(ended_returns, ended_lengths)
         return out
 
     # --- weights, metrics, state ------------------------------------------------------------
-    def set_weights(self, weights: dict[str, np.ndarray], weights_version: int = 0) -> None:
+    def set_weights(self, weights: dict[str, np.ndarray], weights_version: int = 0,
+                    timestep: int | None = None) -> None:
         """Apply now, or -- while a stream samples in its own thread -- before its next fragment
-        (never in the middle of one)."""
+        (never in the middle of one). ``timestep``: the run's env steps sampled so far, which
+        drives exploration schedules (a runner alone sees only its share of them)."""
         with self._weights_lock:
             if self.is_streaming():
-                self._pending_weights = (weights, weights_version)
+                self._pending_weights = (weights, weights_version, timestep)
                 return
-        self._apply_weights(weights, weights_version)
+        self._apply_weights(weights, weights_version, timestep)
 
     def apply_pending_weights(self) -> bool:
         """Apply weights that arrived while streaming; the stream calls this between fragments."""
@@ -283,9 +293,11 @@ class EnvRunner(EnvRunnerRole):
         self.metrics.log_value("num_weight_updates_applied", 1, reduce="lifetime_sum")
         return True
 
-    def _apply_weights(self, weights: dict[str, np.ndarray], weights_version: int) -> None:
+    def _apply_weights(self, weights: dict[str, np.ndarray], weights_version: int, timestep: int | None) -> None:
         self.module.set_state(weights)
         self.weights_version = weights_version
+        if timestep is not None:
+            self._timestep_offset = max(0, timestep - self.num_env_steps_sampled_lifetime)
         self.metrics.log_value("weights_version", weights_version, reduce="max")
 
     def get_weights(self) -> dict[str, np.ndarray]:
@@ -301,14 +313,33 @@ class EnvRunner(EnvRunnerRole):
         return self.metrics.export()
 
     def get_state(self) -> dict[str, Any]:
+        """Weights, counters, exploration, this process's torch RNG, and the running episodes
+        (slots, and the vector env's record of them) -- what a checkpoint needs for the runner to
+        continue exactly where it was. Plain data, arrays, tensors and codec frames only."""
+        # a streaming runner's episodes move in its sampling thread: it resumes with fresh ones
+        episodes = self._obs is not None and not self.is_streaming()
+        slots = [{"episode_id": s.episode_id, "chunk_index": s.chunk_index, "t_started": s.t_started,
+                  "ret": s.ret, "length": s.length, "pending": [encode(c, compress=False) for c in s.pending]}
+                 for s in self._slots] if episodes else None
         return {"weights": self.get_weights(), "weights_version": self.weights_version,
                 "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
-                "exploration": self.exploration.get_state()}
+                "timestep_offset": self._timestep_offset, "exploration": self.exploration.get_state(),
+                "torch_rng": torch.get_rng_state().numpy(), "episode_ids": json.dumps(self._ids.bit_generator.state),
+                "slots": slots, "env": self.env.get_state() if episodes else None}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.set_weights(state["weights"], state.get("weights_version", 0))
         self.num_env_steps_sampled_lifetime = state.get("num_env_steps_sampled_lifetime", 0)
+        self._timestep_offset = state.get("timestep_offset", 0)
         self.exploration.set_state(state.get("exploration", {}))
+        if state.get("torch_rng") is not None:
+            torch.set_rng_state(torch.as_tensor(np.asarray(state["torch_rng"], np.uint8)))
+        if state.get("episode_ids"):
+            self._ids.bit_generator.state = json.loads(state["episode_ids"])
+        if state.get("env") is not None:
+            self._obs = self.env.set_state(state["env"])
+            self._slots = [_Slot(s["episode_id"], s["chunk_index"], s["t_started"], s["ret"], s["length"],
+                                 [decode(f) for f in s["pending"]]) for s in state["slots"]]
 
     def ping(self) -> str:
         return "ok"

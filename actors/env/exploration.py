@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from actors.modules.distributions import ActionDistSpec
+from actors.schedules import piecewise
 
 
 class Exploration:
@@ -50,7 +51,36 @@ class StochasticSampling(Exploration):
         return dist.sample()
 
 
-EXPLORATIONS = {"StochasticSampling": StochasticSampling}
+class EpsilonGreedy(Exploration):
+    """The greedy action, or with probability epsilon a uniformly random one (per row, drawn
+    vectorized). Epsilon follows ``epsilon_schedule`` (``[[timestep, epsilon], ...]``, linear in
+    between), or RLlib's ``initial_epsilon`` -> ``final_epsilon`` over ``epsilon_timesteps``."""
+
+    def __init__(self, dist_spec: ActionDistSpec, initial_epsilon: float = 1.0, final_epsilon: float = 0.05,
+                 epsilon_timesteps: int = 10_000, epsilon_schedule: list | None = None) -> None:
+        super().__init__(dist_spec)
+        self.schedule = (epsilon_schedule if epsilon_schedule is not None
+                         else [[0, initial_epsilon], [epsilon_timesteps, final_epsilon]])
+        bad = [p for p in self.schedule if not 0.0 <= float(p[1]) <= 1.0]
+        if bad:
+            raise ValueError(f"epsilon values must be in [0, 1], got {bad} in {self.schedule}")
+
+    def epsilon(self, timestep: int) -> float:
+        return piecewise(self.schedule, timestep)
+
+    def actions(self, dist: Any, explore: bool, timestep: int) -> torch.Tensor:
+        greedy = dist.deterministic()
+        if not explore:
+            return greedy
+        n = len(dist)
+        pick = torch.rand(n) < self.epsilon(timestep)
+        if not bool(pick.any()):
+            return greedy
+        random = self.dist_spec.random(n)
+        return torch.where(pick.view(n, *([1] * (greedy.dim() - 1))), random, greedy)
+
+
+EXPLORATIONS = {"StochasticSampling": StochasticSampling, "EpsilonGreedy": EpsilonGreedy}
 
 
 def make_exploration(config: dict[str, Any] | None, dist_spec: ActionDistSpec) -> Exploration:

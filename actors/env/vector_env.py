@@ -4,7 +4,12 @@
 observation in ``final_obs[i]``: each episode's next observation is then stored exactly once.
 
 ``SyncVectorEnv`` steps its sub-envs in this process and can recreate one that raises (its
-episode is closed as truncated). ``AsyncVectorEnv`` runs each sub-env in its own process
+episode is closed as truncated). When seeded, every episode's reset gets its own seed, derived from
+the run's seed, the runner, the sub-env and the sub-env's episode count, and the actions of each
+running episode are recorded: ``get_state``/``set_state`` then carry a sub-env's episode across a
+checkpoint by replaying its actions after the same seeded reset, which reproduces the env exactly
+whenever its dynamics follow from the reset seed and the actions (gymnasium envs that draw their
+randomness from ``np_random`` do). ``AsyncVectorEnv`` runs each sub-env in its own process
 (gymnasium's ``AsyncVectorEnv``); a failure there recreates the whole vector.
 """
 from __future__ import annotations
@@ -19,6 +24,9 @@ import numpy as np
 from protocols import nested
 
 log = logging.getLogger(__name__)
+
+MAX_RECORDED_ACTIONS = 100_000
+"""Actions kept per running episode for resuming it from a checkpoint; a longer episode resumes fresh."""
 
 
 class EnvContext(dict):
@@ -57,6 +65,9 @@ class SyncVectorEnv:
         self.worker_index, self.num_workers = worker_index, num_workers
         self.seed, self.restart_failed = seed, restart_failed
         self.num_restarts = 0
+        self.episodes = [0] * num_envs  # episodes started, per sub-env (drives the reset seeds)
+        self._episode_seed: list[int | None] = [None] * num_envs
+        self._actions: list[list] = [[] for _ in range(num_envs)]  # this episode's, when seeded
         self.envs = [self._make(i) for i in range(num_envs)]
         self.num_envs = num_envs
         self.single_observation_space = self.envs[0].observation_space
@@ -69,13 +80,18 @@ class SyncVectorEnv:
         return self.creator(EnvContext(self.env_config, self.worker_index, i, self.num_workers,
                                        recreated or self.recreated))
 
-    def _seed(self, i: int) -> int | None:
-        if self.seed is None:
-            return None
-        return self.seed + 10_000 * self.worker_index + i + 1_000_000 * self.num_restarts
+    def _reset(self, i: int) -> Any:
+        """Start sub-env i's next episode (seeded, when the run is)."""
+        seed = None
+        if self.seed is not None:
+            seed = int(np.random.SeedSequence([self.seed, self.worker_index, i, self.episodes[i]]).generate_state(1)[0])
+        self.episodes[i] += 1
+        self._episode_seed[i] = seed
+        self._actions[i] = []
+        return self.envs[i].reset(seed=seed)[0]
 
     def reset(self) -> Any:
-        self._last_obs = [env.reset(seed=self._seed(i))[0] for i, env in enumerate(self.envs)]
+        self._last_obs = [self._reset(i) for i in range(self.num_envs)]
         return nested.stack(self._last_obs)
 
     def step(self, actions: np.ndarray) -> StepResult:
@@ -88,12 +104,15 @@ class SyncVectorEnv:
         last_obs = self._last_obs
         if self._as_list:
             actions = actions.tolist()
+        record = self.seed is not None
         for i, env in enumerate(self.envs):
             try:
                 obs, rew, term, trunc, _ = env.step(actions[i])
+                if record and len(self._actions[i]) < MAX_RECORDED_ACTIONS:
+                    self._actions[i].append(actions[i])
                 if term or trunc:
                     final_obs[i] = obs
-                    obs, _ = env.reset()
+                    obs = self._reset(i)
             except Exception as err:  # noqa: BLE001 - any env error is survivable here
                 if not self.restart_failed:
                     raise
@@ -114,7 +133,36 @@ class SyncVectorEnv:
         except Exception:  # noqa: BLE001 - a broken env may fail to close too
             pass
         self.envs[i] = self._make(i, recreated=True)
-        return self.envs[i].reset(seed=self._seed(i))[0]
+        return self._reset(i)
+
+    def get_state(self) -> dict[str, Any]:
+        """Episode counters and, when seeded, each running episode's reset seed and actions."""
+        return {"episodes": list(self.episodes), "seeds": list(self._episode_seed),
+                "actions": [np.asarray(a) if len(a) < MAX_RECORDED_ACTIONS else None for a in self._actions]}
+
+    def set_state(self, state: dict[str, Any]) -> Any:
+        """Resume: each sub-env's running episode is rebuilt by replaying its actions after its seeded
+        reset (a sub-env whose episode cannot be rebuilt starts a fresh one). Returns the batched
+        observations to act on next."""
+        self.episodes = list(state["episodes"])
+        self._last_obs = [None] * self.num_envs
+        for i in range(self.num_envs):
+            seed, actions = state["seeds"][i], state["actions"][i]
+            if seed is None or actions is None:
+                self._last_obs[i] = self._reset(i)
+                continue
+            obs = self.envs[i].reset(seed=seed)[0]
+            self._episode_seed[i], self._actions[i] = seed, list(actions)
+            for k, a in enumerate(self._actions[i]):
+                obs, _, term, trunc, _ = self.envs[i].step(a.item() if self._as_list else a)
+                if (term or trunc) and k < len(actions) - 1:
+                    log.warning("sub-environment %d of env runner %d ended early while replaying its episode: "
+                                "the env does not follow from its seed and actions; starting a fresh episode",
+                                i, self.worker_index)
+                    obs = self._reset(i)
+                    break
+            self._last_obs[i] = obs
+        return nested.stack(self._last_obs)
 
     def close(self) -> None:
         for env in self.envs:
@@ -146,6 +194,12 @@ class AsyncVectorEnv:
         seed = None if self.seed is None else [self.seed + 10_000 * self.worker_index + i for i in range(self.num_envs)]
         self._last_obs = self._env.reset(seed=seed)[0]
         return self._last_obs
+
+    def get_state(self) -> dict[str, Any]:
+        return {}  # sub-envs in other processes: a resumed runner starts fresh episodes
+
+    def set_state(self, state: dict[str, Any]) -> Any:
+        return self.reset()
 
     def step(self, actions: np.ndarray) -> StepResult:
         try:

@@ -31,21 +31,9 @@ from torch import nn
 
 from actors.core import LearnerRole
 from actors.modules import ActorCriticModule, RLModule
+from actors.schedules import piecewise
 from protocols import nested
 from protocols.codec import decode
-
-
-def piecewise(schedule: float | list, t: int) -> float:
-    """A constant, or ``[[t0, v0], [t1, v1], ...]`` interpolated linearly (held after the last)."""
-    if not isinstance(schedule, (list, tuple)):
-        return float(schedule)
-    points = sorted((int(a), float(b)) for a, b in schedule)
-    if t <= points[0][0]:
-        return points[0][1]
-    for (t0, v0), (t1, v1) in zip(points, points[1:]):
-        if t < t1:
-            return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
-    return points[-1][1]
 
 
 @dataclass
@@ -62,6 +50,8 @@ class LearnerSettings:
     """Seeds torch (same on every learner: identical initial weights) and the minibatch shuffling."""
     model_config: dict = field(default_factory=dict)
     """Settings of the module (``actors.modules.ModelConfig``)."""
+    module_kwargs: dict = field(default_factory=dict)
+    """Options of the algorithm's module class beyond the model config (e.g. DQN's ``dueling``)."""
 
 
 @dataclass
@@ -95,10 +85,13 @@ class Learner(LearnerRole):
         self.rng = np.random.default_rng(None if settings.seed is None else settings.seed + rank)
         self.num_updates = 0
         self.timestep = 0
+        self.last_outputs: dict[str, np.ndarray] = {}
+        """Per-row outputs of the latest update (e.g. TD errors for prioritized replay)."""
 
     # --- what an algorithm provides ---------------------------------------------------------
     def build_module(self) -> nn.Module:
-        return self.module_class(self.observation_space, self.action_space, self.settings.model_config)
+        return self.module_class(self.observation_space, self.action_space, self.settings.model_config,
+                                 **self.settings.module_kwargs)
 
     def build_targets(self) -> dict[str, nn.Module]:
         return {}
@@ -115,7 +108,8 @@ class Learner(LearnerRole):
     def update(self, batch: Any, timestep: int) -> dict[str, float]:
         """Set every optimizer's learning rate for ``timestep`` (env steps sampled so far), then
         run the algorithm's ``train_on_batch``. Returns its statistics plus the current rates.
-        ``batch`` is a list of chunks, or a codec frame of them (how it crosses to a remote learner)."""
+        ``batch`` is a list of chunks or a replayed batch of transitions, or a codec frame of either
+        (how it crosses to a remote learner)."""
         if isinstance(batch, (bytes, bytearray, memoryview)):
             batch = decode(batch)
         self.timestep = timestep
@@ -128,6 +122,10 @@ class Learner(LearnerRole):
         return self.train_on_batch(batch, timestep) | rates
 
     update_from_episodes = update  # RLlib's name for the same call
+
+    def update_with_outputs(self, batch: Any, timestep: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """``update`` and the per-row outputs it left in ``last_outputs``, in one call."""
+        return self.update(batch, timestep), self.last_outputs
 
     def apply_gradients(self, loss: torch.Tensor, optimizer: str = "default") -> float:
         """Backward, average gradients across learners, clip, step one optimizer. Returns the

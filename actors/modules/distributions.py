@@ -94,12 +94,47 @@ class DiagGaussian:
         return 0.5 * (var_ratio + t1 - 1 - var_ratio.log()).sum(-1)
 
 
+class SquashedGaussian:
+    """``tanh`` of a diagonal Gaussian (SAC's policy): actions in (-1, 1), the normalized range the
+    runners rescale to the space's bounds; log-probabilities include the tanh change of variables.
+    Inputs are ``[mean, log_std]``."""
+
+    def __init__(self, inputs: torch.Tensor) -> None:
+        self.mean, log_std = inputs.chunk(2, dim=-1)
+        self.log_std = log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
+        self.std = self.log_std.exp()
+
+    def __len__(self) -> int:
+        return self.mean.shape[0]
+
+    def _logp_pre_tanh(self, z: torch.Tensor) -> torch.Tensor:
+        gauss = (-0.5 * ((z - self.mean) / self.std).pow(2) - self.log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        # log(1 - tanh(z)^2), in a form that stays finite for large |z|
+        return gauss - (2.0 * (math.log(2.0) - z - torch.nn.functional.softplus(-2.0 * z))).sum(-1)
+
+    def rsample_with_logp(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reparameterized sample (gradients flow to the inputs) and its log-probability."""
+        z = self.mean + self.std * torch.randn_like(self.mean)
+        return torch.tanh(z), self._logp_pre_tanh(z)
+
+    def sample(self) -> torch.Tensor:
+        return torch.tanh(self.mean + self.std * torch.randn_like(self.mean)).detach()
+
+    def deterministic(self) -> torch.Tensor:
+        return torch.tanh(self.mean)
+
+    def logp(self, actions: torch.Tensor) -> torch.Tensor:
+        z = torch.atanh(actions.clamp(-1.0 + 1e-6, 1.0 - 1e-6))
+        return self._logp_pre_tanh(z)
+
+
 class ActionDistSpec:
-    """Which distribution an action space needs and how wide its inputs are."""
+    """Which distribution an action space needs and how wide its inputs are. ``squashed=True``
+    gives Box actions a tanh-squashed Gaussian (SAC) instead of a plain one."""
 
     SUPPORTED = "Discrete, MultiDiscrete, MultiBinary or 1-d Box"
 
-    def __init__(self, space: gym.Space) -> None:
+    def __init__(self, space: gym.Space, squashed: bool = False) -> None:
         self.space = space
         if isinstance(space, gym.spaces.Discrete):
             self.kind, self.input_dim = "categorical", int(space.n)
@@ -110,7 +145,7 @@ class ActionDistSpec:
             self.kind, self.nvec = "multi_categorical", [2] * int(space.n)
             self.input_dim = 2 * int(space.n)
         elif isinstance(space, gym.spaces.Box) and len(space.shape) == 1 and np.issubdtype(space.dtype, np.floating):
-            self.kind, self.input_dim = "gaussian", 2 * int(space.shape[0])
+            self.kind, self.input_dim = "squashed_gaussian" if squashed else "gaussian", 2 * int(space.shape[0])
         else:
             raise ValueError(
                 f"runnel's default module cannot produce actions for the action space {space}; "
@@ -122,6 +157,8 @@ class ActionDistSpec:
             return Categorical(inputs)
         if self.kind == "multi_categorical":
             return MultiCategorical(inputs, self.nvec)
+        if self.kind == "squashed_gaussian":
+            return SquashedGaussian(inputs)
         return DiagGaussian(inputs)
 
     def to_env(self, actions: np.ndarray) -> np.ndarray:
@@ -139,6 +176,6 @@ class ActionDistSpec:
 
 
 def apply_log_std_init(bias: torch.Tensor, spec: ActionDistSpec, log_std_init: float) -> None:
-    if spec.kind == "gaussian":
+    if spec.kind in ("gaussian", "squashed_gaussian"):
         with torch.no_grad():
             bias[spec.input_dim // 2 :] = log_std_init

@@ -17,7 +17,8 @@ class ModuleSpec:
     action_space: gym.Space
     model_config: dict[str, Any] = field(default_factory=dict)
     module_class: type[RLModule] = ActorCriticModule
+    module_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def build(self, inference_only: bool = False) -> RLModule:
         return self.module_class(self.observation_space, self.action_space, self.model_config,
-                                 inference_only=inference_only)
+                                 inference_only=inference_only, **self.module_kwargs)
