@@ -31,7 +31,7 @@ from actors.modules import ModuleSpec, RLModule, to_torch
 from actors.env.actions import EnvActions
 from actors.env.exploration import make_exploration
 from pipeline.callbacks import Callbacks
-from pipeline.checkpoint import CheckpointError, read_checkpoint, read_manifest, write_checkpoint
+from pipeline.checkpoint import CheckpointError, read_checkpoint, read_extras, read_manifest, write_checkpoint
 from pipeline.config import AlgorithmConfig, ConfigError, resolve_import_path
 from pipeline.env_runner_group import EnvRunnerGroup
 from pipeline.envs import env_creator, probe_spaces
@@ -96,14 +96,15 @@ class Algorithm:
             probed = probe_spaces(self.env_creator, config.env_config)
             obs_space, act_space = obs_space or probed[0], act_space or probed[1]
         self.observation_space, self.action_space = obs_space, act_space
-        self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class)
+        self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class,
+                                      config.module_kwargs())
         try:  # fail here, in the driver, with the space named, not later inside an actor
             self.module = self.module_spec.build()
         except ValueError as err:
             raise ConfigError(str(err)) from err
         self._module_version = -1  # weights version self.module holds (refreshed by compute_actions)
         self.env_actions = EnvActions(act_space, config.normalize_actions, config.clip_actions)
-        self.exploration = make_exploration({}, self.module.dist_spec)
+        self.exploration = make_exploration(config.exploration_settings(), self.module.dist_spec)
         self.callbacks = self._make_callbacks()
         if config.num_env_runners > 0 or config.num_learners > 0:
             init_ray_if_needed(config)
@@ -134,7 +135,7 @@ class Algorithm:
             env_creator=self.env_creator, env_config=c.env_config, num_envs=c.num_envs_per_env_runner,
             vectorize_mode=c.gym_env_vectorize_mode, rollout_fragment_length=c.get_rollout_fragment_length(),
             batch_mode=c.batch_mode, explore=c.explore, module_class=self.learner_class.module_class,
-            model_config=c.model_config,
+            model_config=c.model_config, module_kwargs=c.module_kwargs(), exploration_config=c.exploration_settings(),
             observation_space=self.observation_space, action_space=self.action_space, clip_rewards=c.clip_rewards,
             normalize_actions=c.normalize_actions, clip_actions=c.clip_actions, seed=c.seed,
             num_env_runners=c.num_env_runners, restart_failed_sub_environments=c.restart_failed_sub_environments,
@@ -187,7 +188,7 @@ class Algorithm:
     def sync_weights(self) -> None:
         """Send the learner's current weights to every env runner and wait until they have them."""
         weights = self.learner_group.get_weights(inference_only=True)
-        self.env_runner_group.sync_weights(weights, self.weights_version)
+        self.env_runner_group.sync_weights(weights, self.weights_version, self.counters["num_env_steps_sampled_lifetime"])
 
     def get_weights(self) -> dict[str, np.ndarray]:
         return self.learner_group.get_weights()
@@ -307,8 +308,10 @@ class Algorithm:
         """Write a checkpoint directory (atomically) and return its path."""
         path = checkpoint_dir or self.default_checkpoint_dir()
         native = self._inference_module() if self.config.export_native_model_files else None
+        plan_state = self.plan.get_state() if self.plan is not None else None
         return write_checkpoint(path, self.name, self.config.to_dict(), self.learner_group.get_state(),
-                                self.get_state(), native_module=native)
+                                self.get_state(), native_module=native, runner_states=self.env_runner_group.get_state(),
+                                replay_state=plan_state)
 
     save_to_path = save
 
@@ -317,9 +320,14 @@ class Algorithm:
         manifest, _, learner_state, state = read_checkpoint(checkpoint_dir)
         if manifest["algorithm"] != self.name:
             raise CheckpointError(f"checkpoint {checkpoint_dir!r} is of {manifest['algorithm']}, not {self.name}")
+        runner_states, plan_state = read_extras(checkpoint_dir)
         self.learner_group.set_state(learner_state)
         self.set_state(state)
         self.sync_weights()
+        if runner_states:
+            self.env_runner_group.set_state(runner_states)
+        if plan_state and self.plan is not None:
+            self.plan.set_state(plan_state)
         self.callbacks.on_checkpoint_loaded(algorithm=self)
 
     restore_from_path = restore

@@ -62,9 +62,6 @@ class AsyncPlanSettings:
     """LZ4-compress streamed frames: True, False, or "auto" = compress when observations hold integer
     (pixel-like) arrays, which shrink 20x and more, and not for float vectors, which shrink ~1.3x
     for ~17% of sampling throughput on CartPole."""
-    env_runner_metrics_interval_s: float = 0.5
-    """How often the driver fetches episode metrics (and liveness) from the streaming runners."""
-
     def async_plan_problems(self) -> list[str]:
         problems = []
         if self.stream_compress not in (True, False, "auto"):
@@ -78,7 +75,7 @@ class AsyncPlanSettings:
         for key in ("broadcast_interval", "learner_queue_size", "stream_hwm"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
-        for key in ("learner_queue_timeout", "env_runner_metrics_interval_s"):
+        for key in ("learner_queue_timeout",):
             if not is_number(getattr(self, key)) or getattr(self, key) <= 0:
                 problems.append(f"{key} must be a number > 0, got {getattr(self, key)!r}")
         return problems
@@ -162,7 +159,7 @@ class AsyncPlan:
             self.learners.update(batch, timestep, m)
         if self.learners.weights_version % self.config.broadcast_interval == 0:
             weights = self.learners.get_weights(inference_only=True)
-            self.env_runners.sync_weights(weights, self.learners.weights_version, wait=False)
+            self.env_runners.sync_weights(weights, self.learners.weights_version, int(timestep), wait=False)
 
     def _log_stream(self) -> None:
         m, s = self.metrics, self.receiver.stats()
@@ -181,6 +178,12 @@ class AsyncPlan:
         m.log_value("learner_queue/size", s["learner_queue_size"], reduce="max", window=1)
         m.log_value("learner_queue/capacity", self.config.learner_queue_size, reduce="max", window=1)
         self.batches.log_metrics(m)
+
+    def get_state(self) -> dict[str, Any]:
+        return {}  # what is in flight is re-sampled after a restore
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        pass
 
     def stop(self) -> None:
         """Stop the runners' sampling threads, then the loader thread and its socket."""

@@ -8,6 +8,10 @@ Layout::
                     (loaded with torch weights_only=True)
     state.json      iteration, time, weights version, the metrics logger's state (counters and
                     episode-metric windows), numpy RNG state
+    runners.pt      each env runner's state: weights, counters, RNG, its running episodes
+                    (torch weights_only=True; chunks inside as codec frames)
+    replay.npz      with ``store_buffer_in_checkpoints``: the replay stage's arrays (read with
+    replay.json     ``allow_pickle=False``) and the rest of its state
 
 The directory is written under a temporary name beside the target and renamed into place, so a
 crash while saving leaves the previous checkpoint at that path intact.
@@ -21,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 FORMAT_VERSION = 2
@@ -33,7 +38,8 @@ class CheckpointError(ValueError):
 
 
 def write_checkpoint(path: str | os.PathLike, algorithm: str, config: dict, learner_state: dict,
-                     state: dict, native_module: Any = None) -> str:
+                     state: dict, native_module: Any = None, runner_states: dict | None = None,
+                     replay_state: dict | None = None) -> str:
     target = Path(path).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -45,6 +51,17 @@ def write_checkpoint(path: str | os.PathLike, algorithm: str, config: dict, lear
         torch.save(learner_state, tmp / "learner.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
         files = ["config.json", "learner.pt", "state.json"]
+        if runner_states:
+            torch.save(_map_arrays(runner_states, lambda a: torch.from_numpy(np.ascontiguousarray(a)), np.ndarray),
+                       tmp / "runners.pt")
+            files.append("runners.pt")
+        if replay_state:
+            arrays: dict[str, Any] = {}
+            plain = _split_arrays(replay_state, arrays, "")
+            with open(tmp / "replay.npz", "wb") as f:
+                np.savez(f, **arrays)
+            (tmp / "replay.json").write_text(json.dumps(plain))
+            files += ["replay.npz", "replay.json"]
         if native_module is not None:
             torch.save(native_module, tmp / "model_native.pt")  # for users' own tools; runnel never loads it
             files.append("model_native.pt")
@@ -93,6 +110,59 @@ def read_manifest(path: str | os.PathLike) -> dict:
     if missing:
         raise CheckpointError(f"checkpoint {str(p)!r} is incomplete: missing {missing}")
     return manifest
+
+
+def _map_arrays(tree: Any, fn: Any, kind: type) -> Any:
+    """``fn`` applied to every leaf of type ``kind`` (runners.pt keeps numpy arrays as tensors,
+    which ``torch.load(weights_only=True)`` reads)."""
+    if isinstance(tree, kind):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_arrays(v, fn, kind) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_map_arrays(v, fn, kind) for v in tree]
+    return tree
+
+
+def _split_arrays(tree: Any, arrays: dict[str, Any], prefix: str) -> Any:
+    """Nested state -> the same without numpy arrays, which move to ``arrays`` under path keys."""
+    if isinstance(tree, np.ndarray):
+        arrays[prefix] = tree
+        return {"__array__": prefix}
+    if isinstance(tree, dict):
+        return {k: _split_arrays(v, arrays, f"{prefix}/{k}") for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_split_arrays(v, arrays, f"{prefix}/{i}") for i, v in enumerate(tree)]
+    return tree
+
+
+def _join_arrays(tree: Any, arrays: Any) -> Any:
+    if isinstance(tree, dict):
+        if set(tree) == {"__array__"}:
+            return arrays[tree["__array__"]]
+        return {k: _join_arrays(v, arrays) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_join_arrays(v, arrays) for v in tree]
+    return tree
+
+
+def read_extras(path: str | os.PathLike) -> tuple[dict | None, dict | None]:
+    """-> (runner states, replay state), each None when the checkpoint has none."""
+    p = Path(path).expanduser()
+    files = read_manifest(p).get("files", [])
+    runners = replay = None
+    try:
+        if "runners.pt" in files:
+            runners = _map_arrays(torch.load(p / "runners.pt", map_location="cpu", weights_only=True),
+                                  lambda t: t.numpy(), torch.Tensor)
+        if "replay.npz" in files:
+            with np.load(p / "replay.npz", allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+            replay = _join_arrays(json.loads((p / "replay.json").read_text()), arrays)
+    except Exception as err:  # noqa: BLE001 - numpy/torch raise many kinds for a damaged file
+        raise CheckpointError(f"checkpoint {str(p)!r}: runner or replay state cannot be read "
+                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    return runners, replay
 
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict, dict, dict]:

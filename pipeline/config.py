@@ -28,7 +28,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "rl_module": ("model_config",),
     "resources": ("num_cpus_for_main_process",),
     "reporting": ("metrics_num_episodes_for_smoothing", "min_time_s_per_iteration",
-                  "min_sample_timesteps_per_iteration", "min_train_timesteps_per_iteration"),
+                  "min_sample_timesteps_per_iteration", "min_train_timesteps_per_iteration",
+                  "env_runner_metrics_interval_s"),
     "checkpointing": ("export_native_model_files",),
     "debugging": ("seed", "log_level"),
     "fault_tolerance": ("restart_failed_env_runners", "ignore_env_runner_failures", "max_num_env_runner_restarts",
@@ -129,6 +130,8 @@ class AlgorithmConfig:
     """Repeat training steps within one ``train()`` until this many env steps were sampled."""
     min_train_timesteps_per_iteration: int = 0
     """Repeat training steps within one ``train()`` until this many env steps were trained on."""
+    env_runner_metrics_interval_s: float = 0.5
+    """How often the driver fetches episode metrics (and liveness) from streaming runners and stages."""
 
     # checkpointing
     export_native_model_files: bool = False
@@ -276,6 +279,8 @@ class AlgorithmConfig:
                     "metrics_num_episodes_for_smoothing"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
+        if not is_number(self.env_runner_metrics_interval_s) or self.env_runner_metrics_interval_s <= 0:
+            problems.append(f"env_runner_metrics_interval_s must be a number > 0, got {self.env_runner_metrics_interval_s!r}")
         rfl = self.rollout_fragment_length
         if rfl != "auto" and (not is_int(rfl) or rfl < 1):
             problems.append(f"rollout_fragment_length must be 'auto' or an int >= 1, got {rfl!r}")
@@ -293,7 +298,15 @@ class AlgorithmConfig:
 
     def learner_settings(self) -> LearnerSettings:
         return LearnerSettings(lr=self.lr, grad_clip=self.grad_clip, grad_clip_by=self.grad_clip_by, seed=self.seed,
-                               model_config=self.model_config)
+                               model_config=self.model_config, module_kwargs=self.module_kwargs())
+
+    def module_kwargs(self) -> dict[str, Any]:
+        """Options of the algorithm's module class beyond ``model_config`` (DQN: dueling, atoms...)."""
+        return {}
+
+    def exploration_settings(self) -> dict[str, Any]:
+        """The exploration piece runners use (``{"type": ..., **kwargs}``); sampling by default."""
+        return {}
 
     def get_rollout_fragment_length(self) -> int:
         if self.rollout_fragment_length != "auto":

@@ -53,6 +53,7 @@ class EnvRunnerGroup:
                                    f"num_cpus_per_env_runner={num_cpus_per_env_runner}")
         self._weights: Any = None  # what a recreated runner gets (an object ref, or the dict in-process)
         self._weights_version = 0
+        self._timestep: int | None = None
         self._stream_args: dict[str, Any] | None = None
         self._streaming: set[int] = set()  # runners told to stream
         self._metrics_pending: set[int] = set()  # runners with a get_metrics request in flight
@@ -76,19 +77,20 @@ class EnvRunnerGroup:
         return self.manager.num_healthy()
 
     # --- weights ------------------------------------------------------------------------------
-    def sync_weights(self, weights: dict, version: int, wait: bool = True) -> None:
-        """Send ``weights`` to every healthy runner. ``wait=False`` (streaming): fire and forget --
-        a streaming runner applies them between fragments, and ``poll`` collects the answers."""
-        self._weights, self._weights_version = self.manager.share(weights), version
+    def sync_weights(self, weights: dict, version: int, timestep: int | None = None, wait: bool = True) -> None:
+        """Send ``weights`` (and the run's env-step count ``timestep``, for exploration schedules)
+        to every healthy runner. ``wait=False`` (streaming): fire and forget -- a streaming runner
+        applies them between fragments, and ``poll`` collects the answers."""
+        self._weights, self._weights_version, self._timestep = self.manager.share(weights), version, timestep
         if wait:
-            self.manager.foreach_actor("set_weights", self._weights, version)
+            self.manager.foreach_actor("set_weights", self._weights, version, timestep)
             self.restart_failed()
         else:
-            self.manager.submit("set_weights", self._weights, version, tag="weights")
+            self.manager.submit("set_weights", self._weights, version, timestep, tag="weights")
 
     def _restore(self, index: int, handle: Any) -> None:
         if self._weights is not None:
-            ray.get(handle.set_weights.remote(self._weights, self._weights_version))
+            ray.get(handle.set_weights.remote(self._weights, self._weights_version, self._timestep))
 
     def restart_failed(self, force: bool = False) -> list[int]:
         restarted = self.manager.probe_unhealthy_and_restart(force=force)
@@ -136,7 +138,10 @@ class EnvRunnerGroup:
     # --- streaming ----------------------------------------------------------------------------
     def start_streaming(self, **stream_args: Any) -> None:
         """Have every healthy runner stream to ``stream_args["address"]`` (see
-        ``EnvRunner.start_streaming``); runners recreated later are started by ``poll``."""
+        ``EnvRunner.start_streaming``); runners recreated later are started by ``poll``. New
+        arguments (a receiver that moved) reach every runner."""
+        if stream_args != self._stream_args:
+            self._streaming.clear()
         self._stream_args = stream_args
         ids = [i for i in self.manager.healthy_ids() if i not in self._streaming]
         if ids:
@@ -190,6 +195,17 @@ class EnvRunnerGroup:
             self.manager.foreach_actor("stop_streaming", actor_ids=self.manager.healthy_ids(), timeout_s=timeout_s)
         except Exception as err:  # noqa: BLE001 - the actors are stopped or killed next anyway
             log.warning("stopping the env runners' streams: %s", err)
+
+    # --- state ----------------------------------------------------------------------------------
+    def get_state(self) -> dict[int, dict[str, Any]]:
+        """Each healthy runner's state, by runner index (what a checkpoint keeps)."""
+        return {r.actor_id: r.value for r in self.manager.foreach_actor("get_state") if r.ok}
+
+    def set_state(self, states: dict[int, dict[str, Any]]) -> None:
+        """Give runners their saved states back (runners with no saved state keep theirs)."""
+        ids = [i for i in self.manager.healthy_ids() if i in states]
+        if ids:
+            self.manager.foreach_actor("set_state", actor_ids=ids, per_actor_args={i: (states[i],) for i in ids})
 
     # --- results, user functions, shutdown ----------------------------------------------------
     def log_fault_tolerance(self, metrics: MetricsLogger) -> None:

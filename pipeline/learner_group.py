@@ -17,8 +17,21 @@ import ray
 from actors.learner import Learner
 from actors.manager import ActorManager, FaultToleranceSettings
 from actors.metrics import MetricsLogger
+from protocols import nested
 from protocols.codec import encode
 from protocols.episode import EpisodeChunk
+
+
+def batch_steps(batch: list[EpisodeChunk] | dict[str, Any]) -> int:
+    """Env steps in a batch: a list of chunks, or a replayed batch of transitions (a dict of arrays)."""
+    return len(batch["rewards"]) if isinstance(batch, dict) else sum(len(c) for c in batch)
+
+
+def shard_transitions(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """A replayed batch split into ``n`` contiguous row ranges (outputs concatenate back in order)."""
+    bounds = np.linspace(0, len(batch["rewards"]), n + 1).astype(int)
+    return [{k: nested.map_structure(lambda a: a[lo:hi], v) for k, v in batch.items()}
+            for lo, hi in zip(bounds, bounds[1:])]
 
 
 def shard_chunks(chunks: list[EpisodeChunk], n: int) -> list[list[EpisodeChunk]]:
@@ -65,26 +78,38 @@ class LearnerGroup:
         """The in-process learner (``num_learners=0``); None with remote learners."""
         return self.manager.handle(0) if self.manager.in_process else None
 
-    def update(self, batch: list[EpisodeChunk], timestep: int, metrics: MetricsLogger | None = None) -> dict[str, float]:
-        """One update on ``batch`` (sharded across learners); ``timestep`` drives the schedules.
-        Returns the learners' mean statistics and logs them into ``metrics``."""
+    def update(self, batch: list[EpisodeChunk] | dict[str, Any], timestep: int, metrics: MetricsLogger | None = None,
+               with_outputs: bool = False) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """One update on ``batch`` -- a list of chunks, or a replayed batch of transitions -- sharded
+        across learners; ``timestep`` drives the schedules. Returns the learners' mean statistics
+        (also logged into ``metrics``) and, ``with_outputs``, their per-row outputs in batch order
+        (e.g. TD errors for prioritized replay)."""
         ids = self.manager.healthy_ids()
-        shards = [batch] if len(ids) == 1 else shard_chunks(list(batch), len(ids))
+        transitions = isinstance(batch, dict)
+        if len(ids) == 1:
+            shards = [batch]
+        else:
+            shards = shard_transitions(batch, len(ids)) if transitions else shard_chunks(list(batch), len(ids))
         # in-process the batch is handed over as it is (a loader may have laid it out already);
         # to another process it goes as one codec frame
-        ship = (lambda s: s) if self.manager.in_process else (lambda s: encode(list(s), compress=False))
-        results = self.manager.foreach_actor("update", per_actor_args={
+        if self.manager.in_process:
+            ship = lambda s: s  # noqa: E731
+        else:
+            ship = lambda s: encode(s if transitions else list(s), compress=False)  # noqa: E731
+        results = self.manager.foreach_actor("update_with_outputs" if with_outputs else "update", per_actor_args={
             i: (ship(s), timestep) for i, s in zip(ids, shards)})
-        all_stats = [r.value for r in results]
+        values = [r.value for r in results]
+        all_stats = [v[0] for v in values] if with_outputs else values
+        outputs = {k: np.concatenate([v[1][k] for v in values]) for k in values[0][1]} if with_outputs else {}
         stats = {k: float(np.mean([s[k] for s in all_stats])) for k in all_stats[0]}
         self.weights_version += 1
         if metrics is not None:
-            steps = sum(len(c) for c in batch)
+            steps = batch_steps(batch)
             metrics.log_dict(stats, prefix="learners/default_policy")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained", steps, reduce="sum")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained_lifetime", steps, reduce="lifetime_sum")
             metrics.log_value("learners/__all_modules__/num_updates", 1, reduce="sum")
-        return stats
+        return stats, outputs
 
     def _first(self, method: str, *args: Any) -> Any:
         return self.manager.foreach_actor(method, *args, actor_ids=self.manager.healthy_ids()[:1])[0].value

@@ -1,0 +1,209 @@
+"""DQN (Mnih et al., 2015) with the Rainbow parts RLlib offers: double Q, dueling heads, n-step
+returns, prioritized replay, distributional atoms (C51); Discrete actions, and MultiDiscrete
+actions as branches.
+
+Each training step: env runners sample with epsilon-greedy exploration, the chunks go into the
+replay stage, and the learner trains on replayed batches as often as the replay ratio
+(``training_intensity``) allows; the target network follows every ``target_network_update_freq``
+env steps (``tau`` < 1: Polyak averaging). The loop is ``pipeline.offpolicy_plan.OffPolicyPlan``.
+Here: ``DQNConfig``, ``dqn_loss`` (a pure function of module, target, batch and config),
+``DQNLearner`` and ``DQN``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from actors.learner import Learner
+from actors.modules import QModule
+from pipeline.algorithm import Algorithm
+from pipeline.config import AlgorithmConfig, check_schedule, is_int, is_number
+from pipeline.offpolicy_plan import OffPolicyPlan, OffPolicySettings, polyak, to_tensors
+from pipeline.registry import register_algorithm
+
+TD_ERROR_LOSS_FNS = ("huber", "mse")
+
+
+@dataclass
+class DQNConfig(OffPolicySettings, AlgorithmConfig):
+    algo_name = "DQN"
+
+    num_envs_per_env_runner: int = 8
+    """Sub-environments each runner steps as one vector."""
+    rollout_fragment_length: int | str = 4
+    """Steps per sub-env per training step (then the learner catches up with the replay ratio)."""
+    lr: float | list = 5e-4
+    """Learning rate, or a piecewise-linear schedule ``[[timestep, lr], ...]``."""
+    grad_clip: float | None = 10.0
+    """Clip threshold for gradients (global norm by default)."""
+    train_batch_size_per_learner: int = 64
+    """Transitions per replayed batch (one learner update each)."""
+    training_intensity: float | None = 16.0
+    """Transitions trained per transition sampled (the replay ratio); None: one update per training step."""
+    replay_buffer_config: dict = field(default_factory=lambda: {
+        "type": "PrioritizedEpisodeReplayBuffer", "capacity": 50_000, "alpha": 0.6, "beta": 0.4})
+    """See ``OffPolicySettings``: prioritized replay by default, as RLlib's DQN."""
+    n_step: int | list = field(default_factory=lambda: [2, 5])
+    """n-step returns, computed at sample time: an int, or ``[lo, hi]`` drawn per transition."""
+    num_steps_sampled_before_learning_starts: int = 1000
+    """Env steps stored before the first update."""
+    target_network_update_freq: int = 500
+    """Update the target network every this many env steps sampled."""
+    tau: float = 1.0
+    """Target update: 1.0 copies the network, smaller values average (target = tau * net + (1 - tau) * target)."""
+    double_q: bool = True
+    """Pick the next action with the online network, value it with the target network (van Hasselt et al.)."""
+    dueling: bool = True
+    """A state-value stream plus mean-centred advantages."""
+    num_atoms: int = 1
+    """Atoms of the return distribution (> 1: C51, Discrete actions only)."""
+    v_min: float = -10.0
+    """Lowest return the distribution's support covers."""
+    v_max: float = 10.0
+    """Highest return the distribution's support covers."""
+    epsilon: list = field(default_factory=lambda: [[0, 1.0], [10_000, 0.02]])
+    """Epsilon-greedy schedule ``[[timestep, epsilon], ...]`` over env steps sampled (off when explore=False)."""
+    td_error_loss_fn: str = "huber"
+    """Loss on the TD error: "huber" or "mse" (ignored with num_atoms > 1, which uses cross-entropy)."""
+    model_config: dict = field(default_factory=lambda: {"fcnet_hiddens": [128, 128], "fcnet_activation": "tanh"})
+    """Default module settings (see ``actors.modules.ModelConfig``)."""
+
+    def module_kwargs(self) -> dict[str, Any]:
+        return {"dueling": self.dueling, "num_atoms": self.num_atoms, "v_min": self.v_min, "v_max": self.v_max}
+
+    def exploration_settings(self) -> dict[str, Any]:
+        return {"type": "EpsilonGreedy", "epsilon_schedule": [list(p) for p in self.epsilon]}
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems() + self.offpolicy_problems()
+        if self.td_error_loss_fn not in TD_ERROR_LOSS_FNS:
+            problems.append(f"td_error_loss_fn={self.td_error_loss_fn!r} is not one of {list(TD_ERROR_LOSS_FNS)}")
+        if not is_int(self.num_atoms) or self.num_atoms < 1:
+            problems.append(f"num_atoms must be an int >= 1, got {self.num_atoms!r}")
+        if not (is_number(self.v_min) and is_number(self.v_max) and self.v_min < self.v_max):
+            problems.append(f"v_min must be below v_max, got v_min={self.v_min!r}, v_max={self.v_max!r}")
+        if not is_int(self.target_network_update_freq) or self.target_network_update_freq < 1:
+            problems.append(f"target_network_update_freq must be an int >= 1, got {self.target_network_update_freq!r}")
+        if not is_number(self.tau) or not 0 < self.tau <= 1:
+            problems.append(f"tau must be in (0, 1], got {self.tau!r}")
+        problems += [p.replace("epsilon must", "epsilon must be a schedule; it must") for p in
+                     check_schedule("epsilon", self.epsilon) if not isinstance(self.epsilon, (int, float))]
+        if isinstance(self.epsilon, (int, float)):
+            problems.append(f"epsilon must be a schedule [[timestep, epsilon], ...], got {self.epsilon!r}; "
+                            f"a constant is [[0, {self.epsilon}]]")
+        return problems
+
+
+def dqn_loss(module: QModule, target: QModule, batch: dict[str, Any], config: DQNConfig
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """DQN's loss on a replayed batch; returns (loss, stats, per-sample TD error for priorities).
+
+    ``batch`` holds ``obs``, ``actions``, ``rewards`` (n-step discounted sums), ``next_obs`` (the
+    bootstrap observation), ``discounts`` (gamma**n, 0 after a terminal step) and ``weights``
+    (importance weights; ones without prioritized replay). MultiDiscrete actions are trained branch
+    by branch against their own targets, and the losses averaged.
+    """
+    logits = module.forward_train(batch["obs"])["branch_logits"]
+    actions = batch["actions"].long().reshape(len(batch["rewards"]), -1)
+    with torch.no_grad():
+        target_logits = target.forward_train(batch["next_obs"])["branch_logits"]
+        select = module.forward_train(batch["next_obs"])["branch_logits"] if config.double_q else target_logits
+    weights, rewards, discounts = batch["weights"], batch["rewards"], batch["discounts"]
+    losses, td_errors, q_taken_all = [], [], []
+    for b, (q, tq, sq) in enumerate(zip(logits, target_logits, select)):
+        a = actions[:, b]
+        if module.num_atoms == 1:
+            q_taken = q.gather(1, a[:, None]).squeeze(1)
+            with torch.no_grad():
+                best = sq.argmax(-1, keepdim=True)
+                y = rewards + discounts * tq.gather(1, best).squeeze(1)
+            td = y - q_taken
+            per_sample = F.huber_loss(q_taken, y, reduction="none") if config.td_error_loss_fn == "huber" \
+                else 0.5 * td.pow(2)
+            td_abs = td.abs().detach()
+        else:
+            support = module.support
+            q_taken = (q.softmax(-1) * support).sum(-1).gather(1, a[:, None]).squeeze(1)
+            with torch.no_grad():
+                best = (sq.softmax(-1) * support).sum(-1).argmax(-1)
+                next_probs = tq.softmax(-1)[torch.arange(len(best)), best]
+                projected = categorical_projection(next_probs, rewards, discounts, support)
+            log_p = q.log_softmax(-1)[torch.arange(len(a)), a]
+            per_sample = -(projected * log_p).sum(-1)
+            td_abs = per_sample.detach()
+        losses.append((weights * per_sample).mean())
+        td_errors.append(td_abs)
+        q_taken_all.append(q_taken.detach())
+    loss = torch.stack(losses).mean()
+    td_error = torch.stack(td_errors).mean(0)
+    q_taken = torch.stack(q_taken_all).mean(0)
+    stats = {"qf_loss": loss.detach(), "qf_mean": q_taken.mean(), "qf_min": q_taken.min(), "qf_max": q_taken.max(),
+             "td_error_mean": td_error.mean()}
+    return loss, stats, td_error
+
+
+def categorical_projection(probs: torch.Tensor, rewards: torch.Tensor, discounts: torch.Tensor,
+                           support: torch.Tensor) -> torch.Tensor:
+    """Project the distribution of ``rewards + discounts * Z`` (Z on ``support`` with ``probs``)
+    back onto ``support`` (C51's projection, Bellemare et al. 2017, Algorithm 1)."""
+    v_min, v_max, atoms = float(support[0]), float(support[-1]), support.numel()
+    dz = (v_max - v_min) / (atoms - 1)
+    tz = (rewards[:, None] + discounts[:, None] * support[None, :]).clamp(v_min, v_max)
+    b = (tz - v_min) / dz
+    lower, upper = b.floor().long(), b.ceil().long()
+    # an atom that lands exactly on the grid would get no mass from (upper - b) + (b - lower) = 0
+    lower[(upper > 0) & (lower == upper)] -= 1
+    upper[(lower < atoms - 1) & (lower == upper)] += 1
+    out = torch.zeros_like(probs)
+    out.scatter_add_(1, lower.clamp(0, atoms - 1), probs * (upper.float() - b))
+    out.scatter_add_(1, upper.clamp(0, atoms - 1), probs * (b - lower.float()))
+    return out
+
+
+class DQNLearner(Learner):
+    """One gradient step per replayed batch; the target network follows by env steps sampled."""
+
+    module_class = QModule
+    state_fields = ("last_target_update", "num_target_updates")
+
+    def __init__(self, config: DQNConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
+        self.config = config
+        self.last_target_update = 0
+        self.num_target_updates = 0
+        super().__init__(config.learner_settings(), observation_space, action_space, **placement)
+
+    def build_targets(self) -> dict[str, torch.nn.Module]:
+        target = self.build_module()
+        target.load_state_dict(self.module.state_dict())
+        return {"target": target}
+
+    def train_on_batch(self, batch: dict[str, Any], timestep: int) -> dict[str, float]:
+        cfg = self.config
+        t = to_tensors(batch, self.device)
+        loss, stats, td_error = dqn_loss(self.module, self.targets["target"], t, cfg)
+        stats["gradients_global_norm"] = self.apply_gradients(loss)
+        if timestep - self.last_target_update >= cfg.target_network_update_freq:
+            polyak(self.targets["target"], self.module, cfg.tau)
+            self.last_target_update = timestep
+            self.num_target_updates += 1
+        self.last_outputs = {"td_error": td_error.cpu().numpy()}
+        out = {k: float(v) for k, v in stats.items()}
+        out["num_target_updates"] = float(self.num_target_updates)
+        out["num_module_steps_trained"] = float(len(batch["rewards"]))
+        return out
+
+
+@register_algorithm
+class DQN(Algorithm):
+    config_class = DQNConfig
+    learner_class = DQNLearner
+
+    def build_plan(self) -> OffPolicyPlan:
+        return OffPolicyPlan(self.config, self.env_runner_group, self.learner_group, self.metrics,
+                             self.observation_space, self.action_space, self.compress_frames())
+
+    def training_step(self) -> None:
+        self.plan.training_step()

@@ -1,0 +1,201 @@
+"""The off-policy plan: runners sample, chunks go into the replay stage, the learner trains on
+replayed batches as often as the replay ratio allows, weights go out -- configured by DQN and SAC.
+
+The replay ratio is the replay stage's rate limiter (Reverb's samples-per-insert): RLlib's
+``training_intensity`` (transitions trained per transition sampled) is its ``samples_per_insert``,
+``num_steps_sampled_before_learning_starts`` its ``min_size_to_sample``. Each training step
+samples one round from every runner (``rollout_fragment_length`` steps per sub-env), inserts it,
+then runs updates while the limiter allows a sample; prioritized replay gets the learner's TD
+errors back as priorities.
+
+Settings come in RLlib's ``replay_buffer_config`` form (mixed into DQN's and SAC's configs by
+``OffPolicySettings``) and are validated at ``build()``.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from actors.metrics import MetricsLogger
+from actors.replay import ReplayBuffer, ReplaySettings
+from pipeline.config import is_int, is_number
+from pipeline.env_runner_group import EnvRunnerGroup
+from pipeline.learner_group import LearnerGroup
+from protocols import nested
+
+BUFFER_TYPES = {"EpisodeReplayBuffer": False, "uniform": False,
+                "PrioritizedEpisodeReplayBuffer": True, "prioritized": True}
+"""replay_buffer_config["type"] -> prioritized? (RLlib's class names, and runnel's short names)."""
+BUFFER_KEYS = ("type", "capacity", "alpha", "beta", "epsilon", "samples_per_insert", "min_size_to_sample",
+               "error_buffer", "timeout_s", "remote", "prefetch", "num_cpus")
+
+
+@dataclass
+class OffPolicySettings:
+    """Settings of the off-policy plan, mixed into the configs of the algorithms that use it."""
+
+    replay_buffer_config: dict = field(default_factory=lambda: {"type": "EpisodeReplayBuffer", "capacity": 50_000})
+    """RLlib's keys -- ``type`` ("EpisodeReplayBuffer" or "PrioritizedEpisodeReplayBuffer"; also "uniform",
+    "prioritized"), ``capacity`` (env steps), ``alpha``, ``beta``, ``epsilon`` (priority floor) -- and
+    Reverb's rate limiter: ``samples_per_insert`` (default: ``training_intensity``), ``min_size_to_sample``
+    (default: ``num_steps_sampled_before_learning_starts``), ``error_buffer``, ``timeout_s``."""
+    store_buffer_in_checkpoints: bool = False
+    """Save the replay contents, sampler and limiter state with every checkpoint (a restored run continues exactly)."""
+    num_steps_sampled_before_learning_starts: int = 1000
+    """Env steps stored before the first update."""
+    training_intensity: float | None = None
+    """Transitions trained per transition sampled (the replay ratio); None: one update per training step."""
+    n_step: int | list = 1
+    """n-step returns, computed at sample time: an int, or ``[lo, hi]`` drawn per transition."""
+    broadcast_interval: int = 1
+    """With a remote replay stage: send new weights to the runners every this many updates."""
+
+    def steps_per_training_step(self) -> int:
+        return self.get_rollout_fragment_length() * self.num_envs_per_env_runner * max(1, self.num_env_runners)
+
+    def replay_settings(self) -> ReplaySettings:
+        c = dict(self.replay_buffer_config)
+        batch, steps = self.train_batch_size_per_learner, self.steps_per_training_step()
+        spi = c.get("samples_per_insert", self.training_intensity)
+        if spi is None:  # one update of `batch` transitions per training step of `steps`
+            spi = batch / steps
+        # a band wide enough that one training step's inserts always fit after its updates drained
+        # the samples allowed (the in-process loop inserts and samples in turns, never both at once)
+        error_buffer = c.get("error_buffer", spi * steps + batch)
+        n_step = tuple(self.n_step) if isinstance(self.n_step, (list, tuple)) else self.n_step
+        return ReplaySettings(
+            capacity=c.get("capacity", 50_000), prioritized=BUFFER_TYPES.get(c.get("type", "uniform"), False),
+            alpha=c.get("alpha", 0.6), beta=c.get("beta", 0.4), epsilon=c.get("epsilon", 1e-6), n_step=n_step,
+            gamma=self.gamma, samples_per_insert=spi,
+            min_size_to_sample=c.get("min_size_to_sample", max(self.num_steps_sampled_before_learning_starts, batch)),
+            error_buffer=error_buffer, timeout_s=c.get("timeout_s", 60.0), seed=self.seed)
+
+    def offpolicy_problems(self) -> list[str]:
+        problems = []
+        c = self.replay_buffer_config
+        if not isinstance(c, dict):
+            return [f"replay_buffer_config must be a dict, got {type(c).__name__}"]
+        for key in c:
+            if key not in BUFFER_KEYS:
+                close = difflib.get_close_matches(key, BUFFER_KEYS, n=2, cutoff=0.5)
+                hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"valid keys: {list(BUFFER_KEYS)}"
+                problems.append(f"unknown replay_buffer_config key {key!r}; {hint}")
+        if c.get("remote", False) not in (True, False):
+            problems.append(f"replay_buffer_config remote={c.get('remote')!r} must be True or False")
+        if c.get("remote", False) and self.num_env_runners == 0:
+            problems.append("replay_buffer_config remote=True needs num_env_runners >= 1: the runners stream to the "
+                            "replay actor (with num_env_runners=0 use the in-process replay stage, remote=False)")
+        if not is_int(c.get("prefetch", 2)) or c.get("prefetch", 2) < 1:
+            problems.append(f"replay_buffer_config prefetch={c.get('prefetch')!r} must be an int >= 1")
+        if not is_int(self.broadcast_interval) or self.broadcast_interval < 1:
+            problems.append(f"broadcast_interval must be an int >= 1, got {self.broadcast_interval!r}")
+        if c.get("type", "uniform") not in BUFFER_TYPES:
+            problems.append(f"replay_buffer_config type={c.get('type')!r} is not one of {list(BUFFER_TYPES)}")
+        if not is_int(self.num_steps_sampled_before_learning_starts) or self.num_steps_sampled_before_learning_starts < 0:
+            problems.append(f"num_steps_sampled_before_learning_starts must be an int >= 0, "
+                            f"got {self.num_steps_sampled_before_learning_starts!r}")
+        ti = self.training_intensity
+        if ti is not None and (not is_number(ti) or ti <= 0):
+            problems.append(f"training_intensity must be a number > 0 or None, got {ti!r}")
+        if problems:
+            return problems
+        try:
+            settings = self.replay_settings()
+        except (TypeError, ValueError) as err:
+            return [f"replay_buffer_config: {err}"]
+        capacity = settings.capacity
+        if is_int(capacity) and is_int(self.train_batch_size_per_learner) and capacity < self.train_batch_size_per_learner:
+            problems.append(f"replay_buffer_config capacity={capacity} is smaller than a train batch "
+                            f"({self.train_batch_size_per_learner}); raise the capacity")
+        return problems + [f"replay: {p}" for p in settings.problems()]
+
+
+def to_tensors(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A replayed batch (numpy, nested where observations are) as torch tensors on ``device``.
+    Read-only arrays (decoded zero-copy from a frame) are copied: torch cannot alias them."""
+    def tensor(a: Any) -> torch.Tensor:
+        a = np.asarray(a)
+        return torch.as_tensor(a if a.flags.writeable else a.copy(), device=device)
+
+    return {k: nested.map_structure(tensor, v) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def polyak(target: nn.Module, source: nn.Module, tau: float, prefixes: tuple[str, ...] = ()) -> None:
+    """target <- tau * source + (1 - tau) * target (tau=1: a copy), for parameters whose names start
+    with ``prefixes`` (all when empty); buffers are copied."""
+    src = dict(source.named_parameters())
+    for name, p in target.named_parameters():
+        if not prefixes or name.startswith(prefixes):
+            p.lerp_(src[name], tau)
+    for (name, b), sb in zip(target.named_buffers(), source.buffers()):
+        b.copy_(sb)
+
+
+class OffPolicyPlan:
+    """Synchronous with an in-process replay stage (the default): each step samples a round from the
+    runners, inserts it, trains while the limiter allows a sample. With ``replay_buffer_config
+    ["remote"]``: the replay stage is a Ray actor the runners stream to, and each step takes the
+    replayed batches that arrived (``prefetch`` requests stay in flight, so sampling, replay and
+    learning overlap) -- see ``StreamingReplay``."""
+
+    def __init__(self, config: Any, env_runners: EnvRunnerGroup, learners: LearnerGroup, metrics: MetricsLogger,
+                 observation_space: Any = None, action_space: Any = None, compress: bool = False) -> None:
+        self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
+        settings = config.replay_settings()
+        self.prioritized = settings.prioritized
+        self.steps_per_training_step = config.steps_per_training_step()
+        self.streaming = None
+        self.replay: ReplayBuffer | None = None
+        if config.replay_buffer_config.get("remote", False):
+            from pipeline.offpolicy_streaming import StreamingReplay
+
+            self.streaming = StreamingReplay(config, settings, env_runners, learners, metrics, observation_space,
+                                             action_space, compress)
+        else:
+            self.replay = ReplayBuffer(settings)
+
+    def training_step(self) -> None:
+        if self.streaming is not None:
+            self.streaming.training_step()
+            return
+        m, batch_size = self.metrics, self.config.train_batch_size_per_learner
+        with m.log_time("timers/env_runner_sampling_timer"):
+            chunks = self.env_runners.sample(self.steps_per_training_step, m)
+        with m.log_time("timers/replay_insert"):
+            self.replay.add(chunks)
+        timestep = m.peek("env_runners/num_env_steps_sampled_lifetime", 0)
+        with m.log_time("timers/learner_update_timer", reduce="sum"):
+            while self.replay.can_sample(batch_size):
+                batch = self.replay.sample(batch_size)
+                _, outputs = self.learners.update(batch, timestep, m, with_outputs=self.prioritized)
+                if self.prioritized:
+                    self.replay.update_priorities(batch["indices"], outputs["td_error"])
+        with m.log_time("timers/synch_weights"):
+            weights = self.learners.get_weights(inference_only=True)
+            self.env_runners.sync_weights(weights, self.learners.weights_version, int(timestep))
+        m.merge(self.replay.get_metrics(), prefix="replay")
+
+    def get_state(self) -> dict[str, Any]:
+        if not self.config.store_buffer_in_checkpoints:
+            return {}
+        return self.streaming.get_state() if self.streaming is not None else self.replay.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self.streaming is not None:
+            self.streaming.set_state(state)
+        else:
+            self.replay.set_state(state)
+
+    def stop(self) -> None:
+        if self.streaming is not None:
+            self.streaming.stop()
+        else:
+            self.replay.stop()

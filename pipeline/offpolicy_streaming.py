@@ -1,0 +1,136 @@
+"""StreamingReplay: the off-policy plan with the replay stage as a Ray actor fed by runner streams.
+
+Runners sample forever in their own threads and push chunk frames over ZeroMQ to the replay actor
+(``ReplayBuffer.start_receiving``), whose intake thread inserts them -- blocking on the rate
+limiter, so a learner that falls behind slows the runners down through the sockets. The driver
+keeps ``prefetch`` batch requests in flight on the replay actor (``sample_encoded``: one codec frame
+per batch), trains on each batch as it arrives, sends TD errors back as priorities without
+waiting, and broadcasts weights every ``broadcast_interval`` updates. Env steps count as sampled
+when the replay stage inserts them.
+
+The replay actor is one member of an ``ActorManager`` group: if it dies it is recreated -- empty,
+or with the buffer of the latest checkpoint when ``store_buffer_in_checkpoints`` is on -- the
+runners are pointed at its new address, and ``fault_tolerance/num_replay_restarts`` counts it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+import torch
+
+from actors.manager import ActorManager, FaultToleranceSettings
+from actors.metrics import MetricsLogger
+from actors.replay import ReplayBuffer, ReplaySettings
+from pipeline.env_runner_group import EnvRunnerGroup
+from pipeline.learner_group import LearnerGroup
+from protocols.codec import decode
+
+
+class StreamingReplay:
+    def __init__(self, config: Any, settings: ReplaySettings, env_runners: EnvRunnerGroup, learners: LearnerGroup,
+                 metrics: MetricsLogger, observation_space: Any, action_space: Any, compress: bool) -> None:
+        self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
+        self.spaces = (observation_space, action_space)
+        # the learner shares the machine with streaming runners and the replay actor: torch's default
+        # (a thread per core) would spin against them; use the CPUs the driver is counted for
+        self._torch_threads_before = torch.get_num_threads()
+        torch.set_num_threads(max(1, int(config.num_cpus_for_main_process)))
+        self.prioritized = settings.prioritized
+        self.compress = compress
+        c = config.replay_buffer_config
+        self.prefetch = int(c.get("prefetch", 2))
+        cls = ray.remote(num_cpus=c.get("num_cpus", 1), max_restarts=0,
+                         max_concurrency=self.prefetch + 4)(ReplayBuffer)  # waiting samples must not block metrics
+        ft = FaultToleranceSettings(restart_failed=True, probe_timeout_s=config.env_runner_health_probe_timeout_s,
+                                    max_requests_in_flight=self.prefetch + 4, restart_delay_s=0.0)
+        self.group = ActorManager(lambda i, recreated: cls.remote(settings), [1], ft, on_restart=self._restore,
+                                  name="replay stage")
+        self.group.check_started(ft.start_timeout_s, f"{c.get('num_cpus', 1)} CPU(s)")
+        self.last_state: dict | None = None  # what a recreated replay stage is given back
+        self.address: str | None = None
+        self._batches_in_flight = 0
+        self._inserts_seen = 0
+        self._last_metrics_at = 0.0
+        self._metrics_pending = False
+
+    # --- the replay actor ---------------------------------------------------------------------
+    def _restore(self, index: int, handle: Any) -> None:
+        if self.last_state:
+            ray.get(handle.set_state.remote(self.last_state))
+
+    def _point_runners(self) -> None:
+        """(Re)start the replay stage's intake and have every runner stream to it."""
+        obs, act = self.spaces
+        cfg = self.config
+        res = self.group.foreach_actor("start_receiving", obs, act, 4, 256 * 1024)
+        if not res or not res[0].ok:
+            return
+        self.address = res[0].value
+        self.env_runners.start_streaming(address=self.address, hwm=4, compress=self.compress, sndbuf=256 * 1024,
+                                         stall_timeout_s=cfg.env_runner_health_probe_timeout_s)
+
+    def training_step(self) -> None:
+        m, group = self.metrics, self.group
+        if self.address is None:
+            self._point_runners()
+        while self._batches_in_flight < self.prefetch and group.submit(
+                "sample_encoded", self.config.train_batch_size_per_learner, 0.5, tag="batch"):
+            self._batches_in_flight += 1
+        with m.log_time("timers/learner_wait_for_batch", reduce="sum"):
+            results = group.fetch_ready(timeout_s=0.1)
+        for res in results:
+            if res.tag == "batch":
+                self._batches_in_flight -= 1
+                if res.ok and res.value is not None:
+                    self._learn(decode(res.value))
+            elif res.tag == "metrics":
+                self._metrics_pending = False
+                if res.ok:
+                    self._fold_replay_metrics(res.value)
+        now = time.monotonic()
+        if not self._metrics_pending and now - self._last_metrics_at >= self.config.env_runner_metrics_interval_s:
+            self._last_metrics_at = now
+            self._metrics_pending = bool(group.submit("get_metrics", tag="metrics"))
+        if group.probe_unhealthy_and_restart():
+            m.log_value("fault_tolerance/num_replay_restarts", 1, reduce="lifetime_sum")
+            self._batches_in_flight, self._metrics_pending = 0, False
+            self._point_runners()
+        self.env_runners.poll(m, self.config.env_runner_metrics_interval_s)
+
+    def _learn(self, batch: dict[str, Any]) -> None:
+        m = self.metrics
+        timestep = m.peek("env_runners/num_env_steps_sampled_lifetime", 0)
+        with m.log_time("timers/learner_update_timer", reduce="sum"):
+            _, outputs = self.learners.update(batch, timestep, m, with_outputs=self.prioritized)
+        if self.prioritized:
+            self.group.submit("update_priorities", batch["indices"], outputs["td_error"], tag="priorities")
+        if self.learners.weights_version % self.config.broadcast_interval == 0:
+            weights = self.learners.get_weights(inference_only=True)
+            self.env_runners.sync_weights(weights, self.learners.weights_version, int(timestep), wait=False)
+
+    def _fold_replay_metrics(self, export: dict[str, Any]) -> None:
+        m = self.metrics
+        m.merge(export, prefix="replay")
+        inserts = int(m.peek("replay/inserts", 0))
+        new, self._inserts_seen = inserts - self._inserts_seen, inserts
+        m.log_value("env_runners/num_env_steps_sampled", new, reduce="sum")
+        m.log_value("env_runners/num_env_steps_sampled_lifetime", new, reduce="lifetime_sum")
+
+    # --- state and shutdown ----------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        res = self.group.foreach_actor("get_state")
+        self.last_state = res[0].value if res and res[0].ok else self.last_state
+        return self.last_state or {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.last_state = state
+        self.group.foreach_actor("set_state", state)
+
+    def stop(self) -> None:
+        try:
+            self.env_runners.stop_streaming()
+        finally:
+            self.group.stop()
+            torch.set_num_threads(self._torch_threads_before)
