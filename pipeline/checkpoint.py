@@ -52,7 +52,10 @@ def write_checkpoint(path: str | os.PathLike, algorithm: str, config: dict, lear
         (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
         files = ["config.json", "learner.pt", "state.json"]
         if runner_states:
-            torch.save(_map_arrays(runner_states, lambda a: torch.from_numpy(np.ascontiguousarray(a)), np.ndarray),
+            # copies: arrays from remote runners arrive as read-only views into one Ray buffer, and
+            # torch.save refuses tensors of different dtypes that share memory
+            torch.save(_map_arrays(runner_states, lambda a: torch.from_numpy(np.array(a, copy=True, order="C")),
+                                   np.ndarray),
                        tmp / "runners.pt")
             files.append("runners.pt")
         if replay_state:

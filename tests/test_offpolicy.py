@@ -262,3 +262,18 @@ def test_checkpoint_without_the_buffer_restores_weights_and_starts_an_empty_repl
         restored.train()  # refills before it learns again
     finally:
         restored.stop()
+
+
+def test_runner_state_arrays_sharing_one_buffer_are_saved_and_read_back(tmp_path):
+    # Remote runners' states arrive as read-only views into one Ray buffer; arrays of different
+    # dtypes over the same memory must not make torch.save refuse the checkpoint.
+    from pipeline.checkpoint import read_extras, write_checkpoint
+
+    raw = np.arange(64, dtype=np.uint8)
+    raw.flags.writeable = False
+    runners = {"0": {"actions": raw[:32].view(np.int64), "bytes": raw[:32], "seeds": raw[32:].view(np.uint32)}}
+    path = write_checkpoint(tmp_path / "ckpt", "DQN", {}, {"weights": {}}, {}, runner_states=runners)
+    restored, _ = read_extras(path)
+    for key, value in runners["0"].items():
+        np.testing.assert_array_equal(restored["0"][key], value)
+        assert restored["0"][key].dtype == value.dtype
