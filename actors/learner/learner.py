@@ -68,6 +68,10 @@ class Learner(LearnerRole):
     """The module this learner trains; env runners carry its inference-only copy."""
     state_fields: ClassVar[tuple[str, ...]] = ()
     """Names of the subclass's own numbers (attributes) saved in and restored from the state."""
+    fused_adam: ClassVar[bool] = False
+    """Build Adam with ``fused=True``: about a quarter faster per step on small networks, which
+    matters where updates dominate (off-policy); rounding differs slightly from the default path,
+    so the on-policy learners keep the default and their seeded runs stay as measured."""
 
     def __init__(self, settings: LearnerSettings, observation_space: gym.Space, action_space: gym.Space, *,
                  device: str = "cpu", rank: int = 0, world_size: int = 1) -> None:
@@ -98,8 +102,13 @@ class Learner(LearnerRole):
 
     def build_optimizers(self) -> dict[str, Optimizer]:
         params = [p for p in self.module.parameters() if p.requires_grad]
-        adam = torch.optim.Adam(params, lr=piecewise(self.settings.lr, 0), eps=1e-5)
-        return {"default": Optimizer(adam, params, self.settings.lr)}
+        return {"default": Optimizer(self.adam(params, self.settings.lr, eps=1e-5), params, self.settings.lr)}
+
+    def adam(self, params: list[nn.Parameter], lr: float | list, **kwargs: Any) -> torch.optim.Adam:
+        """Adam over ``params`` starting at the schedule's first learning rate (fused where chosen)."""
+        if self.fused_adam:
+            kwargs["fused"] = True
+        return torch.optim.Adam(params, lr=piecewise(lr, 0), **kwargs)
 
     def train_on_batch(self, batch: Any, timestep: int) -> dict[str, float]:
         raise NotImplementedError

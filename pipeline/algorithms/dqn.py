@@ -167,6 +167,7 @@ class DQNLearner(Learner):
     """One gradient step per replayed batch; the target network follows by env steps sampled."""
 
     module_class = QModule
+    fused_adam = True
     state_fields = ("last_target_update", "num_target_updates")
 
     def __init__(self, config: DQNConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:

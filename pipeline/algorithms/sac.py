@@ -18,7 +18,6 @@ import torch
 
 from actors.learner import Learner, Optimizer
 from actors.modules import SACModule
-from actors.schedules import piecewise
 from pipeline.algorithm import Algorithm
 from pipeline.config import AlgorithmConfig, check_schedule, is_number
 from pipeline.offpolicy_plan import OffPolicyPlan, OffPolicySettings, polyak, to_tensors
@@ -114,6 +113,7 @@ class SACLearner(Learner):
     """Critics, then actor, then temperature, each with its own optimizer; target critics by Polyak."""
 
     module_class = SACModule
+    fused_adam = True
     state_fields = ("num_target_updates",)
 
     def __init__(self, config: SACConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
@@ -132,7 +132,7 @@ class SACLearner(Learner):
         cfg, m = self.config, self.module
         slots = {"actor": (m.actor_parameters(), cfg.actor_lr), "critic": (m.critic_parameters(), cfg.critic_lr),
                  "alpha": ([m.log_alpha], cfg.alpha_lr)}
-        return {name: Optimizer(torch.optim.Adam(params, lr=piecewise(lr, 0)), params, lr)
+        return {name: Optimizer(self.adam(params, lr), params, lr)
                 for name, (params, lr) in slots.items()}
 
     def train_on_batch(self, batch: dict[str, Any], timestep: int) -> dict[str, float]:
