@@ -100,25 +100,26 @@ class SquashedGaussian:
     Inputs are ``[mean, log_std]``."""
 
     def __init__(self, inputs: torch.Tensor) -> None:
-        self.mean, log_std = inputs.chunk(2, dim=-1)
-        self.log_std = log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
-        self.std = self.log_std.exp()
+        self.base = DiagGaussian(inputs)  # the Gaussian before tanh
+        self.mean, self.log_std, self.std = self.base.mean, self.base.log_std, self.base.std
 
     def __len__(self) -> int:
-        return self.mean.shape[0]
+        return len(self.base)
 
     def _logp_pre_tanh(self, z: torch.Tensor) -> torch.Tensor:
-        gauss = (-0.5 * ((z - self.mean) / self.std).pow(2) - self.log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
         # log(1 - tanh(z)^2), in a form that stays finite for large |z|
-        return gauss - (2.0 * (math.log(2.0) - z - torch.nn.functional.softplus(-2.0 * z))).sum(-1)
+        return self.base.logp(z) - (2.0 * (math.log(2.0) - z - torch.nn.functional.softplus(-2.0 * z))).sum(-1)
+
+    def _draw(self) -> torch.Tensor:
+        return self.mean + self.std * torch.randn_like(self.mean)
 
     def rsample_with_logp(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterized sample (gradients flow to the inputs) and its log-probability."""
-        z = self.mean + self.std * torch.randn_like(self.mean)
+        z = self._draw()
         return torch.tanh(z), self._logp_pre_tanh(z)
 
     def sample(self) -> torch.Tensor:
-        return torch.tanh(self.mean + self.std * torch.randn_like(self.mean)).detach()
+        return torch.tanh(self._draw()).detach()
 
     def deterministic(self) -> torch.Tensor:
         return torch.tanh(self.mean)
