@@ -23,6 +23,7 @@ from pipeline.algorithm import Algorithm
 from pipeline.config import AlgorithmConfig, check_schedule, is_int, is_number
 from pipeline.offpolicy_plan import OffPolicyPlan, OffPolicySettings, polyak, to_tensors
 from pipeline.registry import register_algorithm
+from protocols import nested
 
 TD_ERROR_LOSS_FNS = ("huber", "mse")
 
@@ -68,7 +69,7 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
     """Epsilon-greedy schedule ``[[timestep, epsilon], ...]`` over env steps sampled (off when explore=False)."""
     td_error_loss_fn: str = "huber"
     """Loss on the TD error: "huber" or "mse" (ignored with num_atoms > 1, which uses cross-entropy)."""
-    model_config: dict = field(default_factory=lambda: {"fcnet_hiddens": [128, 128], "fcnet_activation": "tanh"})
+    model_config: dict = field(default_factory=lambda: {"fcnet_hiddens": [64, 64], "fcnet_activation": "relu"})
     """Default module settings (see ``actors.modules.ModelConfig``)."""
 
     def module_kwargs(self) -> dict[str, Any]:
@@ -106,11 +107,21 @@ def dqn_loss(module: QModule, target: QModule, batch: dict[str, Any], config: DQ
     (importance weights; ones without prioritized replay). MultiDiscrete actions are trained branch
     by branch against their own targets, and the losses averaged.
     """
-    logits = module.forward_train(batch["obs"])["branch_logits"]
-    actions = batch["actions"].long().reshape(len(batch["rewards"]), -1)
+    n = len(batch["rewards"])
+    actions = batch["actions"].long().reshape(n, -1)
+    if config.double_q:
+        # one pass of the online net over obs and next obs (the small nets here cost per call, not
+        # per row); the next-obs half only picks the bootstrap action, so it carries no gradient
+        both = nested.map_structure(lambda a, b: torch.cat([a, b]), batch["obs"], batch["next_obs"])
+        both_logits = module.forward_train(both)["branch_logits"]
+        logits = [q[:n] for q in both_logits]
+        select = [q[n:].detach() for q in both_logits]
+    else:
+        logits = module.forward_train(batch["obs"])["branch_logits"]
     with torch.no_grad():
         target_logits = target.forward_train(batch["next_obs"])["branch_logits"]
-        select = module.forward_train(batch["next_obs"])["branch_logits"] if config.double_q else target_logits
+    if not config.double_q:
+        select = target_logits
     weights, rewards, discounts = batch["weights"], batch["rewards"], batch["discounts"]
     losses, td_errors, q_taken_all = [], [], []
     for b, (q, tq, sq) in enumerate(zip(logits, target_logits, select)):
@@ -185,13 +196,14 @@ class DQNLearner(Learner):
         cfg = self.config
         t = to_tensors(batch, self.device)
         loss, stats, td_error = dqn_loss(self.module, self.targets["target"], t, cfg)
-        stats["gradients_global_norm"] = self.apply_gradients(loss)
+        norm = self.apply_gradients(loss)
         if timestep - self.last_target_update >= cfg.target_network_update_freq:
             polyak(self.targets["target"], self.module, cfg.tau)
             self.last_target_update = timestep
             self.num_target_updates += 1
         self.last_outputs = {"td_error": td_error.cpu().numpy()}
-        out = {k: float(v) for k, v in stats.items()}
+        out = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one conversion, not one per value
+        out["gradients_global_norm"] = norm
         out["num_target_updates"] = float(self.num_target_updates)
         out["num_module_steps_trained"] = float(len(batch["rewards"]))
         return out

@@ -7,7 +7,7 @@ Run: ``.venv/bin/python tests/benchmarks/replay.py [--cases cartpole,frames] [--
 2. ``replay`` per (system, case, buffer): ``system`` is ``runnel`` or ``rllib``; ``buffer`` is
    ``uniform`` or ``prioritized``. Fields: ``insert_steps_per_s`` (transitions per second of
    ``add`` time while filling), ``sample_steps_per_s`` (transitions per second at ``--batch-size``
-   256, the median of ``--repeats`` windows), for prioritized buffers also
+   256, the median of ``--repeats`` windows after ``--warmup-seconds`` untimed), for prioritized buffers also
    ``sample_update_steps_per_s`` (each batch followed by one priority update of the whole batch),
    ``stored`` / ``capacity`` / ``filled_fraction``, ``rss_bytes_per_transition`` (resident memory
    the buffer added, per stored transition) and, for runnel, ``bytes_per_transition`` (the
@@ -191,9 +191,14 @@ class Synth:
         return out
 
 
-def throughput(fn, batch_size: int, seconds: float, repeats: int) -> tuple[float, list[float]]:
-    """Median transitions/s of ``fn`` (one batch per call) over ``repeats`` windows of seconds/repeats."""
-    fn()  # warm-up
+def throughput(fn, batch_size: int, seconds: float, repeats: int, warmup: float) -> tuple[float, list[float]]:
+    """Median transitions/s of ``fn`` (one batch per call) over ``repeats`` windows of seconds/repeats,
+    after ``warmup`` seconds of untimed calls (right after a multi-GB fill the kernel is still
+    settling the fresh pages, and the first windows ran at a third of the steady rate)."""
+    t_end = time.perf_counter() + warmup
+    fn()
+    while time.perf_counter() < t_end:
+        fn()
     window = seconds / repeats
     rates = []
     for _ in range(repeats):
@@ -356,14 +361,14 @@ def bench_buffer(adapter_cls, case: str, spec: dict, prioritized: bool, args: ar
             n += sum(len(c["rewards"]) for c in chunks)
         out["insert_full_steps_per_s"] = round(n / t)
     bs, rng = args.batch_size, np.random.default_rng(args.seed + 1)
-    med, all_ = throughput(lambda: ad.sample(bs), bs, args.sample_seconds, args.repeats)
+    med, all_ = throughput(lambda: ad.sample(bs), bs, args.sample_seconds, args.repeats, args.warmup_seconds)
     out["batch_size"], out["n_step"] = bs, args.n_step
     out["sample_steps_per_s"], out["sample_windows"] = round(med), all_
     if prioritized:
         def sample_update() -> None:
             batch = ad.sample(bs)
             ad.update(batch, np.abs(rng.normal(0, 1, bs)) + 0.01)
-        med, all_ = throughput(sample_update, bs, args.sample_seconds, args.repeats)
+        med, all_ = throughput(sample_update, bs, args.sample_seconds, args.repeats, args.warmup_seconds)
         out["sample_update_steps_per_s"], out["sample_update_windows"] = round(med), all_
     return out  # the buffer goes with this frame: run_cases trims before the next
 
@@ -410,12 +415,12 @@ def machine_line(args: argparse.Namespace) -> None:
          loadavg=os.getloadavg(), versions=versions,
          anchors=None if args.skip_rllib else {"python": args.rllib_python, **anchors_versions(args.rllib_python)},
          quick=args.quick, cases=args.cases, seconds=args.seconds, sample_seconds=args.sample_seconds,
-         repeats=args.repeats, n_step=args.n_step, batch_size=args.batch_size, frames_layout=args.frames_layout)
+         repeats=args.repeats, warmup_seconds=args.warmup_seconds, n_step=args.n_step, batch_size=args.batch_size, frames_layout=args.frames_layout)
 
 
 def run_rllib_subprocess(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     cmd = [args.rllib_python, str(Path(__file__).resolve()), "--rllib-worker", *argv]
-    per_buffer = args.seconds + (2 * args.sample_seconds + 1) * 1.5 + 60
+    per_buffer = args.seconds + (2 * (args.sample_seconds + args.warmup_seconds) + 1) * 1.5 + 60
     timeout = 120 + len(args.cases) * 2 * per_buffer
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "RAY_DEDUP_LOGS": "0"}
     results = []
@@ -478,6 +483,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
                    help="RLlib's fill cap: seconds of add() time per buffer (runnel always fills to capacity)")
     p.add_argument("--sample-seconds", type=float, default=3.0, help="seconds per sampling measurement")
     p.add_argument("--repeats", type=int, default=5, help="sampling windows per measurement (median reported)")
+    p.add_argument("--warmup-seconds", type=float, default=1.0, help="untimed sampling before each measurement")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--n-step", type=int, default=3)
     p.add_argument("--num-envs", type=int, default=8, help="interleaved episodes (one chunk each per add call)")
@@ -506,6 +512,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
             args.sample_seconds = 0.3
         if "--repeats" not in given:
             args.repeats = 2
+        if "--warmup-seconds" not in given:
+            args.warmup_seconds = 0.1
     return args, [a for a in raw if a != "--rllib-worker"]
 
 
