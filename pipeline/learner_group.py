@@ -101,8 +101,10 @@ class LearnerGroup:
         values = [r.value for r in results]
         all_stats = [v[0] for v in values] if with_outputs else values
         outputs = {k: np.concatenate([v[1][k] for v in values]) for k in values[0][1]} if with_outputs else {}
-        stats = dict(all_stats[0]) if len(all_stats) == 1 else \
-            {k: float(np.mean([s[k] for s in all_stats])) for k in all_stats[0]}
+        if len(all_stats) == 1:  # the common case, per update on the hot path: no mean to take
+            stats = {k: float(v) for k, v in all_stats[0].items()}
+        else:
+            stats = {k: float(np.mean([s[k] for s in all_stats])) for k in all_stats[0]}
         self.weights_version += 1
         if metrics is not None:
             steps = batch_steps(batch)

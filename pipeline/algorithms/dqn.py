@@ -109,19 +109,16 @@ def dqn_loss(module: QModule, target: QModule, batch: dict[str, Any], config: DQ
     """
     n = len(batch["rewards"])
     actions = batch["actions"].long().reshape(n, -1)
+    with torch.no_grad():
+        target_logits = target.forward_train(batch["next_obs"])["branch_logits"]
     if config.double_q:
         # one pass of the online net over obs and next obs (the small nets here cost per call, not
         # per row); the next-obs half only picks the bootstrap action, so it carries no gradient
         both = nested.map_structure(lambda a, b: torch.cat([a, b]), batch["obs"], batch["next_obs"])
         both_logits = module.forward_train(both)["branch_logits"]
-        logits = [q[:n] for q in both_logits]
-        select = [q[n:].detach() for q in both_logits]
+        logits, select = [q[:n] for q in both_logits], [q[n:].detach() for q in both_logits]
     else:
-        logits = module.forward_train(batch["obs"])["branch_logits"]
-    with torch.no_grad():
-        target_logits = target.forward_train(batch["next_obs"])["branch_logits"]
-    if not config.double_q:
-        select = target_logits
+        logits, select = module.forward_train(batch["obs"])["branch_logits"], target_logits
     weights, rewards, discounts = batch["weights"], batch["rewards"], batch["discounts"]
     losses, td_errors, q_taken_all = [], [], []
     for b, (q, tq, sq) in enumerate(zip(logits, target_logits, select)):

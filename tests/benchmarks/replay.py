@@ -415,7 +415,8 @@ def machine_line(args: argparse.Namespace) -> None:
          loadavg=os.getloadavg(), versions=versions,
          anchors=None if args.skip_rllib else {"python": args.rllib_python, **anchors_versions(args.rllib_python)},
          quick=args.quick, cases=args.cases, seconds=args.seconds, sample_seconds=args.sample_seconds,
-         repeats=args.repeats, warmup_seconds=args.warmup_seconds, n_step=args.n_step, batch_size=args.batch_size, frames_layout=args.frames_layout)
+         repeats=args.repeats, warmup_seconds=args.warmup_seconds, n_step=args.n_step, batch_size=args.batch_size,
+         frames_layout=args.frames_layout)
 
 
 def run_rllib_subprocess(args: argparse.Namespace, argv: list[str]) -> list[dict]:
