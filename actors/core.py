@@ -18,6 +18,11 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 
+class UserCodeError(RuntimeError):
+    """An error in user code run by a stage (a callback, a function given to ``foreach_env_runner``).
+    Restarting the stage would only repeat it, so a stage group hands it to the caller instead."""
+
+
 class Stage(ABC):
     """What every stage offers its group."""
 

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from actors.core import UserCodeError
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,7 @@ class ActorManager:
             try:
                 results[i] = CallResult(i, True, ray.get(ref))
             except RayError as err:
+                _raise_user_error(err)
                 results[i] = CallResult(i, False, error=err)
                 self._mark_failed(i, err)
         for ref in not_ready:
@@ -180,6 +183,7 @@ class ActorManager:
             try:
                 out.append(CallResult(i, True, ray.get(ref), tag=tag))
             except RayError as err:
+                _raise_user_error(err)
                 out.append(CallResult(i, False, error=err, tag=tag))
                 self._mark_failed(i, err)
         return out
@@ -217,12 +221,13 @@ class ActorManager:
         self.num_failures += 1
         self.num_dropped_results += len(m.in_flight)
         m.in_flight.clear()
-        log.warning("%s %d failed: %s", self.name, actor_id, m.last_error)
+        trace = _remote_traceback(err)
+        log.warning("%s %d failed: %s%s", self.name, actor_id, m.last_error, trace)
         if kill:  # a hung actor would hold its resources (and maybe a half-sent request) forever
             _kill(m.handle)
         s = self.settings
         if not s.restart_failed and not s.ignore_failures:
-            raise ActorGroupError(f"{self.name} {actor_id} failed: {m.last_error}. {s.fatal_hint}".rstrip()) from err
+            raise ActorGroupError(f"{self.name} {actor_id} failed: {m.last_error}. {s.fatal_hint}".rstrip() + trace) from err
 
     def probe_unhealthy_and_restart(self, force: bool = False) -> list[int]:
         """Recreate failed actors whose restart delay has passed; returns the indices recreated."""
@@ -276,6 +281,20 @@ class ActorManager:
             else:
                 _kill(m.handle)
         self.members.clear()
+
+
+def _raise_user_error(err: RayError) -> None:
+    """A member raised in user code: the caller gets that error (with the remote traceback in its
+    message), and the member stays healthy -- restarting it would only repeat the error."""
+    if isinstance(err, RayTaskError) and isinstance(err.cause, UserCodeError):
+        raise err.as_instanceof_cause() from None
+
+
+def _remote_traceback(err: BaseException) -> str:
+    """The stack trace of an exception raised inside a member's process ("" when it died without one)."""
+    if isinstance(err, RayTaskError):
+        return "\n--- where it was raised (" + str(err).strip() + ")"
+    return ""
 
 
 def _kill(handle: Any) -> None:

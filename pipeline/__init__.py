@@ -5,12 +5,16 @@ from pipeline.algorithms.dqn import DQN, DQNConfig
 from pipeline.algorithms.impala import IMPALA, IMPALAConfig
 from pipeline.algorithms.ppo import PPO, PPOConfig
 from pipeline.algorithms.sac import SAC, SACConfig
-from pipeline.callbacks import Callbacks
+from actors.env.task_settable import TaskSettableEnv
+from actors.env.vector_env import EnvContext
+from pipeline.callbacks import CallbackError, Callbacks, DefaultCallbacks, RLlibCallback, make_multi_callbacks
 from pipeline.checkpoint import CheckpointError
 from pipeline.config import AlgorithmConfig, ConfigError
 from pipeline.envs import register_env
+from pipeline.evaluation import collect_episodes, summarize_episodes
 from pipeline.registry import get_algorithm, register_algorithm
 
-__all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "Callbacks", "CheckpointError", "ConfigError",
-           "DQN", "DQNConfig", "IMPALA", "IMPALAConfig", "PPO", "PPOConfig", "SAC", "SACConfig",
-           "get_algorithm", "register_algorithm", "register_env"]
+__all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "CallbackError", "Callbacks", "CheckpointError",
+           "ConfigError", "DQN", "DQNConfig", "DefaultCallbacks", "EnvContext", "IMPALA", "IMPALAConfig", "PPO",
+           "PPOConfig", "RLlibCallback", "SAC", "SACConfig", "TaskSettableEnv", "collect_episodes", "get_algorithm",
+           "make_multi_callbacks", "register_algorithm", "register_env", "summarize_episodes"]

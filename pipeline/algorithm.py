@@ -13,8 +13,10 @@ checkpoints, and computing actions.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import threading
 import time
 from datetime import datetime
 from typing import Any, Callable, ClassVar
@@ -23,18 +25,21 @@ import numpy as np
 import ray
 import torch
 
+from actors.callbacks import build_callbacks, call_hook
 from actors.env import EnvRunnerSettings
+from actors.env.env_runner import set_log_level
 from actors.learner import Learner
 from actors.manager import FaultToleranceSettings
 from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec, RLModule, to_torch
 from actors.env.actions import EnvActions
 from actors.env.exploration import make_exploration
-from pipeline.callbacks import Callbacks
+from actors.sys_usage import SysUsage
 from pipeline.checkpoint import CheckpointError, read_checkpoint, read_extras, read_manifest, write_checkpoint
 from pipeline.config import AlgorithmConfig, ConfigError, resolve_import_path
 from pipeline.env_runner_group import EnvRunnerGroup
 from pipeline.envs import env_creator, probe_spaces
+from pipeline.evaluation import Evaluators
 from pipeline.learner_group import LearnerGroup
 from pipeline.registry import get_algorithm
 from protocols import nested
@@ -57,7 +62,8 @@ def init_ray_if_needed(config: AlgorithmConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level=logging.WARNING)
         return
-    needed = config.num_env_runners * config.num_cpus_per_env_runner + config.num_learners * config.num_cpus_per_learner
+    needed = ((config.num_env_runners + config.evaluation_num_env_runners) * config.num_cpus_per_env_runner
+              + config.num_learners * config.num_cpus_per_learner)
     ray.init(num_cpus=max(os.cpu_count() or 1, int(np.ceil(needed))), include_dashboard=False,
              logging_level=logging.WARNING, log_to_driver=True)
 
@@ -85,7 +91,7 @@ class Algorithm:
         """Build every stage ``config`` asks for (the name and signature of Tune's ``Trainable.setup``)."""
         config.validate()
         self.config = config
-        logging.getLogger("runnel").setLevel("WARNING" if config.log_level == "WARN" else config.log_level)
+        set_log_level(config.log_level)
         if config.seed is not None:
             np.random.seed(config.seed)
             torch.manual_seed(config.seed)
@@ -104,11 +110,21 @@ class Algorithm:
             raise ConfigError(str(err)) from err
         self._module_version = -1  # weights version self.module holds (refreshed by compute_actions)
         self.env_actions = EnvActions(act_space, config.normalize_actions, config.clip_actions)
-        self.exploration = make_exploration(config.exploration_settings(), self.module.dist_spec)
-        self.callbacks = self._make_callbacks()
-        if config.num_env_runners > 0 or config.num_learners > 0:
+        try:
+            self.exploration = make_exploration(config.exploration_settings(), self.module.dist_spec)
+            self.callbacks = build_callbacks(config.callbacks_spec())
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        self.env_task_fn = _function(config.env_task_fn, "env_task_fn")
+        self.custom_evaluation_function = _function(config.custom_evaluation_function, "custom_evaluation_function")
+        if config.num_env_runners > 0 or config.num_learners > 0 or config.evaluation_num_env_runners > 0:
             init_ray_if_needed(config)
         self.metrics = MetricsLogger()
+        self.evaluators: Evaluators | None = None
+        self.evaluation_results: dict[str, Any] | None = None
+        """The latest evaluation's results (``always_attach_evaluation_results`` repeats them)."""
+        self._eval_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._sys = SysUsage() if config.log_sys_usage else None
         self.iteration = 0
         self.time_total_s = 0.0
         self.learner_group: LearnerGroup | None = None
@@ -119,18 +135,24 @@ class Algorithm:
             self.env_runner_group = EnvRunnerGroup(
                 self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
                 self.fault_tolerance_settings(), compress_frames=self.compress_frames(),
-                on_recreated=lambda ids: self.callbacks.on_env_runners_recreated(
-                    algorithm=self, env_runner_group=self.env_runner_group, env_runner_indices=ids,
-                    is_evaluation=False))
+                on_recreated=lambda ids: self._hook(
+                    "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
+                    env_runner_indices=ids, is_evaluation=False))
+            if config.evaluation_interval:
+                self.build_evaluators()
             self.plan = self.build_plan()
         except BaseException:
             self.stop()
             raise
         self.sync_weights()
-        self.callbacks.on_algorithm_init(algorithm=self)
+        self._hook("on_algorithm_init", algorithm=self, metrics_logger=self.metrics)
 
-    def env_runner_settings(self) -> EnvRunnerSettings:
-        c = self.config
+    def _hook(self, hook: str, **kwargs: Any) -> None:
+        call_hook(self.callbacks, hook, "the driver", self.metrics, **kwargs)
+
+    def env_runner_settings(self, config: AlgorithmConfig | None = None, in_evaluation: bool = False
+                            ) -> EnvRunnerSettings:
+        c = config or self.config
         return EnvRunnerSettings(
             env_creator=self.env_creator, env_config=c.env_config, num_envs=c.num_envs_per_env_runner,
             vectorize_mode=c.gym_env_vectorize_mode, rollout_fragment_length=c.get_rollout_fragment_length(),
@@ -139,11 +161,12 @@ class Algorithm:
             observation_space=self.observation_space, action_space=self.action_space, clip_rewards=c.clip_rewards,
             normalize_actions=c.normalize_actions, clip_actions=c.clip_actions, seed=c.seed,
             num_env_runners=c.num_env_runners, restart_failed_sub_environments=c.restart_failed_sub_environments,
-            metrics_window=c.metrics_num_episodes_for_smoothing,
+            metrics_window=c.metrics_num_episodes_for_smoothing, callbacks=c.callbacks_spec(),
+            in_evaluation=in_evaluation, log_level=c.log_level, log_sys_usage=c.log_sys_usage,
         )
 
-    def fault_tolerance_settings(self) -> FaultToleranceSettings:
-        c = self.config
+    def fault_tolerance_settings(self, config: AlgorithmConfig | None = None) -> FaultToleranceSettings:
+        c = config or self.config
         return FaultToleranceSettings(
             restart_failed=c.restart_failed_env_runners, ignore_failures=c.ignore_env_runner_failures,
             max_restarts=c.max_num_env_runner_restarts, restart_delay_s=c.delay_between_env_runner_restarts_s,
@@ -158,13 +181,30 @@ class Algorithm:
             return bool(setting)
         return compress_by_default(space_to_dict(self.observation_space))
 
-    def _make_callbacks(self) -> Callbacks:
-        cls = self.config.callbacks_class
-        if cls is None:
-            return Callbacks()
-        if isinstance(cls, str):
-            cls = resolve_import_path(cls, "callbacks_class")
-        return cls()
+    def build_evaluators(self) -> Evaluators:
+        """The evaluators (built at set-up with ``evaluation_interval``, else at the first ``evaluate()``)."""
+        if self.evaluators is None:
+            c = self.config.evaluation_settings()
+            c.validate()
+            settings = self.env_runner_settings(c, in_evaluation=True)
+            if c.env != self.config.env:
+                settings.env_creator = env_creator(c.env)
+            if c.observation_space is None or c.action_space is None:  # the policy's spaces, whatever the env
+                settings.observation_space, settings.action_space = self.observation_space, self.action_space
+            if c.seed is not None:  # not the training runners' episode seeds
+                settings.seed = c.seed + 100_000
+            settings.rollout_fragment_length = (int(c.rollout_fragment_length) if c.rollout_fragment_length != "auto"
+                                                else AUTO_FRAGMENT)
+            if c.evaluation_num_env_runners > 0 and not ray.is_initialized():
+                init_ray_if_needed(c)
+            self.evaluators = Evaluators(c, settings, self.fault_tolerance_settings(c), on_recreated=lambda ids: self._hook(
+                "on_env_runners_recreated", algorithm=self, env_runner_group=self.evaluators.group,
+                env_runner_indices=ids, is_evaluation=True))
+        return self.evaluators
+
+    @property
+    def eval_env_runner_group(self) -> EnvRunnerGroup | None:
+        return self.evaluators.group if self.evaluators is not None else None
 
     # --- what an algorithm provides -----------------------------------------------------------
     def build_plan(self) -> Any:
@@ -209,6 +249,36 @@ class Algorithm:
         c = self.config
         sampled0, trained0 = (self.counters[k] for k in ("num_env_steps_sampled_lifetime",
                                                           "num_env_steps_trained_lifetime"))
+        evaluating = bool(c.evaluation_interval) and (self.iteration + 1) % c.evaluation_interval == 0
+        parallel: concurrent.futures.Future | None = None
+        stop_eval = threading.Event()
+        if evaluating and c.evaluation_parallel_to_training:
+            # the weights from before this training step: evaluation results are one iteration behind
+            self._sync_evaluators()
+            if self._eval_thread is None:
+                self._eval_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runnel-evaluation")
+            parallel = self._eval_thread.submit(self._evaluate, stop_eval)
+        try:
+            self._train_steps(t0, sampled0, trained0)
+        finally:
+            stop_eval.set()
+        if parallel is not None:
+            self.evaluation_results = parallel.result()
+        elif evaluating:
+            self.evaluate()
+        self.iteration += 1
+        dt = time.perf_counter() - t0
+        self.time_total_s += dt
+        result = self._result(dt, self._steps_this_iter)
+        if self.evaluation_results is not None and (evaluating or c.always_attach_evaluation_results):
+            result["evaluation"] = self.evaluation_results
+        self._hook("on_train_result", algorithm=self, result=result, metrics_logger=self.metrics)
+        if self.env_task_fn is not None:
+            self.env_runner_group.apply_env_task_fn(self.env_task_fn, result)
+        return result
+
+    def _train_steps(self, t0: float, sampled0: int, trained0: int) -> None:
+        c = self.config
         steps = 0
         while True:
             with self.metrics.log_time("timers/training_step"):
@@ -220,15 +290,41 @@ class Algorithm:
                     and counters["num_env_steps_sampled_lifetime"] - sampled0 >= c.min_sample_timesteps_per_iteration
                     and counters["num_env_steps_trained_lifetime"] - trained0 >= c.min_train_timesteps_per_iteration):
                 break
-        self.iteration += 1
-        dt = time.perf_counter() - t0
-        self.time_total_s += dt
-        result = self._result(dt, steps)
-        self.callbacks.on_train_result(algorithm=self, result=result)
-        return result
+        self._steps_this_iter = steps
+
+    # --- evaluation ---------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, Any]:
+        """Evaluate the current weights with the evaluators (built on first use); returns
+        ``{"evaluation": results}`` and keeps them for the next ``train()`` result."""
+        self._sync_evaluators()
+        self.evaluation_results = self._evaluate(None)
+        return {"evaluation": self.evaluation_results}
+
+    def _sync_evaluators(self) -> None:
+        evaluators = self.build_evaluators()
+        evaluators.sync_weights(self.learner_group.get_weights(inference_only=True), self.weights_version,
+                                self.counters["num_env_steps_sampled_lifetime"])
+
+    def _evaluate(self, stop: threading.Event | None) -> dict[str, Any]:
+        """One evaluation with the weights the evaluators hold (in the evaluation thread when parallel)."""
+        evaluators = self.build_evaluators()
+        self._hook("on_evaluate_start", algorithm=self, metrics_logger=self.metrics)
+        if self.custom_evaluation_function is not None:
+            metrics = self.custom_evaluation_function(self, evaluators.group)
+            if isinstance(metrics, tuple):  # RLlib's newer (metrics, env_steps, agent_steps)
+                metrics = metrics[0]
+            if not isinstance(metrics, dict):
+                raise TypeError(f"custom_evaluation_function must return a dict of metrics, got {type(metrics).__name__}")
+        else:
+            metrics = evaluators.run(stop)
+        self._hook("on_evaluate_end", algorithm=self, evaluation_metrics=metrics, metrics_logger=self.metrics)
+        return metrics
 
     def _result(self, dt: float, steps: int) -> dict[str, Any]:
         self.env_runner_group.log_fault_tolerance(self.metrics)
+        if self._sys is not None:
+            for key, value in self._sys.sample().items():
+                self.metrics.log_value(f"perf/driver/{key}", value)
         result = self.metrics.reduce()
         nan = float("nan")
         env = result.setdefault("env_runners", {})
@@ -264,8 +360,10 @@ class Algorithm:
             self._module_version = self.weights_version
         return self.module
 
-    def compute_actions(self, obs: Any, explore: bool = False) -> np.ndarray:
-        """A batch of observations (leading batch dim, nested like the space) -> a batch of env actions."""
+    def compute_actions(self, obs: Any, explore: bool | None = None) -> np.ndarray:
+        """A batch of observations (leading batch dim, nested like the space) -> a batch of env actions.
+        ``explore=None`` follows ``config.explore``; True/False override it for this call."""
+        explore = self.config.explore if explore is None else explore
         module = self._inference_module()
         with torch.inference_mode():
             t_obs = to_torch(nested.map_structure(np.asarray, obs))
@@ -273,7 +371,7 @@ class Algorithm:
             actions = self.exploration.actions(dist, explore, self.counters["num_env_steps_sampled_lifetime"])
         return self.env_actions(actions.numpy())
 
-    def compute_single_action(self, obs: Any, explore: bool = False) -> Any:
+    def compute_single_action(self, obs: Any, explore: bool | None = None) -> Any:
         """One observation (no batch dim) -> one action the env accepts."""
         batched = nested.map_structure(lambda a: np.asarray(a)[None], obs)
         action = self.compute_actions(batched, explore=explore)[0]
@@ -281,6 +379,10 @@ class Algorithm:
 
     def foreach_env_runner(self, fn: Callable[[Any], Any], local_env_runner: bool = True) -> list[Any]:
         return self.env_runner_group.foreach_env_runner(fn, local=local_env_runner)
+
+    @property
+    def env_runners(self) -> EnvRunnerGroup:
+        return self.env_runner_group
 
     # --- checkpoints --------------------------------------------------------------------------
     def default_checkpoint_dir(self) -> str:
@@ -328,7 +430,7 @@ class Algorithm:
             self.env_runner_group.set_state(runner_states)
         if plan_state and self.plan is not None:
             self.plan.set_state(plan_state)
-        self.callbacks.on_checkpoint_loaded(algorithm=self)
+        self._hook("on_checkpoint_loaded", algorithm=self)
 
     restore_from_path = restore
 
@@ -356,7 +458,10 @@ class Algorithm:
 
     def stop(self) -> None:
         """Stop every actor and thread this algorithm started (Ray itself stays up)."""
-        for stage in (self.plan, self.env_runner_group, self.learner_group):
+        if getattr(self, "_eval_thread", None) is not None:
+            self._eval_thread.shutdown(wait=True)
+            self._eval_thread = None
+        for stage in (self.plan, getattr(self, "evaluators", None), self.env_runner_group, self.learner_group):
             if stage is not None:
                 stage.stop()
 
@@ -365,6 +470,17 @@ class Algorithm:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+AUTO_FRAGMENT = 200
+"""Evaluators' steps per sub-env per request when ``rollout_fragment_length`` is "auto" (sized for training)."""
+
+
+def _function(value: Any, name: str) -> Callable | None:
+    """A setting that holds a function, or its import path (configs read back from a checkpoint)."""
+    if isinstance(value, str):
+        return resolve_import_path(value, name)
+    return value
 
 
 def _np_rng_state() -> list:

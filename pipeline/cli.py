@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         "evaluate", help="play episodes with a trained checkpoint",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Load CHECKPOINT (a checkpoint_NNNNNN directory written by 'runnel train' or\n"
-                    "Algorithm.save()) in this process and play whole episodes with its policy.",
+                    "Algorithm.save()) and play whole episodes with its policy, with the same evaluators\n"
+                    "as evaluation during training (in this process, or --num-env-runners actors).",
         epilog="example:\n"
                "  runnel evaluate ~/runnel_results/PPO_CartPole-v1_2025-01-01_12-00-00/checkpoint_000012 --episodes 10")
     e.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory")
@@ -126,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--algo", "--run", dest="algo", metavar="ALGO",
                    help="accepted for RLlib compatibility: must match the checkpoint's algorithm")
     e.add_argument("--env", metavar="ENV", help="evaluate on this env instead of the checkpoint's (same spaces)")
+    e.add_argument("--num-env-runners", type=int, default=0, metavar="N",
+                   help="evaluator actors playing the episodes in parallel (default 0: in this process)")
     e.set_defaults(func=cmd_evaluate)
     return parser
 

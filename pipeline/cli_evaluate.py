@@ -34,6 +34,16 @@ def _check_render(algo: Any, label: str) -> None:
                        f"evaluate without --render", EXIT_FAILURE)
 
 
+def _evaluate_with_evaluators(algo: Any) -> dict[str, Any]:
+    result = algo.evaluate()["evaluation"]
+    returns, lengths = result["hist_stats"]["episode_return"], result["hist_stats"]["episode_lengths"]
+    if not returns:
+        raise RuntimeError(f"no episode finished: {result['num_failed_env_runners']} evaluator(s) failed "
+                           f"(see the warnings above)")
+    return {"episode_returns": returns, "episode_lengths": lengths,
+            "episode_return_mean": sum(returns) / len(returns), "episode_len_mean": sum(lengths) / len(lengths)}
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import ray
 
@@ -48,8 +58,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         _, wanted = get_algorithm(args.algo)
         if wanted.__name__ != manifest["algorithm"]:
             raise CLIError(f"--algo {args.algo} does not match the checkpoint, which is of {manifest['algorithm']}")
+    if args.num_env_runners < 0:
+        raise CLIError(f"--num-env-runners must be >= 0, got {args.num_env_runners}")
     overrides: dict[str, Any] = {"num_env_runners": 0, "num_learners": 0, "num_gpus_per_learner": 0,
-                                 "num_envs_per_env_runner": 1}
+                                 "num_envs_per_env_runner": 1, "evaluation_interval": None,
+                                 "evaluation_num_env_runners": args.num_env_runners,
+                                 "evaluation_duration": args.episodes, "evaluation_duration_unit": "episodes",
+                                 "evaluation_parallel_to_training": False, "evaluation_config": {"explore": args.explore},
+                                 "env_task_fn": None, "custom_evaluation_function": None}
     if args.env is not None:
         overrides["env"] = args.env
     if args.seed is not None:
@@ -70,7 +86,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if args.render:
             _check_render(algo, label)
         try:
-            out = algo.evaluate_episodes(args.episodes, explore=args.explore, render=args.render)
+            if args.render:  # a window needs the env in this process
+                out = algo.evaluate_episodes(args.episodes, explore=args.explore, render=True)
+            else:
+                out = _evaluate_with_evaluators(algo)
         except KeyboardInterrupt:
             raise
         except Exception as err:  # noqa: BLE001

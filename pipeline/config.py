@@ -12,14 +12,18 @@ import copy
 import dataclasses
 import difflib
 import importlib
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from actors.callbacks import HOOKS, CallbacksSpec
 from actors.learner import LearnerSettings
+
+log = logging.getLogger("runnel")
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "environment": ("env", "env_config", "observation_space", "action_space", "clip_rewards",
-                    "normalize_actions", "clip_actions"),
+                    "normalize_actions", "clip_actions", "env_task_fn"),
     "env_runners": ("num_env_runners", "num_envs_per_env_runner", "rollout_fragment_length", "batch_mode",
                     "num_cpus_per_env_runner", "explore", "gym_env_vectorize_mode"),
     "learners": ("num_learners", "num_gpus_per_learner", "num_cpus_per_learner", "learner_placement_timeout_s"),
@@ -31,17 +35,28 @@ GROUPS: dict[str, tuple[str, ...]] = {
                   "min_sample_timesteps_per_iteration", "min_train_timesteps_per_iteration",
                   "env_runner_metrics_interval_s"),
     "checkpointing": ("export_native_model_files",),
-    "debugging": ("seed", "log_level"),
+    "debugging": ("seed", "log_level", "log_sys_usage"),
     "fault_tolerance": ("restart_failed_env_runners", "ignore_env_runner_failures", "max_num_env_runner_restarts",
                         "delay_between_env_runner_restarts_s", "env_runner_health_probe_timeout_s",
                         "restart_failed_sub_environments"),
-    "callbacks": ("callbacks_class",),
+    "callbacks": ("callbacks_class", "callbacks_functions"),
+    "exploration": ("explore", "exploration_config"),
+    "evaluation": ("evaluation_interval", "evaluation_duration", "evaluation_duration_unit", "evaluation_num_env_runners",
+                   "evaluation_parallel_to_training", "evaluation_config", "evaluation_sample_timeout_s",
+                   "evaluation_force_reset_envs_before_iteration", "custom_evaluation_function",
+                   "always_attach_evaluation_results"),
 }
+CODE_SETTINGS = ("callbacks_functions", "env_task_fn", "custom_evaluation_function")
+"""Settings that hold functions: a checkpoint keeps their import paths, or leaves out one that has none
+(a lambda, a nested function) with a warning, instead of failing the save."""
+RENAMED = {"evaluation_num_workers": "evaluation_num_env_runners", "custom_eval_function": "custom_evaluation_function",
+           "evaluation_num_episodes": "evaluation_duration"}
 CHOICES = {
     "batch_mode": ("truncate_episodes", "complete_episodes"),
     "grad_clip_by": ("value", "norm", "global_norm"),
     "gym_env_vectorize_mode": ("sync", "async"),
     "log_level": ("DEBUG", "INFO", "WARN", "WARNING", "ERROR"),
+    "evaluation_duration_unit": ("episodes", "timesteps"),
 }
 
 
@@ -70,6 +85,9 @@ class AlgorithmConfig:
     """Box actions: the policy acts in [-1, 1] and runners rescale to the space's bounds."""
     clip_actions: bool = False
     """Box actions without normalize_actions: clip into the space's bounds."""
+    env_task_fn: Any = None
+    """Curriculum: ``fn(train_results, task_settable_env, env_context) -> task``, run on every sub-env of
+    every training runner after each ``train()``; the env must have ``set_task``/``get_task``."""
 
     # env_runners
     num_env_runners: int = 2
@@ -83,7 +101,7 @@ class AlgorithmConfig:
     num_cpus_per_env_runner: float = 1
     """CPUs Ray reserves for each env runner actor."""
     explore: bool = True
-    """Sample actions stochastically while training (False: greedy)."""
+    """Explore while sampling, and the default of ``compute_actions(explore=None)`` (False: greedy)."""
     gym_env_vectorize_mode: str = "sync"
     """sync: sub-envs stepped in the runner's process; async: one process per sub-env."""
 
@@ -141,7 +159,9 @@ class AlgorithmConfig:
     seed: int | None = None
     """Seeds torch, numpy and every sub-environment (runner and vector index are mixed in)."""
     log_level: str = "WARN"
-    """Logging level of runnel's loggers."""
+    """Logging level of runnel's loggers, in the driver and in every runner and evaluator."""
+    log_sys_usage: bool = False
+    """Report CPU utilisation and resident memory of the driver and of each runner under ``perf/``."""
 
     # fault_tolerance
     restart_failed_env_runners: bool = True
@@ -159,7 +179,40 @@ class AlgorithmConfig:
 
     # callbacks
     callbacks_class: Any = None
-    """A class with RLlib-style hooks (``on_train_result``, ``on_env_runners_recreated``...), or its import path."""
+    """A ``Callbacks`` subclass, its import path, or a list of them (run in order)."""
+    callbacks_functions: dict = field(default_factory=dict)
+    """Per-hook functions, ``{"on_episode_end": fn or [fn, ...]}`` (``config.callbacks(on_episode_end=fn)``)."""
+
+    # exploration
+    exploration_config: dict = field(default_factory=dict)
+    """``{"type": "EpsilonGreedy", ...kwargs}`` replaces the algorithm's exploration; without ``type`` the
+    kwargs update the algorithm's default one. Types: StochasticSampling, EpsilonGreedy, SoftQ, GaussianNoise,
+    OrnsteinUhlenbeckNoise, an ``Exploration`` subclass or its import path."""
+
+    # evaluation
+    evaluation_interval: int | None = None
+    """Evaluate after every n-th ``train()``; None or 0: only when ``evaluate()`` is called."""
+    evaluation_duration: int | str = 10
+    """Episodes or timesteps (``evaluation_duration_unit``) per evaluation, split among the evaluators;
+    "auto" (with ``evaluation_parallel_to_training``): as many timesteps as fit in the training step."""
+    evaluation_duration_unit: str = "episodes"
+    """"episodes" or "timesteps" (ignored with duration "auto", which counts timesteps)."""
+    evaluation_num_env_runners: int = 0
+    """Evaluator actors (a group of their own); 0 evaluates in the driver process."""
+    evaluation_parallel_to_training: bool = False
+    """Evaluate while the training step runs, with the weights from before it (results one iteration behind)."""
+    evaluation_config: Any = None
+    """Settings that differ for evaluators: a dict (``AlgorithmConfig.overrides(explore=False)``) or a config."""
+    evaluation_sample_timeout_s: float = 120.0
+    """An evaluator that has not answered within this is given up for this evaluation (and recreated
+    under the fault-tolerance settings); the others finish its share."""
+    evaluation_force_reset_envs_before_iteration: bool = True
+    """Start fresh episodes at each evaluation, so no episode mixes older weights into the results."""
+    custom_evaluation_function: Any = None
+    """``fn(algorithm, eval_env_runner_group) -> metrics dict`` replacing the built-in evaluation (weights are
+    synced first)."""
+    always_attach_evaluation_results: bool = True
+    """Every ``train()`` result carries the latest evaluation results, also in iterations without one."""
 
     _unknown: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -169,6 +222,8 @@ class AlgorithmConfig:
         for key, value in kwargs.items():
             if key in valid:
                 setattr(self, key, value)
+            elif key in RENAMED and RENAMED[key] in valid:
+                setattr(self, RENAMED[key], value)  # RLlib's older name for the same setting
             else:
                 self._unknown[key] = (group, sorted(valid))
         return self
@@ -211,8 +266,52 @@ class AlgorithmConfig:
     def fault_tolerance(self, **kwargs: Any) -> "AlgorithmConfig":
         return self._set("fault_tolerance", kwargs)
 
-    def callbacks(self, callbacks_class: Any) -> "AlgorithmConfig":
-        return self._set("callbacks", {"callbacks_class": callbacks_class})
+    def callbacks(self, callbacks_class: Any = None, **hooks: Any) -> "AlgorithmConfig":
+        """A callbacks class (or import path, or list of them), and/or functions per hook:
+        ``config.callbacks(on_episode_end=fn)``; a hook may get a list of functions."""
+        if callbacks_class is not None:
+            self.callbacks_class = callbacks_class
+        for hook, fns in hooks.items():
+            if hook in HOOKS:
+                self.callbacks_functions[hook] = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+            else:
+                self._unknown[hook] = ("callbacks", sorted(("callbacks_class",) + HOOKS))
+        return self
+
+    def exploration(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("exploration", kwargs)
+
+    def evaluation(self, **kwargs: Any) -> "AlgorithmConfig":
+        return self._set("evaluation", kwargs)
+
+    @classmethod
+    def overrides(cls, **kwargs: Any) -> dict[str, Any]:
+        """Settings to override for evaluators (``evaluation_config=...``); checked at ``build()``."""
+        return dict(kwargs)
+
+    def callbacks_spec(self) -> CallbacksSpec:
+        classes = self.callbacks_class
+        classes = [] if classes is None else list(classes) if isinstance(classes, (list, tuple)) else [classes]
+        functions = {h: [resolve_import_path(f, f"callback function for {h}") if isinstance(f, str) else f
+                         for f in fns if f is not None] for h, fns in self.callbacks_functions.items()}
+        return CallbacksSpec(classes, {h: fns for h, fns in functions.items() if fns})
+
+    def evaluation_settings(self) -> "AlgorithmConfig":
+        """This config with ``evaluation_config`` applied: what evaluators run with."""
+        overrides = self.evaluation_config
+        if isinstance(overrides, AlgorithmConfig):  # a config: the settings it changed from its defaults
+            defaults = type(overrides)()
+            overrides = {f.name: getattr(overrides, f.name) for f in fields(overrides)
+                         if f.name != "_unknown" and getattr(overrides, f.name) != getattr(defaults, f.name)}
+        out = self.copy()
+        out.evaluation_config = None
+        for key, value in (overrides or {}).items():
+            key = RENAMED.get(key, key)
+            if key in {f.name for f in fields(out)} - {"_unknown"}:
+                setattr(out, key, copy.deepcopy(value))
+            else:
+                out._unknown[key] = ("evaluation_config", sorted(f.name for f in fields(out) if f.name != "_unknown"))
+        return out
 
     # --- (de)serialisation --------------------------------------------------------------------
     def copy(self) -> "AlgorithmConfig":
@@ -224,7 +323,10 @@ class AlgorithmConfig:
         for f in fields(self):
             if f.name == "_unknown":
                 continue
-            out[f.name] = _to_plain(getattr(self, f.name), f.name)
+            value = getattr(self, f.name)
+            if f.name in CODE_SETTINGS:
+                value = _code_to_plain(value, f.name)
+            out[f.name] = _to_plain(value, f.name)
         return out
 
     @classmethod
@@ -294,19 +396,64 @@ class AlgorithmConfig:
                             "an env class or 'pkg.module:Class')")
         if not isinstance(self.model_config, dict):
             problems.append(f"model_config must be a dict, got {type(self.model_config).__name__}")
+        problems += self._evaluation_problems()
+        for key in ("env_task_fn", "custom_evaluation_function"):
+            if getattr(self, key) is not None and not callable(getattr(self, key)) and not isinstance(getattr(self, key), str):
+                problems.append(f"{key} must be a function, got {getattr(self, key)!r}")
+        if not isinstance(self.exploration_config, dict):
+            problems.append(f"exploration_config must be a dict like {{'type': 'EpsilonGreedy', ...}}, "
+                            f"got {self.exploration_config!r}")
+        return problems
+
+    def _evaluation_problems(self) -> list[str]:
+        problems = []
+        interval = self.evaluation_interval
+        if interval is not None and (not is_int(interval) or interval < 0):
+            problems.append(f"evaluation_interval must be None or an int >= 0, got {interval!r}")
+        duration = self.evaluation_duration
+        if duration == "auto":
+            if not self.evaluation_parallel_to_training:
+                problems.append("evaluation_duration='auto' needs evaluation_parallel_to_training=True (it ends "
+                                "evaluation when the parallel training step ends); give a number of episodes or "
+                                "timesteps instead")
+        elif not is_int(duration) or duration < 1:
+            problems.append(f"evaluation_duration must be an int >= 1 or 'auto', got {duration!r}")
+        if not is_int(self.evaluation_num_env_runners) or self.evaluation_num_env_runners < 0:
+            problems.append(f"evaluation_num_env_runners must be an int >= 0, got {self.evaluation_num_env_runners!r}")
+        if not is_number(self.evaluation_sample_timeout_s) or self.evaluation_sample_timeout_s <= 0:
+            problems.append(f"evaluation_sample_timeout_s must be a number > 0, got {self.evaluation_sample_timeout_s!r}")
+        ec = self.evaluation_config
+        if ec is not None and not isinstance(ec, (dict, AlgorithmConfig)):
+            problems.append(f"evaluation_config must be a dict (AlgorithmConfig.overrides(...)) or a config, "
+                            f"got {type(ec).__name__}")
+        elif ec:
+            nested_problems = self.evaluation_settings()._problems()
+            problems += [f"evaluation_config: {p}" for p in nested_problems if p not in problems]
         return problems
 
     def learner_settings(self) -> LearnerSettings:
         return LearnerSettings(lr=self.lr, grad_clip=self.grad_clip, grad_clip_by=self.grad_clip_by, seed=self.seed,
-                               model_config=self.model_config, module_kwargs=self.module_kwargs())
+                               model_config=self.model_config, module_kwargs=self.module_kwargs(),
+                               callbacks=self.callbacks_spec())
 
     def module_kwargs(self) -> dict[str, Any]:
         """Options of the algorithm's module class beyond ``model_config`` (DQN: dueling, atoms...)."""
         return {}
 
-    def exploration_settings(self) -> dict[str, Any]:
-        """The exploration piece runners use (``{"type": ..., **kwargs}``); sampling by default."""
+    def default_exploration(self) -> dict[str, Any]:
+        """The algorithm's own exploration piece (``{"type": ..., **kwargs}``); sampling by default."""
         return {}
+
+    def exploration_settings(self) -> dict[str, Any]:
+        """What runners use: ``exploration_config`` with a ``type`` replaces the algorithm's default; without
+        one its keys update the default's arguments."""
+        user = dict(self.exploration_config or {})
+        if "type" in user:
+            return user
+        default = self.default_exploration()
+        if user.keys() & {"initial_epsilon", "final_epsilon", "epsilon_timesteps"}:
+            default.pop("epsilon_schedule", None)  # RLlib's three numbers replace the schedule they describe
+        return {**default, **user}
 
     def get_rollout_fragment_length(self) -> int:
         if self.rollout_fragment_length != "auto":
@@ -358,6 +505,19 @@ def resolve_import_path(path: str, what: str) -> Any:
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"cannot import {what} {path!r}: {err}") from err
     return obj
+
+
+def _code_to_plain(value: Any, name: str) -> Any:
+    """Functions in ``CODE_SETTINGS`` that have no import path are left out of saved configs (with a warning)."""
+    if isinstance(value, dict):
+        return {k: _code_to_plain(v, name) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_code_to_plain(v, name) for v in value]
+    if callable(value) and ("<lambda>" in getattr(value, "__qualname__", "<lambda>") or "<locals>" in value.__qualname__):
+        log.warning("config setting %s holds %r, which has no import path: it is not saved with the config (define "
+                    "it at module level to keep it in checkpoints)", name, value)
+        return None
+    return value
 
 
 def _to_plain(value: Any, name: str) -> Any:

@@ -47,7 +47,8 @@ class EnvRunnerGroup:
             remote_cls = ray.remote(num_cpus=num_cpus_per_env_runner, max_restarts=0)(EnvRunner)
             make = lambda i, recreated: remote_cls.remote(settings, worker_index=i, recreated=recreated)  # noqa: E731
         ids = [0] if num_env_runners == 0 else list(range(1, num_env_runners + 1))
-        self.manager = ActorManager(make, ids, fault_tolerance, on_restart=self._restore, name="env runner",
+        name = "evaluation env runner" if settings.in_evaluation else "env runner"
+        self.manager = ActorManager(make, ids, fault_tolerance, on_restart=self._restore, name=name,
                                     in_process=num_env_runners == 0)
         self.manager.check_started(max(fault_tolerance.start_timeout_s, fault_tolerance.probe_timeout_s or 0.0),
                                    f"num_cpus_per_env_runner={num_cpus_per_env_runner}")
@@ -61,6 +62,7 @@ class EnvRunnerGroup:
         self._last_metrics_at = 0.0
         self._ft_logged = {"num_remote_worker_restarts": 0, "num_remote_worker_failures": 0,
                            "num_dropped_requests": 0}  # manager counts already in the metrics
+        self._tasks: dict[int, list] = {}  # curriculum: each runner's sub-env tasks, for recreated runners
 
     # --- views --------------------------------------------------------------------------------
     @property
@@ -91,6 +93,8 @@ class EnvRunnerGroup:
     def _restore(self, index: int, handle: Any) -> None:
         if self._weights is not None:
             ray.get(handle.set_weights.remote(self._weights, self._weights_version, self._timestep))
+        if index in self._tasks:
+            ray.get(handle.set_env_tasks.remote(self._tasks[index]))
 
     def restart_failed(self, force: bool = False) -> list[int]:
         restarted = self.manager.probe_unhealthy_and_restart(force=force)
@@ -123,10 +127,11 @@ class EnvRunnerGroup:
                     got = decode(frame)
                     chunks.extend(got)
                     collected += sum(len(c) for c in got)
-                    self._fold_metrics(res.actor_id, runner_metrics, metrics)
+                    self.fold_metrics(res.actor_id, runner_metrics, metrics)
         return chunks
 
-    def _fold_metrics(self, runner_id: int, export: dict[str, Any], metrics: MetricsLogger) -> None:
+    def fold_metrics(self, runner_id: int, export: dict[str, Any], metrics: MetricsLogger) -> None:
+        """A runner's ``get_metrics()`` into ``metrics``: bare keys under ``env_runners/``, others as named."""
         if self._stream_args is not None:  # streamed steps count where they are received (AsyncPlan)
             export = {k: v for k, v in export.items() if not k.startswith("num_env_steps_sampled")}
         metrics.merge({k: v for k, v in export.items() if "/" in k})
@@ -159,7 +164,7 @@ class EnvRunnerGroup:
             if res.tag == "metrics":
                 self._metrics_pending.discard(res.actor_id)
                 if res.ok:
-                    self._fold_metrics(res.actor_id, res.value, metrics)
+                    self.fold_metrics(res.actor_id, res.value, metrics)
         for i in list(self._streaming):
             if not manager.members[i].healthy:
                 self._streaming.discard(i)
@@ -203,6 +208,9 @@ class EnvRunnerGroup:
 
     def set_state(self, states: dict[int, dict[str, Any]]) -> None:
         """Give runners their saved states back (runners with no saved state keep theirs)."""
+        for i, state in states.items():
+            if state.get("env_tasks") is not None:
+                self._tasks[i] = state["env_tasks"]
         ids = [i for i in self.manager.healthy_ids() if i in states]
         if ids:
             self.manager.foreach_actor("set_state", actor_ids=ids, per_actor_args={i: (states[i],) for i in ids})
@@ -219,10 +227,29 @@ class EnvRunnerGroup:
             self._ft_logged[key] = value
         metrics.log_value("fault_tolerance/num_sub_env_restarts", 0, reduce="lifetime_sum")  # runners add theirs
 
-    def foreach_env_runner(self, fn: Callable[[EnvRunner], Any], local: bool = True) -> list[Any]:
+    def foreach_env_runner(self, fn: Callable[[EnvRunner], Any] | None = None, local: bool = True,
+                           remote_worker_ids: list[int] | None = None, **kwargs: Any) -> list[Any]:
+        """``fn(runner)`` on every healthy runner (or those of ``remote_worker_ids``); the results in
+        runner order. ``local=False`` leaves out the in-process runner (RLlib's ``local_env_runner``)."""
+        local = kwargs.pop("local_env_runner", kwargs.pop("local_worker", local))
+        fn = kwargs.pop("func", fn)
+        if kwargs:
+            raise TypeError(f"foreach_env_runner() got unexpected arguments {sorted(kwargs)}")
         if self.manager.in_process and not local:
             return []
-        return [r.value for r in self.manager.foreach_actor("apply", fn) if r.ok]
+        ids = None if self.manager.in_process else remote_worker_ids
+        return [r.value for r in self.manager.foreach_actor("apply", fn, actor_ids=ids) if r.ok]
+
+    def foreach_worker(self, func: Callable[[EnvRunner], Any], local_worker: bool = True,
+                       remote_worker_ids: list[int] | None = None, **kwargs: Any) -> list[Any]:
+        """RLlib's older name for ``foreach_env_runner``."""
+        return self.foreach_env_runner(func, local=local_worker, remote_worker_ids=remote_worker_ids, **kwargs)
+
+    def apply_env_task_fn(self, env_task_fn: Callable, train_results: dict) -> None:
+        """Curriculum: each runner picks and sets its sub-envs' tasks; a recreated runner gets them back."""
+        for res in self.manager.foreach_actor("apply_env_task_fn", env_task_fn, train_results):
+            if res.ok:
+                self._tasks[res.actor_id] = res.value
 
     def stop(self) -> None:
         self.manager.stop()

@@ -31,6 +31,9 @@ def new_episode_id() -> str:
     return uuid.uuid4().hex
 
 
+_COLUMNS = frozenset({"obs", "actions", "rewards", "infos"})
+
+
 @dataclass
 class EpisodeChunk:
     """A finalized slice of one episode: numpy arrays with a shared leading time dimension."""
@@ -69,6 +72,25 @@ class EpisodeChunk:
 
     def __len__(self) -> int:
         return len(self.rewards)
+
+    def __getitem__(self, key: str) -> Any:
+        """Column access as on a sample batch (``chunk["rewards"]``): a field, or an ``extra`` entry."""
+        if key in self.extra:
+            return self.extra[key]
+        if key in _COLUMNS:
+            return getattr(self, key)
+        raise KeyError(f"episode chunk has no column {key!r}; columns: {sorted(_COLUMNS | set(self.extra))}")
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        """Replace a column (``on_postprocess_trajectory`` rewriting rewards); the length must not change."""
+        if key in _COLUMNS:
+            if key == "rewards":
+                value = np.asarray(value, np.float32)
+                if value.shape != self.rewards.shape:
+                    raise ValueError(f"new rewards have shape {value.shape}, the chunk's {self.rewards.shape}")
+            setattr(self, key, value)
+        else:
+            self.extra[key] = value
 
     @property
     def is_done(self) -> bool:

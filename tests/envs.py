@@ -98,3 +98,44 @@ class BrokenEnv(FlakyEnv):
         if getattr(config, "worker_index", 0) > 0:
             raise RuntimeError("BrokenEnv cannot be built on an env runner")
         super().__init__(config)
+
+
+class SimpleCorridor(gym.Env):
+    """RLlib's corridor: walk right (action 1) from cell 0 to the end; reward 1 at the end, else 0.
+    ``corridor_length`` from the config; ``set_corridor_length`` and the task API change it."""
+
+    def __init__(self, config=None):
+        config = config or {}
+        self.end_pos = int(config.get("corridor_length", 5))
+        self.cur_pos = 0
+        self.action_space = gym.spaces.Discrete(2)
+        self.observation_space = gym.spaces.Box(0.0, 999.0, (1,), np.float32)
+
+    def set_corridor_length(self, length):
+        self.end_pos = int(length)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.cur_pos = 0
+        return np.array([self.cur_pos], np.float32), {}
+
+    def step(self, action):
+        if action == 0 and self.cur_pos > 0:
+            self.cur_pos -= 1
+        elif action == 1:
+            self.cur_pos += 1
+        done = self.cur_pos >= self.end_pos
+        return np.array([self.cur_pos], np.float32), 1.0 if done else 0.0, done, False, {"pos": self.cur_pos}
+
+
+class EvalFaultEnv(FlakyEnv):
+    """CartPole whose copies on the evaluators named in ``eval_fail_on`` raise (or, with ``hang``,
+    block) at their 20th step; training runners' copies never fail. Recreated copies fail again."""
+
+    def __init__(self, config=None):
+        config = config or {}
+        super().__init__({})
+        failing = getattr(config, "in_evaluation", False) and getattr(config, "worker_index", 0) in config.get(
+            "eval_fail_on", [])
+        self.fail_at = {20} if failing else set()
+        self.hang = config.get("hang", False)

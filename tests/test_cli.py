@@ -141,6 +141,17 @@ def test_evaluate_json(checkpoint, capsys):
     assert out["episode_return_mean"] == pytest.approx(sum(out["episode_returns"]) / 2)
 
 
+def test_evaluate_with_evaluator_actors(checkpoint, capsys):
+    """--num-env-runners: the same evaluators as evaluation during training, as Ray actors (Ray is
+    started for the command and shut down after it)."""
+    import ray
+
+    assert main(["evaluate", checkpoint, "--episodes", "3", "--json", "--num-env-runners", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["episodes"] == 3 and len(out["episode_lengths"]) == 3
+    assert not ray.is_initialized()
+
+
 # --- train: real short runs ---------------------------------------------------------------------
 def test_train_short_run_then_evaluate_printed_command(tmp_path, capsys):
     out_dir = tmp_path / "results"

@@ -14,8 +14,11 @@ and ``fault_tolerance/...`` and ``stream/...`` keys for the result sections of t
 from __future__ import annotations
 
 import json
+import logging
 import math
+import sys
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,12 +26,15 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import EnvRunnerRole
 from actors.env.actions import EnvActions
+from actors.env.episode_hooks import EpisodeHooks
 from actors.env.exploration import make_exploration
 from actors.env.vector_env import EnvContext, make_vector_env
 from actors.metrics import MetricsLogger
 from actors.modules import ActorCriticModule, RLModule
+from actors.sys_usage import SysUsage
 from protocols import nested
 from protocols.codec import decode, encode
 from protocols.episode import EpisodeChunk
@@ -60,6 +66,14 @@ class EnvRunnerSettings:
     torch_threads: int = 1
     metrics_window: int = 100
     """Episodes the runner's own episode statistics are averaged over."""
+    callbacks: CallbacksSpec | None = None
+    """The user's callbacks; this runner builds its own instance and runs the runner hooks."""
+    in_evaluation: bool = False
+    """An evaluator (its envs see ``EnvContext.in_evaluation``; callbacks see ``env_runner.config.in_evaluation``)."""
+    log_level: str = "WARN"
+    """Level of runnel's loggers in this runner's process."""
+    log_sys_usage: bool = False
+    """Report this process's CPU and resident memory under ``perf/env_runner_<index>/``."""
 
 
 @dataclass
@@ -67,6 +81,8 @@ class _Slot:
     """The episode currently running in one sub-env."""
 
     episode_id: str
+    counted: bool = True
+    """False for an episode started after ``sample(num_episodes=n)`` had started its n (it is dropped)."""
     chunk_index: int = 0
     t_started: int = 0
     ret: float = 0.0
@@ -82,10 +98,18 @@ class EnvRunner(EnvRunnerRole):
             torch.manual_seed(settings.seed + 7919 * worker_index)
         if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
             torch.set_num_threads(settings.torch_threads)
+            set_log_level(settings.log_level)
+        self.where = f"{'evaluation ' if settings.in_evaluation else ''}env runner {worker_index}"
+        self.metrics = MetricsLogger()
+        self.callback_metrics = MetricsLogger()
+        """What callbacks log (``metrics_logger`` of the runner hooks); reported under ``env_runners/``."""
+        self.callbacks = build_callbacks(settings.callbacks)
+        self._tasks: list[Any] | None = None  # curriculum task per sub-env, once a task function set them
         self.env = make_vector_env(
             settings.vectorize_mode, creator=settings.env_creator, env_config=settings.env_config,
             num_envs=settings.num_envs, worker_index=worker_index, num_workers=settings.num_env_runners,
             seed=settings.seed, restart_failed=settings.restart_failed_sub_environments, recreated=recreated,
+            in_evaluation=settings.in_evaluation, on_created=self._sub_env_created,
         )
         self.observation_space = settings.observation_space or self.env.single_observation_space
         self.action_space = settings.action_space or self.env.single_action_space
@@ -94,7 +118,6 @@ class EnvRunner(EnvRunnerRole):
         self.module.eval()
         self.exploration = make_exploration(settings.exploration_config, self.module.dist_spec)
         self.env_actions = EnvActions(self.action_space, settings.normalize_actions, settings.clip_actions)
-        self.metrics = MetricsLogger()
         self.weights_version = 0
         self.num_env_steps_sampled_lifetime = 0
         self._timestep_offset = 0  # the run's env steps minus this runner's, as of the last weights
@@ -107,23 +130,72 @@ class EnvRunner(EnvRunnerRole):
         self._weights_lock = threading.Lock()
         self._pending_weights: tuple[Any, int] | None = None
         self._stream: Any = None
+        self._next: list[deque] = [deque() for _ in range(settings.num_envs)]  # (id, counted) of started episodes
+        self._quota: int | None = None  # sample(num_episodes=n): episodes that count, in the order they start
+        self._started = 0
+        self._ended_log: list[tuple[float, int]] | None = None  # (return, length) of counted episodes, when asked
+        self._sys = SysUsage() if settings.log_sys_usage else None
+        cb = self.callbacks
+        self.hooks: EpisodeHooks | None = None
+        if any(overrides(cb, h) for h in ("on_episode_created", "on_episode_start", "on_episode_step",
+                                          "on_episode_end")):
+            self.hooks = EpisodeHooks(self, cb, self.where, self.callback_metrics, settings.metrics_window)
+            self.env.keep_infos = True
+        if self.env.supports_hooks:
+            self.env.before_reset = self._episode_begins
+        self._postprocess = overrides(cb, "on_postprocess_trajectory")
+        self._sample_end = overrides(cb, "on_sample_end")
+        if overrides(cb, "on_environment_created"):
+            self._hook("on_environment_created", env_runner=self, env=self.env,
+                       env_context=EnvContext(settings.env_config, worker_index, 0, settings.num_env_runners,
+                                              recreated, settings.in_evaluation),
+                       metrics_logger=self.callback_metrics)
+
+    @property
+    def config(self) -> EnvRunnerSettings:
+        """This runner's settings (``env_runner.config.in_evaluation``, as RLlib's callbacks check it)."""
+        return self.s
+
+    def _hook(self, hook: str, **kwargs: Any) -> None:
+        call_hook(self.callbacks, hook, self.where, self.metrics, **kwargs)
+
+    def _sub_env_created(self, index: int, env: gym.Env, ctx: EnvContext) -> None:
+        """Every sub-env, first or recreated after a crash: the user's hook, and the current task back."""
+        if self._tasks is not None:
+            task_env(env).set_task(self._tasks[index])
+        if overrides(self.callbacks, "on_sub_environment_created"):
+            self._hook("on_sub_environment_created", worker=self, env_runner=self, sub_environment=env,
+                       env_context=ctx, env_index=index)
+
+    def _episode_begins(self, index: int) -> None:
+        """Sub-env ``index`` is about to start an episode: draw its id (and whether it counts)."""
+        counted = True
+        if self._quota is not None:
+            counted = self._started < self._quota
+            self._started += 1
+        episode_id = self._new_episode_id()
+        self._next[index].append((episode_id, counted))
+        if self.hooks is not None:
+            self.hooks.created(index, episode_id)
 
     # --- sampling ---------------------------------------------------------------------------
     def sample(self, num_timesteps: int | None = None, num_episodes: int | None = None,
-               explore: bool | None = None) -> list[EpisodeChunk]:
+               explore: bool | None = None, force_reset: bool = False) -> list[EpisodeChunk]:
         """Step all sub-envs and return the episode chunks collected.
 
         ``num_timesteps`` (default ``rollout_fragment_length * num_envs``) continues running
         episodes across calls (``truncate_episodes``) or returns only whole episodes
         (``complete_episodes``). ``num_episodes`` starts fresh episodes and returns exactly that
-        many whole ones.
+        many whole ones: the first ``num_episodes`` to start, whatever their length (episodes that
+        start later are dropped, so short episodes are not favoured). ``force_reset`` drops running
+        episodes and starts fresh ones first.
         """
         explore = self.s.explore if explore is None else explore
         if num_episodes is not None:
-            return self._sample_episodes(num_episodes, explore)
+            return self._sample_end_hook(self._sample_episodes(num_episodes, explore))
         if num_timesteps is None:
             num_timesteps = self.s.rollout_fragment_length * self.s.num_envs
-        if self._obs is None:
+        if self._obs is None or force_reset:
             self._reset_all()
         complete = self.s.batch_mode == "complete_episodes"
         out: list[EpisodeChunk] = []
@@ -133,7 +205,27 @@ class EnvRunner(EnvRunnerRole):
             chunks = self._run(steps, explore, hold_back=complete)
             out.extend(chunks)
             collected += sum(len(c) for c in chunks) if complete else steps * self.s.num_envs
-        return out
+        return self._sample_end_hook(out)
+
+    def _sample_end_hook(self, samples: list[EpisodeChunk]) -> list[EpisodeChunk]:
+        if self._sample_end:
+            self._hook("on_sample_end", env_runner=self, worker=self, samples=samples,
+                       metrics_logger=self.callback_metrics)
+        return samples
+
+    def sample_metrics(self, num_timesteps: int | None = None, num_episodes: int | None = None,
+                       explore: bool | None = None, force_reset: bool = False) -> dict[str, Any]:
+        """Sample like ``sample`` but return only what evaluation needs: the metrics
+        (``get_metrics()``), the returns and lengths of the episodes that ended, and the step count."""
+        self._ended_log = []
+        try:
+            chunks = self.sample(num_timesteps=num_timesteps, num_episodes=num_episodes, explore=explore,
+                                 force_reset=force_reset)
+            ended = self._ended_log
+        finally:
+            self._ended_log = None
+        return {"metrics": self.get_metrics(), "episode_returns": [r for r, _ in ended],
+                "episode_lengths": [n for _, n in ended], "num_env_steps": sum(len(c) for c in chunks)}
 
     def sample_encoded(self, num_timesteps: int | None = None, explore: bool | None = None,
                        compress: bool = False) -> tuple[bytes, dict[str, Any]]:
@@ -143,19 +235,31 @@ class EnvRunner(EnvRunnerRole):
         return frame, self.get_metrics()
 
     def _sample_episodes(self, num_episodes: int, explore: bool) -> list[EpisodeChunk]:
-        self._reset_all()
-        done: list[EpisodeChunk] = []
-        while len(done) < num_episodes:
-            done.extend(self._run(self.s.rollout_fragment_length, explore, hold_back=True))
-        self._obs = None  # unfinished episodes are dropped; the next sample() starts fresh ones
-        return done[:num_episodes]
+        self._quota, self._started = num_episodes, 0
+        try:
+            self._reset_all()
+            done: list[EpisodeChunk] = []
+            while len(done) < num_episodes:
+                done.extend(self._run(self.s.rollout_fragment_length, explore, hold_back=True))
+        finally:
+            self._quota = None
+            self._obs = None  # unfinished episodes are dropped; the next sample() starts fresh ones
+        return done
 
     def _new_episode_id(self) -> str:
         return self._ids.bytes(16).hex()
 
     def _reset_all(self) -> None:
+        self._next = [deque() for _ in range(self.s.num_envs)]
         self._obs = self.env.reset()
-        self._slots = [_Slot(self._new_episode_id()) for _ in range(self.s.num_envs)]
+        if not self.env.supports_hooks:
+            for j in range(self.s.num_envs):
+                self._episode_begins(j)
+        self._slots = [_Slot(*self._next[j].popleft()) for j in range(self.s.num_envs)]
+        if self.hooks is not None:
+            infos = getattr(self.env, "reset_infos", None) or [{}] * self.s.num_envs
+            for j in range(self.s.num_envs):
+                self.hooks.started(j, nested.map_structure(lambda a: a[j], self._obs), infos[j])
 
     @torch.inference_mode()
     def _run(self, steps: int, explore: bool, hold_back: bool) -> list[EpisodeChunk]:
@@ -168,7 +272,7 @@ class EnvRunner(EnvRunnerRole):
         obs = self._obs
         module, spec, exploration = self.module, self.module.dist_spec, self.exploration
         forward = module.forward_exploration if explore else module.forward_inference
-        t0 = self.num_env_steps_sampled_lifetime + self._timestep_offset
+        t0 = self.timestep
         for t in range(steps):
             obs_rows.append(obs)
             dist_inputs = forward(nested.map_structure(torch.from_numpy, obs))["action_dist_inputs"]
@@ -182,6 +286,10 @@ class EnvRunner(EnvRunnerRole):
             rewards[t], terminated[t], truncated[t] = res.rewards, res.terminated, res.truncated
             for i, o in res.final_obs.items():
                 final_obs[(t, i)] = o
+                if not self.env.supports_hooks:
+                    self._episode_begins(i)
+            if self.hooks is not None:
+                self.hooks.step_all(act_np, res.rewards, res.obs, res)
             obs = res.obs
         self._obs = obs
         obs_rows.append(obs)
@@ -258,18 +366,32 @@ class EnvRunner(EnvRunnerRole):
                 slot.t_started += t + 1 - start
                 if hold_back:
                     slot.pending.append(chunk)
-                    if ended:
-                        out.append(EpisodeChunk.concat(slot.pending))
-                else:
-                    out.append(chunk)
+                    if ended and slot.counted:
+                        out.append(self._postprocessed(EpisodeChunk.concat(slot.pending)))
+                elif slot.counted:
+                    out.append(self._postprocessed(chunk))
                 if ended:
-                    ended_returns.append(slot.ret)
-                    ended_lengths.append(slot.length)
-                    slot = self._slots[j] = _Slot(self._new_episode_id())
+                    if slot.counted:
+                        ended_returns.append(slot.ret)
+                        ended_lengths.append(slot.length)
+                    slot = self._slots[j] = _Slot(*self._next[j].popleft())
                 start = t + 1
         if ended_returns:  # logged before the chunks leave, so whoever receives them finds them counted
             self._log_episodes(ended_returns, ended_lengths)
+            if self._ended_log is not None:
+                self._ended_log.extend(zip(ended_returns, ended_lengths))
+        if self.hooks is not None:
+            self.hooks.forget_ended()
         return out
+
+    def _postprocessed(self, chunk: EpisodeChunk) -> EpisodeChunk:
+        """``on_postprocess_trajectory`` may rewrite the chunk (its rewards...) before it leaves."""
+        if self._postprocess:
+            episode = self.hooks.find(chunk.episode_id) if self.hooks is not None else None
+            self._hook("on_postprocess_trajectory", worker=self, env_runner=self, episode=episode, agent_id=None,
+                       policy_id="default_policy", policies={"default_policy": self.module},
+                       postprocessed_batch=chunk, original_batches={None: (self.module, chunk)})
+        return chunk
 
     # --- weights, metrics, state ------------------------------------------------------------
     def set_weights(self, weights: dict[str, np.ndarray], weights_version: int = 0,
@@ -303,6 +425,11 @@ class EnvRunner(EnvRunnerRole):
     def get_weights(self) -> dict[str, np.ndarray]:
         return self.module.get_state()
 
+    @property
+    def timestep(self) -> int:
+        """The run's env steps as this runner knows them: what exploration schedules follow."""
+        return self.num_env_steps_sampled_lifetime + self._timestep_offset
+
     def get_metrics(self) -> dict[str, Any]:
         """What was logged since the last call, as plain data for ``MetricsLogger.merge``. While
         streaming, raises if the sampling thread failed or hangs, so the driver's stage group treats
@@ -310,7 +437,12 @@ class EnvRunner(EnvRunnerRole):
         if self._stream is not None:
             self._stream.check_health()
             self._stream.log_counters()
-        return self.metrics.export()
+        if self._sys is not None:
+            for key, value in self._sys.sample().items():
+                self.metrics.log_value(f"perf/env_runner_{self.worker_index}/{key}", value)
+        out = self.metrics.export()
+        out.update({f"env_runners/{k}": v for k, v in self.callback_metrics.export().items()})
+        return out
 
     def get_state(self) -> dict[str, Any]:
         """Weights, counters, exploration, this process's torch RNG, and the running episodes
@@ -325,7 +457,7 @@ class EnvRunner(EnvRunnerRole):
                 "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
                 "timestep_offset": self._timestep_offset, "exploration": self.exploration.get_state(),
                 "torch_rng": torch.get_rng_state().numpy(), "episode_ids": json.dumps(self._ids.bit_generator.state),
-                "slots": slots, "env": self.env.get_state() if episodes else None}
+                "slots": slots, "env": self.env.get_state() if episodes else None, "env_tasks": self._tasks}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.set_weights(state["weights"], state.get("weights_version", 0))
@@ -336,10 +468,17 @@ class EnvRunner(EnvRunnerRole):
             torch.set_rng_state(torch.as_tensor(np.asarray(state["torch_rng"], np.uint8)))
         if state.get("episode_ids"):
             self._ids.bit_generator.state = json.loads(state["episode_ids"])
+        if state.get("env_tasks") is not None:
+            self.set_env_tasks(state["env_tasks"])
         if state.get("env") is not None:
             self._obs = self.env.set_state(state["env"])
-            self._slots = [_Slot(s["episode_id"], s["chunk_index"], s["t_started"], s["ret"], s["length"],
+            self._next = [deque() for _ in range(self.s.num_envs)]  # the replayed resets drew ids the slots replace
+            self._slots = [_Slot(s["episode_id"], True, s["chunk_index"], s["t_started"], s["ret"], s["length"],
                                  [decode(f) for f in s["pending"]]) for s in state["slots"]]
+            if self.hooks is not None:
+                self.hooks.upcoming.clear()
+                for j, slot in enumerate(self._slots):
+                    self.hooks.resume(j, slot.episode_id, nested.map_structure(lambda a: a[j], self._obs))
 
     def ping(self) -> str:
         return "ok"
@@ -347,6 +486,40 @@ class EnvRunner(EnvRunnerRole):
     def apply(self, fn: Callable[["EnvRunner"], Any]) -> Any:
         """Run ``fn(self)`` here (``Algorithm.foreach_env_runner``)."""
         return fn(self)
+
+    def foreach_env(self, fn: Callable[[gym.Env], Any]) -> list[Any]:
+        """``fn(sub_env)`` for each sub-environment of this runner."""
+        return [fn(env) for env in self.env.sub_envs]
+
+    def foreach_env_with_context(self, fn: Callable[[gym.Env, EnvContext], Any]) -> list[Any]:
+        """``fn(sub_env, env_context)`` for each sub-environment of this runner."""
+        return [fn(env, self._context(i)) for i, env in enumerate(self.env.sub_envs)]
+
+    def _context(self, index: int) -> EnvContext:
+        return EnvContext(self.s.env_config, self.worker_index, index, self.s.num_env_runners,
+                          in_evaluation=self.s.in_evaluation)
+
+    # --- curriculum -------------------------------------------------------------------------
+    def apply_env_task_fn(self, env_task_fn: Callable, train_results: dict) -> list[Any]:
+        """Curriculum: ``env_task_fn(train_results, sub_env, env_context)`` picks each sub-env's next
+        task, set where it changed. Returns the tasks (what a recreated runner gets back)."""
+        tasks = []
+        for i, env in enumerate(self.env.sub_envs):
+            target = task_env(env)
+            task = env_task_fn(train_results, target, self._context(i))
+            if self._tasks is None or task != self._tasks[i]:
+                target.set_task(task)
+            tasks.append(task)
+        self._tasks = tasks
+        return tasks
+
+    def set_env_tasks(self, tasks: list[Any]) -> None:
+        """Give each sub-env its task (a recreated runner, a restored checkpoint)."""
+        if len(tasks) != self.s.num_envs:
+            raise ValueError(f"{len(tasks)} env tasks for {self.s.num_envs} sub-environments")
+        for env, task in zip(self.env.sub_envs, tasks):
+            task_env(env).set_task(task)
+        self._tasks = list(tasks)
 
     def stop(self) -> None:
         self.stop_streaming()
@@ -383,3 +556,26 @@ class EnvRunner(EnvRunnerRole):
     def is_streaming(self) -> bool:
         stream = self._stream
         return stream is not None and stream.alive()
+
+
+def task_env(env: gym.Env) -> Any:
+    """The object that holds ``set_task``: the env itself, or the env inside gymnasium's wrappers."""
+    if hasattr(env, "set_task"):
+        return env
+    inner = getattr(env, "unwrapped", env)
+    if not hasattr(inner, "set_task"):
+        raise TypeError(f"env {type(inner).__name__} has no set_task/get_task: a curriculum (env_task_fn) needs "
+                        f"a TaskSettableEnv (pipeline.TaskSettableEnv)")
+    return inner
+
+
+def set_log_level(level: str) -> None:
+    """runnel's loggers in this process at ``level``, printing to stderr (Ray forwards it to the driver)."""
+    level = "WARNING" if level == "WARN" else level
+    for name in ("runnel", "actors", "pipeline"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from actors.core import UserCodeError
 from protocols.transport import ChunkSender
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class RunnerStream:
         self._counters_lock = threading.Lock()
         self._reported = {"num_frames_sent": 0, "num_bytes_sent": 0, "send_blocked_s": 0.0}
         self.error: str | None = None
+        self.exception: BaseException | None = None
         self._status = ("starting", time.monotonic())  # (state, since): one tuple, replaced atomically
         # torch.set_num_threads only reaches the thread that calls it (OpenMP's per-thread
         # setting): a new thread would run with one intra-op thread per core, which on a busy
@@ -71,6 +73,7 @@ class RunnerStream:
             self._set_state("stopped")
         except BaseException as err:  # noqa: BLE001 - reported through check_health, which the driver polls
             self.error = f"{type(err).__name__}: {err}"
+            self.exception = err
             self._set_state("failed")
             log.error("%s: sampling thread failed:\n%s", self.sender_id, traceback.format_exc())
         finally:
@@ -97,6 +100,8 @@ class RunnerStream:
 
     def check_health(self) -> None:
         """Raise RuntimeError if the thread died or sampled nothing for ``stall_timeout_s``."""
+        if isinstance(self.exception, UserCodeError):  # the driver ends the run with it; a restart would repeat it
+            raise self.exception
         if self.error is not None:
             raise RuntimeError(f"{self.sender_id}: sampling thread failed: {self.error}")
         if not self._thread.is_alive() and not self._stop.is_set():

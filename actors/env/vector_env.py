@@ -32,15 +32,21 @@ MAX_RECORDED_ACTIONS = 100_000
 class EnvContext(dict):
     """The ``env_config`` dict handed to an env creator, plus where the env lives.
 
-    ``recreated`` is True for an env that replaces a failed one (or lives in a recreated runner)."""
+    ``recreated`` is True for an env that replaces a failed one (or lives in a recreated runner);
+    ``in_evaluation`` for an env of an evaluator."""
 
     def __init__(self, env_config: dict | None, worker_index: int = 0, vector_index: int = 0,
-                 num_workers: int = 0, recreated: bool = False) -> None:
+                 num_workers: int = 0, recreated: bool = False, in_evaluation: bool = False) -> None:
         super().__init__(env_config or {})
         self.worker_index = worker_index
         self.vector_index = vector_index
         self.num_workers = num_workers
         self.recreated = recreated
+        self.in_evaluation = in_evaluation
+
+    @property
+    def remote(self) -> bool:
+        return self.worker_index > 0
 
 
 @dataclass
@@ -55,15 +61,27 @@ class StepResult:
     restarted: list[int] = field(default_factory=list)
     """Sub-envs that raised and were recreated; their episodes were closed as truncated."""
     infos: list[dict] | None = None
+    """Each sub-env's step info (the last step's for an ended episode), when ``keep_infos`` is on."""
+    reset_infos: dict[int, dict] | None = None
+    """Sub-env index -> the reset info of the episode that started at this step (``keep_infos``)."""
 
 
 class SyncVectorEnv:
+    supports_hooks = True
+    """Calls ``before_reset`` and ``on_created`` (the async vector env's sub-envs live elsewhere)."""
+
     def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
                  worker_index: int, num_workers: int, seed: int | None, restart_failed: bool,
-                 recreated: bool = False) -> None:
+                 recreated: bool = False, in_evaluation: bool = False,
+                 on_created: Callable[[int, gym.Env, EnvContext], None] | None = None) -> None:
         self.creator, self.env_config, self.recreated = creator, env_config, recreated
         self.worker_index, self.num_workers = worker_index, num_workers
         self.seed, self.restart_failed = seed, restart_failed
+        self.in_evaluation, self.on_created = in_evaluation, on_created
+        self.before_reset: Callable[[int], None] | None = None
+        """Called with a sub-env's index right before its reset (episode hooks: "created")."""
+        self.keep_infos = False
+        self.reset_infos: list[dict] = [{} for _ in range(num_envs)]
         self.num_restarts = 0
         self.episodes = [0] * num_envs  # episodes started, per sub-env (drives the reset seeds)
         self._episode_seed: list[int | None] = [None] * num_envs
@@ -77,8 +95,16 @@ class SyncVectorEnv:
         self._last_obs: list[Any] = []
 
     def _make(self, i: int, recreated: bool = False) -> gym.Env:
-        return self.creator(EnvContext(self.env_config, self.worker_index, i, self.num_workers,
-                                       recreated or self.recreated))
+        ctx = EnvContext(self.env_config, self.worker_index, i, self.num_workers, recreated or self.recreated,
+                         self.in_evaluation)
+        env = self.creator(ctx)
+        if self.on_created is not None:
+            self.on_created(i, env, ctx)
+        return env
+
+    @property
+    def sub_envs(self) -> list[gym.Env]:
+        return self.envs
 
     def _reset(self, i: int) -> Any:
         """Start sub-env i's next episode (seeded, when the run is)."""
@@ -88,7 +114,11 @@ class SyncVectorEnv:
         self.episodes[i] += 1
         self._episode_seed[i] = seed
         self._actions[i] = []
-        return self.envs[i].reset(seed=seed)[0]
+        if self.before_reset is not None:
+            self.before_reset(i)
+        obs, info = self.envs[i].reset(seed=seed)
+        self.reset_infos[i] = info
+        return obs
 
     def reset(self) -> Any:
         self._last_obs = [self._reset(i) for i in range(self.num_envs)]
@@ -105,9 +135,12 @@ class SyncVectorEnv:
         if self._as_list:
             actions = actions.tolist()
         record = self.seed is not None
+        infos: list[dict] | None = [{} for _ in range(n)] if self.keep_infos else None
         for i, env in enumerate(self.envs):
             try:
-                obs, rew, term, trunc, _ = env.step(actions[i])
+                obs, rew, term, trunc, info = env.step(actions[i])
+                if infos is not None:
+                    infos[i] = info
                 if record and len(self._actions[i]) < MAX_RECORDED_ACTIONS:
                     self._actions[i].append(actions[i])
                 if term or trunc:
@@ -123,7 +156,9 @@ class SyncVectorEnv:
             rewards[i] = rew
             terminated[i] = term
             truncated[i] = trunc
-        return StepResult(nested.stack(last_obs), rewards, terminated, truncated, final_obs, restarted)
+        reset_infos = {i: self.reset_infos[i] for i in final_obs} if infos is not None else None
+        return StepResult(nested.stack(last_obs), rewards, terminated, truncated, final_obs, restarted, infos,
+                          reset_infos)
 
     def _restart(self, i: int, err: Exception) -> Any:
         log.warning("sub-environment %d of env runner %d raised %r; recreating it", i, self.worker_index, err)
@@ -170,15 +205,21 @@ class SyncVectorEnv:
 
 
 class AsyncVectorEnv:
-    """Each sub-env in its own process (gymnasium); for envs slow enough to be worth the IPC."""
+    """Each sub-env in its own process (gymnasium); for envs slow enough to be worth the IPC.
+    Sub-environment hooks (``on_sub_environment_created``, episode "created" before the reset) do
+    not reach into those processes."""
+
+    supports_hooks = False
 
     def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
                  worker_index: int, num_workers: int, seed: int | None, restart_failed: bool,
-                 recreated: bool = False) -> None:
+                 recreated: bool = False, in_evaluation: bool = False, on_created: Any = None) -> None:
         self._fns = [
-            (lambda i=i: creator(EnvContext(env_config, worker_index, i, num_workers, recreated)))
+            (lambda i=i: creator(EnvContext(env_config, worker_index, i, num_workers, recreated, in_evaluation)))
             for i in range(num_envs)
         ]
+        self.before_reset = None
+        self.keep_infos = False
         self.num_envs, self.seed, self.restart_failed = num_envs, seed, restart_failed
         self.worker_index = worker_index
         self.num_restarts = 0
@@ -186,6 +227,12 @@ class AsyncVectorEnv:
         self.single_observation_space = self._env.single_observation_space
         self.single_action_space = self._env.single_action_space
         self._last_obs = None
+
+    @property
+    def sub_envs(self) -> list[gym.Env]:
+        raise RuntimeError("the sub-environments of gym_env_vectorize_mode='async' live in their own processes; "
+                           "use gym_env_vectorize_mode='sync' to reach them from the env runner (foreach_env, "
+                           "curriculum tasks)")
 
     def _make(self) -> gym.vector.AsyncVectorEnv:
         return gym.vector.AsyncVectorEnv(self._fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
@@ -225,7 +272,13 @@ class AsyncVectorEnv:
             for i in np.flatnonzero(info["_final_obs"]):
                 final_obs[int(i)] = info["final_obs"][i]
         self._last_obs = obs
-        return StepResult(obs, rew.astype(np.float32), term, trunc, final_obs)
+        infos = None
+        if self.keep_infos:  # gymnasium batches infos as {key: array over sub-envs}
+            step_info = {k: v for k, v in info.items() if not k.startswith("_") and k not in ("final_obs", "final_info")}
+            final_info = info.get("final_info") or {}
+            infos = [{k: v[i] for k, v in (final_info if i in final_obs else step_info).items()
+                      if not k.startswith("_")} for i in range(self.num_envs)]
+        return StepResult(obs, rew.astype(np.float32), term, trunc, final_obs, infos=infos, reset_infos={})
 
     def close(self) -> None:
         self._env.close()

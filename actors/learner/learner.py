@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import LearnerRole
 from actors.modules import ActorCriticModule, RLModule
 from actors.schedules import piecewise
@@ -52,6 +53,8 @@ class LearnerSettings:
     """Settings of the module (``actors.modules.ModelConfig``)."""
     module_kwargs: dict = field(default_factory=dict)
     """Options of the algorithm's module class beyond the model config (e.g. DQN's ``dueling``)."""
+    callbacks: CallbacksSpec | None = None
+    """The user's callbacks; the learner runs ``on_learn_on_batch`` before each update."""
 
 
 @dataclass
@@ -91,6 +94,8 @@ class Learner(LearnerRole):
         self.timestep = 0
         self.last_outputs: dict[str, np.ndarray] = {}
         """Per-row outputs of the latest update (e.g. TD errors for prioritized replay)."""
+        self.callbacks = build_callbacks(settings.callbacks)
+        self._learn_hook = overrides(self.callbacks, "on_learn_on_batch")
 
     # --- what an algorithm provides ---------------------------------------------------------
     def build_module(self) -> nn.Module:
@@ -128,7 +133,11 @@ class Learner(LearnerRole):
             for group in slot.optimizer.param_groups:
                 group["lr"] = lr
             rates["curr_lr" if name == "default" else f"curr_lr_{name}"] = lr
-        return self.train_on_batch(batch, timestep) | rates
+        extra: dict[str, Any] = {}
+        if self._learn_hook:
+            call_hook(self.callbacks, "on_learn_on_batch", f"learner {self.rank}", policy=self.module, learner=self,
+                      train_batch=batch, result=extra)
+        return self.train_on_batch(batch, timestep) | rates | extra
 
     update_from_episodes = update  # RLlib's name for the same call
 

@@ -75,7 +75,7 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
     def module_kwargs(self) -> dict[str, Any]:
         return {"dueling": self.dueling, "num_atoms": self.num_atoms, "v_min": self.v_min, "v_max": self.v_max}
 
-    def exploration_settings(self) -> dict[str, Any]:
+    def default_exploration(self) -> dict[str, Any]:
         return {"type": "EpsilonGreedy", "epsilon_schedule": [list(p) for p in self.epsilon]}
 
     def _problems(self) -> list[str]:
