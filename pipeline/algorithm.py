@@ -193,6 +193,8 @@ class Algorithm:
                 settings.observation_space, settings.action_space = self.observation_space, self.action_space
             if c.seed is not None:  # not the training runners' episode seeds
                 settings.seed = c.seed + 100_000
+            if c.evaluation_parallel_to_training:
+                settings.niceness = EVALUATOR_NICENESS
             settings.rollout_fragment_length = (int(c.rollout_fragment_length) if c.rollout_fragment_length != "auto"
                                                 else AUTO_FRAGMENT)
             if c.evaluation_num_env_runners > 0 and not ray.is_initialized():
@@ -254,7 +256,7 @@ class Algorithm:
         stop_eval = threading.Event()
         if evaluating and c.evaluation_parallel_to_training:
             # the weights from before this training step: evaluation results are one iteration behind
-            self._sync_evaluators()
+            self._sync_evaluators(wait=False)
             if self._eval_thread is None:
                 self._eval_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runnel-evaluation")
             parallel = self._eval_thread.submit(self._evaluate, stop_eval)
@@ -300,10 +302,10 @@ class Algorithm:
         self.evaluation_results = self._evaluate(None)
         return {"evaluation": self.evaluation_results}
 
-    def _sync_evaluators(self) -> None:
+    def _sync_evaluators(self, wait: bool = True) -> None:
         evaluators = self.build_evaluators()
         evaluators.sync_weights(self.learner_group.get_weights(inference_only=True), self.weights_version,
-                                self.counters["num_env_steps_sampled_lifetime"])
+                                self.counters["num_env_steps_sampled_lifetime"], wait=wait)
 
     def _evaluate(self, stop: threading.Event | None) -> dict[str, Any]:
         """One evaluation with the weights the evaluators hold (in the evaluation thread when parallel)."""
@@ -472,6 +474,8 @@ class Algorithm:
         self.stop()
 
 
+EVALUATOR_NICENESS = 19
+"""Parallel evaluators run at the lowest OS priority: on shared cores they use what training leaves."""
 AUTO_FRAGMENT = 200
 """Evaluators' steps per sub-env per request when ``rollout_fragment_length`` is "auto" (sized for training)."""
 

@@ -8,7 +8,9 @@ settings as the training runners. One evaluation (``run``) lasts
   more (the rest idle); each evaluator returns the first episodes *to start*, so short episodes are
   not favoured;
 * ``evaluation_duration`` timesteps: rounded up to a multiple of the number of evaluators;
-* "auto": small requests to every evaluator until ``stop`` is set (the parallel training step ended).
+* "auto": requests to every evaluator until ``stop`` is set (the parallel training step ended); the
+  evaluation ends then, with what has come back: a request still running is not waited for (its
+  results are dropped), and the weights for the next evaluation queue behind it without blocking.
 
 An evaluator that fails or does not answer within ``evaluation_sample_timeout_s`` is given up for
 this evaluation (and killed, to be recreated later if restarts are on); the healthy ones take over its
@@ -30,8 +32,10 @@ from pipeline.env_runner_group import EnvRunnerGroup
 
 log = logging.getLogger("runnel")
 
-AUTO_STEPS_PER_ENV = 64
-"""Steps per sub-env of one request in "auto" mode: evaluation ends at most one such request after training."""
+AUTO_STEPS_PER_ENV = 50
+"""Steps per sub-env of one request in "auto" mode (a request unfinished when training ends is dropped)."""
+AUTO_POLL_S = 0.05
+"""How often an "auto" evaluation collects answers and sends new requests."""
 
 
 class Evaluators:
@@ -42,9 +46,12 @@ class Evaluators:
                                     fault_tolerance, on_recreated=on_recreated)
         self.lifetime = MetricsLogger()  # lifetime counters across evaluations
         self.weights_version = -1
+        self._runs = 0  # tags "auto" requests, so a late answer from an earlier evaluation is dropped
 
-    def sync_weights(self, weights: dict, version: int, timestep: int) -> None:
-        self.group.sync_weights(weights, version, timestep)
+    def sync_weights(self, weights: dict, version: int, timestep: int, wait: bool = True) -> None:
+        """``wait=False``: queue the weights without waiting (an evaluator may still be finishing a
+        request of the previous "auto" evaluation; its actor applies them before its next request)."""
+        self.group.sync_weights(weights, version, timestep, wait=wait)
         self.weights_version = version
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
@@ -53,6 +60,7 @@ class Evaluators:
         metrics = MetricsLogger()
         episodes: list[tuple[float, int]] = []
         failures0 = manager.num_failures
+        self._runs += 1
         self.group.restart_failed()
         requested: int | str = c.evaluation_duration
         if c.evaluation_duration == "auto":
@@ -97,23 +105,27 @@ class Evaluators:
         steps = AUTO_STEPS_PER_ENV * c.num_envs_per_env_runner
         fresh = set(manager.healthy_ids()) if c.evaluation_force_reset_envs_before_iteration else set()
         sent: dict[int, float] = {}
-        while True:
+        tag = ("evaluation", self._runs)
+        while not stop.is_set():
             now = time.monotonic()
-            if not stop.is_set():
-                for i in manager.healthy_ids():
-                    if not manager.num_in_flight(i) and manager.submit(
-                            "sample_metrics", num_timesteps=steps, force_reset=i in fresh, actor_ids=[i]):
-                        fresh.discard(i)
-                        sent[i] = now
-            for res in manager.fetch_ready(timeout_s=0.05):
-                if res.ok:
+            for i in manager.healthy_ids():
+                # two requests in flight: the evaluator starts the next while this thread sleeps
+                if manager.num_in_flight(i) < 2 and manager.submit(
+                        "sample_metrics", num_timesteps=steps, force_reset=i in fresh, actor_ids=[i], tag=tag):
+                    fresh.discard(i)
+                    sent[i] = now
+            # Sleep on the stop event, not in ray.wait: the training step's end wakes this thread at
+            # once, and in between it takes the driver's GIL only a few times per second.
+            stop.wait(AUTO_POLL_S)
+            for res in manager.fetch_ready(timeout_s=0.0):
+                if res.ok and res.tag == tag:
                     self._fold(res.actor_id, res.value, metrics, episodes, "timesteps")
-            busy = [i for i in manager.healthy_ids() if manager.num_in_flight(i)]
-            stale = [i for i in busy if time.monotonic() - sent.get(i, now) > c.evaluation_sample_timeout_s]
-            if stale:  # a hung evaluator does not answer a ping either: that fails (and kills) it
-                manager.foreach_actor("ping", actor_ids=stale, timeout_s=1.0)
-            if stop.is_set() and not busy:
+            if stop.is_set():
                 return
+            hung = [i for i in manager.healthy_ids() if manager.num_in_flight(i)
+                    and time.monotonic() - sent.get(i, now) > c.evaluation_sample_timeout_s]
+            if hung:  # a hung evaluator does not answer a ping either: that fails (and kills) it
+                manager.foreach_actor("ping", actor_ids=hung, timeout_s=1.0)
 
     def _fold(self, runner_id: int, value: dict, metrics: MetricsLogger, episodes: list, unit: str) -> int:
         export = value["metrics"]

@@ -237,3 +237,33 @@ def test_evaluate_any_time_and_results_keys():
     env = out["evaluation"]["env_runners"]
     assert env["num_episodes"] == 10 and np.isfinite(env["episode_return_mean"])
     assert result["evaluation"] == out["evaluation"]  # attached to the next result
+
+
+def test_every_evaluation_snippet_of_the_page_builds():
+    """The page's config excerpts, with only the import changed, set what the text says; each also
+    validates on a real algorithm config."""
+    snippets = [
+        (AlgorithmConfig().evaluation(evaluation_interval=3), {"evaluation_interval": 3}),
+        (AlgorithmConfig().evaluation(evaluation_duration=10, evaluation_duration_unit="episodes"),
+         {"evaluation_duration": 10, "evaluation_duration_unit": "episodes"}),
+        (AlgorithmConfig().evaluation(evaluation_duration=200, evaluation_duration_unit="timesteps"),
+         {"evaluation_duration": 200, "evaluation_duration_unit": "timesteps"}),
+        (AlgorithmConfig().evaluation(evaluation_duration=10, evaluation_duration_unit="episodes",
+                                      evaluation_num_workers=7),  # the page's older name
+         {"evaluation_num_env_runners": 7}),
+        (AlgorithmConfig().evaluation(evaluation_interval=2, evaluation_parallel_to_training=True,
+                                      evaluation_duration="auto", evaluation_duration_unit="timesteps"),
+         {"evaluation_duration": "auto", "evaluation_parallel_to_training": True}),
+        (AlgorithmConfig().evaluation(evaluation_config=AlgorithmConfig.overrides(explore=False)),
+         {"evaluation_config": {"explore": False}}),
+        (AlgorithmConfig().evaluation(evaluation_config={"explore": False}), {"evaluation_config": {"explore": False}}),
+        (AlgorithmConfig().evaluation(evaluation_interval=1, evaluation_parallel_to_training=True,
+                                      evaluation_duration="auto", evaluation_duration_unit="timesteps",
+                                      evaluation_force_reset_envs_before_iteration=True),
+         {"evaluation_force_reset_envs_before_iteration": True}),
+    ]
+    for snippet, expected in snippets:
+        assert {k: getattr(snippet, k) for k in expected} == expected
+        real = ppo().update_from_dict({k: v for k, v in snippet.to_dict().items() if k.startswith("evaluation")})
+        real.validate()
+        assert real.evaluation_settings().explore is (snippet.evaluation_config or {}).get("explore", True)

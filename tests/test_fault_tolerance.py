@@ -109,6 +109,7 @@ def test_fatal_mode_raises_naming_the_runner_and_cause():
                 algo.train()
         assert "env runner 2" in str(err.value) and "injected env failure" in str(err.value)
         assert "restart_failed_env_runners=True" in str(err.value)
+        assert 'raise RuntimeError(f"injected env failure' in str(err.value)  # the runner's stack trace
     finally:
         algo.stop()
 

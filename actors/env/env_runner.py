@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import threading
 from collections import deque
@@ -74,6 +75,9 @@ class EnvRunnerSettings:
     """Level of runnel's loggers in this runner's process."""
     log_sys_usage: bool = False
     """Report this process's CPU and resident memory under ``perf/env_runner_<index>/``."""
+    niceness: int = 0
+    """Raise this runner's OS niceness by this much (a remote runner only): evaluators running beside
+    training take the CPU time training leaves idle instead of slowing it down."""
 
 
 @dataclass
@@ -99,6 +103,8 @@ class EnvRunner(EnvRunnerRole):
         if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
             torch.set_num_threads(settings.torch_threads)
             set_log_level(settings.log_level)
+            if settings.niceness:
+                os.nice(settings.niceness)
         self.where = f"{'evaluation ' if settings.in_evaluation else ''}env runner {worker_index}"
         self.metrics = MetricsLogger()
         self.callback_metrics = MetricsLogger()

@@ -9,11 +9,12 @@ schedule.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
 
-from actors.modules.distributions import ActionDistSpec
+from actors.modules.distributions import ActionDistSpec, Categorical
 from actors.schedules import piecewise
 
 
@@ -80,18 +81,108 @@ class EpsilonGreedy(Exploration):
         return torch.where(pick.view(n, *([1] * (greedy.dim() - 1))), random, greedy)
 
 
-EXPLORATIONS = {"StochasticSampling": StochasticSampling, "EpsilonGreedy": EpsilonGreedy}
+class SoftQ(Exploration):
+    """Sample from softmax(logits / temperature) -- for Q-values, a Boltzmann policy; low
+    temperatures approach the greedy action, high ones uniform choice. Discrete actions only."""
+
+    def __init__(self, dist_spec: ActionDistSpec, temperature: float = 1.0) -> None:
+        super().__init__(dist_spec)
+        if dist_spec.kind not in ("categorical", "multi_categorical"):
+            raise ValueError(f"SoftQ needs discrete actions, not the action space {dist_spec.space}")
+        if not isinstance(temperature, (int, float)) or temperature <= 0:
+            raise ValueError(f"SoftQ temperature must be > 0, got {temperature!r}")
+        self.temperature = float(temperature)
+
+    def actions(self, dist: Any, explore: bool, timestep: int) -> torch.Tensor:
+        if not explore:
+            return dist.deterministic()
+        if hasattr(dist, "cats"):  # MultiCategorical: one softmax per branch
+            return torch.stack([Categorical(c.logits / self.temperature).sample() for c in dist.cats], -1)
+        return Categorical(dist.logits / self.temperature).sample()
+
+
+class GaussianNoise(Exploration):
+    """For deterministic continuous policies: uniformly random actions for ``random_timesteps``,
+    then the deterministic action plus N(0, stddev) scaled from ``initial_scale`` to ``final_scale``
+    over ``scale_timesteps``, clipped to the policy's action range ([-1, 1] when normalized)."""
+
+    def __init__(self, dist_spec: ActionDistSpec, random_timesteps: int = 1000, stddev: float = 0.1,
+                 initial_scale: float = 1.0, final_scale: float = 0.02, scale_timesteps: int = 10_000) -> None:
+        super().__init__(dist_spec)
+        if dist_spec.kind not in ("gaussian", "squashed_gaussian"):
+            raise ValueError(f"{type(self).__name__} needs a continuous (Box) action space, not {dist_spec.space}")
+        self.random_timesteps, self.stddev = int(random_timesteps), float(stddev)
+        self.schedule = [[random_timesteps, initial_scale], [random_timesteps + max(1, scale_timesteps), final_scale]]
+
+    def scale(self, timestep: int) -> float:
+        return piecewise(self.schedule, timestep)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape) * self.stddev
+
+    def actions(self, dist: Any, explore: bool, timestep: int) -> torch.Tensor:
+        action = dist.deterministic()
+        if not explore:
+            return action
+        if timestep < self.random_timesteps:
+            return self.dist_spec.random(len(dist))
+        return (action + self.scale(timestep) * self.noise(action.shape)).clamp(-1.0, 1.0)
+
+
+class OrnsteinUhlenbeckNoise(GaussianNoise):
+    """``GaussianNoise`` with temporally correlated noise: one OU process per sub-env,
+    ``x += theta * -x + sigma * N(0, 1)``, added as ``ou_base_scale * scale(t) * x``. Its state is
+    part of the runner's state, so a checkpoint continues it."""
+
+    def __init__(self, dist_spec: ActionDistSpec, ou_theta: float = 0.15, ou_sigma: float = 0.2,
+                 ou_base_scale: float = 0.1, random_timesteps: int = 1000, initial_scale: float = 1.0,
+                 final_scale: float = 0.02, scale_timesteps: int = 10_000) -> None:
+        super().__init__(dist_spec, random_timesteps, 1.0, initial_scale, final_scale, scale_timesteps)
+        self.theta, self.sigma, self.base_scale = float(ou_theta), float(ou_sigma), float(ou_base_scale)
+        self.state = torch.zeros(0)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        if self.state.shape != shape:  # a new number of sub-envs: fresh processes
+            self.state = torch.zeros(shape)
+        self.state = self.state - self.theta * self.state + self.sigma * torch.randn(shape)
+        return self.base_scale * self.state
+
+    def get_state(self) -> dict[str, Any]:
+        return {"ou_state": self.state.numpy().copy()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if "ou_state" in state:
+            self.state = torch.as_tensor(state["ou_state"], dtype=torch.float32)
+
+
+EXPLORATIONS = {cls.__name__: cls for cls in (StochasticSampling, EpsilonGreedy, SoftQ, GaussianNoise,
+                                              OrnsteinUhlenbeckNoise)}
 
 
 def make_exploration(config: dict[str, Any] | None, dist_spec: ActionDistSpec) -> Exploration:
-    """``{"type": "StochasticSampling", **kwargs}`` (or a class as ``type``) -> the piece."""
+    """``{"type": ..., **kwargs}`` -> the piece. ``type``: a built-in name (RLlib's dotted paths to
+    its built-ins work too), an ``Exploration`` subclass, or ``"pkg.module:Class"``/``"pkg.module.Class"``."""
     config = dict(config or {})
     kind = config.pop("type", "StochasticSampling")
-    cls = EXPLORATIONS.get(kind) if isinstance(kind, str) else kind
-    if cls is None:
-        raise ValueError(f"unknown exploration type {kind!r}; available: {sorted(EXPLORATIONS)} or an "
-                         f"Exploration subclass")
+    cls = _resolve(kind) if isinstance(kind, str) else kind
+    if not (isinstance(cls, type) and issubclass(cls, Exploration)):
+        raise ValueError(f"exploration type {kind!r} must subclass actors.env.exploration.Exploration")
     try:
         return cls(dist_spec, **config)
     except TypeError as err:
         raise ValueError(f"exploration_config for {getattr(cls, '__name__', cls)}: {err}") from None
+
+
+def _resolve(name: str) -> Any:
+    last = name.replace(":", ".").rsplit(".", 1)[-1]
+    if name in EXPLORATIONS or (name.startswith("ray.rllib.") and last in EXPLORATIONS):
+        return EXPLORATIONS[last]
+    module, _, qualname = name.partition(":") if ":" in name else name.rpartition(".")
+    try:
+        obj: Any = importlib.import_module(module) if module else None
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        raise ValueError(f"unknown exploration type {name!r}: not a built-in ({sorted(EXPLORATIONS)}) and not an "
+                         f"importable 'package.module:Class'") from None
+    return obj

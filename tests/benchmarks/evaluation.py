@@ -5,7 +5,11 @@ Prints one JSON line per measured block and a summary line with the medians and 
 two setups alternate in blocks (A B A B ...) so that drift on a shared machine hits both alike; the
 first ``--warmup`` iterations of each block are not counted (actor start-up, first torch calls).
 
-    python tests/benchmarks/evaluation.py --blocks 3 --iterations 12
+    python tests/benchmarks/evaluation.py --blocks 5 --iterations 15 [--num-env-runners 2]
+
+Parallel evaluators run at the lowest OS priority, so they take CPU time training leaves idle; where
+training keeps every core busy (two runners and the learner on two cores), evaluation gets little
+done and the iteration still pays for the extra process.
 """
 from __future__ import annotations
 
@@ -54,7 +58,9 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=3, help="A/B pairs")
     p.add_argument("--iterations", type=int, default=12, help="measured iterations per block")
     p.add_argument("--warmup", type=int, default=3, help="uncounted iterations at the start of each block")
-    p.add_argument("--num-env-runners", type=int, default=2)
+    p.add_argument("--num-env-runners", type=int, default=1,
+                   help="training runners (1 on a 2-core machine leaves the evaluator a core while the runner "
+                        "samples; with 2, training alone keeps both cores busy)")
     args = p.parse_args()
     ray.init(num_cpus=args.num_env_runners + 2, include_dashboard=False, log_to_driver=False)
     machine = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
