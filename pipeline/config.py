@@ -205,7 +205,8 @@ class AlgorithmConfig:
     """Settings that differ for evaluators: a dict (``AlgorithmConfig.overrides(explore=False)``) or a config."""
     evaluation_sample_timeout_s: float = 120.0
     """An evaluator that has not answered within this is given up for this evaluation (and recreated
-    under the fault-tolerance settings); the others finish its share."""
+    under the fault-tolerance settings); the others finish its share. (An in-process evaluator,
+    ``evaluation_num_env_runners=0``, cannot be interrupted.)"""
     evaluation_force_reset_envs_before_iteration: bool = True
     """Start fresh episodes at each evaluation, so no episode mixes older weights into the results."""
     custom_evaluation_function: Any = None
@@ -282,7 +283,15 @@ class AlgorithmConfig:
         return self._set("exploration", kwargs)
 
     def evaluation(self, **kwargs: Any) -> "AlgorithmConfig":
+        if isinstance(kwargs.get("evaluation_config"), AlgorithmConfig):  # kept as the settings it changes
+            kwargs["evaluation_config"] = kwargs["evaluation_config"].changed_settings()
         return self._set("evaluation", kwargs)
+
+    def changed_settings(self) -> dict[str, Any]:
+        """The settings that differ from this config class's defaults."""
+        defaults = type(self)()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "_unknown" and getattr(self, f.name) != getattr(defaults, f.name)}
 
     @classmethod
     def overrides(cls, **kwargs: Any) -> dict[str, Any]:
@@ -299,10 +308,8 @@ class AlgorithmConfig:
     def evaluation_settings(self) -> "AlgorithmConfig":
         """This config with ``evaluation_config`` applied: what evaluators run with."""
         overrides = self.evaluation_config
-        if isinstance(overrides, AlgorithmConfig):  # a config: the settings it changed from its defaults
-            defaults = type(overrides)()
-            overrides = {f.name: getattr(overrides, f.name) for f in fields(overrides)
-                         if f.name != "_unknown" and getattr(overrides, f.name) != getattr(defaults, f.name)}
+        if isinstance(overrides, AlgorithmConfig):  # set directly, not through evaluation()
+            overrides = overrides.changed_settings()
         out = self.copy()
         out.evaluation_config = None
         for key, value in (overrides or {}).items():

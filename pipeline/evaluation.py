@@ -10,7 +10,8 @@ settings as the training runners. One evaluation (``run``) lasts
 * ``evaluation_duration`` timesteps: rounded up to a multiple of the number of evaluators;
 * "auto": requests to every evaluator until ``stop`` is set (the parallel training step ended); the
   evaluation ends then, with what has come back: a request still running is not waited for (its
-  results are dropped), and the weights for the next evaluation queue behind it without blocking.
+  results are dropped), and the weights for the next evaluation queue behind it without blocking --
+  unless nothing has come back yet (a training step shorter than one request), then the first answer is.
 
 An evaluator that fails or does not answer within ``evaluation_sample_timeout_s`` is given up for
 this evaluation (and killed, to be recreated later if restarts are on); the healthy ones take over its
@@ -106,6 +107,7 @@ class Evaluators:
         fresh = set(manager.healthy_ids()) if c.evaluation_force_reset_envs_before_iteration else set()
         sent: dict[int, float] = {}
         tag = ("evaluation", self._runs)
+        answered = False
         while not stop.is_set():
             now = time.monotonic()
             for i in manager.healthy_ids():
@@ -120,12 +122,24 @@ class Evaluators:
             for res in manager.fetch_ready(timeout_s=0.0):
                 if res.ok and res.tag == tag:
                     self._fold(res.actor_id, res.value, metrics, episodes, "timesteps")
+                    answered = True
             if stop.is_set():
+                if not answered:  # a training step shorter than one request: report that request
+                    self._first_answer(tag, metrics, episodes)
                 return
             hung = [i for i in manager.healthy_ids() if manager.num_in_flight(i)
                     and time.monotonic() - sent.get(i, now) > c.evaluation_sample_timeout_s]
             if hung:  # a hung evaluator does not answer a ping either: that fails (and kills) it
                 manager.foreach_actor("ping", actor_ids=hung, timeout_s=1.0)
+
+    def _first_answer(self, tag: tuple, metrics: MetricsLogger, episodes: list) -> None:
+        manager = self.group.manager
+        deadline = time.monotonic() + self.config.evaluation_sample_timeout_s
+        while time.monotonic() < deadline and any(manager.num_in_flight(i) for i in manager.healthy_ids()):
+            for res in manager.fetch_ready(timeout_s=AUTO_POLL_S):
+                if res.ok and res.tag == tag:
+                    self._fold(res.actor_id, res.value, metrics, episodes, "timesteps")
+                    return
 
     def _fold(self, runner_id: int, value: dict, metrics: MetricsLogger, episodes: list, unit: str) -> int:
         export = value["metrics"]

@@ -267,3 +267,11 @@ def test_every_evaluation_snippet_of_the_page_builds():
         real = ppo().update_from_dict({k: v for k, v in snippet.to_dict().items() if k.startswith("evaluation")})
         real.validate()
         assert real.evaluation_settings().explore is (snippet.evaluation_config or {}).get("explore", True)
+
+
+def test_evaluation_config_as_a_config_object_keeps_what_it_changes():
+    cfg = ppo().evaluation(evaluation_config=PPOConfig().env_runners(explore=False, num_envs_per_env_runner=1))
+    assert cfg.evaluation_config == {"explore": False, "num_envs_per_env_runner": 1}
+    back = PPOConfig.from_dict(cfg.to_dict())
+    back.validate()
+    assert back.evaluation_settings().explore is False

@@ -104,7 +104,7 @@ class EnvRunner(EnvRunnerRole):
             torch.set_num_threads(settings.torch_threads)
             set_log_level(settings.log_level)
             if settings.niceness:
-                os.nice(settings.niceness)
+                lower_priority(settings.niceness)
         self.where = f"{'evaluation ' if settings.in_evaluation else ''}env runner {worker_index}"
         self.metrics = MetricsLogger()
         self.callback_metrics = MetricsLogger()
@@ -585,3 +585,18 @@ def set_log_level(level: str) -> None:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
             logger.addHandler(handler)
+
+
+def lower_priority(niceness: int) -> None:
+    """Raise the niceness of every thread of this process (Linux sets it per thread, and Ray's
+    threads already run), or of the process where threads cannot be listed."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        os.nice(niceness)
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+        except OSError:  # a thread that ended meanwhile
+            pass
