@@ -14,6 +14,7 @@ checkpoints, and computing actions.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
@@ -39,7 +40,7 @@ from pipeline.checkpoint import CheckpointError, read_checkpoint, read_extras, r
 from pipeline.config import AlgorithmConfig, ConfigError, resolve_import_path
 from pipeline.env_runner_group import EnvRunnerGroup
 from pipeline.envs import env_creator, probe_spaces
-from pipeline.evaluation import Evaluators
+from pipeline.evaluation import EVALUATOR_REQUEST_SLOTS, Evaluators
 from pipeline.learner_group import LearnerGroup
 from pipeline.registry import get_algorithm
 from protocols import nested
@@ -199,7 +200,9 @@ class Algorithm:
                                                 else AUTO_FRAGMENT)
             if c.evaluation_num_env_runners > 0 and not ray.is_initialized():
                 init_ray_if_needed(c)
-            self.evaluators = Evaluators(c, settings, self.fault_tolerance_settings(c), on_recreated=lambda ids: self._hook(
+            fault_tolerance = dataclasses.replace(self.fault_tolerance_settings(c),
+                                                  max_requests_in_flight=EVALUATOR_REQUEST_SLOTS)
+            self.evaluators = Evaluators(c, settings, fault_tolerance, on_recreated=lambda ids: self._hook(
                 "on_env_runners_recreated", algorithm=self, env_runner_group=self.evaluators.group,
                 env_runner_indices=ids, is_evaluation=True))
         return self.evaluators

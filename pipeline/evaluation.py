@@ -34,6 +34,9 @@ from pipeline.env_runner_group import EnvRunnerGroup
 log = logging.getLogger("runnel")
 
 AUTO_STEPS_PER_ENV = 50
+EVALUATOR_REQUEST_SLOTS = 4
+"""Requests an evaluator may have queued: an "auto" evaluation leaves at most one sample request
+running, so the next weights always find a slot, even behind a weights update still queued."""
 """Steps per sub-env of one request in "auto" mode (a request unfinished when training ends is dropped)."""
 AUTO_POLL_S = 0.05
 """How often an "auto" evaluation collects answers and sends new requests."""
@@ -111,8 +114,7 @@ class Evaluators:
         while not stop.is_set():
             now = time.monotonic()
             for i in manager.healthy_ids():
-                # two requests in flight: the evaluator starts the next while this thread sleeps
-                if manager.num_in_flight(i) < 2 and manager.submit(
+                if not manager.num_in_flight(i) and manager.submit(
                         "sample_metrics", num_timesteps=steps, force_reset=i in fresh, actor_ids=[i], tag=tag):
                     fresh.discard(i)
                     sent[i] = now
