@@ -13,11 +13,11 @@ to the caller instead of restarting the stage (a restart would only repeat it).
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from actors.core import UserCodeError
+from actors.imports import import_object
 
 HOOKS = ("on_algorithm_init", "on_env_runners_recreated", "on_checkpoint_loaded", "on_environment_created",
          "on_sub_environment_created", "on_episode_created", "on_episode_start", "on_episode_step",
@@ -160,14 +160,10 @@ class CallbacksSpec:
 def resolve(cls: Any) -> type:
     """A class, or ``"pkg.module:Name"`` / ``"pkg.module.Name"`` -> the class."""
     if isinstance(cls, str):
-        module, _, name = cls.partition(":") if ":" in cls else cls.rpartition(".")
         try:
-            obj: Any = importlib.import_module(module)
-            for part in name.split("."):
-                obj = getattr(obj, part)
+            cls = import_object(cls)
         except (ImportError, AttributeError, ValueError) as err:
             raise ValueError(f"cannot import callbacks class {cls!r}: {err}") from None
-        cls = obj
     if not isinstance(cls, type):
         raise ValueError(f"callbacks must be classes (or import paths to them), got {cls!r}; pass functions "
                          f"per hook instead: config.callbacks(on_episode_end=fn)")

@@ -264,7 +264,7 @@ class Algorithm:
                 self._eval_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runnel-evaluation")
             parallel = self._eval_thread.submit(self._evaluate, stop_eval)
         try:
-            self._train_steps(t0, sampled0, trained0)
+            steps = self._train_steps(t0, sampled0, trained0)
         finally:
             stop_eval.set()
         if parallel is not None:
@@ -274,7 +274,7 @@ class Algorithm:
         self.iteration += 1
         dt = time.perf_counter() - t0
         self.time_total_s += dt
-        result = self._result(dt, self._steps_this_iter)
+        result = self._result(dt, steps)
         if self.evaluation_results is not None and (evaluating or c.always_attach_evaluation_results):
             result["evaluation"] = self.evaluation_results
         self._hook("on_train_result", algorithm=self, result=result, metrics_logger=self.metrics)
@@ -282,7 +282,8 @@ class Algorithm:
             self.env_runner_group.apply_env_task_fn(self.env_task_fn, result)
         return result
 
-    def _train_steps(self, t0: float, sampled0: int, trained0: int) -> None:
+    def _train_steps(self, t0: float, sampled0: int, trained0: int) -> int:
+        """Training steps until the iteration's minimum time and step counts are met; how many ran."""
         c = self.config
         steps = 0
         while True:
@@ -295,7 +296,7 @@ class Algorithm:
                     and counters["num_env_steps_sampled_lifetime"] - sampled0 >= c.min_sample_timesteps_per_iteration
                     and counters["num_env_steps_trained_lifetime"] - trained0 >= c.min_train_timesteps_per_iteration):
                 break
-        self._steps_this_iter = steps
+        return steps
 
     # --- evaluation ---------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:

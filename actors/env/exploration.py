@@ -9,11 +9,11 @@ schedule.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 
+from actors.imports import import_object
 from actors.modules.distributions import ActionDistSpec, Categorical
 from actors.schedules import piecewise
 
@@ -177,12 +177,8 @@ def _resolve(name: str) -> Any:
     last = name.replace(":", ".").rsplit(".", 1)[-1]
     if name in EXPLORATIONS or (name.startswith("ray.rllib.") and last in EXPLORATIONS):
         return EXPLORATIONS[last]
-    module, _, qualname = name.partition(":") if ":" in name else name.rpartition(".")
     try:
-        obj: Any = importlib.import_module(module) if module else None
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
+        return import_object(name)
     except (ImportError, AttributeError, ValueError, TypeError):
         raise ValueError(f"unknown exploration type {name!r}: not a built-in ({sorted(EXPLORATIONS)}) and not an "
                          f"importable 'package.module:Class'") from None
-    return obj
