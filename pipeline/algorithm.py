@@ -41,6 +41,7 @@ from pipeline.config import AlgorithmConfig, ConfigError, resolve_import_path
 from pipeline.env_runner_group import EnvRunnerGroup
 from pipeline.envs import env_creator, probe_spaces
 from pipeline.evaluation import EVALUATOR_REQUEST_SLOTS, Evaluators
+from pipeline.external_config import external_settings
 from pipeline.learner_group import LearnerGroup
 from pipeline.registry import get_algorithm
 from protocols import nested
@@ -97,7 +98,8 @@ class Algorithm:
             np.random.seed(config.seed)
             torch.manual_seed(config.seed)
         self.name = type(self).__name__
-        self.env_creator = env_creator(config.env)
+        self.external = external_settings(config)
+        self.env_creator = env_creator(config.env) if config.env is not None else None
         obs_space, act_space = config.observation_space, config.action_space
         if obs_space is None or act_space is None:
             probed = probe_spaces(self.env_creator, config.env_config)
@@ -135,7 +137,7 @@ class Algorithm:
             self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space)
             self.env_runner_group = EnvRunnerGroup(
                 self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
-                self.fault_tolerance_settings(), compress_frames=self.compress_frames(),
+                self.fault_tolerance_settings(), compress_frames=self.compress_frames(), external=self.external,
                 on_recreated=lambda ids: self._hook(
                     "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
                     env_runner_indices=ids, is_evaluation=False))

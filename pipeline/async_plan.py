@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
@@ -38,6 +38,8 @@ TakeBatch = Callable[[float], "ChunkBatch | None"]
 @dataclass
 class AsyncPlanSettings:
     """Settings of the asynchronous plan, mixed into the configs of the algorithms that use it."""
+
+    synchronous_sampling: ClassVar[bool] = False
 
     num_envs_per_env_runner: int = 16
     """Sub-environments each runner steps as one vector."""

@@ -67,6 +67,8 @@ class ConfigError(ValueError):
 @dataclass
 class AlgorithmConfig:
     algo_name: ClassVar[str] = "Algorithm"
+    synchronous_sampling: ClassVar[bool] = True
+    """The algorithm asks its env runners for batches (PPO, DQN, SAC) rather than streaming from them."""
     algo_class: ClassVar[Any] = None
     """The algorithm this config builds (set by ``pipeline.registry.register_algorithm``)."""
 
@@ -215,6 +217,11 @@ class AlgorithmConfig:
     always_attach_evaluation_results: bool = True
     """Every ``train()`` result carries the latest evaluation results, also in iterations without one."""
 
+    # external clients
+    external_clients_config: dict | None = None
+    """Serve remote env clients instead of stepping envs: ``ExternalSettings`` keys (``address``,
+    ``inference_mode``, ``server_secret_key``...), set with ``.external_clients(...)``; None: off."""
+
     _unknown: dict = field(default_factory=dict, repr=False, compare=False)
 
     # --- builders -----------------------------------------------------------------------------
@@ -239,6 +246,12 @@ class AlgorithmConfig:
         if env is not None:
             kwargs["env"] = env
         return self._set("environment", kwargs)
+
+    def external_clients(self, **kwargs: Any) -> "AlgorithmConfig":
+        """Train on experience from remote clients (``protocols.client.PolicyClient``): each env runner
+        slot hosts a policy server; keys are ``actors.policy_server.ExternalSettings``'s fields."""
+        self.external_clients_config = {**(self.external_clients_config or {}), **kwargs}
+        return self
 
     def env_runners(self, **kwargs: Any) -> "AlgorithmConfig":
         return self._set("env_runners", kwargs)
@@ -398,12 +411,15 @@ class AlgorithmConfig:
         problems += check_schedule("lr", self.lr)
         if self.grad_clip is not None and (not is_number(self.grad_clip) or self.grad_clip <= 0):
             problems.append(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
-        if self.env is None:
+        if self.env is None and self.external_clients_config is None:
             problems.append("no environment: call .environment('CartPole-v1') (a gymnasium id, a registered name, "
                             "an env class or 'pkg.module:Class')")
         if not isinstance(self.model_config, dict):
             problems.append(f"model_config must be a dict, got {type(self.model_config).__name__}")
         problems += self._evaluation_problems()
+        from pipeline.external_config import external_problems
+
+        problems += external_problems(self)
         for key in ("env_task_fn", "custom_evaluation_function"):
             if getattr(self, key) is not None and not callable(getattr(self, key)) and not isinstance(getattr(self, key), str):
                 problems.append(f"{key} must be a function, got {getattr(self, key)!r}")

@@ -37,17 +37,27 @@ log = logging.getLogger("runnel")
 class EnvRunnerGroup:
     def __init__(self, settings: EnvRunnerSettings, num_env_runners: int, num_cpus_per_env_runner: float,
                  fault_tolerance: FaultToleranceSettings, *, compress_frames: bool = False,
-                 on_recreated: Callable[[list[int]], None] | None = None) -> None:
+                 on_recreated: Callable[[list[int]], None] | None = None, external: Any = None) -> None:
+        """``external`` (``actors.policy_server.ExternalSettings``): the slots host policy servers for
+        remote clients instead of env runners."""
         self.settings = settings
         self.compress_frames = compress_frames
         self.on_recreated = on_recreated
+        runner_cls: type = EnvRunner
+        extra: dict[str, Any] = {}
+        if external is not None:
+            from actors.policy_server import PolicyServer
+
+            runner_cls, extra = PolicyServer, {"external": external}
+        self.servers = external is not None
         if num_env_runners == 0:
-            make: Callable[[int, bool], Any] = lambda i, recreated: EnvRunner(settings, i, recreated)  # noqa: E731
+            make: Callable[[int, bool], Any] = lambda i, recreated: runner_cls(settings, i, recreated, **extra)  # noqa: E731
         else:
-            remote_cls = ray.remote(num_cpus=num_cpus_per_env_runner, max_restarts=0)(EnvRunner)
-            make = lambda i, recreated: remote_cls.remote(settings, worker_index=i, recreated=recreated)  # noqa: E731
+            remote_cls = ray.remote(num_cpus=num_cpus_per_env_runner, max_restarts=0)(runner_cls)
+            make = lambda i, recreated: remote_cls.remote(settings, worker_index=i, recreated=recreated, **extra)  # noqa: E731
         ids = [0] if num_env_runners == 0 else list(range(1, num_env_runners + 1))
-        name = "evaluation env runner" if settings.in_evaluation else "env runner"
+        name = ("policy server" if self.servers else
+                "evaluation env runner" if settings.in_evaluation else "env runner")
         self.manager = ActorManager(make, ids, fault_tolerance, on_restart=self._restore, name=name,
                                     in_process=num_env_runners == 0)
         self.manager.check_started(max(fault_tolerance.start_timeout_s, fault_tolerance.probe_timeout_s or 0.0),
@@ -63,6 +73,7 @@ class EnvRunnerGroup:
         self._ft_logged = {"num_remote_worker_restarts": 0, "num_remote_worker_failures": 0,
                            "num_dropped_requests": 0}  # manager counts already in the metrics
         self._tasks: dict[int, list] = {}  # curriculum: each runner's sub-env tasks, for recreated runners
+        self._last_delivered: dict[int, list] = {}  # policy servers: chunk ids of each slot's latest answer
 
     # --- views --------------------------------------------------------------------------------
     @property
@@ -95,6 +106,8 @@ class EnvRunnerGroup:
             ray.get(handle.set_weights.remote(self._weights, self._weights_version, self._timestep))
         if index in self._tasks:
             ray.get(handle.set_env_tasks.remote(self._tasks[index]))
+        if index in self._last_delivered:  # what the dead server handed on but could not acknowledge
+            ray.get(handle.confirm_delivered.remote(self._last_delivered[index]))
 
     def restart_failed(self, force: bool = False) -> list[int]:
         restarted = self.manager.probe_unhealthy_and_restart(force=force)
@@ -126,6 +139,8 @@ class EnvRunnerGroup:
                     frame, runner_metrics = res.value
                     got = decode(frame)
                     chunks.extend(got)
+                    if self.servers:
+                        self._last_delivered[res.actor_id] = [[c.episode_id, c.chunk_index] for c in got]
                     collected += sum(len(c) for c in got)
                     self.fold_metrics(res.actor_id, runner_metrics, metrics)
         return chunks
@@ -252,4 +267,9 @@ class EnvRunnerGroup:
                 self._tasks[res.actor_id] = res.value
 
     def stop(self) -> None:
+        if self.servers and not self.manager.in_process:  # let servers acknowledge what was trained on
+            try:
+                self.manager.foreach_actor("stop", timeout_s=15.0)
+            except Exception as err:  # noqa: BLE001 - they are killed next anyway
+                log.warning("stopping the policy servers: %s", err)
         self.manager.stop()

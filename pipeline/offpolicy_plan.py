@@ -90,6 +90,9 @@ class OffPolicySettings:
         if c.get("remote", False) and self.num_env_runners == 0:
             problems.append("replay_buffer_config remote=True needs num_env_runners >= 1: the runners stream to the "
                             "replay actor (with num_env_runners=0 use the in-process replay stage, remote=False)")
+        if c.get("remote", False) and self.external_clients_config is not None:
+            problems.append("replay_buffer_config remote=True streams from env runners, which policy servers do not "
+                            "do yet: with external clients use the in-process replay stage (remote=False)")
         if not is_int(c.get("prefetch", 2)) or c.get("prefetch", 2) < 1:
             problems.append(f"replay_buffer_config prefetch={c.get('prefetch')!r} must be an int >= 1")
         if not is_int(self.broadcast_interval) or self.broadcast_interval < 1:

@@ -261,6 +261,11 @@ class EpisodeBuilder:
     def is_done(self) -> bool:
         return self.terminated or self.truncated
 
+    @property
+    def started(self) -> bool:
+        """The episode's first observation is in (``add_reset`` was called)."""
+        return bool(self._obs)
+
     def __len__(self) -> int:
         """Steps collected since the last cut."""
         return len(self._actions)

@@ -75,7 +75,19 @@ class ChunkSchema:
                 raise ProtocolError(f"extra[{key!r}] must be a float array of shape ({steps},), got {got}")
 
 
-def _check(where: str, spec: Any, value: Any, rows: int) -> None:
+    def check_observation(self, obs: Any) -> None:
+        """One observation (no time dimension); raise ProtocolError naming the first mismatch."""
+        if self.obs_spec is not None:
+            _check("observation", self.obs_spec, obs, None)
+
+    def check_action(self, action: Any) -> None:
+        """One action (no time dimension), in the module's form."""
+        if self.act_spec is not None:
+            _check("action", self.act_spec, action, None)
+
+
+def _check(where: str, spec: Any, value: Any, rows: int | None) -> None:
+    """``rows``: the leading (time) dimension every leaf must have; None for a single value."""
     if isinstance(spec, dict):
         if not isinstance(value, dict) or set(value) != set(spec):
             got = sorted(value) if isinstance(value, dict) else type(value).__name__
@@ -91,7 +103,8 @@ def _check(where: str, spec: Any, value: Any, rows: int) -> None:
     else:
         if not isinstance(value, np.ndarray):
             raise ProtocolError(f"{where}: expected an array, got {type(value).__name__}")
-        if value.shape != (rows, *spec.shape):
-            raise ProtocolError(f"{where} has shape {value.shape}; the space expects {(rows, *spec.shape)}")
+        want = spec.shape if rows is None else (rows, *spec.shape)
+        if value.shape != want:
+            raise ProtocolError(f"{where} has shape {value.shape}; the space expects {want}")
         if value.dtype.kind not in _NUMERIC:
             raise ProtocolError(f"{where} has dtype {value.dtype}; expected a bool, int or float dtype")

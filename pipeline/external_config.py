@@ -1,0 +1,87 @@
+"""The ``external_clients`` config group: env runner slots hosting policy servers for remote clients.
+
+``config.environment(observation_space=..., action_space=...)`` with no env, plus
+``config.external_clients(address="tcp://0.0.0.0:9900", inference_mode="remote", ...)``: each env
+runner slot (or the driver, with ``num_env_runners=0``) runs an ``actors.policy_server.PolicyServer``
+instead of an ``EnvRunner``, and the algorithm trains on what clients send. The keys are the
+fields of ``ExternalSettings`` (documented there); they are checked here at ``build()``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+from urllib.parse import urlsplit
+
+from actors.external_security import SecurityError, ServerSecurity, is_loopback
+from actors.policy_server import ExternalSettings
+
+KEYS = tuple(f.name for f in dataclasses.fields(ExternalSettings))
+
+
+def external_settings(config: Any) -> ExternalSettings | None:
+    """The policy servers' settings, or None when the config has no external clients."""
+    d = config.external_clients_config
+    if d is None:
+        return None
+    d = dict(d)
+    if "fragment_length" not in d:
+        rfl = config.rollout_fragment_length
+        d["fragment_length"] = int(rfl) if rfl != "auto" else 200
+    return ExternalSettings(**d)
+
+
+def external_problems(config: Any) -> list[str]:
+    d = config.external_clients_config
+    if d is None:
+        return []
+    if not isinstance(d, dict):
+        return [f"external_clients settings must be a dict, got {type(d).__name__}"]
+    problems = []
+    for key in d:
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=2, cutoff=0.5)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"valid keys: {list(KEYS)}"
+            problems.append(f"unknown external_clients setting {key!r}; {hint}")
+    if problems:
+        return problems
+    x = external_settings(config)
+    parts = urlsplit(x.address) if isinstance(x.address, str) else None
+    try:
+        port = parts.port if parts is not None else None
+    except ValueError:
+        port = None
+    if parts is None or parts.scheme != "tcp" or not parts.hostname or port is None:
+        problems.append(f"external_clients address={x.address!r} must look like 'tcp://HOST:PORT' "
+                        f"(e.g. 'tcp://0.0.0.0:9900' for all interfaces)")
+    elif port + max(1, config.num_env_runners) - 1 > 65535:
+        problems.append(f"external_clients address port {port} + {config.num_env_runners} servers exceeds 65535")
+    if x.inference_mode not in ("remote", "local"):
+        problems.append(f"external_clients inference_mode={x.inference_mode!r} is not one of ['remote', 'local']")
+    for key in ("max_batch", "max_pending_steps", "max_clients", "max_open_episodes", "max_requests_in_flight",
+                "max_frame_bytes", "max_chunk_steps", "fragment_length"):
+        value = getattr(x, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"external_clients {key} must be an int >= 1, got {value!r}")
+    for key in ("batch_wait_s", "sample_wait_s", "idle_timeout_s"):
+        value = getattr(x, key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            problems.append(f"external_clients {key} must be a number >= 0, got {value!r}")
+    if x.server_secret_key is None and not problems:
+        try:  # the plaintext rule, checked here so the error comes before anything starts
+            if not is_loopback(x.address) and not x.allow_plaintext:
+                ServerSecurity(None, x.address, None, x.allowed_client_keys, False)
+            elif x.allowed_client_keys:
+                raise SecurityError("allowed_client_keys needs server_secret_key (CURVE)")
+        except SecurityError as err:
+            problems.append(f"external_clients: {err}")
+    if config.observation_space is None or config.action_space is None:
+        problems.append("external clients need the spaces they act in: .environment(observation_space=..., "
+                        "action_space=...) (gymnasium spaces)")
+    if not config.synchronous_sampling:
+        problems.append(f"{config.algo_name} samples by streaming, which policy servers do not do yet: external "
+                        f"clients train PPO, or DQN/SAC with the in-process replay buffer")
+    if config.evaluation_interval and config.env is None:
+        problems.append("evaluation runs an env in evaluators, and this config has none: set .environment(env=...) "
+                        "or turn evaluation_interval off")
+    return problems

@@ -1,0 +1,355 @@
+"""External clients: the policy server and client in one process -- the protocol, acknowledgements,
+deduplication across a server restart, CURVE, hostile input, and the config group."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import gymnasium as gym
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from actors.env import EnvRunnerSettings
+from actors.external_security import SecurityError, make_keys
+from actors.policy_server import ExternalSettings, PolicyServer
+from pipeline.config import ConfigError
+from protocols import external as wire
+from protocols.client import PolicyClient, run_env
+from protocols.codec import encode
+from protocols.episode import EpisodeBuilder
+from protocols.external import ServerError
+from tests.spec_client import SpecClient
+
+CARTPOLE = gym.make("CartPole-v1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_server(tmp_path, **kwargs) -> PolicyServer:
+    settings = EnvRunnerSettings(env_creator=None, observation_space=CARTPOLE.observation_space,
+                                 action_space=CARTPOLE.action_space)
+    kwargs.setdefault("address", f"tcp://127.0.0.1:{free_port()}")
+    kwargs.setdefault("journal_dir", str(tmp_path / "journal"))
+    kwargs.setdefault("fragment_length", 20)
+    kwargs.setdefault("sample_wait_s", 2.0)
+    return PolicyServer(settings, 0, external=ExternalSettings(**kwargs))
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = make_server(tmp_path)
+    yield srv
+    srv.stop()
+
+
+def ids(chunks) -> list[tuple[str, int]]:
+    return [(c.episode_id, c.chunk_index) for c in chunks]
+
+
+def test_remote_inference_episodes_reach_the_algorithm_and_are_acknowledged(server):
+    with PolicyClient(server.address, "remote", timeout_s=20) as client:
+        returns = run_env(client, gym.make("CartPole-v1"), num_episodes=3, seed=0)
+        steps = int(sum(returns))
+        got = server.sample(steps)
+        assert sum(len(c) for c in got) == steps
+        assert {c.episode_id for c in got if c.is_done} == {c.episode_id for c in got}  # every episode ended
+        assert all(len(c) <= 20 for c in got)
+        for c in got:
+            assert c.extra["action_logp"].shape == (len(c),)
+            assert c.extra["action_dist_inputs"].shape == (len(c), 2)
+            assert np.all(c.extra["action_logp"] <= 0)
+        assert client.unacknowledged == len(got)  # held until the algorithm asks again
+        server.sample(1)  # the driver asking again means it has the previous chunks: they are committed
+        client.flush(timeout_s=10)
+        assert sorted(client.committed) == sorted(ids(got))
+        metrics = server.get_metrics()
+        assert metrics["external/num_actions_served"]["value"] >= steps
+
+
+def test_chunk_boundaries_share_observations(server):
+    with PolicyClient(server.address, "remote", timeout_s=20) as client:
+        run_env(client, gym.make("CartPole-v1"), num_episodes=1, seed=3)
+        chunks = sorted(server.sample(1), key=lambda c: c.chunk_index)
+        for a, b in zip(chunks, chunks[1:]):
+            np.testing.assert_array_equal(a.obs[-1], b.obs[0])
+            assert b.t_started == a.t_started + len(a)
+        server.sample(1)  # commits, so closing the client (which waits for that) returns at once
+
+
+def test_a_client_written_from_the_spec_alone_plays_and_uploads(server):
+    spec = SpecClient(server.address)
+    try:
+        welcome = spec.hello()
+        assert welcome["op"] == "welcome" and welcome["fragment_length"] == 20
+        assert spec.request({"op": "start", "episode_id": "spec-1"})[0]["op"] == "started"
+        env = gym.make("CartPole-v1")
+        obs, _ = env.reset(seed=1)
+        rows, actions, rewards, logps, dists, version = [list(map(float, obs))], [], [], [], [], 0
+        for _ in range(10):
+            action, logp, dist, version = spec.act("spec-1", list(map(float, obs)))
+            obs, reward, terminated, truncated, _ = env.step(action)
+            rows.append(list(map(float, obs)))
+            actions.append(action)
+            rewards.append(float(reward))
+            logps.append(logp)
+            dists.append(dist)
+            if terminated:
+                break
+        reply = spec.send_chunk("spec-1", 0, rows, actions, rewards, logps, dists, bool(terminated), 0, version)
+        assert reply["op"] == "received" and reply["ids"] == [["spec-1", 0]]
+        got = server.sample(1)
+        assert ids(got) == [("spec-1", 0)]
+        np.testing.assert_allclose(got[0].obs[0], rows[0])
+        np.testing.assert_array_equal(got[0].actions, actions)
+        server.sample(1)
+        assert spec.wait_committed(["spec-1", 0])
+    finally:
+        spec.close()
+
+
+def _chunk_frame(eid: str, index: int, steps: int = 5, obs_dim: int = 4):
+    b = EpisodeBuilder(eid)
+    b.add_reset(np.zeros(obs_dim, np.float32))
+    for t in range(steps):
+        b.add_step(np.int64(t % 2), 1.0, np.full(obs_dim, t, np.float32),
+                   extra={"action_logp": np.float32(-0.7), "action_dist_inputs": np.zeros(2, np.float32)})
+    chunk = b.cut()
+    chunk.chunk_index = index  # stands for a later chunk of the episode: only its id matters here
+    return encode([chunk], compress=False)
+
+
+def test_copies_of_a_chunk_are_dropped_before_and_after_commit(server):
+    spec = SpecClient(server.address)
+    try:
+        spec.hello()
+        frame = _chunk_frame("dup", 0)
+        first, _ = spec.request({"op": "chunks", "ids": [["dup", 0]]}, frame)
+        again, _ = spec.request({"op": "chunks", "ids": [["dup", 0]]}, frame)
+        assert first["ids"] == again["ids"] == [["dup", 0]]
+        assert ids(server.sample(1)) == [("dup", 0)]  # once, though sent twice
+        while_delivered, _ = spec.request({"op": "chunks", "ids": [["dup", 0]]}, frame)
+        assert while_delivered["ids"] == [["dup", 0]]
+        assert server.sample(1) == []  # commits ("dup", 0); the copy sent meanwhile is not handed on again
+        after, _ = spec.request({"op": "chunks", "ids": [["dup", 0]]}, frame)
+        assert after["op"] == "received" and after["ids"] == [] and after["committed"] == [["dup", 0]]
+        assert server.sample(1) == []
+        assert server.get_metrics()["external/num_duplicate_chunks"]["value"] == 3
+    finally:
+        spec.close()
+
+
+def test_the_journal_remembers_committed_ids_across_a_server_restart(tmp_path):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    first = make_server(tmp_path, address=address)
+    spec = SpecClient(address)
+    try:
+        spec.hello()
+        spec.request({"op": "chunks", "ids": [["j", 0]]}, _chunk_frame("j", 0))
+        assert ids(first.sample(1)) == [("j", 0)]
+        first.sample(1)  # committed and journaled; the spec client never reads the acknowledgement
+        first.stop()
+        second = make_server(tmp_path, address=address)
+        try:
+            reply, _ = spec.request({"op": "chunks", "ids": [["j", 0]]}, _chunk_frame("j", 0))
+            assert reply["code"] == wire.HELLO_FIRST  # a new server: the connection must say hello again
+            spec.hello()
+            reply, _ = spec.request({"op": "chunks", "ids": [["j", 0]]}, _chunk_frame("j", 0))
+            assert reply["committed"] == [["j", 0]] and reply["ids"] == []
+            assert second.sample(1) == []
+        finally:
+            second.stop()
+    finally:
+        spec.close()
+
+
+def test_a_client_resends_to_a_restarted_server_and_nothing_is_handed_on_twice(tmp_path):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    first = make_server(tmp_path, address=address)
+    client = PolicyClient(address, "remote", timeout_s=30, resend_after_s=1.0)
+    try:
+        run_env(client, gym.make("CartPole-v1"), num_episodes=2, seed=5)
+        handed_on = ids(first.sample(1))
+        first.stop()  # commits what the driver took; the acknowledgements may or may not reach the client
+        second = make_server(tmp_path, address=address)
+        try:
+            run_env(client, gym.make("CartPole-v1"), num_episodes=2, seed=7)
+            later = []
+            for _ in range(30):  # whatever the client still holds is sent again; the journal drops the old
+                later += ids(second.sample(1))
+                if client.unacknowledged == 0:
+                    break
+            assert client.unacknowledged == 0
+            assert not set(later) & set(handed_on)
+            assert len(later) == len(set(later))
+            assert set(client.committed) == set(handed_on) | set(later)
+        finally:
+            second.stop()
+    finally:
+        client.close(flush=False)
+
+
+def test_a_recreated_server_is_told_what_its_predecessor_handed_on(tmp_path):
+    server = make_server(tmp_path, journal_dir="")  # no journal: only the group's word
+    try:
+        spec = SpecClient(server.address)
+        spec.hello()
+        server.confirm_delivered([["gone", 0]])
+        reply, _ = spec.request({"op": "chunks", "ids": [["gone", 0]]}, _chunk_frame("gone", 0))
+        assert reply["committed"] == [["gone", 0]]
+        assert server.sample(1) == []
+        spec.close()
+    finally:
+        server.stop()
+
+
+def test_errors_are_replies_and_the_server_keeps_serving(server):
+    good = PolicyClient(server.address, "remote", timeout_s=20)
+    ctx = zmq.Context()
+    bad = ctx.socket(zmq.DEALER)
+    bad.linger = 0
+    bad.connect(server.address)
+
+    def ask(*parts: bytes) -> dict:
+        bad.send_multipart(list(parts))
+        assert bad.poll(10_000), "the server did not answer"
+        return msgpack.unpackb(bad.recv_multipart()[0], raw=False)
+
+    try:
+        hello = msgpack.packb({"op": "hello", "id": 1, "protocol": "runnel-external", "version": 1,
+                               "inference_mode": "remote"})
+        assert ask(msgpack.packb({"op": "act", "id": 2, "episode_id": "x"}), b"")["code"] == wire.HELLO_FIRST
+        assert ask(b"\xc1garbage")["code"] == wire.BAD_MESSAGE
+        assert ask(hello)["op"] == "welcome"
+        assert ask(msgpack.packb([1, 2, 3]))["code"] == wire.BAD_MESSAGE
+        assert ask(msgpack.packb({"op": "launch_missiles", "id": 3}))["code"] == wire.BAD_MESSAGE
+        assert ask(msgpack.packb({"op": "start", "id": 4, "episode_id": 12}))["code"] == wire.BAD_MESSAGE
+        assert ask(msgpack.packb({"op": "act", "id": 5, "episode_id": "never-started"}),
+                   encode({"obs": np.zeros(4, np.float32)}))["code"] == wire.UNKNOWN_EPISODE
+        assert ask(msgpack.packb({"op": "start", "id": 6, "episode_id": "e"}))["op"] == "started"
+        assert ask(msgpack.packb({"op": "act", "id": 7, "episode_id": "e"}),
+                   encode({"obs": np.zeros(7, np.float32)}))["code"] == wire.BAD_OBSERVATION
+        assert ask(msgpack.packb({"op": "act", "id": 8, "episode_id": "e"}), b"RNNL" + b"\xff" * 40)["code"] == \
+            wire.BAD_MESSAGE
+        wrong_id = ask(msgpack.packb({"op": "chunks", "id": 9, "ids": [["other", 0]]}), _chunk_frame("mine", 0))
+        assert wrong_id["code"] == wire.BAD_CHUNK
+        wrong_shape = ask(msgpack.packb({"op": "chunks", "id": 10, "ids": [["w", 0]]}), _chunk_frame("w", 0, obs_dim=3))
+        assert wrong_shape["code"] == wire.BAD_CHUNK and "shape" in wrong_shape["message"]
+        spaces = msgpack.packb({"op": "hello", "id": 11, "protocol": "runnel-external", "version": 1,
+                                "inference_mode": "remote", "observation_space": {"type": "Discrete", "n": 3}})
+        assert ask(spaces)["code"] == wire.SPACES_MISMATCH
+        old = msgpack.packb({"op": "hello", "id": 12, "protocol": "runnel-external", "version": 99,
+                             "inference_mode": "remote"})
+        assert ask(old)["code"] == wire.VERSION_MISMATCH
+        # a flood of garbage: the well-behaved client is served all the while
+        eid = good.start_episode()
+        stop = threading.Event()
+        served = []
+
+        def play() -> None:
+            obs = np.zeros(4, np.float32)
+            while not stop.is_set():
+                served.append(good.get_action(eid, obs))
+
+        player = threading.Thread(target=play)
+        player.start()
+        for i in range(300):
+            bad.send_multipart([b"\x92\x01"])  # a msgpack array, not a map
+        replies = 0
+        while replies < 101 and bad.poll(10_000):
+            reply = msgpack.unpackb(bad.recv_multipart()[0], raw=False)
+            replies += 1
+            if reply["code"] == wire.BANNED:
+                break
+        assert reply["code"] == wire.BANNED and reply["fatal"]
+        assert not bad.poll(300)  # ignored from now on
+        stop.set()
+        player.join()
+        assert len(served) > 0 and good.get_action(eid, np.zeros(4, np.float32)) in (0, 1)
+        assert server.error is None
+    finally:
+        bad.close()
+        ctx.term()
+        good.close(flush=False)
+
+
+def test_an_oversized_frame_drops_only_that_connection(tmp_path):
+    server = make_server(tmp_path, max_frame_bytes=1 << 16)
+    ctx = zmq.Context()
+    bad = ctx.socket(zmq.DEALER)
+    bad.linger = 0
+    try:
+        with PolicyClient(server.address, "remote", timeout_s=20) as good:
+            bad.connect(server.address)
+            bad.send_multipart([msgpack.packb({"op": "ping", "id": 1}), b"x" * (1 << 17)])
+            eid = good.start_episode()
+            assert good.get_action(eid, np.zeros(4, np.float32)) in (0, 1)
+            assert server.error is None
+    finally:
+        bad.close()
+        ctx.term()
+        server.stop()
+
+
+def test_too_many_open_episodes_is_an_error_reply(tmp_path):
+    server = make_server(tmp_path, max_open_episodes=2)
+    try:
+        with PolicyClient(server.address, "remote", timeout_s=20) as client:
+            client.start_episode()
+            client.start_episode()
+            with pytest.raises(ServerError, match="too_many_episodes"):
+                client.start_episode()
+    finally:
+        server.stop()
+
+
+def test_curve_admits_listed_keys_only(tmp_path):
+    server_pub, server_secret = make_keys(str(tmp_path / "keys"), "server")
+    _, good_secret = make_keys(str(tmp_path / "clients"), "good")
+    _, stranger_secret = make_keys(str(tmp_path / "strangers"), "stranger")
+    server = make_server(tmp_path, server_secret_key=server_secret, allowed_client_keys=str(tmp_path / "clients"))
+    try:
+        with PolicyClient(server.address, "remote", server_public_key=server_pub, client_key=good_secret,
+                          timeout_s=20) as client:
+            eid = client.start_episode()
+            assert client.get_action(eid, np.zeros(4, np.float32)) in (0, 1)
+        with pytest.raises(TimeoutError):
+            PolicyClient(server.address, "remote", server_public_key=server_pub, client_key=stranger_secret,
+                         timeout_s=2)
+        with pytest.raises(TimeoutError):  # plaintext to a CURVE server: no handshake either
+            PolicyClient(server.address, "remote", timeout_s=2)
+        assert server.get_metrics()["external/num_refused_keys"]["value"] >= 1
+    finally:
+        server.stop()
+
+
+def test_plaintext_is_refused_off_loopback_unless_asked_for(tmp_path):
+    with pytest.raises(SecurityError, match="CURVE"):
+        make_server(tmp_path, address=f"tcp://0.0.0.0:{free_port()}")
+    server = make_server(tmp_path, address=f"tcp://0.0.0.0:{free_port()}", allow_plaintext=True)
+    server.stop()
+
+
+def test_config_group_is_validated():
+    from pipeline.algorithms.impala import IMPALAConfig
+    from pipeline.algorithms.ppo import PPOConfig
+
+    spaces = {"observation_space": CARTPOLE.observation_space, "action_space": CARTPOLE.action_space}
+    with pytest.raises(ConfigError, match="observation_space"):
+        PPOConfig().external_clients(address="tcp://127.0.0.1:9000").validate()
+    with pytest.raises(ConfigError, match="did you mean 'max_batch'"):
+        PPOConfig().environment(**spaces).external_clients(max_bacth=4).validate()
+    with pytest.raises(ConfigError, match="tcp://HOST:PORT"):
+        PPOConfig().environment(**spaces).external_clients(address="127.0.0.1").validate()
+    with pytest.raises(ConfigError, match="CURVE"):
+        PPOConfig().environment(**spaces).external_clients(address="tcp://0.0.0.0:9000").validate()
+    with pytest.raises(ConfigError, match="streaming"):
+        IMPALAConfig().environment(**spaces).external_clients().validate()
+    with pytest.raises(ConfigError, match="no environment"):
+        PPOConfig().validate()
+    PPOConfig().environment(**spaces).external_clients(address="tcp://127.0.0.1:9000").validate()
