@@ -5,6 +5,7 @@
     runnel train --algo PPO --env CartPole-v1 --stop '{"env_runners/episode_return_mean": 450}'
     runnel train file tuned/cartpole-ppo.yaml [flags that override the file]
     runnel evaluate ~/runnel_results/PPO_CartPole-v1_2025-01-01_12-00-00/checkpoint_000012 --episodes 10
+    runnel keys server sim-1 --dir keys/     (CURVE key pairs for a policy server and its clients)
 
 ``train`` writes a run directory ``<output-dir>/<ALGO>_<env>_<YYYY-mm-dd_HH-MM-SS>`` holding
 ``params.json``, ``result.json``, ``progress.csv``, TensorBoard event files (see
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="runnel", description="Train and evaluate reinforcement-learning agents with runnel.",
         epilog="Exit status: 0 done, 1 runtime failure, 2 usage/config error, 130 interrupted. "
                "RUNNEL_DEBUG=1 shows tracebacks.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate,keys}")
 
     t = sub.add_parser(
         "train", help="train an algorithm on an environment",
@@ -130,7 +131,35 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-env-runners", type=int, default=0, metavar="N",
                    help="evaluator actors playing the episodes in parallel (default 0: in this process)")
     e.set_defaults(func=cmd_evaluate)
+
+    k = sub.add_parser(
+        "keys", help="make CURVE key pairs for policy servers and their clients",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write NAME.key (the public key: give it to the other side) and NAME.key_secret (keep it,\n"
+                    "mode 0600) for each NAME into --dir. The server is configured with its .key_secret and\n"
+                    "the clients' .key files (allowed_client_keys); each client with the server's .key and\n"
+                    "its own .key_secret.",
+        epilog="example:\n  runnel keys server sim-1 sim-2 --dir keys/")
+    k.add_argument("names", nargs="+", metavar="NAME", help="one key pair per name (e.g. server, client-1)")
+    k.add_argument("--dir", default=".", help="where to write the files (default: the current directory)")
+    k.add_argument("--force", action="store_true", help="overwrite existing key files")
+    k.set_defaults(func=cmd_keys)
     return parser
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from actors.external_security import make_keys
+
+    for name in args.names:
+        if not name or "/" in name or name.startswith("."):
+            raise CLIError(f"key name {name!r} must be a plain file name (letters, digits, '-', '_')", EXIT_USAGE)
+        existing = [p for p in (f"{name}.key", f"{name}.key_secret") if os.path.exists(os.path.join(args.dir, p))]
+        if existing and not args.force:
+            raise CLIError(f"{os.path.join(args.dir, existing[0])} exists; pick another name or pass --force", EXIT_USAGE)
+    for name in args.names:
+        public, secret = make_keys(args.dir, name)
+        print(f"{name}: public {public}  secret {secret}")
+    return 0
 
 
 def _nonneg_int(text: str) -> int:

@@ -117,6 +117,7 @@ class PolicyClient:
         self._policy_version = -1
         self._last_pull = 0.0
         self._last_heard = 0.0
+        self._epoch = 0  # connections said hello on: a request sent before the latest hello is sent again
         self._closed = threading.Event()
         self._ctx = zmq.Context()
         self._curve = _curve_options(server_public_key, client_key)
@@ -194,6 +195,11 @@ class PolicyClient:
     def unacknowledged(self) -> int:
         """Chunks in the spool (sent or not, not yet committed by the server)."""
         return len(self._spool)
+
+    def spooled_ids(self) -> list[tuple[str, int]]:
+        """``(episode_id, chunk_index)`` of every chunk in the spool."""
+        with self._lock:
+            return list(self._spool)
 
     def close(self, flush: bool = True, timeout_s: float | None = None) -> None:
         """Say goodbye (after ``flush``, unless ``flush=False``) and release the socket."""
@@ -357,6 +363,7 @@ class PolicyClient:
         header = {"op": wire.HELLO, "protocol": wire.PROTOCOL, "version": wire.VERSION,
                   "inference_mode": self.requested_mode or "", "name": self.name, **self._spaces}
         welcome, _ = self._request(header, hello=True)
+        self._epoch += 1
         new_server = welcome.get("server_id") != self.server_id
         self.welcome, self.server_id = welcome, welcome.get("server_id")
         for ep in self._episodes.values():  # the server forgot them (or it is another server)
@@ -380,8 +387,11 @@ class PolicyClient:
             while True:
                 rid = next(self._ids)
                 header["id"] = rid
+                epoch = self._epoch
                 self._send(header, body)
-                reply = self._await(rid, deadline, header["op"])
+                reply = self._await(rid, deadline, header["op"], epoch)
+                if reply is None:  # reconnected meanwhile: the server never saw this request
+                    continue
                 h, parts = reply
                 if h.get("op") != wire.ERROR:
                     return reply
@@ -397,9 +407,12 @@ class PolicyClient:
                     continue
                 raise ServerError(str(code), str(h.get("message")), bool(h.get("fatal")))
 
-    def _await(self, rid: int, deadline: float, what: str) -> tuple[dict, list]:
+    def _await(self, rid: int, deadline: float, what: str, epoch: int) -> tuple[dict, list] | None:
+        """The reply to request ``rid``; None if the client said hello again meanwhile."""
         resent_at = time.monotonic()
         while rid not in self._replies:
+            if self._epoch != epoch and what != wire.HELLO:
+                return None
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"no answer to {what!r} from the policy server at {self.address} within "

@@ -353,3 +353,14 @@ def test_config_group_is_validated():
     with pytest.raises(ConfigError, match="no environment"):
         PPOConfig().validate()
     PPOConfig().environment(**spaces).external_clients(address="tcp://127.0.0.1:9000").validate()
+
+
+def test_runnel_keys_writes_key_pairs(tmp_path, capsys):
+    from pipeline.cli import main
+
+    assert main(["keys", "server", "sim-1", "--dir", str(tmp_path)]) == 0
+    for name in ("server.key", "server.key_secret", "sim-1.key", "sim-1.key_secret"):
+        assert (tmp_path / name).exists()
+    assert oct((tmp_path / "sim-1.key_secret").stat().st_mode & 0o777) == "0o600"
+    assert main(["keys", "server", "--dir", str(tmp_path)]) == 2  # never overwrites a key silently
+    assert "exists" in capsys.readouterr().err
