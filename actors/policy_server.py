@@ -294,7 +294,7 @@ class PolicyServer(EnvRunnerRole):
                 return
             conn.last_seen = time.monotonic()
             if op == wire.ACT:
-                self._on_act(route, conn, rid, header, parts[2])
+                self._on_act(route, conn, rid, header, parts[2] if len(parts) > 2 else None)
             elif op == wire.CHUNKS:
                 self._on_chunks(route, rid, header, parts[2])
             elif op == wire.START:
@@ -384,7 +384,7 @@ class PolicyServer(EnvRunnerRole):
         conn.episodes.add(eid)
         self._send(route, {"op": wire.STARTED, "id": rid, "episode_id": eid})
 
-    def _on_act(self, route: bytes, conn: _Conn, rid: int, h: dict, body: bytes) -> None:
+    def _on_act(self, route: bytes, conn: _Conn, rid: int, h: dict, body: bytes | None) -> None:
         eid = h["episode_id"]
         if eid not in conn.episodes:
             self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"episode {eid!r} was not started on this "
@@ -394,17 +394,17 @@ class PolicyServer(EnvRunnerRole):
             self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
                                          f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
             return
-        msg = decode(body, limits=self.act_limits)
-        if not isinstance(msg, dict) or "obs" not in msg:
-            raise ProtocolError("an act body must be a map with 'obs' (and optionally 'action')")
-        obs = nested.map_structure(np.asarray, msg["obs"])
-        given = msg.get("action")
+        if body is None:  # small observations travel in the header as plain msgpack
+            obs, given = h["obs"], h.get("action")
+        else:
+            msg = decode(body, limits=self.act_limits)
+            if not isinstance(msg, dict) or "obs" not in msg:
+                raise ProtocolError("an act body must be a map with 'obs' (and optionally 'action')")
+            obs, given = msg["obs"], msg.get("action")
         try:
-            self.schema.check_observation(obs)
+            obs = self.schema.observation_from_plain(obs)
             if given is not None:
-                given = np.asarray(given)
-                self.schema.check_action(given)
-                given = self._to_module_action(given)
+                given = self._to_module_action(self.schema.action_from_plain(given))
         except ProtocolError as err:
             self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
             return
@@ -421,38 +421,45 @@ class PolicyServer(EnvRunnerRole):
         low, high = self.action_space.low, self.action_space.high
         return (2.0 * (action - low) / (high - low) - 1.0).astype(np.float32)
 
-    @torch.inference_mode()
     def _infer(self) -> None:
         acts, self._acts = self._acts, []
         n = len(acts)
         obs = nested.stack([a.obs for a in acts])
+        explore = [a.explore for a in acts]
+        given = {i: a.action for i, a in enumerate(acts) if a.action is not None}
         with self._module_lock:
-            dist_inputs = self.module.forward_exploration(to_torch(obs))["action_dist_inputs"]
-            dist = self.module.dist_spec.build(dist_inputs)
-            actions = self.exploration.actions(dist, True, self.timestep)
-            if not all(a.explore for a in acts):
-                keep = torch.tensor([a.explore for a in acts]).view(n, *([1] * (actions.dim() - 1)))
-                actions = torch.where(keep, actions, dist.deterministic())
-            for i, a in enumerate(acts):
-                if a.action is not None:
-                    actions[i] = torch.as_tensor(a.action, dtype=actions.dtype)
-            logp = dist.logp(actions).numpy()
+            module_actions, logp, dists = self._compute(obs, explore, given)
             version = self.weights_version
-        module_actions = actions.numpy()
         env_actions = self.env_actions(module_actions)
-        dists = dist_inputs.numpy()
+        env_list, logp_list, dist_list = env_actions.tolist(), logp.tolist(), dists.tolist()
+        raw_list = module_actions.tolist() if self.box_actions else None
         for i, a in enumerate(acts):
-            reply = {"action": env_actions[i], "extra": {"action_logp": logp[i], "action_dist_inputs": dists[i]}}
-            if self.box_actions:
-                reply["module_action"] = module_actions[i]
-            self._send(a.route, {"op": wire.ACTION, "id": a.rid, "weights_version": version},
-                       encode(reply, compress=False))
+            reply = {"op": wire.ACTION, "id": a.rid, "weights_version": version, "action": env_list[i],
+                     "logp": logp_list[i], "dist": dist_list[i]}
+            if raw_list is not None:
+                reply["module_action"] = raw_list[i]
+            self._send(a.route, reply)
             conn = self._conns.get(a.route)
             if conn is not None:
                 conn.in_flight -= 1
         self.num_env_steps_served += n
         self._counts["num_actions_served"] += n
         self._counts["num_inference_batches"] += 1
+
+    @torch.inference_mode()
+    def _compute(self, obs: Any, explore: list[bool], given: dict[int, np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A batch of observations -> (module actions, their log-probabilities, distribution inputs)."""
+        n = len(explore)
+        dist_inputs = self.module.forward_exploration(to_torch(obs))["action_dist_inputs"]
+        dist = self.module.dist_spec.build(dist_inputs)
+        actions = self.exploration.actions(dist, True, self.timestep)
+        if not all(explore):
+            keep = torch.tensor(explore).view(n, *([1] * (actions.dim() - 1)))
+            actions = torch.where(keep, actions, dist.deterministic())
+        for i, action in given.items():
+            actions[i] = torch.as_tensor(action, dtype=actions.dtype)
+        return actions.numpy(), dist.logp(actions).numpy(), dist_inputs.numpy()
 
     def _on_weights(self, route: bytes, rid: int, have: int) -> None:
         version = self.weights_version

@@ -50,6 +50,8 @@ log = logging.getLogger("runnel.client")
 
 REPLY_LIMITS = Limits(max_frame_bytes=256 << 20, max_decoded_bytes=512 << 20)
 """Bounds for what a client decodes from a server (weights of large policies included)."""
+INLINE_ELEMENTS = 4096
+"""Observations with at most this many numbers go in the act header as plain msgpack; bigger ones in a frame."""
 BUSY_RETRY_S = 0.5
 """How soon a chunk the server was too busy to take is offered again."""
 
@@ -235,7 +237,7 @@ class PolicyClient:
 
     def _step(self, eid: str, obs: Any, given: Any) -> Any:
         ep = self._episode(eid)
-        obs = nested.map_structure(np.asarray, obs)
+        obs = np.asarray(obs) if isinstance(obs, list) else nested.map_structure(np.asarray, obs)
         with self._lock:
             if ep.builder is not None:
                 if not ep.builder.started:
@@ -261,15 +263,24 @@ class PolicyClient:
             self._spool_chunk(b.cut())
 
     def _act_remote(self, eid: str, obs: Any, given: Any) -> tuple[Any, Any, dict, int]:
-        body = {"obs": obs} if given is None else {"obs": obs, "action": given}
-        header, parts = self._request({"op": wire.ACT, "episode_id": eid}, encode(body, compress=False),
-                                      retry_unknown_episode=eid)
-        reply = _decode_body(parts, "action")
-        action = reply["action"]
-        module_action = reply.get("module_action", action)
-        extra = {k: np.asarray(v, np.float32) for k, v in reply["extra"].items()}
-        self._policy_version = max(self._policy_version, int(header.get("weights_version", 0)))
-        return _env_value(action), module_action, extra, int(header.get("weights_version", 0))
+        request: dict[str, Any] = {"op": wire.ACT, "episode_id": eid}
+        body = None
+        if _size(obs) <= INLINE_ELEMENTS:  # small: plain msgpack in the header (no frame to build or parse)
+            request["obs"] = _plain(obs)
+            if given is not None:
+                request["action"] = _plain(given)
+        else:
+            body = encode({"obs": obs} if given is None else {"obs": obs, "action": given}, compress=False)
+        reply, _ = self._request(request, body, retry_unknown_episode=eid)
+        version = int(reply.get("weights_version", 0))
+        self._policy_version = max(self._policy_version, version)
+        action = self._from_plain_action(reply["action"])
+        module_action = np.asarray(reply["module_action"], np.float32) if "module_action" in reply else action
+        extra = {"action_logp": np.float32(reply["logp"]), "action_dist_inputs": np.asarray(reply["dist"], np.float32)}
+        return _env_value(action), module_action, extra, version
+
+    def _from_plain_action(self, value: Any) -> np.ndarray:
+        return np.asarray(value, dtype=self.welcome["action_mapping"]["dtype"])
 
     def _act_local(self, obs: Any, given: Any) -> tuple[Any, Any, dict, int]:
         if self._policy is None:
@@ -527,6 +538,23 @@ def run_env(client: PolicyClient, env: Any, num_episodes: int | None = None, max
                 client.end_episode(eid, obs, truncated=bool(truncated and not terminated))
         returns.append(total)
     return returns
+
+
+def _plain(value: Any) -> Any:
+    """Arrays -> nested lists (msgpack natives); dicts stay maps, tuples become arrays."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _size(value: Any) -> int:
+    return sum(np.size(leaf) for leaf in nested.flatten(value))
 
 
 def _decode_body(parts: list, what: str) -> Any:

@@ -45,8 +45,8 @@ REQUIRED_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     PING: {}, BYE: {},
 }
 """Fields each client op must carry, with their msgpack types (an op may carry more)."""
-BODY_OPS = frozenset({ACT, CHUNKS})
-"""Client ops that come with a body part."""
+BODY_OPS = frozenset({CHUNKS})
+"""Client ops that come with a body part (``act`` has one only when its observation is not in the header)."""
 
 # error codes (``{"op": "error", "id": ..., "code": ..., "message": ..., "fatal": bool}``)
 BAD_MESSAGE = "bad_message"          # unparsable header/body, missing or mistyped field, unknown op
@@ -100,9 +100,10 @@ def check_request(header: dict[str, Any], parts: int) -> None:
         if not isinstance(value, types) or isinstance(value, bool):
             raise ProtocolError(f"{op!r} needs {name!r} of type {'/'.join(t.__name__ for t in types)}, "
                                 f"got {type(value).__name__}")
-    want = 2 if op in BODY_OPS else 1
+    want = 2 if op in BODY_OPS or (op == ACT and "obs" not in header) else 1
     if parts != want:
-        raise ProtocolError(f"{op!r} is a message of {want} part(s), got {parts}")
+        raise ProtocolError(f"{op!r} is a message of {want} part(s) here, got {parts}"
+                            + (" (an act without 'obs' in its header carries it in a body)" if op == ACT else ""))
     eid = header.get("episode_id")
     if eid is not None:
         check_episode_id(eid)

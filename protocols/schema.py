@@ -18,10 +18,11 @@ _NUMERIC = frozenset("biuf")
 
 
 class _Leaf:
-    __slots__ = ("shape",)
+    __slots__ = ("shape", "dtype", "size")
 
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.shape = shape
+    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.size = int(np.prod(shape))
 
 
 def _spec(desc: dict) -> Any:
@@ -31,12 +32,12 @@ def _spec(desc: dict) -> Any:
     if kind == "Tuple":
         return [_spec(s) for s in desc["spaces"]]
     if kind in ("Box", "MultiDiscrete"):
-        return _Leaf(tuple(int(d) for d in desc["shape"]))
+        return _Leaf(tuple(int(d) for d in desc["shape"]), desc.get("dtype", "float32"))
     if kind == "Discrete":
-        return _Leaf(())
+        return _Leaf((), desc.get("dtype", "int64"))
     if kind == "MultiBinary":
         n = desc["n"]
-        return _Leaf((int(n),) if isinstance(n, int) else tuple(int(d) for d in n))
+        return _Leaf((int(n),) if isinstance(n, int) else tuple(int(d) for d in n), "int8")
     raise ProtocolError(f"cannot check chunks against a space of type {kind!r}")
 
 
@@ -84,6 +85,44 @@ class ChunkSchema:
         """One action (no time dimension), in the module's form."""
         if self.act_spec is not None:
             _check("action", self.act_spec, action, None)
+
+
+    def observation_from_plain(self, value: Any) -> Any:
+        """One observation in plain msgpack form (numbers, nested lists, maps) -> arrays of the
+        space's dtypes; raise ProtocolError naming the first mismatch."""
+        return _from_plain("observation", self.obs_spec, value)
+
+    def action_from_plain(self, value: Any) -> Any:
+        return _from_plain("action", self.act_spec, value)
+
+
+def _from_plain(where: str, spec: Any, value: Any) -> Any:
+    if isinstance(spec, dict):
+        if not isinstance(value, dict) or set(value) != set(spec):
+            got = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise ProtocolError(f"{where}: expected a map with keys {sorted(spec)}, got {got}")
+        return {k: _from_plain(f"{where}[{k!r}]", spec[k], value[k]) for k in spec}
+    if isinstance(spec, list):
+        if not isinstance(value, (list, tuple)) or len(value) != len(spec):
+            got = f"{len(value)} items" if isinstance(value, (tuple, list)) else type(value).__name__
+            raise ProtocolError(f"{where}: expected an array of {len(spec)} items, got {got}")
+        return tuple(_from_plain(f"{where}[{i}]", s, v) for i, (s, v) in enumerate(zip(spec, value)))
+    if spec is None:
+        raise ProtocolError(f"{where}: no space to read it with")
+    if isinstance(value, np.ndarray):
+        arr = value
+    else:
+        if isinstance(value, (str, bytes, dict)) or value is None:
+            raise ProtocolError(f"{where}: expected numbers, got {type(value).__name__}")
+        try:
+            arr = np.asarray(value, dtype=spec.dtype)
+        except (TypeError, ValueError, OverflowError) as err:
+            raise ProtocolError(f"{where}: not numbers of dtype {spec.dtype}: {err}") from None
+    if arr.shape != spec.shape:
+        raise ProtocolError(f"{where} has shape {arr.shape}; the space expects {spec.shape}")
+    if arr.dtype.kind not in _NUMERIC:
+        raise ProtocolError(f"{where} has dtype {arr.dtype}; expected a bool, int or float dtype")
+    return arr
 
 
 def _check(where: str, spec: Any, value: Any, rows: int | None) -> None:

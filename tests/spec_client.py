@@ -98,14 +98,15 @@ class SpecClient:
         return reply
 
     def act(self, episode_id: str, obs: list[float]) -> tuple[int, float, list[float], int]:
-        reply, parts = self.request({"op": "act", "episode_id": episode_id},
-                                    frame("msg", {"obs": Array(obs, [len(obs)], "<f4")}))
+        reply, _ = self.request({"op": "act", "episode_id": episode_id, "obs": obs})
         assert reply["op"] == "action", reply
-        body = parse(parts[0])
-        action = body["action"]
-        action = action.values[0] if isinstance(action, Array) else action
-        dist = body["extra"]["action_dist_inputs"]
-        return int(action), float(body["extra"]["action_logp"]), dist.values, reply["weights_version"]
+        return int(reply["action"]), float(reply["logp"]), reply["dist"], reply["weights_version"]
+
+    def act_with_frame(self, episode_id: str, obs: list[float]) -> dict:
+        """The same request with the observation in a body frame (how large observations travel)."""
+        reply, _ = self.request({"op": "act", "episode_id": episode_id},
+                                frame("msg", {"obs": Array(obs, [len(obs)], "<f4")}))
+        return reply
 
     def send_chunk(self, episode_id: str, index: int, obs: list[list[float]], actions: list[int],
                    rewards: list[float], logps: list[float], dists: list[list[float]], terminated: bool,

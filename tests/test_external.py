@@ -101,6 +101,7 @@ def test_a_client_written_from_the_spec_alone_plays_and_uploads(server):
             dists.append(dist)
             if terminated:
                 break
+        assert spec.act_with_frame("spec-1", list(map(float, obs)))["action"] in (0, 1)
         reply = spec.send_chunk("spec-1", 0, rows, actions, rewards, logps, dists, bool(terminated), 0, version)
         assert reply["op"] == "received" and reply["ids"] == [["spec-1", 0]]
         got = server.sample(1)
@@ -234,6 +235,11 @@ def test_errors_are_replies_and_the_server_keeps_serving(server):
         assert ask(msgpack.packb({"op": "start", "id": 6, "episode_id": "e"}))["op"] == "started"
         assert ask(msgpack.packb({"op": "act", "id": 7, "episode_id": "e"}),
                    encode({"obs": np.zeros(7, np.float32)}))["code"] == wire.BAD_OBSERVATION
+        assert ask(msgpack.packb({"op": "act", "id": 7, "episode_id": "e", "obs": [1, 2]}))["code"] == \
+            wire.BAD_OBSERVATION
+        assert ask(msgpack.packb({"op": "act", "id": 7, "episode_id": "e", "obs": ["a", "b", "c", "d"]}))["code"] == \
+            wire.BAD_OBSERVATION
+        assert ask(msgpack.packb({"op": "act", "id": 7, "episode_id": "e", "obs": [0.0] * 4}))["op"] == "action"
         assert ask(msgpack.packb({"op": "act", "id": 8, "episode_id": "e"}), b"RNNL" + b"\xff" * 40)["code"] == \
             wire.BAD_MESSAGE
         wrong_id = ask(msgpack.packb({"op": "chunks", "id": 9, "ids": [["other", 0]]}), _chunk_frame("mine", 0))
