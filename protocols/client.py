@@ -106,6 +106,7 @@ class PolicyClient:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._replies: dict[int, tuple[dict, list]] = {}
+        self._awaiting: set[int] = set()  # request ids whose replies a caller waits for
         self._episodes: dict[str, _Episode] = {}
         self._spool: OrderedDict[tuple[str, int], _Spooled] = OrderedDict()
         self._spool_freed = threading.Condition(self._lock)
@@ -119,6 +120,7 @@ class PolicyClient:
         self._policy_version = -1
         self._last_pull = 0.0
         self._last_heard = 0.0
+        self._in_hello = False
         self._epoch = 0  # connections said hello on: a request sent before the latest hello is sent again
         self._closed = threading.Event()
         self._ctx = zmq.Context()
@@ -237,7 +239,8 @@ class PolicyClient:
 
     def _step(self, eid: str, obs: Any, given: Any) -> Any:
         ep = self._episode(eid)
-        obs = np.asarray(obs) if isinstance(obs, list) else nested.map_structure(np.asarray, obs)
+        # copies: an env may reuse its observation buffer, and the chunk keeps every row
+        obs = np.array(obs) if isinstance(obs, list) else nested.map_structure(np.array, obs)
         with self._lock:
             if ep.builder is not None:
                 if not ep.builder.started:
@@ -290,11 +293,19 @@ class PolicyClient:
         if given is None:
             actions, extra = policy.act(batch, explore=self.welcome.get("explore", True), rng=self._rng)
         else:
-            actions = np.asarray(given)[None]
+            actions = self._to_module(np.asarray(given))[None]
             extra = policy.extras(batch, actions)
         module_action = actions[0]
         extra = {k: v[0] for k, v in extra.items()}
         return _env_value(self._to_env(module_action)), module_action, extra, version
+
+    def _to_module(self, action: np.ndarray) -> np.ndarray:
+        """An env action the client chose (``log_action``) -> the policy's raw action."""
+        m = self.welcome["action_mapping"]
+        if m["kind"] != "box" or not m["normalize"]:
+            return action
+        low, high = np.asarray(m["low"], np.float64), np.asarray(m["high"], np.float64)
+        return (2.0 * (action - low) / (high - low) - 1.0).astype(np.float32)
 
     def _to_env(self, action: np.ndarray) -> np.ndarray:
         m = self.welcome["action_mapping"]
@@ -371,6 +382,13 @@ class PolicyClient:
         return sock
 
     def _hello(self) -> None:
+        self._in_hello = True
+        try:
+            self._say_hello()
+        finally:
+            self._in_hello = False
+
+    def _say_hello(self) -> None:
         header = {"op": wire.HELLO, "protocol": wire.PROTOCOL, "version": wire.VERSION,
                   "inference_mode": self.requested_mode or "", "name": self.name, **self._spaces}
         welcome, _ = self._request(header, hello=True)
@@ -399,8 +417,13 @@ class PolicyClient:
                 rid = next(self._ids)
                 header["id"] = rid
                 epoch = self._epoch
-                self._send(header, body)
-                reply = self._await(rid, deadline, header["op"], epoch)
+                self._awaiting.add(rid)
+                try:
+                    self._send(header, body)
+                    reply = self._await(rid, deadline, header["op"], epoch)
+                finally:
+                    self._awaiting.discard(rid)
+                    self._replies.pop(rid, None)
                 if reply is None:  # reconnected meanwhile: the server never saw this request
                     continue
                 h, parts = reply
@@ -471,15 +494,22 @@ class PolicyClient:
                     self.rejected.append((key, str(header.get("message"))))
                     log.error("the server refused chunk %s: %s", key, header.get("message"))
                 elif code == wire.HELLO_FIRST:
-                    self._hello()
+                    self._rehello()
                     return
                 elif key in self._spool:  # busy: try again soon
                     entry = self._spool[key]
                     entry.received = False
                     entry.sent_at = time.monotonic() - self.resend_after_s + BUSY_RETRY_S
-        elif rid:
+        elif rid in self._awaiting:
             self._replies[rid] = (header, parts)
+        elif op == wire.ERROR and header.get("code") != wire.HELLO_FIRST:
+            log.warning("policy server: %s [%s]", header.get("message"), header.get("code"))
         elif op == wire.ERROR and header.get("code") == wire.HELLO_FIRST:  # to a ping: a new connection
+            self._rehello()
+
+    def _rehello(self) -> None:
+        """Say hello on a connection the server does not know (once, however many replies say so)."""
+        if not self._in_hello:
             self._hello()
 
     def _maintain(self) -> None:
