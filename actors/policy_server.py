@@ -63,6 +63,8 @@ log = logging.getLogger("runnel")
 
 REQUIRED_EXTRA = ("action_logp", "action_dist_inputs")
 """What every chunk carries besides obs/actions/rewards: the behaviour policy's outputs."""
+QUIET_LOG_S = 30.0
+"""How often a server that receives no experience says so."""
 COUNTS = ("num_actions_served", "num_inference_batches", "num_connects", "num_protocol_errors", "num_bad_chunks",
           "num_busy_replies", "num_duplicate_chunks", "num_chunks_received", "num_replies_dropped", "num_banned")
 """Counters the server thread keeps; ``get_metrics`` reports them under ``external/``."""
@@ -186,6 +188,7 @@ class PolicyServer(EnvRunnerRole):
         self._banned: set[bytes] = set()
         self._acts: list[_Act] = []
         self._first_act_at = 0.0
+        self._quiet_logged = 0.0
         self._ctx = zmq.Context()
         self.security = ServerSecurity(self._ctx, self.address, self.x.server_secret_key, self.x.allowed_client_keys,
                                        self.x.allow_plaintext)
@@ -592,6 +595,11 @@ class PolicyServer(EnvRunnerRole):
             self._pending_steps = 0
             self._delivered = [key for key, _ in taken]
             self._delivered_keys = set(self._delivered)
+            if not taken and time.monotonic() - self._quiet_logged > QUIET_LOG_S:
+                self._quiet_logged = time.monotonic()
+                log.warning("policy server %s at %s: no experience arrived for %.0f s (%d client(s) connected); "
+                            "training waits for clients", self.server_id, self.address, self.x.sample_wait_s,
+                            len(self._conns))
             chunks = [c for _, c in taken]
             self._log_chunks(chunks)
         return chunks

@@ -81,7 +81,7 @@ class PolicyClient:
                  server_public_key: str | bytes | None = None, client_key: str | tuple | None = None,
                  timeout_s: float = 60.0, spool_chunks: int = 1024, resend_after_s: float = 10.0,
                  heartbeat_s: float = 1.0, name: str | None = None, observation_space: Any = None,
-                 action_space: Any = None, seed: int | None = None) -> None:
+                 action_space: Any = None, seed: int | None = None, spool_dir: str | None = None) -> None:
         """``address``: the server's ``tcp://host:port``. ``inference_mode``: "remote", "local" or None
         (the server's default). ``server_public_key`` (z85, or the path of the server's ``.key`` file)
         turns on CURVE encryption; ``client_key`` is then this client's key pair (the path of a
@@ -89,7 +89,9 @@ class PolicyClient:
         how long a call waits for an unreachable server before raising ``TimeoutError``.
         ``spool_chunks``: unacknowledged chunks kept for resending (acting blocks when it is full).
         ``observation_space``/``action_space`` (gymnasium spaces or ``protocols.spaces`` dicts),
-        when given, are checked against the server's at connect time."""
+        when given, are checked against the server's at connect time. ``spool_dir``: keep the spool
+        on disk too, so chunks survive a crash of this process; a client started later with the same
+        directory sends them (one directory per client process)."""
         if inference_mode not in (None, "remote", "local"):
             raise ValueError(f"inference_mode={inference_mode!r}; use 'remote', 'local' or None (the server's choice)")
         self.address = address
@@ -97,6 +99,7 @@ class PolicyClient:
         self.update_interval = float(update_interval)
         self.timeout_s = float(timeout_s)
         self.spool_limit = int(spool_chunks)
+        self.spool_dir = spool_dir
         self.resend_after_s = float(resend_after_s)
         self.heartbeat_s = float(heartbeat_s)
         self.name = name or f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -126,6 +129,8 @@ class PolicyClient:
         self._ctx = zmq.Context()
         self._curve = _curve_options(server_public_key, client_key)
         self._sock = self._connect()
+        if spool_dir is not None:
+            self._load_spool(spool_dir)
         with self._lock:
             self._hello()
         self._thread = threading.Thread(target=self._background, name="runnel-client", daemon=True)
@@ -334,7 +339,28 @@ class PolicyClient:
         key = (chunk.episode_id, chunk.chunk_index)
         entry = _Spooled(encode([chunk], compress=True), len(chunk))
         self._spool[key] = entry
+        if self.spool_dir is not None:
+            _write_atomically(self._spool_path(key), entry.frame)
         self._send_chunk(key, entry)
+
+    def _spool_path(self, key: tuple[str, int]) -> str:
+        return os.path.join(self.spool_dir, f"{key[0].encode('ascii').hex()}_{key[1]}.chunk")
+
+    def _load_spool(self, directory: str) -> None:
+        """Chunks an earlier process with this spool directory left unacknowledged."""
+        os.makedirs(directory, exist_ok=True)
+        for name in sorted(os.listdir(directory)):
+            stem, ext = os.path.splitext(name)
+            eid_hex, _, index = stem.rpartition("_")
+            try:
+                key = (bytes.fromhex(eid_hex).decode("ascii"), int(index))
+            except ValueError:
+                continue
+            if ext == ".chunk":
+                with open(os.path.join(directory, name), "rb") as f:
+                    self._spool[key] = _Spooled(f.read(), 0)
+        if self._spool:
+            log.info("resending %d chunk(s) left in %s", len(self._spool), directory)
 
     def _send_chunk(self, key: tuple[str, int], entry: _Spooled) -> None:
         header = {"op": wire.CHUNKS, "id": next(self._ids), "ids": [list(key)]}
@@ -356,6 +382,11 @@ class PolicyClient:
             key = (item[0], item[1]) if isinstance(item, list) and len(item) == 2 else None
             if key is not None and self._spool.pop(key, None) is not None:
                 self.committed.append(key)
+                if self.spool_dir is not None:
+                    try:
+                        os.unlink(self._spool_path(key))
+                    except FileNotFoundError:
+                        pass
         self._spool_freed.notify_all()
 
     # --- weights (local inference) ------------------------------------------------------------
@@ -492,6 +523,8 @@ class PolicyClient:
                 key = tuple(item) if isinstance(item, list) else None
                 if code == wire.BAD_CHUNK and self._spool.pop(key, None) is not None:
                     self.rejected.append((key, str(header.get("message"))))
+                    if self.spool_dir is not None:
+                        os.unlink(self._spool_path(key))
                     log.error("the server refused chunk %s: %s", key, header.get("message"))
                 elif code == wire.HELLO_FIRST:
                     self._rehello()
@@ -568,6 +601,15 @@ def run_env(client: PolicyClient, env: Any, num_episodes: int | None = None, max
                 client.end_episode(eid, obs, truncated=bool(truncated and not terminated))
         returns.append(total)
     return returns
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _plain(value: Any) -> Any:

@@ -2,6 +2,7 @@
 deduplication across a server restart, CURVE, hostile input, and the config group."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -370,3 +371,20 @@ def test_runnel_keys_writes_key_pairs(tmp_path, capsys):
     assert oct((tmp_path / "sim-1.key_secret").stat().st_mode & 0o777) == "0o600"
     assert main(["keys", "server", "--dir", str(tmp_path)]) == 2  # never overwrites a key silently
     assert "exists" in capsys.readouterr().err
+
+
+def test_a_spool_directory_carries_unacknowledged_chunks_over_a_client_crash(server, tmp_path):
+    spool = str(tmp_path / "spool")
+    first = PolicyClient(server.address, "remote", timeout_s=20, spool_dir=spool)
+    run_env(first, gym.make("CartPole-v1"), num_episodes=2, seed=11)
+    sent = {(c.episode_id, c.chunk_index) for c in server.sample(1)}  # held by the driver, not yet acknowledged
+    assert len(os.listdir(spool)) == len(sent) > 0
+    first.close(flush=False)  # as good as a crash: the acknowledgements never reach this process
+    second = PolicyClient(server.address, "remote", timeout_s=20, spool_dir=spool)
+    try:
+        assert set(second.spooled_ids()) == sent
+        assert server.sample(1) == []  # commits the first batch; the copies the second client sent are dropped
+        second.flush(timeout_s=10)
+        assert os.listdir(spool) == [] and set(second.committed) == sent
+    finally:
+        second.close(flush=False)
