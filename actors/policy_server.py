@@ -56,6 +56,7 @@ from protocols import nested
 from protocols.codec import Limits, decode, encode
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
+from protocols.numpy_policy import NumpyPolicy
 from protocols.schema import ChunkSchema
 from protocols.spaces import space_from_dict, space_to_dict
 
@@ -82,6 +83,12 @@ class ExternalSettings:
     """Most act requests answered by one forward pass."""
     batch_wait_s: float = 0.0
     """How long the first queued act request may wait for more to batch with (0: answer as soon as none are queued)."""
+    spin_s: float = 0.0
+    """After a message, poll this long without sleeping before blocking (lower latency for clients acting
+    in a loop, at the cost of a busy core while they do; 0: always block)."""
+    inference_backend: str = "auto"
+    """Remote inference with "numpy" (the exported policy: far less per-call overhead than torch for
+    small MLPs), "torch", or "auto" (numpy where the policy can be exported)."""
     sample_wait_s: float = 5.0
     """How long one ``sample`` call waits for clients' chunks before returning what it has."""
     max_pending_steps: int = 200_000
@@ -169,6 +176,7 @@ class PolicyServer(EnvRunnerRole):
         self._timestep_offset = 0
         self._lock = threading.Condition()  # pending chunks, delivered/committed ids, metrics
         self._module_lock = threading.Lock()
+        self._export_error = ""
         self._pending: list[tuple[Key, EpisodeChunk]] = []
         self._pending_keys: set[Key] = set()
         self._pending_steps = 0
@@ -180,6 +188,10 @@ class PolicyServer(EnvRunnerRole):
         self._outbox: list[tuple[bytes, dict]] = []  # messages other threads ask the server thread to send
         self._returns: OrderedDict[str, list] = OrderedDict()  # episode id -> [return, length] so far
         self._export: tuple[int, bytes] | None = None
+        self._rng = np.random.default_rng(None if settings.seed is None else settings.seed + 7919 * worker_index)
+        self._desc: dict | None = None  # the exported policy (local clients; numpy inference)
+        self._numpy: NumpyPolicy | None = None
+        self._refresh_export()
         journal_dir = self.x.journal_dir if self.x.journal_dir is not None else os.path.join(
             tempfile.gettempdir(), "runnel-journal")
         port = urlsplit(self.address).port
@@ -233,10 +245,14 @@ class PolicyServer(EnvRunnerRole):
                 timeout = 100
                 if self._acts:
                     timeout = max(0, int((self._first_act_at + self.x.batch_wait_s - time.monotonic()) * 1000))
-                events = dict(poller.poll(timeout))
-                if self._wake_rx in events:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
+                parts = self._spin() if self.x.spin_s > 0 and not self._acts else None
+                if parts is None:
+                    events = dict(poller.poll(timeout))
+                    if self._wake_rx in events:
+                        while self._wake_rx.poll(0):
+                            self._wake_rx.recv()
+                else:
+                    self._on_message(parts)
                 for _ in range(4 * self.x.max_batch):  # bounded, so queued acts and commits go out
                     try:
                         parts = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -255,6 +271,18 @@ class PolicyServer(EnvRunnerRole):
         except BaseException as err:  # noqa: BLE001 - reported by get_metrics/sample (the group recreates us)
             self.error = err
             log.exception("policy server thread failed")
+
+    def _spin(self) -> list[bytes] | None:
+        """Poll without sleeping for up to ``spin_s``: a client acting in a loop sends its next
+        request within that, and waking a sleeping thread costs more than the whole request."""
+        end = time.perf_counter() + self.x.spin_s
+        recv = self._sock.recv_multipart
+        while time.perf_counter() < end:
+            try:
+                return recv(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        return None
 
     def _send(self, route: bytes, header: dict, body: bytes | None = None) -> None:
         parts = [route, wire.pack(header)] + ([body] if body is not None else [])
@@ -449,10 +477,37 @@ class PolicyServer(EnvRunnerRole):
         self._counts["num_actions_served"] += n
         self._counts["num_inference_batches"] += 1
 
-    @torch.inference_mode()
+    def _refresh_export(self) -> None:
+        """Export the current weights and exploration (after every weights update; under the module lock)."""
+        from actors.modules.export import export_policy
+
+        try:
+            self._desc = export_policy(self.module, self.exploration, self.timestep)
+        except ValueError as err:
+            self._desc, self._export_error = None, str(err)
+            if self.x.inference_backend == "numpy":
+                raise ValueError(f"inference_backend='numpy': {err}") from None
+        self._numpy = (NumpyPolicy(self._desc) if self._desc is not None and self.x.inference_backend != "torch"
+                       else None)
+
     def _compute(self, obs: Any, explore: list[bool], given: dict[int, np.ndarray]
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A batch of observations -> (module actions, their log-probabilities, distribution inputs)."""
+        policy = self._numpy
+        if policy is None:
+            return self._compute_torch(obs, explore, given)
+        inputs = policy.dist_inputs(obs)
+        actions = policy.choose(inputs, True, self._rng)
+        if not all(explore):
+            keep = np.asarray(explore).reshape(len(explore), *([1] * (actions.ndim - 1)))
+            actions = np.where(keep, actions, policy.greedy(inputs))
+        for i, action in given.items():
+            actions[i] = action
+        return actions, policy.logp(inputs, actions), inputs
+
+    @torch.inference_mode()
+    def _compute_torch(self, obs: Any, explore: list[bool], given: dict[int, np.ndarray]
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = len(explore)
         dist_inputs = self.module.forward_exploration(to_torch(obs))["action_dist_inputs"]
         dist = self.module.dist_spec.build(dist_inputs)
@@ -470,13 +525,11 @@ class PolicyServer(EnvRunnerRole):
             self._send(route, {"op": wire.POLICY, "id": rid, "changed": False, "weights_version": version})
             return
         if self._export is None or self._export[0] != version:
-            from actors.modules.export import export_policy
-
-            try:
-                with self._module_lock:
-                    desc = export_policy(self.module, self.exploration, self.timestep)
-            except ValueError as err:
-                self._send(route, wire.error(rid, wire.NOT_SUPPORTED, f"this policy cannot run in the client: {err}"))
+            with self._module_lock:
+                desc = self._desc
+            if desc is None:
+                self._send(route, wire.error(rid, wire.NOT_SUPPORTED, f"this policy cannot run in the client: "
+                                             f"{self._export_error}"))
                 return
             self._export = (version, encode(desc, compress=True))
         self._send(route, {"op": wire.POLICY, "id": rid, "changed": True, "weights_version": version},
@@ -639,6 +692,7 @@ class PolicyServer(EnvRunnerRole):
             self.weights_version = weights_version
             if timestep is not None:
                 self._timestep_offset = max(0, timestep - self.num_env_steps_served)
+            self._refresh_export()
         self.metrics.log_value("weights_version", weights_version, reduce="max")
 
     def get_weights(self) -> dict[str, Any]:

@@ -56,6 +56,9 @@ def external_problems(config: Any) -> list[str]:
                         f"(e.g. 'tcp://0.0.0.0:9900' for all interfaces)")
     elif port + max(1, config.num_env_runners) - 1 > 65535:
         problems.append(f"external_clients address port {port} + {config.num_env_runners} servers exceeds 65535")
+    if x.inference_backend not in ("auto", "numpy", "torch"):
+        problems.append(f"external_clients inference_backend={x.inference_backend!r} is not one of "
+                        f"['auto', 'numpy', 'torch']")
     if x.inference_mode not in ("remote", "local"):
         problems.append(f"external_clients inference_mode={x.inference_mode!r} is not one of ['remote', 'local']")
     for key in ("max_batch", "max_pending_steps", "max_clients", "max_open_episodes", "max_requests_in_flight",

@@ -75,8 +75,9 @@ def test_remote_inference_episodes_reach_the_algorithm_and_are_acknowledged(serv
 
 def test_chunk_boundaries_share_observations(server):
     with PolicyClient(server.address, "remote", timeout_s=20) as client:
-        run_env(client, gym.make("CartPole-v1"), num_episodes=1, seed=3)
-        chunks = sorted(server.sample(1), key=lambda c: c.chunk_index)
+        steps = int(sum(run_env(client, gym.make("CartPole-v1"), num_episodes=1, seed=3)))
+        chunks = sorted(server.sample(steps), key=lambda c: c.chunk_index)  # waits for the last chunk too
+        assert sum(len(c) for c in chunks) == steps
         for a, b in zip(chunks, chunks[1:]):
             np.testing.assert_array_equal(a.obs[-1], b.obs[0])
             assert b.t_started == a.t_started + len(a)
@@ -376,8 +377,8 @@ def test_runnel_keys_writes_key_pairs(tmp_path, capsys):
 def test_a_spool_directory_carries_unacknowledged_chunks_over_a_client_crash(server, tmp_path):
     spool = str(tmp_path / "spool")
     first = PolicyClient(server.address, "remote", timeout_s=20, spool_dir=spool)
-    run_env(first, gym.make("CartPole-v1"), num_episodes=2, seed=11)
-    sent = {(c.episode_id, c.chunk_index) for c in server.sample(1)}  # held by the driver, not yet acknowledged
+    steps = int(sum(run_env(first, gym.make("CartPole-v1"), num_episodes=2, seed=11)))
+    sent = {(c.episode_id, c.chunk_index) for c in server.sample(steps)}  # held by the driver, not acknowledged
     assert len(os.listdir(spool)) == len(sent) > 0
     first.close(flush=False)  # as good as a crash: the acknowledgements never reach this process
     second = PolicyClient(server.address, "remote", timeout_s=20, spool_dir=spool)
