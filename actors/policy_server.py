@@ -455,7 +455,8 @@ class PolicyServer(EnvRunnerRole):
     def _infer(self) -> None:
         acts, self._acts = self._acts, []
         n = len(acts)
-        obs = nested.stack([a.obs for a in acts])
+        first = acts[0].obs
+        obs = np.stack([a.obs for a in acts]) if isinstance(first, np.ndarray) else nested.stack([a.obs for a in acts])
         explore = [a.explore for a in acts]
         given = {i: a.action for i, a in enumerate(acts) if a.action is not None}
         with self._module_lock:

@@ -87,6 +87,12 @@ class NumpyPolicy:
         leaves = nested.flatten(obs)
         if len(leaves) != len(self.encoder):
             raise ProtocolError(f"the observation has {len(leaves)} leaves; the policy reads {len(self.encoder)}")
+        if len(leaves) == 1 and self.encoder[0][0] == "box":  # the common case, without the general path's copies
+            leaf = np.asarray(leaves[0])
+            x = leaf.reshape(leaf.shape[0], -1)
+            if x.shape[1] != self.encoder[0][1]:
+                raise ProtocolError(f"an observation has {x.shape[1]} numbers; the policy reads {self.encoder[0][1]}")
+            return _run(self.layers, x.astype(np.float32, copy=False))
         parts = []
         for (kind, size, nvec, start), leaf in zip(self.encoder, leaves):
             leaf = np.asarray(leaf)
@@ -154,11 +160,12 @@ class NumpyPolicy:
             mean, log_std = _split_gaussian(inputs)
             z = (actions - mean) * np.exp(-log_std)
             return (-0.5 * z * z - log_std - _HALF_LOG_2PI).sum(-1).astype(np.float32)
-        actions = actions.astype(np.int64).reshape(actions.shape[0], -1)
-        total = np.zeros(inputs.shape[0], np.float32)
+        n = inputs.shape[0]
+        actions = actions.astype(np.int64, copy=False).reshape(n, -1)
+        rows = np.arange(n)
+        total = np.zeros(n, np.float32)
         for i, logits in enumerate(self._branches(inputs)):
-            norm = logits - _logsumexp(logits)
-            total += np.take_along_axis(norm, actions[:, i : i + 1], axis=1)[:, 0]
+            total += logits[rows, actions[:, i]] - _logsumexp(logits)[:, 0]
         return total
 
     def _branches(self, inputs: np.ndarray) -> list[np.ndarray]:
