@@ -140,9 +140,10 @@ class _Conn:
 class _Act:
     route: bytes
     rid: int
-    obs: Any
-    action: Any  # given (log_action) or None
+    obs: list  # one observation per row (a batched request has several)
+    given: list  # per row: the action the client took (log_action), or None
     explore: bool
+    batched: bool  # reply with lists
 
 
 class PolicyServer(EnvRunnerRole):
@@ -199,6 +200,7 @@ class PolicyServer(EnvRunnerRole):
         self._conns: dict[bytes, _Conn] = {}
         self._banned: set[bytes] = set()
         self._acts: list[_Act] = []
+        self._rows = 0  # observations in self._acts
         self._first_act_at = 0.0
         self._quiet_logged = 0.0
         self._ctx = zmq.Context()
@@ -259,7 +261,7 @@ class PolicyServer(EnvRunnerRole):
                     except zmq.Again:
                         break
                     self._on_message(parts)
-                    if len(self._acts) >= self.x.max_batch:
+                    if self._rows >= self.x.max_batch:
                         self._infer()
                 if self._acts and time.monotonic() >= self._first_act_at + self.x.batch_wait_s:
                     self._infer()
@@ -416,26 +418,36 @@ class PolicyServer(EnvRunnerRole):
         self._send(route, {"op": wire.STARTED, "id": rid, "episode_id": eid})
 
     def _on_act(self, route: bytes, conn: _Conn, rid: int, h: dict, body: bytes | None) -> None:
-        eid = h["episode_id"]
-        if eid not in conn.episodes:
-            self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"episode {eid!r} was not started on this "
-                                         f"connection; send 'start' first"))
+        if body is None:  # small observations travel in the header as plain msgpack
+            msg = h
+        else:
+            msg = decode(body, limits=self.act_limits)
+            if not isinstance(msg, dict) or "obs" not in msg:
+                raise ProtocolError("an act body must be a map with 'obs' (and optionally 'action')")
+        batched = "episode_ids" in h
+        if batched:  # several episodes' observations in one request (a vectorized client)
+            eids, obs, given = h["episode_ids"], msg["obs"], msg.get("action")
+            if (not isinstance(eids, list) or not 0 < len(eids) <= self.x.max_batch or not isinstance(obs, list)
+                    or len(obs) != len(eids) or not (given is None or isinstance(given, list) and len(given) == len(eids))):
+                raise ProtocolError(f"a batched act needs 'episode_ids' (1 to {self.x.max_batch}) and as many 'obs' "
+                                    f"(and 'action', if given)")
+            for eid in eids:
+                wire.check_episode_id(eid)
+            given = given or [None] * len(eids)
+        else:
+            eids, obs, given = [h["episode_id"]], [msg["obs"]], [msg.get("action")]
+        unknown = [eid for eid in eids if eid not in conn.episodes]
+        if unknown:
+            self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"episode {unknown[0]!r} was not started on "
+                                         f"this connection; send 'start' first"))
             return
         if conn.in_flight >= self.x.max_requests_in_flight:
             self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
                                          f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
             return
-        if body is None:  # small observations travel in the header as plain msgpack
-            obs, given = h["obs"], h.get("action")
-        else:
-            msg = decode(body, limits=self.act_limits)
-            if not isinstance(msg, dict) or "obs" not in msg:
-                raise ProtocolError("an act body must be a map with 'obs' (and optionally 'action')")
-            obs, given = msg["obs"], msg.get("action")
         try:
-            obs = self.schema.observation_from_plain(obs)
-            if given is not None:
-                given = self._to_module_action(self.schema.action_from_plain(given))
+            rows = [self.schema.observation_from_plain(o) for o in obs]
+            given = [None if g is None else self._to_module_action(self.schema.action_from_plain(g)) for g in given]
         except ProtocolError as err:
             self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
             return
@@ -443,7 +455,8 @@ class PolicyServer(EnvRunnerRole):
         if not self._acts:
             self._first_act_at = time.monotonic()
         conn.in_flight += 1
-        self._acts.append(_Act(route, rid, obs, given, bool(explore)))
+        self._acts.append(_Act(route, rid, rows, given, bool(explore), batched))
+        self._rows += len(rows)
 
     def _to_module_action(self, action: np.ndarray) -> np.ndarray:
         """An action the client took, in env units -> the module's (Box: [-1, 1] when normalized)."""
@@ -454,23 +467,28 @@ class PolicyServer(EnvRunnerRole):
 
     def _infer(self) -> None:
         acts, self._acts = self._acts, []
-        n = len(acts)
-        first = acts[0].obs
-        obs = np.stack([a.obs for a in acts]) if isinstance(first, np.ndarray) else nested.stack([a.obs for a in acts])
-        explore = [a.explore for a in acts]
-        given = {i: a.action for i, a in enumerate(acts) if a.action is not None}
+        self._rows = 0
+        rows = [o for a in acts for o in a.obs]
+        n = len(rows)
+        obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+        explore = [a.explore for a in acts for _ in a.obs]
+        given = {i: g for i, g in enumerate(g for a in acts for g in a.given) if g is not None}
         with self._module_lock:
             module_actions, logp, dists = self._compute(obs, explore, given)
             version = self.weights_version
         env_actions = self.env_actions(module_actions)
         env_list, logp_list, dist_list = env_actions.tolist(), logp.tolist(), dists.tolist()
         raw_list = module_actions.tolist() if self.box_actions else None
-        for i, a in enumerate(acts):
-            reply = {"op": wire.ACTION, "id": a.rid, "weights_version": version, "action": env_list[i],
-                     "logp": logp_list[i], "dist": dist_list[i]}
+        i = 0
+        for a in acts:
+            k = len(a.obs)
+            pick = (lambda values: values[i:i + k]) if a.batched else (lambda values: values[i])  # noqa: E731
+            reply = {"op": wire.ACTION, "id": a.rid, "weights_version": version, "action": pick(env_list),
+                     "logp": pick(logp_list), "dist": pick(dist_list)}
             if raw_list is not None:
-                reply["module_action"] = raw_list[i]
+                reply["module_action"] = pick(raw_list)
             self._send(a.route, reply)
+            i += k
             conn = self._conns.get(a.route)
             if conn is not None:
                 conn.in_flight -= 1

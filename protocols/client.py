@@ -162,6 +162,24 @@ class PolicyClient:
         ``log_returns`` before this call)."""
         return self._step(episode_id, observation, None)
 
+    def get_actions(self, episode_ids: list[str], observations: list[Any]) -> list[Any]:
+        """``get_action`` for several episodes at once (a simulator stepping many envs): one request
+        and one batched forward pass on the server, or one numpy pass here in local inference."""
+        if len(episode_ids) != len(observations):
+            raise ValueError(f"{len(episode_ids)} episode ids for {len(observations)} observations")
+        eps = [self._episode(eid) for eid in episode_ids]
+        obs = [self._observed(ep, o) for ep, o in zip(eps, observations)]
+        if self.inference_mode == "remote":
+            rows = self._act_remote_batch(list(episode_ids), obs)
+        else:
+            rows = self._act_local_batch(obs)
+        out = []
+        for ep, (action, module_action, extra, version) in zip(eps, rows):
+            ep.prev_action, ep.prev_extra = module_action, extra
+            ep.versions.append(version)
+            out.append(action)
+        return out
+
     def log_action(self, episode_id: str, observation: Any, action: Any) -> None:
         """Record an action the client chose itself (off-policy data for the policy to learn from)."""
         self._step(episode_id, observation, np.asarray(action))
@@ -242,8 +260,8 @@ class PolicyClient:
                              f"{list(self._episodes)[:5]})")
         return ep
 
-    def _step(self, eid: str, obs: Any, given: Any) -> Any:
-        ep = self._episode(eid)
+    def _observed(self, ep: _Episode, obs: Any) -> Any:
+        """Record a new observation in the episode (closing its previous step); returns it as arrays."""
         # copies: an env may reuse its observation buffer, and the chunk keeps every row
         obs = np.array(obs) if isinstance(obs, list) else nested.map_structure(np.array, obs)
         with self._lock:
@@ -252,6 +270,11 @@ class PolicyClient:
                     ep.builder.add_reset(obs)
                 elif ep.prev_action is not None:
                     self._add_step(ep, obs)
+        return obs
+
+    def _step(self, eid: str, obs: Any, given: Any) -> Any:
+        ep = self._episode(eid)
+        obs = self._observed(ep, obs)
         if self.inference_mode == "remote":
             action, module_action, extra, version = self._act_remote(eid, obs, given)
         else:
@@ -286,6 +309,28 @@ class PolicyClient:
         module_action = np.asarray(reply["module_action"], np.float32) if "module_action" in reply else action
         extra = {"action_logp": np.float32(reply["logp"]), "action_dist_inputs": np.asarray(reply["dist"], np.float32)}
         return _env_value(action), module_action, extra, version
+
+    def _act_remote_batch(self, eids: list[str], obs: list[Any]) -> list[tuple[Any, Any, dict, int]]:
+        reply, _ = self._request({"op": wire.ACT, "episode_ids": eids, "obs": [_plain(o) for o in obs]},
+                                 retry_unknown_episode=eids)
+        version = int(reply.get("weights_version", 0))
+        self._policy_version = max(self._policy_version, version)
+        raws = reply.get("module_action")
+        rows = []
+        for i, (action, logp, dist) in enumerate(zip(reply["action"], reply["logp"], reply["dist"])):
+            action = self._from_plain_action(action)
+            module_action = np.asarray(raws[i], np.float32) if raws is not None else action
+            rows.append((_env_value(action), module_action,
+                         {"action_logp": np.float32(logp), "action_dist_inputs": np.asarray(dist, np.float32)}, version))
+        return rows
+
+    def _act_local_batch(self, obs: list[Any]) -> list[tuple[Any, Any, dict, int]]:
+        if self._policy is None:
+            self._pull_weights()
+        policy, version = self._policy, self._policy_version
+        actions, extra = policy.act(nested.stack(obs), explore=self.welcome.get("explore", True), rng=self._rng)
+        return [(_env_value(self._to_env(actions[i])), actions[i], {k: v[i] for k, v in extra.items()}, version)
+                for i in range(len(obs))]
 
     def _from_plain_action(self, value: Any) -> np.ndarray:
         return np.asarray(value, dtype=self.welcome["action_mapping"]["dtype"])
@@ -439,7 +484,7 @@ class PolicyClient:
             self._sock.send_multipart(parts, copy=False)
 
     def _request(self, header: dict, body: bytes | None = None, *, hello: bool = False,
-                 retry_unknown_episode: str | None = None) -> tuple[dict, list]:
+                 retry_unknown_episode: str | list[str] | None = None) -> tuple[dict, list]:
         """Send and wait for the reply with the same id; re-hello and retry when the server does
         not know this connection; ``TimeoutError`` when no reply comes within ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
@@ -464,8 +509,11 @@ class PolicyClient:
                 if code == wire.HELLO_FIRST and not hello:
                     self._hello()
                     continue
-                if code == wire.UNKNOWN_EPISODE and retry_unknown_episode in self._episodes:
-                    self._start_remote(retry_unknown_episode)  # the server restarted mid-episode
+                restart = ([retry_unknown_episode] if isinstance(retry_unknown_episode, str)
+                           else retry_unknown_episode or [])
+                if code == wire.UNKNOWN_EPISODE and restart and all(e in self._episodes for e in restart):
+                    for eid in restart:  # the server restarted mid-episode: it forgot them
+                        self._start_remote(eid)
                     continue
                 if code == wire.BUSY and time.monotonic() < deadline:
                     self._pump(0.01)

@@ -38,7 +38,7 @@ CLIENT_OPS = frozenset({HELLO, START, ACT, END, CHUNKS, WEIGHTS, PING, BYE})
 REQUIRED_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     HELLO: {"protocol": (str,), "version": (int,), "inference_mode": (str,)},
     START: {"episode_id": (str,)},
-    ACT: {"episode_id": (str,)},
+    ACT: {},  # "episode_id" (str), or "episode_ids" (list) for a batched request
     END: {"episode_id": (str,)},
     CHUNKS: {"ids": (list,)},
     WEIGHTS: {"have": (int,)},
@@ -100,6 +100,8 @@ def check_request(header: dict[str, Any], parts: int) -> None:
         if not isinstance(value, types) or isinstance(value, bool):
             raise ProtocolError(f"{op!r} needs {name!r} of type {'/'.join(t.__name__ for t in types)}, "
                                 f"got {type(value).__name__}")
+    if op == ACT and not isinstance(header.get("episode_id", header.get("episode_ids")), (str, list)):
+        raise ProtocolError("'act' needs 'episode_id' (str) or 'episode_ids' (list of str)")
     want = 2 if op in BODY_OPS or (op == ACT and "obs" not in header) else 1
     if parts != want:
         raise ProtocolError(f"{op!r} is a message of {want} part(s) here, got {parts}"

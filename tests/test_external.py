@@ -389,3 +389,46 @@ def test_a_spool_directory_carries_unacknowledged_chunks_over_a_client_crash(ser
         assert os.listdir(spool) == [] and set(second.committed) == sent
     finally:
         second.close(flush=False)
+
+
+def test_local_inference_acts_without_the_server_and_follows_new_weights(server):
+    with PolicyClient(server.address, "local", timeout_s=20, update_interval=3600) as client:
+        assert client.inference_mode == "local"
+        steps = int(sum(run_env(client, gym.make("CartPole-v1"), num_episodes=2, seed=2)))
+        assert server.get_metrics()["external/num_actions_served"]["value"] == 0  # every action computed here
+        got = server.sample(steps)
+        assert sum(len(c) for c in got) == steps
+        assert all(c.extra["action_dist_inputs"].shape == (len(c), 2) for c in got)
+        weights = {k: v + 0.5 for k, v in server.get_weights().items()}
+        server.set_weights(weights, weights_version=7)
+        client.update_policy_weights()
+        assert client.weights_version == 7
+        eid = client.start_episode()
+        obs = np.array([0.02, 0.1, -0.03, 0.2], np.float32)
+        for _ in range(5):
+            client.get_action(eid, obs)
+        client.end_episode(eid, obs)
+        chunk = server.sample(5)[-1]
+        assert chunk.weights_version == 7
+        server.sample(1)
+
+
+@pytest.mark.parametrize("mode", ["remote", "local"])
+def test_one_request_acts_for_several_episodes(server, mode):
+    with PolicyClient(server.address, mode, timeout_s=20) as client:
+        envs = [gym.make("CartPole-v1") for _ in range(3)]
+        eids = [client.start_episode() for _ in envs]
+        obs = [env.reset(seed=i)[0] for i, env in enumerate(envs)]
+        for _ in range(8):
+            actions = client.get_actions(eids, obs)
+            assert len(actions) == 3 and all(a in (0, 1) for a in actions)
+            obs = [env.step(a)[0] for env, a in zip(envs, actions)]
+            for eid in eids:
+                client.log_returns(eid, 1.0)
+        for eid, o in zip(eids, obs):
+            client.end_episode(eid, o, truncated=True)
+        got = server.sample(24)
+        assert sorted({c.episode_id for c in got}) == sorted(eids) and sum(len(c) for c in got) == 24
+        served = server.get_metrics()["external/num_actions_served"]["value"]
+        assert served == (24 if mode == "remote" else 0)
+        server.sample(1)

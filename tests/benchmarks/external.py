@@ -4,6 +4,8 @@ Prints one JSON object per line:
   {"bench": "machine", ...}
   {"bench": "latency", "system": "runnel", "security": "plaintext"|"curve", "p50_us", "p99_us", "n"}
   {"bench": "throughput", "system": "runnel", "security": ..., "clients": N, "actions_per_s"}
+  {"bench": "throughput_batched", ..., "envs": N, "client_processes": P, "actions_per_s"}
+        the same N envs driven by P clients, each acting for its N/P envs with one request (get_actions)
   {"bench": "latency"/"throughput", "system": "rllib", ...}       the anchor, or {"bench": "anchor", "skipped": why}
   {"bench": "summary", ...}                                          medians and ratios
 
@@ -67,7 +69,7 @@ def serve(port: int, keys: str | None, ready: mp.Event, stop: mp.Event) -> None:
     env = gym.make("CartPole-v1")
     settings = EnvRunnerSettings(env_creator=None, observation_space=env.observation_space,
                                  action_space=env.action_space)
-    x = ExternalSettings(address=f"tcp://127.0.0.1:{port}", journal_dir="",
+    x = ExternalSettings(address=f"tcp://127.0.0.1:{port}", journal_dir="", spin_s=float(os.environ.get("SPIN", "0")),
                          server_secret_key=os.path.join(keys, "server.key_secret") if keys else None,
                          allowed_client_keys=os.path.join(keys, "clients") if keys else None)
     server = PolicyServer(settings, 0, external=x)
@@ -123,7 +125,25 @@ def play(port: int, keys: str | None, n_clients: int, seconds: float, out: mp.Qu
     out.put((sum(counts), lat))
 
 
-def runnel_round(n_clients: int, procs: int, seconds: float, keys: str | None, latencies: bool) -> dict:
+def play_batched(port: int, keys: str | None, n_envs: int, seconds: float, out: mp.Queue) -> None:
+    """One client acting for ``n_envs`` episodes per request (``get_actions``)."""
+    from protocols.client import PolicyClient
+
+    client = PolicyClient(f"tcp://127.0.0.1:{port}", "remote", timeout_s=60, **client_options(keys))
+    eids = [client.start_episode(training_enabled=False) for _ in range(n_envs)]
+    obs = [np.array([0.01, -0.02, 0.03, 0.04], np.float32)] * n_envs
+    for _ in range(50):
+        client.get_actions(eids, obs)
+    t_end, n = time.perf_counter() + seconds, 0
+    while time.perf_counter() < t_end:
+        client.get_actions(eids, obs)
+        n += n_envs
+    client.close(flush=False)
+    out.put((n, []))
+
+
+def runnel_round(n_clients: int, procs: int, seconds: float, keys: str | None, latencies: bool,
+                 batched: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     port = free_port()
     ready, stop = ctx.Event(), ctx.Event()
@@ -135,7 +155,8 @@ def runnel_round(n_clients: int, procs: int, seconds: float, keys: str | None, l
         procs = min(procs, n_clients)
         out = ctx.Queue()
         per = [n_clients // procs + (i < n_clients % procs) for i in range(procs)]
-        players = [ctx.Process(target=play, args=(port, keys, k, seconds, out, latencies)) for k in per]
+        players = [ctx.Process(target=play_batched, args=(port, keys, k, seconds, out)) if batched else
+                   ctx.Process(target=play, args=(port, keys, k, seconds, out, latencies)) for k in per]
         for p in players:
             p.start()
         results = [out.get(timeout=seconds + 300) for _ in players]
@@ -290,6 +311,12 @@ def main() -> None:
                     emit(bench="throughput", system=system, security=security, clients=n, repeat=r,
                          actions_per_s=row["actions_per_s"])
                     rows.setdefault((system, security, n), []).append(row)
+                    if system == "runnel" and n > 1:  # the same envs, one batched request per client process
+                        row = runnel_round(n, args.client_procs, args.seconds, keys if security == "curve" else None,
+                                           latencies=False, batched=True)
+                        emit(bench="throughput_batched", system=system, security=security, envs=n,
+                             client_processes=min(args.client_procs, n), repeat=r, actions_per_s=row["actions_per_s"])
+                        rows.setdefault((system, security, f"{n}_batched"), []).append(row)
     summary = {}
     for (system, security, n), rs in rows.items():
         summary[f"{system}_{security}_{n}_actions_per_s"] = statistics.median(r["actions_per_s"] for r in rs)
