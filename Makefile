@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.runnel-installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench clean c-client-deps c-client
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ test: setup
 bench: setup
 	$(BIN)/python tests/benchmarks/codec.py
 	$(BIN)/python tests/benchmarks/ppo_cartpole.py
+
+# The C external client (examples/c_client): its build dependencies on Debian/Ubuntu, then the build.
+c-client-deps:
+	sudo apt-get install -y build-essential libzmq3-dev
+
+c-client:
+	cc -O2 -o examples/c_client/cartpole_client examples/c_client/cartpole_client.c -lzmq -lm
 
 clean:
 	rm -rf $(VENV) build *.egg-info
