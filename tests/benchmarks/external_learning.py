@@ -34,7 +34,8 @@ DQN_SETTINGS = {"lr": 5e-4, "train_batch_size_per_learner": 64, "training_intens
                 "n_step": [2, 5], "double_q": True, "dueling": True, "epsilon": [[0, 1.0], [10000, 0.02]],
                 "replay_buffer_config": {"type": "PrioritizedEpisodeReplayBuffer", "capacity": 50000,
                                          "alpha": 0.6, "beta": 0.4},
-                "model_config": {"fcnet_hiddens": [64, 64], "fcnet_activation": "relu"}}
+                }
+DQN_MODEL = {"fcnet_hiddens": [64, 64], "fcnet_activation": "relu"}
 MODES = {"PPO": "remote", "DQN": "local"}
 FRAGMENT = {"PPO": 200, "DQN": 4}
 
@@ -57,6 +58,8 @@ def config(algo: str, seed: int, address: str | None, journal: str):
     env = gym.make("CartPole-v1")
     cfg = PPOConfig() if algo == "PPO" else DQNConfig()
     cfg.training(**(PPO_SETTINGS if algo == "PPO" else DQN_SETTINGS)).debugging(seed=seed)
+    if algo == "DQN":
+        cfg.rl_module(model_config=DQN_MODEL)
     cfg.env_runners(num_env_runners=0, num_envs_per_env_runner=4, rollout_fragment_length=FRAGMENT[algo])
     if address is None:
         return cfg.environment("CartPole-v1")
