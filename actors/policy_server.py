@@ -649,8 +649,8 @@ class PolicyServer(EnvRunnerRole):
 
     def sample(self, num_timesteps: int | None = None, num_episodes: int | None = None,
                explore: bool | None = None) -> list[EpisodeChunk]:
-        """The chunks clients sent (waiting up to ``sample_wait_s`` for ``num_timesteps`` steps of
-        them); committing what the previous call handed on."""
+        """Chunks clients sent, at least ``num_timesteps`` steps of them (less if ``sample_wait_s``
+        passes first; at most one chunk more than needed), committing what the previous call handed on."""
         if self.error is not None:
             raise RuntimeError(f"policy server thread failed: {self.error!r}")
         want = num_timesteps or 1
@@ -662,9 +662,16 @@ class PolicyServer(EnvRunnerRole):
                 if left <= 0:
                     break
                 self._lock.wait(left)
-            taken, self._pending = self._pending, []
-            self._pending_keys.clear()
-            self._pending_steps = 0
+            # whole chunks in arrival order until the request is covered (like a runner's round: a replay
+            # ratio or a train batch sized for it stays right); the rest waits for the next call
+            count = steps = 0
+            for _, chunk in self._pending:
+                if steps >= want:
+                    break
+                count, steps = count + 1, steps + len(chunk)
+            taken, self._pending = self._pending[:count], self._pending[count:]
+            self._pending_keys.difference_update(key for key, _ in taken)
+            self._pending_steps -= steps
             self._delivered = [key for key, _ in taken]
             self._delivered_keys = set(self._delivered)
             if not taken and time.monotonic() - self._quiet_logged > QUIET_LOG_S:

@@ -61,6 +61,10 @@ class OffPolicySettings:
     def replay_settings(self) -> ReplaySettings:
         c = dict(self.replay_buffer_config)
         batch, steps = self.train_batch_size_per_learner, self.steps_per_training_step()
+        if self.external_clients_config is not None:  # a policy server's round may end one client chunk later
+            from pipeline.external_config import external_settings
+
+            steps += external_settings(self).fragment_length
         spi = c.get("samples_per_insert", self.training_intensity)
         if spi is None:  # one update of `batch` transitions per training step of `steps`
             spi = batch / steps
