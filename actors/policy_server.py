@@ -88,7 +88,7 @@ class ExternalSettings:
     in a loop, at the cost of a busy core while they do; 0: always block)."""
     inference_backend: str = "auto"
     """Remote inference with "numpy" (the exported policy: far less per-call overhead than torch for
-    small MLPs), "torch", or "auto" (numpy where the policy can be exported)."""
+    small MLPs), "torch", or "auto" (numpy for exportable MLP policies, torch for CNNs and the rest)."""
     sample_wait_s: float = 5.0
     """How long one ``sample`` call waits for clients' chunks before returning what it has."""
     max_pending_steps: int = 200_000
@@ -506,8 +506,10 @@ class PolicyServer(EnvRunnerRole):
             self._desc, self._export_error = None, str(err)
             if self.x.inference_backend == "numpy":
                 raise ValueError(f"inference_backend='numpy': {err}") from None
-        self._numpy = (NumpyPolicy(self._desc) if self._desc is not None and self.x.inference_backend != "torch"
-                       else None)
+        backend = self.x.inference_backend
+        if backend == "auto" and self._desc is not None:  # torch convolves images faster than numpy can
+            backend = "torch" if any(op.get("op") == "conv2d" for op in self._desc["layers"]) else "numpy"
+        self._numpy = NumpyPolicy(self._desc) if self._desc is not None and backend == "numpy" else None
 
     def _compute(self, obs: Any, explore: list[bool], given: dict[int, np.ndarray]
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,36 +1,19 @@
-"""NumpyPolicy: evaluate an exported runnel policy with numpy alone (no torch).
+"""NumpyPolicy: evaluate an exported runnel policy with numpy alone (no torch, no ML framework).
 
-A policy server sends this description to clients in local inference mode, and uses it itself for
-small remote-inference batches, where numpy beats torch's per-operation overhead. The exporter is
-``actors.modules.export``. The description is plain data (msgpack-able through the codec)::
-
-    {"format": "runnel-numpy-policy", "version": 1,
-     "encoder": [leaf, ...],      # one per observation leaf, in sorted-dict-key / tuple order:
-                                  #   {"kind": "box", "size": n}        flattened, as float32
-                                  #   {"kind": "onehot", "nvec": [..], "start": s}
-                                  #       (x - start) clipped to [0, n_i - 1], one-hot per component
-     "layers": [op, ...],         # applied in order to the concatenated float32 features
-     "dist": {"kind": "categorical" | "multi_categorical" | "gaussian", "nvec": [..], "dim": D},
-     "exploration": {"type": "sample" | "random" | "epsilon_greedy" | "softmax", "epsilon": e,
-                     "temperature": t}}
-
-    op: {"op": "linear", "weight": float32 [out, in], "bias": float32 [out]}   y = x @ W.T + b
-        {"op": "tanh" | "relu" | "elu" | "silu" | "identity"}
-        {"op": "dueling", "branches": [n, ...], "advantage": [op, ...], "value": [op, ...]}
-            per branch i: q_i = v + a_i - mean(a_i), concatenated (v: "value"'s single output)
-
-The layers' output is the distribution inputs ``D``: logits (categorical; per component for
-multi_categorical, split by ``nvec``), or ``[mean, log_std]`` (gaussian; log_std clipped to
-[-20, 2]). Actions: sampled (Gumbel-max for logits), uniformly random, epsilon-greedy (greedy =
-argmax / mean) or softmax(logits / temperature); ``explore=False`` is always greedy. The log-
-probability of the chosen action under the distribution goes into chunks as ``action_logp``.
+A policy server sends the description to clients in local inference mode, and evaluates it
+itself for small remote-inference batches, where numpy beats torch's per-call overhead. The
+format is specified in ``actors/modules/export.py``, which writes it. The description arrives over
+a network, so it is checked completely before use: a wrong format or version, an unknown op, an
+array that is not float32 of the right shape, or layers whose sizes do not chain raise
+``ProtocolError``, and nothing in it is ever executed or unpickled.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from protocols import nested
 from protocols.errors import ProtocolError
@@ -38,210 +21,375 @@ from protocols.errors import ProtocolError
 FORMAT = "runnel-numpy-policy"
 VERSION = 1
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
-_ACTIVATIONS = {
+MAX_WIDTH = 1 << 22
+"""Most numbers per row a tensor may hold: bounds what a hostile description can make us allocate."""
+
+Op = Callable[[np.ndarray], np.ndarray]
+_ELEMENTWISE: dict[str, Op] = {
     "tanh": np.tanh,
-    "relu": lambda x: np.maximum(x, 0.0, dtype=np.float32),
-    "elu": lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, 0.0))).astype(np.float32),
-    "silu": lambda x: (x / (1.0 + np.exp(-x))).astype(np.float32),
+    "relu": lambda x: np.maximum(x, np.float32(0.0)),
+    "elu": lambda x: np.maximum(x, np.float32(0.0)) + np.expm1(np.minimum(x, np.float32(0.0))),  # cheaper than where
+    # x * sigmoid(x) with sigmoid through tanh: no exp overflow for large negative x
+    "silu": lambda x: x * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * x)),
     "identity": lambda x: x,
 }
 _EXPLORATIONS = ("sample", "random", "epsilon_greedy", "softmax")
-_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+_DISTS = ("categorical", "multi_categorical", "gaussian")
+_HALF_LOG_2PI = np.float32(0.5 * math.log(2 * math.pi))
+_LOG_STD_MIN, _LOG_STD_MAX = np.float32(LOG_STD_MIN), np.float32(LOG_STD_MAX)
+
+
+class _Leaf(NamedTuple):
+    kind: str  # "box" | "onehot" | "image"
+    width: int  # numbers the leaf adds to the feature vector (image: H*W*C)
+    shape: tuple[int, ...]  # what one observation of the leaf holds, flattened: (size,), (len(nvec),), (H, W, C)
+    nvec: list[int]
+    start: int
+    scale: np.float32
 
 
 class NumpyPolicy:
+    """An exported policy: ``act`` for batches of observations, with the extras chunks record."""
+
     def __init__(self, desc: dict) -> None:
         if not isinstance(desc, dict) or desc.get("format") != FORMAT:
             raise ProtocolError(f"not a {FORMAT} description")
         if desc.get("version") != VERSION:
-            raise ProtocolError(f"{FORMAT} version {desc.get('version')!r}; this client reads version {VERSION}")
+            raise ProtocolError(f"{FORMAT} version {desc.get('version')!r}; this reader reads version {VERSION}")
         try:
-            self.encoder = [_leaf(x) for x in desc["encoder"]]
-            width = sum(x[1] for x in self.encoder)
-            self.layers, width = _ops(desc["layers"], width)
-            dist = desc["dist"]
-            self.kind = dist["kind"]
-            self.nvec = [int(n) for n in dist.get("nvec") or []]
-            self.dim = int(dist["dim"])
-            exploration = dict(desc.get("exploration") or {"type": "sample"})
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ProtocolError(f"malformed policy description: {type(err).__name__}: {err}") from None
-        if self.kind not in ("categorical", "multi_categorical", "gaussian"):
-            raise ProtocolError(f"distribution kind {self.kind!r} is not evaluated here")
-        expected = {"categorical": self.dim, "multi_categorical": sum(self.nvec), "gaussian": self.dim}[self.kind]
-        if width != self.dim or expected != self.dim or (self.kind == "categorical" and self.dim < 1):
-            raise ProtocolError(f"the layers give {width} outputs; the distribution needs {self.dim}")
+            self._parse(desc)
+        except ProtocolError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:  # a safety net
+            raise ProtocolError(f"malformed {FORMAT} description: {type(err).__name__}: {err}") from None
+        self._rng: np.random.Generator | None = None
+
+    def _parse(self, desc: dict) -> None:
+        leaves = _field(desc, "encoder", list, "the description")
+        if not leaves:
+            raise ProtocolError("encoder: no observation leaves")
+        self.encoder = [_leaf(x, f"encoder[{i}]") for i, x in enumerate(leaves)]
+        if any(leaf.kind == "image" for leaf in self.encoder):
+            if len(self.encoder) != 1:
+                raise ProtocolError("encoder: an image leaf must be the only leaf")
+            shape: tuple[int, ...] = self.encoder[0].shape
+        else:
+            shape = (_int(sum(leaf.width for leaf in self.encoder), "encoder width", 1),)
+        self.width_in = math.prod(shape)
+        self.layers, shape = _ops(_field(desc, "layers", list, "the description"), shape, "layers", head=True)
+        if len(shape) != 1:
+            raise ProtocolError(f"layers end with a {shape} image tensor; a 'flatten' op is missing")
+
+        dist = _field(desc, "dist", dict, "the description")
+        self.kind = _field(dist, "kind", str, "dist")
+        if self.kind not in _DISTS:
+            raise ProtocolError(f"dist.kind {self.kind!r} is not one of {list(_DISTS)}")
+        self.dim = _int(dist.get("dim"), "dist.dim", 1)
+        if shape[0] != self.dim:
+            raise ProtocolError(f"the layers output {shape[0]} numbers; dist.dim is {self.dim}")
+        nvec = [_int(n, "dist.nvec[]", 1) for n in _field(dist, "nvec", list, "dist", default=[])]
         if self.kind == "categorical":
-            self.nvec = [self.dim]
+            if nvec not in ([], [self.dim]):
+                raise ProtocolError(f"categorical dist.nvec {nvec} does not match dist.dim {self.dim}")
+            nvec = [self.dim]
+        elif self.kind == "multi_categorical" and (not nvec or sum(nvec) != self.dim):
+            raise ProtocolError(f"multi_categorical dist.nvec {nvec} does not add up to dist.dim {self.dim}")
+        elif self.kind == "gaussian" and self.dim % 2:
+            raise ProtocolError(f"gaussian dist.dim {self.dim} is not 2 * action size")
+        self.nvec = nvec if self.kind != "gaussian" else []
+        self._splits = np.cumsum(self.nvec)[:-1].tolist()
+
+        exploration = _field(desc, "exploration", dict, "the description", default={"type": "sample"})
         self.exploration = exploration.get("type")
         if self.exploration not in _EXPLORATIONS:
-            raise ProtocolError(f"exploration {self.exploration!r} is not one of {list(_EXPLORATIONS)}")
-        self.epsilon = float(exploration.get("epsilon", 0.0))
-        self.temperature = float(exploration.get("temperature", 1.0))
+            raise ProtocolError(f"exploration.type {self.exploration!r} is not one of {list(_EXPLORATIONS)}")
+        self.epsilon = _float(exploration.get("epsilon", 0.0), "exploration.epsilon", 0.0, 1.0)
+        self.temperature = _float(exploration.get("temperature", 1.0), "exploration.temperature", 0.0, math.inf)
         if self.exploration == "softmax" and (self.kind == "gaussian" or self.temperature <= 0):
             raise ProtocolError("softmax exploration needs discrete actions and a temperature > 0")
 
     # --- forward ---------------------------------------------------------------------------------
     def dist_inputs(self, obs: Any) -> np.ndarray:
         """A batch of observations (leading batch dim, nested like the space) -> float32 ``[B, D]``."""
-        leaves = nested.flatten(obs)
+        x = self._features(nested.flatten(obs))
+        for op in self.layers:
+            x = op(x)
+        return x.astype(np.float32, copy=False)
+
+    def _features(self, leaves: list[Any]) -> np.ndarray:
         if len(leaves) != len(self.encoder):
             raise ProtocolError(f"the observation has {len(leaves)} leaves; the policy reads {len(self.encoder)}")
-        if len(leaves) == 1 and self.encoder[0][0] == "box":  # the common case, without the general path's copies
-            leaf = np.asarray(leaves[0])
-            x = leaf.reshape(leaf.shape[0], -1)
-            if x.shape[1] != self.encoder[0][1]:
-                raise ProtocolError(f"an observation has {x.shape[1]} numbers; the policy reads {self.encoder[0][1]}")
-            return _run(self.layers, x.astype(np.float32, copy=False))
-        parts = []
-        for (kind, size, nvec, start), leaf in zip(self.encoder, leaves):
-            leaf = np.asarray(leaf)
-            rows = leaf.reshape(leaf.shape[0], -1)
-            if kind == "box":
-                if rows.shape[1] != size:
-                    raise ProtocolError(f"an observation leaf has {rows.shape[1]} numbers; the policy reads {size}")
-                parts.append(rows.astype(np.float32, copy=False))
-            else:
-                idx = np.maximum(rows.astype(np.int64) - start, 0)
-                for i, n in enumerate(nvec):
-                    parts.append(np.eye(n, dtype=np.float32)[np.minimum(idx[:, i], n - 1)])
-        x = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        return _run(self.layers, x)
+        n = _batch(leaves[0])
+        first = self.encoder[0]
+        if len(leaves) == 1 and first.kind != "onehot":  # the common case, without copies where the dtype allows
+            x = _rows(leaves[0], n, first.shape)
+            if first.kind == "image":
+                return np.multiply(x, first.scale, dtype=np.float32)
+            return x.astype(np.float32, copy=False)
+        x = np.zeros((n, self.width_in), np.float32)
+        rows, offset = np.arange(n), 0
+        for leaf, value in zip(self.encoder, leaves):
+            data = _rows(value, n, leaf.shape)
+            if leaf.kind == "box":
+                x[:, offset:offset + leaf.width] = data
+                offset += leaf.width
+                continue
+            idx = np.maximum(data.astype(np.int64) - leaf.start, 0)
+            for i, size in enumerate(leaf.nvec):
+                x[rows, offset + np.minimum(idx[:, i], size - 1)] = 1.0
+                offset += size
+        return x
 
     # --- acting ----------------------------------------------------------------------------------
     def act(self, obs: Any, explore: bool = True, rng: np.random.Generator | None = None
             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Actions for a batch of observations and their extras (``action_logp``, ``action_dist_inputs``)."""
-        rng = rng if rng is not None else np.random.default_rng()
+        """Actions for a batch of observations (int64 ``[B]``/``[B, K]``, or float32 ``[B, A]``) and
+        their extras: ``action_logp`` float32 ``[B]`` and ``action_dist_inputs`` float32 ``[B, D]``."""
         inputs = self.dist_inputs(obs)
-        actions = self.choose(inputs, explore, rng)
+        actions = self.choose(inputs, explore, rng if rng is not None else self._default_rng())
         return actions, {"action_logp": self.logp(inputs, actions), "action_dist_inputs": inputs}
 
     def extras(self, obs: Any, actions: np.ndarray) -> dict[str, np.ndarray]:
-        """The extras of actions taken by someone else (``log_action``)."""
+        """The extras of actions chosen by someone else (``log_action``)."""
         inputs = self.dist_inputs(obs)
-        return {"action_logp": self.logp(inputs, np.asarray(actions)), "action_dist_inputs": inputs}
+        actions = np.asarray(actions)
+        n = inputs.shape[0]
+        if self.kind == "gaussian":
+            if actions.shape != (n, self.dim // 2):
+                raise ProtocolError(f"actions of shape {actions.shape}; expected {(n, self.dim // 2)}")
+        else:
+            ints = actions.astype(np.int64).reshape(n, -1) if actions.size == n * len(self.nvec) else None
+            if ints is None or (ints < 0).any() or (ints >= np.asarray(self.nvec)).any():
+                raise ProtocolError(f"actions {actions.tolist()} are not {n} valid actions for nvec {self.nvec}")
+        return {"action_logp": self.logp(inputs, actions), "action_dist_inputs": inputs}
 
     def choose(self, inputs: np.ndarray, explore: bool, rng: np.random.Generator) -> np.ndarray:
         """Actions from distribution inputs ``[B, D]`` by the exploration rule (greedy without ``explore``)."""
-        n = inputs.shape[0]
-        greedy = self.greedy(inputs)
-        if not explore:
-            return greedy
         how = self.exploration
+        if not explore:
+            return self.greedy(inputs)
+        n = inputs.shape[0]
         if how == "random":
             return self.random(n, rng)
         if how == "epsilon_greedy":
+            greedy = self.greedy(inputs)
             pick = rng.random(n) < self.epsilon
             if not pick.any():
                 return greedy
             return np.where(pick.reshape(n, *([1] * (greedy.ndim - 1))), self.random(n, rng), greedy)
         if self.kind == "gaussian":
-            mean, log_std = _split_gaussian(inputs)
-            return (mean + np.exp(log_std) * rng.standard_normal(mean.shape, dtype=np.float32)).astype(np.float32)
-        scale = 1.0 / self.temperature if how == "softmax" else 1.0
-        out = [_gumbel_argmax(logits * scale, rng) for logits in self._branches(inputs)]
+            mean, log_std = self._gaussian(inputs)
+            return mean + np.exp(log_std) * rng.standard_normal(mean.shape, dtype=np.float32)
+        scale = np.float32(1.0 / self.temperature) if how == "softmax" else None
+        out = [_gumbel_argmax(logits if scale is None else logits * scale, rng) for logits in self._branches(inputs)]
         return out[0] if self.kind == "categorical" else np.stack(out, axis=-1)
 
     def greedy(self, inputs: np.ndarray) -> np.ndarray:
         if self.kind == "gaussian":
-            return _split_gaussian(inputs)[0].copy()
+            return inputs[:, : self.dim // 2].copy()  # a copy: callers may overwrite actions in place
         out = [logits.argmax(-1) for logits in self._branches(inputs)]
         return out[0] if self.kind == "categorical" else np.stack(out, axis=-1)
 
     def random(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Uniformly random actions (Box: uniform in [-1, 1], the module's normalized range)."""
         if self.kind == "gaussian":
             return rng.uniform(-1.0, 1.0, (n, self.dim // 2)).astype(np.float32)
         out = [rng.integers(0, k, n) for k in self.nvec]
         return out[0] if self.kind == "categorical" else np.stack(out, axis=-1)
 
     def logp(self, inputs: np.ndarray, actions: np.ndarray) -> np.ndarray:
+        """Log-probabilities ``[B]`` of ``actions`` under the distributions ``inputs`` describe."""
         if self.kind == "gaussian":
-            mean, log_std = _split_gaussian(inputs)
+            mean, log_std = self._gaussian(inputs)
             z = (actions - mean) * np.exp(-log_std)
-            return (-0.5 * z * z - log_std - _HALF_LOG_2PI).sum(-1).astype(np.float32)
+            return (np.float32(-0.5) * z * z - log_std - _HALF_LOG_2PI).sum(-1, dtype=np.float32)
         n = inputs.shape[0]
         actions = actions.astype(np.int64, copy=False).reshape(n, -1)
         rows = np.arange(n)
         total = np.zeros(n, np.float32)
         for i, logits in enumerate(self._branches(inputs)):
-            total += logits[rows, actions[:, i]] - _logsumexp(logits)[:, 0]
+            m = logits.max(-1)
+            total += logits[rows, actions[:, i]] - m - np.log(np.exp(logits - m[:, None]).sum(-1))
         return total
 
     def _branches(self, inputs: np.ndarray) -> list[np.ndarray]:
-        if self.kind == "categorical":
-            return [inputs]
-        return np.split(inputs, np.cumsum(self.nvec)[:-1], axis=-1)
+        return [inputs] if self.kind == "categorical" else np.split(inputs, self._splits, axis=-1)
+
+    def _gaussian(self, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        half = self.dim // 2
+        # minimum/maximum: np.clip costs several times more on the small arrays of one step
+        return inputs[:, :half], np.minimum(np.maximum(inputs[:, half:], _LOG_STD_MIN), _LOG_STD_MAX)
+
+    def _default_rng(self) -> np.random.Generator:
+        if self._rng is None:  # made once: seeding a generator from OS entropy costs more than a small step
+            self._rng = np.random.default_rng()
+        return self._rng
 
 
-def _leaf(x: dict) -> tuple[str, int, list[int], int]:
-    if x["kind"] == "box":
-        size = int(x["size"])
-        if size < 1:
-            raise ValueError(f"box leaf of size {size}")
-        return "box", size, [], 0
-    if x["kind"] == "onehot":
-        nvec = [int(n) for n in x["nvec"]]
-        if not nvec or min(nvec) < 1:
-            raise ValueError(f"onehot leaf with nvec {nvec}")
-        return "onehot", sum(nvec), nvec, int(x.get("start", 0))
-    raise ValueError(f"unknown encoder leaf kind {x['kind']!r}")
+# --- reading the description ---------------------------------------------------------------------
+def _field(d: Any, key: str, kind: type, where: str, default: Any = None) -> Any:
+    if not isinstance(d, dict):
+        raise ProtocolError(f"{where} must be a map, got {type(d).__name__}")
+    value = d.get(key, default)
+    if not isinstance(value, kind):
+        raise ProtocolError(f"{where}.{key} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
 
 
-def _ops(raw: list, width: int) -> tuple[list, int]:
-    """Checked ops and the width they output, given the width they read."""
-    ops = []
-    if not isinstance(raw, list):
-        raise ValueError("layers must be a list")
-    for op in raw:
-        kind = op["op"]
-        if kind == "linear":
-            w = np.ascontiguousarray(np.asarray(op["weight"], np.float32))
-            b = np.asarray(op["bias"], np.float32)
-            if w.ndim != 2 or w.shape[1] != width or b.shape != (w.shape[0],):
-                raise ValueError(f"linear layer of shape {w.shape} (bias {b.shape}) cannot read {width} inputs")
-            ops.append(("linear", w.T.copy(), b))
-            width = w.shape[0]
-        elif kind in _ACTIVATIONS:
-            ops.append((kind, _ACTIVATIONS[kind]))
-        elif kind == "dueling":
-            branches = [int(n) for n in op["branches"]]
-            adv, adv_width = _ops(op["advantage"], width)
-            value, value_width = _ops(op["value"], width)
-            if adv_width != sum(branches) or value_width != 1 or min(branches) < 1:
-                raise ValueError(f"dueling head: advantages {adv_width} for branches {branches}, value {value_width}")
-            ops.append(("dueling", adv, value, np.cumsum(branches)[:-1]))
-            width = sum(branches)
+def _int(value: Any, where: str, lo: int, hi: int = MAX_WIDTH) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        raise ProtocolError(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")
+    return int(value)
+
+
+def _float(value: Any, where: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not lo <= value <= hi:
+        raise ProtocolError(f"{where} must be a number in [{lo}, {hi}], got {value!r}")  # NaN fails too
+    return float(value)
+
+
+def _array(op: dict, key: str, shape: tuple[int | None, ...], where: str) -> np.ndarray:
+    """A float32 array of the given shape (None: any size); copied, so it is aligned and owned."""
+    a = op.get(key)
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+        what = f"{a.dtype} array" if isinstance(a, np.ndarray) else type(a).__name__
+        raise ProtocolError(f"{where}.{key} must be a float32 array, got {what}")
+    if a.ndim != len(shape) or any(want is not None and got != want for got, want in zip(a.shape, shape)):
+        want = tuple("*" if s is None else s for s in shape)
+        raise ProtocolError(f"{where}.{key} has shape {a.shape}; expected {want}")
+    return a
+
+
+def _leaf(x: Any, where: str) -> _Leaf:
+    kind = _field(x, "kind", str, where)
+    if kind == "box":
+        size = _int(x.get("size"), f"{where}.size", 1)
+        return _Leaf("box", size, (size,), [], 0, np.float32(1.0))
+    if kind == "onehot":
+        nvec = [_int(n, f"{where}.nvec[]", 1) for n in _field(x, "nvec", list, where)]
+        if not nvec:
+            raise ProtocolError(f"{where}.nvec is empty")
+        start = _int(x.get("start", 0), f"{where}.start", -(1 << 62), 1 << 62)
+        return _Leaf("onehot", _int(sum(nvec), f"{where} width", 1), (len(nvec),), nvec, start, np.float32(1.0))
+    if kind == "image":
+        shape = tuple(_int(n, f"{where}.shape[]", 1) for n in _field(x, "shape", list, where))
+        if len(shape) != 3:
+            raise ProtocolError(f"{where}.shape must be [H, W, C], got {list(shape)}")
+        scale = _float(x.get("scale", 1.0), f"{where}.scale", -math.inf, math.inf)
+        return _Leaf("image", _int(math.prod(shape), f"{where} size", 1), shape, [], 0, np.float32(scale))
+    raise ProtocolError(f"{where}.kind {kind!r} is not one of ['box', 'onehot', 'image']")
+
+
+def _ops(raw: list, shape: tuple[int, ...], where: str, head: bool) -> tuple[list[Op], tuple[int, ...]]:
+    """Checked ops as functions, and the shape of one row they output given the shape they read:
+    ``(width,)`` for a vector, ``(H, W, C)`` for an image tensor. Only a head list may hold
+    conv2d/flatten/dueling ops; a dueling head's own lists are linear and elementwise ops."""
+    ops: list[Op] = []
+    for i, op in enumerate(raw):
+        at = f"{where}[{i}]"
+        kind = _field(op, "op", str, at)
+        if kind in _ELEMENTWISE:
+            ops.append(_ELEMENTWISE[kind])
+        elif kind == "linear":
+            if len(shape) != 1:
+                raise ProtocolError(f"{at}: linear reads a vector; the input is a {shape} image tensor (flatten it)")
+            w = _array(op, "weight", (None, shape[0]), at)
+            b = _array(op, "bias", (w.shape[0],), at)
+            ops.append(_linear(w, b))
+            shape = (_int(w.shape[0], f"{at} outputs", 1),)
+        elif kind == "conv2d" and head:
+            if len(shape) != 3:
+                raise ProtocolError(f"{at}: conv2d reads an [H, W, C] image tensor, not a vector")
+            w = _array(op, "weight", (None, shape[2], None, None), at)
+            b = _array(op, "bias", (w.shape[0],), at)
+            strides = _field(op, "stride", list, at)
+            if len(strides) != 2:
+                raise ProtocolError(f"{at}.stride must be [sh, sw], got {strides}")
+            sh, sw = (_int(s, f"{at}.stride[]", 1) for s in strides)
+            kh, kw = w.shape[2:]
+            if kh < 1 or kw < 1 or kh > shape[0] or kw > shape[1]:
+                raise ProtocolError(f"{at}: a {kh}x{kw} kernel does not fit a {shape[0]}x{shape[1]} input")
+            ops.append(_conv2d(w, b, sh, sw))
+            shape = ((shape[0] - kh) // sh + 1, (shape[1] - kw) // sw + 1, w.shape[0])
+            _int(math.prod(shape), f"{at} outputs", 1)
+        elif kind == "flatten" and head:
+            if len(shape) == 3:
+                ops.append(_flatten)
+                shape = (math.prod(shape),)
+        elif kind == "dueling" and head:
+            if len(shape) != 1:
+                raise ProtocolError(f"{at}: dueling reads a vector, not a {shape} image tensor")
+            branches = [_int(n, f"{at}.branches[]", 1) for n in _field(op, "branches", list, at)]
+            adv, adv_shape = _ops(_field(op, "advantage", list, at), shape, f"{at}.advantage", head=False)
+            value, value_shape = _ops(_field(op, "value", list, at), shape, f"{at}.value", head=False)
+            if not branches or adv_shape != (sum(branches),) or value_shape != (1,):
+                raise ProtocolError(f"{at}: advantages {adv_shape} for branches {branches}, value {value_shape}; "
+                                    f"expected ({sum(branches)},) and (1,)")
+            ops.append(_dueling(adv, value, np.cumsum(branches)[:-1].tolist()))
+            shape = adv_shape
         else:
-            raise ValueError(f"unknown op {kind!r}")
-    return ops, width
+            raise ProtocolError(f"{at}: unknown op {kind!r}" if head or kind not in ("conv2d", "flatten", "dueling")
+                                else f"{at}: op {kind!r} is not allowed inside a dueling head")
+    return ops, shape
 
 
-def _run(ops: list, x: np.ndarray) -> np.ndarray:
-    for op in ops:
-        if op[0] == "linear":
-            x = x @ op[1]
-            x += op[2]
-        elif op[0] == "dueling":
-            _, adv_ops, value_ops, splits = op
-            adv = _run(adv_ops, x)
-            value = _run(value_ops, x)
-            x = np.concatenate([value + a - a.mean(-1, keepdims=True) for a in np.split(adv, splits, axis=-1)], -1)
-        else:
-            x = op[1](x)
-    return x.astype(np.float32, copy=False)
+# --- the ops -------------------------------------------------------------------------------------
+def _linear(w: np.ndarray, b: np.ndarray) -> Op:
+    w_t, b = w.T.copy(), b.copy()  # copies: decoded arrays may be unaligned views, which BLAS would copy per call
+
+    def linear(x: np.ndarray) -> np.ndarray:
+        y = x @ w_t
+        y += b
+        return y
+    return linear
 
 
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    m = x.max(-1, keepdims=True)
-    return m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+def _conv2d(w: np.ndarray, b: np.ndarray, sh: int, sw: int) -> Op:
+    kh, kw = w.shape[2:]
+    w_k = np.ascontiguousarray(w.transpose(1, 2, 3, 0))  # [in, kh, kw, out]: contracts with the windows' last axes
+    b = b.copy()
+
+    def conv2d(x: np.ndarray) -> np.ndarray:
+        windows = sliding_window_view(x, (kh, kw), axis=(1, 2))[:, ::sh, ::sw]  # [B, Ho, Wo, in, kh, kw]
+        y = np.tensordot(windows, w_k, axes=3)
+        y += b
+        return y
+    return conv2d
+
+
+def _flatten(x: np.ndarray) -> np.ndarray:
+    return x.transpose(0, 3, 1, 2).reshape(x.shape[0], -1)  # channel-major, as torch flattens NCHW
+
+
+def _dueling(adv_ops: list[Op], value_ops: list[Op], splits: list[int]) -> Op:
+    def dueling(x: np.ndarray) -> np.ndarray:
+        adv, value = x, x
+        for op in adv_ops:
+            adv = op(adv)
+        for op in value_ops:
+            value = op(value)
+        parts = [value + a - a.mean(-1, keepdims=True) for a in np.split(adv, splits, axis=-1)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    return dueling
+
+
+# --- observations and sampling -------------------------------------------------------------------
+def _batch(leaf: Any) -> int:
+    shape = np.shape(leaf)
+    if not shape:
+        raise ProtocolError("observations need a leading batch dimension")
+    return shape[0]
+
+
+def _rows(value: Any, n: int, shape: tuple[int, ...]) -> np.ndarray:
+    """One observation leaf as ``[n, *shape]`` (a view where possible)."""
+    a = np.asarray(value)
+    if a.ndim == 0 or a.shape[0] != n or a.size != n * math.prod(shape) or a.dtype.kind not in "biuf":
+        raise ProtocolError(f"an observation leaf of shape {a.shape} and dtype {a.dtype} does not hold {n} rows "
+                            f"of {list(shape)} numbers")
+    return a.reshape(n, *shape)
 
 
 def _gumbel_argmax(logits: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    u = np.maximum(rng.random(logits.shape, dtype=np.float32), 1e-20)
+    u = np.maximum(rng.random(logits.shape, dtype=np.float32), np.float32(1e-20))
     return (logits - np.log(-np.log(u))).argmax(-1)
-
-
-def _split_gaussian(inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    half = inputs.shape[-1] // 2
-    return inputs[:, :half], np.clip(inputs[:, half:], LOG_STD_MIN, LOG_STD_MAX)
