@@ -2,6 +2,7 @@
 
 Prints one JSON object per line:
   {"bench": "machine", ...}
+  {"bench": "zmq_floor", "p50_us", "p99_us"}     a bare ZeroMQ echo round trip between two processes
   {"bench": "latency", "system": "runnel", "security": "plaintext"|"curve", "p50_us", "p99_us", "n"}
   {"bench": "throughput", "system": "runnel", "security": ..., "clients": N, "actions_per_s"}
   {"bench": "throughput_batched", ..., "envs": N, "client_processes": P, "actions_per_s"}
@@ -175,6 +176,41 @@ def runnel_round(n_clients: int, procs: int, seconds: float, keys: str | None, l
     return row
 
 
+# --- the transport's floor ------------------------------------------------------------------------
+def echo(port: int, ready: mp.Event) -> None:
+    import zmq
+
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    ready.set()
+    while True:
+        sock.send_multipart(sock.recv_multipart())
+
+
+def zmq_floor(n: int = 3000) -> dict:
+    """Round trips of an empty message to a ROUTER that only echoes (another process, loopback):
+    what any ZeroMQ request costs on this machine before runnel does anything."""
+    import zmq
+
+    ctx = mp.get_context("spawn")
+    port, ready = free_port(), ctx.Event()
+    proc = ctx.Process(target=echo, args=(port, ready), daemon=True)
+    proc.start()
+    ready.wait(60)
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    lat = []
+    for i in range(n):
+        t0 = time.perf_counter_ns()
+        sock.send(b"x")
+        sock.recv()
+        if i >= 200:
+            lat.append(time.perf_counter_ns() - t0)
+    proc.kill()
+    sock.close(linger=0)
+    return {"p50_us": float(np.percentile(lat, 50)) / 1e3, "p99_us": float(np.percentile(lat, 99)) / 1e3}
+
+
 # --- the RLlib anchor ------------------------------------------------------------------------------
 ANCHOR_SERVER = textwrap.dedent('''
     import pickle, sys, threading, http.server, socketserver
@@ -205,6 +241,7 @@ ANCHOR_SERVER = textwrap.dedent('''
 
     class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         daemon_threads = True
+        request_queue_size = 256  # 64 clients connect at once (socketserver's default backlog is 5)
     server = Server(("127.0.0.1", port), Handler)
     print("ready", flush=True)
     server.serve_forever()
@@ -216,25 +253,27 @@ ANCHOR_CLIENTS = textwrap.dedent('''
     from ray.rllib.env.policy_client import PolicyClient
     port, n_clients, seconds, latencies = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
     obs = np.array([0.01, -0.02, 0.03, 0.04], np.float32)
-    counts, lat = [0] * n_clients, []
-    barrier = threading.Barrier(n_clients)
+    counts, lat, errors = [0] * n_clients, [], [0]
     def loop(i):
         c = PolicyClient(f"http://127.0.0.1:{port}", inference_mode="remote")
-        eid = c.start_episode(training_enabled=False)
-        for _ in range(20):
-            c.get_action(eid, obs)
-        barrier.wait()
         t_end, n = time.perf_counter() + seconds, 0
-        while time.perf_counter() < t_end:
-            t0 = time.perf_counter_ns()
-            c.get_action(eid, obs)
-            if latencies:
-                lat.append(time.perf_counter_ns() - t0)
-            n += 1
+        try:
+            eid = c.start_episode(training_enabled=False)
+            for _ in range(20):
+                c.get_action(eid, obs)
+            t_end = time.perf_counter() + seconds
+            while time.perf_counter() < t_end:
+                t0 = time.perf_counter_ns()
+                c.get_action(eid, obs)
+                if latencies:
+                    lat.append(time.perf_counter_ns() - t0)
+                n += 1
+        except Exception:  # a refused or reset connection under load: counted, and that client stops
+            errors[0] += 1
         counts[i] = n
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(n_clients)]
     [t.start() for t in threads]; [t.join() for t in threads]
-    print(json.dumps({"total": sum(counts), "lat": lat}))
+    print(json.dumps({"total": sum(counts), "lat": lat, "errors": errors[0]}))
 ''')
 
 
@@ -260,7 +299,7 @@ def anchor_round(python: str, n_clients: int, procs: int, seconds: float, latenc
             server.wait()
     total = sum(r["total"] for r in results)
     lat = [x for r in results for x in r["lat"]]
-    row = {"actions_per_s": total / seconds}
+    row = {"actions_per_s": total / seconds, "client_errors": sum(r["errors"] for r in results)}
     if lat:
         row.update(p50_us=float(np.percentile(lat, 50)) / 1e3, p99_us=float(np.percentile(lat, 99)) / 1e3, n=len(lat))
     return row
@@ -288,6 +327,7 @@ def main() -> None:
 
     emit(bench="machine", cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
          torch=torch.__version__, ray=ray.__version__, pyzmq=zmq.__version__, libzmq=zmq.zmq_version())
+    emit(bench="zmq_floor", **zmq_floor())
     anchor = not args.no_anchor and os.path.exists(args.anchors_python)
     if not anchor:
         emit(bench="anchor", system="rllib", skipped=f"no anchors venv at {args.anchors_python}" if not args.no_anchor
@@ -309,7 +349,7 @@ def main() -> None:
                         emit(bench="latency", system=system, security=security, repeat=r,
                              **{k: row[k] for k in ("p50_us", "p99_us", "n")})
                     emit(bench="throughput", system=system, security=security, clients=n, repeat=r,
-                         actions_per_s=row["actions_per_s"])
+                         **{k: v for k, v in row.items() if k in ("actions_per_s", "client_errors")})
                     rows.setdefault((system, security, n), []).append(row)
                     if system == "runnel" and n > 1:  # the same envs, one batched request per client process
                         row = runnel_round(n, args.client_procs, args.seconds, keys if security == "curve" else None,
