@@ -68,14 +68,14 @@ def config(algo: str, seed: int, address: str | None, journal: str):
                               max_pending_steps=4 * cfg.steps_per_training_step() if algo == "DQN" else 200_000))
 
 
-def client(address: str, mode: str, index: int, seed: int, stop: mp.Event) -> None:
+def client(address: str, mode: str, index: int, seed: int, stop: mp.Event, update_interval: float, spool_chunks: int) -> None:
     import gymnasium as gym
 
     from protocols.client import PolicyClient, run_env
 
     env = gym.make("CartPole-v1")
     # a small spool keeps a fast local-inference client from running far ahead of training
-    c = PolicyClient(address, mode, update_interval=0.5, spool_chunks=8, timeout_s=600, seed=seed * 100 + index)
+    c = PolicyClient(address, mode, update_interval=update_interval, spool_chunks=spool_chunks, timeout_s=600, seed=seed * 100 + index)
     episode = 0
     while not stop.is_set():
         run_env(c, env, num_episodes=1, seed=seed * 100_000 + index * 10_000 + episode)
@@ -83,14 +83,14 @@ def client(address: str, mode: str, index: int, seed: int, stop: mp.Event) -> No
     c.close(flush=False)
 
 
-def run(algo: str, seed: int, clients: bool, max_steps: int) -> dict:
+def run(algo: str, seed: int, clients: bool, max_steps: int, update_interval: float = 0.5, spool_chunks: int = 8) -> dict:
     ctx = mp.get_context("spawn")
     address = f"tcp://127.0.0.1:{free_port()}" if clients else None
     with tempfile.TemporaryDirectory() as journal:
         t0 = time.perf_counter()
         trainer = config(algo, seed, address, journal).build()
         stop = ctx.Event()
-        procs = [ctx.Process(target=client, args=(address, MODES[algo], i, seed, stop)) for i in range(4)] if clients else []
+        procs = [ctx.Process(target=client, args=(address, MODES[algo], i, seed, stop, update_interval, spool_chunks)) for i in range(4)] if clients else []
         for p in procs:
             p.start()
         build_s = time.perf_counter() - t0
@@ -119,6 +119,8 @@ def main() -> None:
     p.add_argument("--algos", default="PPO,DQN")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--max-steps", type=int, default=300_000)
+    p.add_argument("--update-interval", type=float, default=0.5, help="local-inference clients pull weights this often (s)")
+    p.add_argument("--spool-chunks", type=int, default=8, help="chunks a client may hold unacknowledged")
     args = p.parse_args()
     import torch
 
@@ -128,7 +130,7 @@ def main() -> None:
         steps = {"env_runners": [], "clients": []}
         for seed in (int(s) for s in args.seeds.split(",")):
             for setup in ("env_runners", "clients"):  # alternated, so machine noise hits both alike
-                row = run(algo, seed, setup == "clients", args.max_steps)
+                row = run(algo, seed, setup == "clients", args.max_steps, args.update_interval, args.spool_chunks)
                 emit(bench="to_450", algo=algo, setup=setup, seed=seed, **row)
                 steps[setup].append(row["env_steps"] if row["reached"] else float("inf"))
         med = {k: statistics.median(v) for k, v in steps.items()}
