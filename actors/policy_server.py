@@ -53,6 +53,7 @@ from actors.metrics import MetricsLogger
 from actors.modules import to_torch
 from protocols import external as wire
 from protocols import nested
+from actors.offline.recorder import Recorder
 from protocols.codec import Limits, decode, encode
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
@@ -162,6 +163,7 @@ class PolicyServer(EnvRunnerRole):
         self.module.eval()
         self.exploration = make_exploration(settings.exploration_config, self.module.dist_spec)
         self.env_actions = EnvActions(self.action_space, settings.normalize_actions, settings.clip_actions)
+        self.recorder = Recorder(settings.recording, f"server{worker_index:03d}") if settings.recording else None
         self.box_actions = self.env_actions.box
         self.schema = ChunkSchema.for_spaces(self.observation_space, self.action_space, ("action_logp",))
         self.dist_dim = self.module.dist_spec.input_dim
@@ -683,6 +685,9 @@ class PolicyServer(EnvRunnerRole):
                             len(self._conns))
             chunks = [c for _, c in taken]
             self._log_chunks(chunks)
+        if self.recorder is not None:  # written before the driver has them: a later crash cannot lose them
+            self.recorder.record(chunks)
+            self.recorder.flush()
         return chunks
 
     def _log_chunks(self, chunks: list[EpisodeChunk]) -> None:
@@ -742,6 +747,8 @@ class PolicyServer(EnvRunnerRole):
         m.log_value("external/num_clients", len(self._conns), reduce="max")
         m.log_value("external/num_refused_keys", self.security.refused, reduce="max")
         m.log_value("external/num_pending_env_steps", self._pending_steps, reduce="max")
+        if self.recorder is not None:
+            self.recorder.log_metrics(m)
         return m.export()
 
     def get_state(self) -> dict[str, Any]:
@@ -782,6 +789,8 @@ class PolicyServer(EnvRunnerRole):
             self._lock.notify_all()
         self._wake()
         self._thread.join(timeout=10.0)
+        if self.recorder is not None:
+            self.recorder.close()
         self._sock.close(linger=500)
         self._wake_rx.close()
         self._wake_tx.close()

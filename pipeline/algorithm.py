@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib.metadata
+import json
 import logging
 import os
 import threading
@@ -42,6 +44,8 @@ from pipeline.env_runner_group import EnvRunnerGroup
 from pipeline.envs import env_creator, probe_spaces
 from pipeline.evaluation import EVALUATOR_REQUEST_SLOTS, Evaluators
 from pipeline.external_config import external_settings
+from pipeline.offline_config import reader_settings, recorded_spaces, recording_settings
+from actors.offline import write_manifest
 from pipeline.learner_group import LearnerGroup
 from pipeline.registry import get_algorithm
 from protocols import nested
@@ -99,8 +103,13 @@ class Algorithm:
             torch.manual_seed(config.seed)
         self.name = type(self).__name__
         self.external = external_settings(config)
+        self.offline_input = reader_settings(config)
+        self.recording = recording_settings(config)
         self.env_creator = env_creator(config.env) if config.env is not None else None
         obs_space, act_space = config.observation_space, config.action_space
+        if (obs_space is None or act_space is None) and self.offline_input is not None:
+            recorded = recorded_spaces(config)
+            obs_space, act_space = obs_space or recorded[0], act_space or recorded[1]
         if obs_space is None or act_space is None:
             probed = probe_spaces(self.env_creator, config.env_config)
             obs_space, act_space = obs_space or probed[0], act_space or probed[1]
@@ -133,11 +142,15 @@ class Algorithm:
         self.learner_group: LearnerGroup | None = None
         self.env_runner_group: EnvRunnerGroup | None = None
         self.plan: Any = None
+        if self.recording is not None:
+            write_manifest(self.recording.output, obs_space, act_space, self.name, _json_safe(config.to_dict()),
+                           runnel_version(), actions_normalized=bool(config.normalize_actions))
         try:
             self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space)
             self.env_runner_group = EnvRunnerGroup(
                 self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
                 self.fault_tolerance_settings(), compress_frames=self.compress_frames(), external=self.external,
+                offline=self.offline_input,
                 on_recreated=lambda ids: self._hook(
                     "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
                     env_runner_indices=ids, is_evaluation=False))
@@ -166,6 +179,8 @@ class Algorithm:
             num_env_runners=c.num_env_runners, restart_failed_sub_environments=c.restart_failed_sub_environments,
             metrics_window=c.metrics_num_episodes_for_smoothing, callbacks=c.callbacks_spec(),
             in_evaluation=in_evaluation, log_level=c.log_level, log_sys_usage=c.log_sys_usage,
+            recording=(self.recording if self.recording is not None
+                       and (not in_evaluation or self.recording.output_include_evaluation) else None),
         )
 
     def fault_tolerance_settings(self, config: AlgorithmConfig | None = None) -> FaultToleranceSettings:
@@ -484,6 +499,18 @@ EVALUATOR_NICENESS = 19
 """Parallel evaluators run at the lowest OS priority: on shared cores they use what training leaves."""
 AUTO_FRAGMENT = 200
 """Evaluators' steps per sub-env per request when ``rollout_fragment_length`` is "auto" (sized for training)."""
+
+
+def runnel_version() -> str:
+    try:
+        return importlib.metadata.version("runnel")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with whatever JSON cannot hold (classes, functions) written as its repr."""
+    return json.loads(json.dumps(value, default=repr))
 
 
 def _function(value: Any, name: str) -> Callable | None:

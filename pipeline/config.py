@@ -222,6 +222,11 @@ class AlgorithmConfig:
     """Serve remote env clients instead of stepping envs: ``ExternalSettings`` keys (``address``,
     ``inference_mode``, ``server_secret_key``...), set with ``.external_clients(...)``; None: off."""
 
+    # offline data
+    offline_data_config: dict | None = None
+    """Record to / train from shard files: ``RecordingSettings`` keys (``output``, ``output_max_file_size``...)
+    and ``ReaderSettings`` keys (``input_``, ``shuffle_buffer_size``...), set with ``.offline_data(...)``; None: off."""
+
     _unknown: dict = field(default_factory=dict, repr=False, compare=False)
 
     # --- builders -----------------------------------------------------------------------------
@@ -251,6 +256,12 @@ class AlgorithmConfig:
         """Train on experience from remote clients (``protocols.client.PolicyClient``): each env runner
         slot hosts a policy server; keys are ``actors.policy_server.ExternalSettings``'s fields."""
         self.external_clients_config = {**(self.external_clients_config or {}), **kwargs}
+        return self
+
+    def offline_data(self, **kwargs: Any) -> "AlgorithmConfig":
+        """``output="DIR"``: record every chunk the runners sample; ``input_="DIR"``: train from a
+        recording (readers take the env runners' place). Keys: ``pipeline.offline_config.KEYS``."""
+        self.offline_data_config = {**(self.offline_data_config or {}), **kwargs}
         return self
 
     def env_runners(self, **kwargs: Any) -> "AlgorithmConfig":
@@ -411,7 +422,7 @@ class AlgorithmConfig:
         problems += check_schedule("lr", self.lr)
         if self.grad_clip is not None and (not is_number(self.grad_clip) or self.grad_clip <= 0):
             problems.append(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
-        if self.env is None and self.external_clients_config is None:
+        if self.env is None and self.external_clients_config is None and not (self.offline_data_config or {}).get("input_"):
             problems.append("no environment: call .environment('CartPole-v1') (a gymnasium id, a registered name, "
                             "an env class or 'pkg.module:Class')")
         if not isinstance(self.model_config, dict):
@@ -420,6 +431,9 @@ class AlgorithmConfig:
         from pipeline.external_config import external_problems
 
         problems += external_problems(self)
+        from pipeline.offline_config import offline_problems
+
+        problems += offline_problems(self)
         for key in ("env_task_fn", "custom_evaluation_function"):
             if getattr(self, key) is not None and not callable(getattr(self, key)) and not isinstance(getattr(self, key), str):
                 problems.append(f"{key} must be a function, got {getattr(self, key)!r}")

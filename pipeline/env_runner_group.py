@@ -28,6 +28,7 @@ import ray
 from actors.env import EnvRunner, EnvRunnerSettings
 from actors.manager import ActorManager, FaultToleranceSettings
 from actors.metrics import MetricsLogger
+from actors.offline import OfflineReader
 from protocols.codec import decode
 from protocols.episode import EpisodeChunk
 
@@ -37,7 +38,8 @@ log = logging.getLogger("runnel")
 class EnvRunnerGroup:
     def __init__(self, settings: EnvRunnerSettings, num_env_runners: int, num_cpus_per_env_runner: float,
                  fault_tolerance: FaultToleranceSettings, *, compress_frames: bool = False,
-                 on_recreated: Callable[[list[int]], None] | None = None, external: Any = None) -> None:
+                 on_recreated: Callable[[list[int]], None] | None = None, external: Any = None,
+                 offline: Any = None) -> None:
         """``external`` (``actors.policy_server.ExternalSettings``): the slots host policy servers for
         remote clients instead of env runners."""
         self.settings = settings
@@ -49,6 +51,8 @@ class EnvRunnerGroup:
             from actors.policy_server import PolicyServer
 
             runner_cls, extra = PolicyServer, {"external": external}
+        elif offline is not None:  # readers of a recording in the runners' place (actors.offline)
+            runner_cls, extra = OfflineReader, {"offline": offline, "num_readers": max(1, num_env_runners)}
         self.servers = external is not None
         if num_env_runners == 0:
             make: Callable[[int, bool], Any] = lambda i, recreated: runner_cls(settings, i, recreated, **extra)  # noqa: E731
@@ -56,7 +60,7 @@ class EnvRunnerGroup:
             remote_cls = ray.remote(num_cpus=num_cpus_per_env_runner, max_restarts=0)(runner_cls)
             make = lambda i, recreated: remote_cls.remote(settings, worker_index=i, recreated=recreated, **extra)  # noqa: E731
         ids = [0] if num_env_runners == 0 else list(range(1, num_env_runners + 1))
-        name = ("policy server" if self.servers else
+        name = ("policy server" if self.servers else "offline reader" if offline is not None else
                 "evaluation env runner" if settings.in_evaluation else "env runner")
         self.manager = ActorManager(make, ids, fault_tolerance, on_restart=self._restore, name=name,
                                     in_process=num_env_runners == 0)

@@ -37,6 +37,7 @@ from actors.metrics import MetricsLogger
 from actors.modules import ActorCriticModule, RLModule
 from actors.sys_usage import SysUsage
 from protocols import nested
+from actors.offline.recorder import Recorder, RecordingSettings
 from protocols.codec import decode, encode
 from protocols.episode import EpisodeChunk
 
@@ -75,6 +76,8 @@ class EnvRunnerSettings:
     """Level of runnel's loggers in this runner's process."""
     log_sys_usage: bool = False
     """Report this process's CPU and resident memory under ``perf/env_runner_<index>/``."""
+    recording: RecordingSettings | None = None
+    """Record every chunk this runner returns (``config.offline_data(output=...)``); None: off."""
     niceness: int = 0
     """Raise this runner's OS niceness by this much (a remote runner only): evaluators running beside
     training take the CPU time training leaves idle instead of slowing it down."""
@@ -149,6 +152,8 @@ class EnvRunner(EnvRunnerRole):
             self.env.keep_infos = True
         if self.env.supports_hooks:
             self.env.before_reset = self._episode_begins
+        self.recorder = (Recorder(settings.recording, f"{'eval' if settings.in_evaluation else 'runner'}{worker_index:03d}")
+                         if settings.recording is not None else None)
         self._postprocess = overrides(cb, "on_postprocess_trajectory")
         self._sample_end = overrides(cb, "on_sample_end")
         if overrides(cb, "on_environment_created"):
@@ -217,6 +222,8 @@ class EnvRunner(EnvRunnerRole):
         if self._sample_end:
             self._hook("on_sample_end", env_runner=self, worker=self, samples=samples,
                        metrics_logger=self.callback_metrics)
+        if self.recorder is not None:
+            self.recorder.record(samples)
         return samples
 
     def sample_metrics(self, num_timesteps: int | None = None, num_episodes: int | None = None,
@@ -238,7 +245,14 @@ class EnvRunner(EnvRunnerRole):
         """``sample()`` as one codec frame, plus ``get_metrics()``: what a stage group asks for, so
         chunks cross every process boundary as codec frames (and do so in-process too)."""
         frame = encode(self.sample(num_timesteps=num_timesteps, explore=explore), compress=compress)
+        self.flush_recording()
         return frame, self.get_metrics()
+
+    def flush_recording(self) -> None:
+        """Returns once the recorder wrote every chunk sampled so far: called before chunks leave
+        this runner, so a runner killed afterwards has lost nothing the learner got from the recording."""
+        if self.recorder is not None:
+            self.recorder.flush()
 
     def _sample_episodes(self, num_episodes: int, explore: bool) -> list[EpisodeChunk]:
         self._quota, self._started = num_episodes, 0
@@ -446,6 +460,8 @@ class EnvRunner(EnvRunnerRole):
         if self._sys is not None:
             for key, value in self._sys.sample().items():
                 self.metrics.log_value(f"perf/env_runner_{self.worker_index}/{key}", value)
+        if self.recorder is not None:
+            self.recorder.log_metrics(self.metrics)
         out = self.metrics.export()
         out.update({f"env_runners/{k}": v for k, v in self.callback_metrics.export().items()})
         return out
@@ -529,6 +545,8 @@ class EnvRunner(EnvRunnerRole):
 
     def stop(self) -> None:
         self.stop_streaming()
+        if self.recorder is not None:
+            self.recorder.close()
         self.env.close()
 
     # --- streaming (asynchronous algorithms: IMPALA, APPO) ----------------------------------

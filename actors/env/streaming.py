@@ -67,6 +67,7 @@ class RunnerStream:
                 chunks = runner.sample()
                 if not chunks:
                     continue
+                runner.flush_recording()
                 self._set_state("sending")
                 if not self._sender.send(chunks, self._stop):
                     break

@@ -152,6 +152,9 @@ class Learner(LearnerRole):
         params = slot.params
         slot.optimizer.zero_grad(set_to_none=False)
         loss.backward()
+        for p in params:  # a loss that leaves a head out (BC's value head): zeros, so every learner reduces alike
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if self.world_size > 1:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat)

@@ -1,0 +1,253 @@
+"""Reading recorded experience: a stage that hands out recorded chunks in an env runner's place.
+
+``OfflineReader`` implements the env runner role, so every plan that samples from env runners
+trains from a recording unchanged: PPO-style plans (BC, MARWIL) get chunks from ``sample()``,
+the off-policy plan (CQL, DQN/SAC) puts them into replay. Several readers (``num_env_runners``)
+read disjoint sets of shards in parallel, as Ray actors under the fault-tolerant manager.
+
+Memory stays bounded: shards are read one record at a time, a few shards at once
+(``shards_in_flight``, interleaved so one sample mixes shards), and a shuffle buffer of at most
+``shuffle_buffer_size`` steps hands out a random element each time. Reading loops over the data
+forever (one *epoch* per pass, shard order reshuffled each time). Damaged records and torn tails
+are skipped and counted (``offline_data/damaged_records``, ``offline_data/torn_tails``).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from actors.core import EnvRunnerRole
+from actors.metrics import MetricsLogger
+from actors.offline.recorder import MANIFEST, read_manifest
+from protocols.codec import encode
+from protocols.episode import EpisodeChunk
+from protocols.errors import ProtocolError
+from protocols.shards import SUFFIX, ShardReader, decode_record
+
+
+@dataclass
+class ReaderSettings:
+    """What to read and how (``config.offline_data(input_=...)``)."""
+
+    input_: str | list
+    """A recording directory, a glob of shard files, or a list of either."""
+    input_read_episodes: bool = False
+    """Hand out only whole episodes (records of a recording made with ``output_write_episodes``);
+    other records are skipped and counted."""
+    shuffle_buffer_size: int = 10_000
+    """Steps held to draw from at random (records are shuffled, not single steps); 0 reads in file order."""
+    actions_in_input_normalized: bool | None = None
+    """Box actions in the data are already in the policy's [-1, 1] range. None: as the recording's
+    manifest says (runnel's recordings are); False: rescale them from the action space's bounds."""
+    shards_in_flight: int = 4
+    """Shards read at once, interleaved record by record."""
+    seed: int | None = None
+
+
+def resolve_input(input_: str | list) -> list[str]:
+    """Shard files named by a directory, a glob or a list of them (sorted, deduplicated)."""
+    items = [input_] if isinstance(input_, (str, os.PathLike)) else list(input_)
+    files: list[str] = []
+    for item in items:
+        item = os.path.expanduser(str(item))
+        if os.path.isdir(item):
+            found = sorted(glob.glob(os.path.join(item, "**", f"*{SUFFIX}"), recursive=True))
+        elif any(ch in item for ch in "*?["):
+            found = sorted(glob.glob(item, recursive=True))
+        elif os.path.isfile(item):
+            found = [item]
+        else:
+            raise FileNotFoundError(f"offline input {item!r} is neither a directory, a file nor a glob that matches")
+        files.extend(found)
+    files = list(dict.fromkeys(os.path.abspath(f) for f in files))
+    if not files:
+        raise FileNotFoundError(f"offline input {input_!r} holds no {SUFFIX} shard files")
+    return files
+
+
+def manifest_for(files: list[str]) -> dict[str, Any] | None:
+    """The manifest of the recording the first shard belongs to (None when there is none)."""
+    for f in files:
+        d = os.path.dirname(f)
+        while True:
+            if os.path.exists(os.path.join(d, MANIFEST)):
+                return read_manifest(d)
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
+    return None
+
+
+class OfflineReader(EnvRunnerRole):
+    """Hands out recorded chunks through the env runner role (``sample``/``sample_encoded``)."""
+
+    def __init__(self, settings: Any, worker_index: int = 0, recreated: bool = False, *,
+                 offline: ReaderSettings, num_readers: int = 1) -> None:
+        self.s = settings
+        self.r = offline
+        self.worker_index = worker_index
+        files = resolve_input(offline.input_)
+        if num_readers > 1:  # readers 1..n take disjoint shares of the shards
+            files = files[worker_index - 1::num_readers] or files
+        self.files = files
+        manifest = manifest_for(files)
+        normalized = offline.actions_in_input_normalized
+        if normalized is None:
+            normalized = bool(manifest.get("actions_normalized", True)) if manifest else True
+        self._rescale = None
+        space = settings.action_space
+        if (not normalized and getattr(settings, "normalize_actions", True) and space is not None
+                and type(space).__name__ == "Box"):
+            low, high = space.low.astype(np.float32), space.high.astype(np.float32)
+            self._rescale = lambda a: (2.0 * (np.asarray(a, np.float32) - low) / (high - low) - 1.0)
+        seed = (offline.seed if offline.seed is not None else (settings.seed or 0)) * 1000 + worker_index
+        self.rng = random.Random(seed + (7919 if recreated else 0))
+        self.metrics = MetricsLogger()
+        self.weights: dict[str, Any] = {}
+        self.weights_version = 0
+        self._buffer: list[EpisodeChunk] = []
+        self._buffered_steps = 0
+        self._stream = self._records()
+        self.epoch = 0
+        self.counts = {"records": 0, "steps": 0, "damaged_records": 0, "torn_tails": 0, "skipped_records": 0}
+
+    # --- the data stream ----------------------------------------------------------------------
+    def _records(self) -> Iterator[list[EpisodeChunk]]:
+        while True:
+            order = list(self.files)
+            self.rng.shuffle(order)
+            pending = iter(order)
+            active: list[tuple[ShardReader, Iterator[EpisodeChunk]]] = []
+            got_any = False
+            while True:
+                while len(active) < max(1, self.r.shards_in_flight):
+                    path = next(pending, None)
+                    if path is None:
+                        break
+                    reader = ShardReader(path)
+                    active.append((reader, self._shard_records(reader)))
+                if not active:
+                    break
+                i = self.rng.randrange(len(active))
+                record = next(active[i][1], None)
+                if record is None:
+                    self._account(active.pop(i)[0])
+                    continue
+                got_any = True
+                yield record
+            self.epoch += 1
+            self.metrics.log_value("offline_data/epochs", 1, reduce="lifetime_sum")
+            if not got_any:
+                raise RuntimeError(f"offline input {self.r.input_!r} holds no readable records "
+                                   f"(all shards empty or damaged; inspect with `runnel inspect`)")
+
+    def _shard_records(self, reader: ShardReader) -> Iterator[list[EpisodeChunk]]:
+        """One record's chunks at a time (a shard's chunks are grouped back into its records)."""
+        for off, frame in reader.frames():
+            try:
+                chunks = decode_record(frame, reader.limits, f"{reader.path} at byte {off}")
+            except ProtocolError:
+                self.counts["damaged_records"] += 1
+                self.metrics.log_value("offline_data/damaged_records", 1, reduce="lifetime_sum")
+                continue
+            yield chunks
+
+    def _account(self, reader: ShardReader) -> None:
+        if reader.scan.damaged_records:
+            self.counts["damaged_records"] += reader.scan.damaged_records
+            self.metrics.log_value("offline_data/damaged_records", reader.scan.damaged_records, reduce="lifetime_sum")
+        if reader.scan.damaged_bytes:
+            self.counts["torn_tails"] += 1
+            self.metrics.log_value("offline_data/torn_tails", 1, reduce="lifetime_sum")
+
+    def _next_chunk(self) -> EpisodeChunk:
+        size = self.r.shuffle_buffer_size
+        while not self._buffer or self._buffered_steps < size:
+            for c in next(self._stream):
+                if self.r.input_read_episodes and not (c.chunk_index == 0 and c.is_done):
+                    self.counts["skipped_records"] += 1
+                    continue
+                self._buffer.append(self._prepared(c))
+                self._buffered_steps += len(c)
+            if size <= 0 and self._buffer:
+                break
+        i = self.rng.randrange(len(self._buffer)) if size > 0 else 0
+        self._buffer[i], self._buffer[-1] = self._buffer[-1], self._buffer[i]
+        c = self._buffer.pop() if size > 0 else self._buffer.pop(0)
+        self._buffered_steps -= len(c)
+        return c
+
+    def _prepared(self, c: EpisodeChunk) -> EpisodeChunk:
+        if self._rescale is not None:
+            c.actions = self._rescale(c.actions)
+        return c
+
+    # --- the env runner role ------------------------------------------------------------------
+    def sample(self, num_timesteps: int | None = None, num_episodes: int | None = None,
+               explore: bool | None = None) -> list[EpisodeChunk]:
+        """Recorded chunks of at least ``num_timesteps`` steps (default: one round of the runner
+        settings), or ``num_episodes`` records that end an episode."""
+        out: list[EpisodeChunk] = []
+        if num_episodes is not None:
+            while sum(c.is_done for c in out) < num_episodes:
+                out.append(self._next_chunk())
+        else:
+            target = num_timesteps or self.s.rollout_fragment_length * self.s.num_envs
+            steps = 0
+            while steps < target:
+                c = self._next_chunk()
+                out.append(c)
+                steps += len(c)
+        n = sum(len(c) for c in out)
+        self.counts["steps"] += n
+        self.counts["records"] += len(out)
+        self.metrics.log_value("num_env_steps_sampled", n, reduce="sum")
+        self.metrics.log_value("num_env_steps_sampled_lifetime", n, reduce="lifetime_sum")
+        self.metrics.log_value("offline_data/num_env_steps_read_lifetime", n, reduce="lifetime_sum")
+        return out
+
+    def sample_encoded(self, num_timesteps: int | None = None, explore: bool | None = None,
+                       compress: bool = False) -> tuple[bytes, dict[str, Any]]:
+        return encode(self.sample(num_timesteps=num_timesteps), compress=compress), self.get_metrics()
+
+    def set_weights(self, weights: dict[str, Any], weights_version: int = 0, timestep: int | None = None) -> None:
+        self.weights, self.weights_version = weights, weights_version  # kept for get_weights only
+
+    def get_weights(self) -> dict[str, Any]:
+        return self.weights
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self.metrics.export()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "counts": dict(self.counts)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state.get("epoch", 0))
+        self.counts.update(state.get("counts", {}))
+
+    def ping(self) -> str:
+        return "ok"
+
+    def apply(self, fn: Callable[["OfflineReader"], Any]) -> Any:
+        return fn(self)
+
+    def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
+                        stall_timeout_s: float = 60.0) -> None:
+        raise NotImplementedError("offline readers serve synchronous plans (BC, MARWIL, CQL, PPO, DQN, SAC); "
+                                  "IMPALA/APPO do not train from recordings yet")
+
+    def stop_streaming(self, timeout_s: float = 10.0) -> bool:
+        return True
+
+    def is_streaming(self) -> bool:
+        return False
+
+    def stop(self) -> None:
+        self._stream.close()

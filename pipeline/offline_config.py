@@ -1,0 +1,115 @@
+"""The ``offline_data`` config group: record what runners sample, or train from a recording.
+
+``config.offline_data(output="DIR")`` makes every training runner (and policy server; evaluators
+with ``output_include_evaluation=True``) record the chunks it returns into ``DIR``
+(``actors.offline.RecordingSettings``). ``config.offline_data(input_="DIR")`` puts
+``actors.offline.OfflineReader`` stages in the env runner slots: the algorithm trains on the
+recording and steps no env (an env, if given, serves evaluation only); the spaces come from the
+recording's manifest unless given. The keys are the fields of those two settings classes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from actors.offline import ReaderSettings, RecordingSettings, manifest_for, resolve_input
+from actors.offline.recorder import FSYNC_CHOICES
+from protocols.errors import ProtocolError
+from protocols.spaces import space_from_dict
+
+OUTPUT_KEYS = tuple(f.name for f in dataclasses.fields(RecordingSettings))
+INPUT_KEYS = tuple(f.name for f in dataclasses.fields(ReaderSettings) if f.name != "seed")
+KEYS = OUTPUT_KEYS + INPUT_KEYS
+
+
+def recording_settings(config: Any) -> RecordingSettings | None:
+    d = config.offline_data_config or {}
+    if d.get("output") is None:
+        return None
+    return RecordingSettings(**{k: v for k, v in d.items() if k in OUTPUT_KEYS})
+
+
+def reader_settings(config: Any) -> ReaderSettings | None:
+    d = config.offline_data_config or {}
+    if d.get("input_") is None:
+        return None
+    return ReaderSettings(**{k: v for k, v in d.items() if k in INPUT_KEYS}, seed=config.seed)
+
+
+def recorded_spaces(config: Any) -> tuple[Any, Any]:
+    """The observation and action spaces of the recording ``input_`` names (from its manifest)."""
+    files = resolve_input(config.offline_data_config["input_"])
+    manifest = manifest_for(files)
+    if manifest is None:
+        raise ValueError(f"offline input {config.offline_data_config['input_']!r} has no manifest.json to take "
+                         f"the spaces from: give them with .environment(observation_space=..., action_space=...)")
+    return space_from_dict(manifest["observation_space"]), space_from_dict(manifest["action_space"])
+
+
+def offline_problems(config: Any) -> list[str]:
+    d = config.offline_data_config
+    if d is None:
+        return []
+    if not isinstance(d, dict):
+        return [f"offline_data settings must be a dict, got {type(d).__name__}"]
+    problems = []
+    for key in d:
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=2, cutoff=0.5)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"valid keys: {list(KEYS)}"
+            problems.append(f"unknown offline_data setting {key!r}; {hint}")
+    if problems:
+        return problems
+    rec, read = recording_settings(config), reader_settings(config)
+    if rec is not None:
+        if not isinstance(rec.output, str) or not rec.output:
+            problems.append(f"offline_data output={rec.output!r} must be a directory path")
+        for key in ("output_max_file_size", "output_max_queue"):
+            value = getattr(rec, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"offline_data {key} must be an int >= 1, got {value!r}")
+        if rec.output_fsync not in FSYNC_CHOICES:
+            problems.append(f"offline_data output_fsync={rec.output_fsync!r} is not one of {list(FSYNC_CHOICES)}")
+    elif any(k in d for k in OUTPUT_KEYS if k != "output"):
+        problems.append("offline_data output_* settings need output='DIR' (where to record)")
+    if read is not None:
+        if isinstance(read.input_, dict):
+            problems.append("offline_data input_ as a dict of sources with probabilities (mixing the sampler "
+                            "and recordings) is not supported yet: give one directory, glob or list")
+            return problems
+        try:
+            resolve_input(read.input_)
+        except FileNotFoundError as err:
+            problems.append(f"offline_data: {err}")
+        if not isinstance(read.shuffle_buffer_size, int) or read.shuffle_buffer_size < 0:
+            problems.append(f"offline_data shuffle_buffer_size must be an int >= 0, got {read.shuffle_buffer_size!r}")
+        if not isinstance(read.shards_in_flight, int) or read.shards_in_flight < 1:
+            problems.append(f"offline_data shards_in_flight must be an int >= 1, got {read.shards_in_flight!r}")
+        if rec is not None:
+            problems.append("offline_data: input_ and output together would record the recording again; "
+                            "drop output (or record a trained policy with `runnel record`)")
+        if config.external_clients_config is not None:
+            problems.append("offline_data input_ and external_clients both take the env runner slots: pick one")
+        if not getattr(config, "synchronous_sampling", True):
+            problems.append(f"{config.algo_name} samples by streaming, which offline readers do not do yet: "
+                            f"train from recordings with BC, MARWIL, CQL, PPO, DQN or SAC")
+        if config.evaluation_interval and config.env is None:
+            problems.append("evaluation runs an env in evaluators, and this config has none: set "
+                            ".environment(env=...) (it serves evaluation only) or turn evaluation_interval off")
+        if not problems and (config.observation_space is None or config.action_space is None):
+            try:
+                recorded_spaces(config)
+            except (ValueError, ProtocolError) as err:
+                problems.append(f"offline_data: {err}")
+    elif any(k in d for k in INPUT_KEYS if k != "input_"):
+        problems.append("offline_data input settings need input_='DIR' (what to read)")
+    return problems
+
+
+def input_required_problems(config: Any) -> list[str]:
+    """What an algorithm that only learns from recordings (BC, MARWIL, CQL) needs of its config."""
+    if (config.offline_data_config or {}).get("input_") is None:
+        return [f"{config.algo_name} learns from recorded experience: add .offline_data(input_='DIR') "
+                f"(a directory recorded with .offline_data(output='DIR') or `runnel record`)"]
+    return []
