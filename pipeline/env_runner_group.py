@@ -28,7 +28,7 @@ import ray
 from actors.env import EnvRunner, EnvRunnerSettings
 from actors.manager import ActorManager, FaultToleranceSettings
 from actors.metrics import MetricsLogger
-from actors.offline import OfflineReader
+from actors.offline import reader_class
 from protocols.codec import decode
 from protocols.episode import EpisodeChunk
 
@@ -52,7 +52,7 @@ class EnvRunnerGroup:
 
             runner_cls, extra = PolicyServer, {"external": external}
         elif offline is not None:  # readers of a recording in the runners' place (actors.offline)
-            runner_cls, extra = OfflineReader, {"offline": offline, "num_readers": max(1, num_env_runners)}
+            runner_cls, extra = reader_class(offline), {"offline": offline, "num_readers": max(1, num_env_runners)}
         self.servers = external is not None
         if num_env_runners == 0:
             make: Callable[[int, bool], Any] = lambda i, recreated: runner_cls(settings, i, recreated, **extra)  # noqa: E731

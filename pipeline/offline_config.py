@@ -13,7 +13,7 @@ import dataclasses
 import difflib
 from typing import Any
 
-from actors.offline import ReaderSettings, RecordingSettings, manifest_for, resolve_input
+from actors.offline import READERS, ReaderSettings, RecordingSettings, manifest_for, resolve_input
 from actors.offline.recorder import FSYNC_CHOICES
 from protocols.errors import ProtocolError
 from protocols.spaces import space_from_dict
@@ -84,6 +84,8 @@ def offline_problems(config: Any) -> list[str]:
             problems.append(f"offline_data: {err}")
         if not isinstance(read.shuffle_buffer_size, int) or read.shuffle_buffer_size < 0:
             problems.append(f"offline_data shuffle_buffer_size must be an int >= 0, got {read.shuffle_buffer_size!r}")
+        if read.input_reader not in READERS:
+            problems.append(f"offline_data input_reader={read.input_reader!r} is not one of {list(READERS)}")
         if not isinstance(read.shards_in_flight, int) or read.shards_in_flight < 1:
             problems.append(f"offline_data shards_in_flight must be an int >= 1, got {read.shards_in_flight!r}")
         if rec is not None:

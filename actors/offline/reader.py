@@ -46,6 +46,9 @@ class ReaderSettings:
     manifest says (runnel's recordings are); False: rescale them from the action space's bounds."""
     shards_in_flight: int = 4
     """Shards read at once, interleaved record by record."""
+    input_reader: str = "local"
+    """How records are read: "local" (this module's streaming reader, in each reader stage) or
+    "ray_data" (a Ray Data dataset over the shards, for data larger than one machine)."""
     seed: int | None = None
 
 
