@@ -271,9 +271,11 @@ class EnvRunnerGroup:
                 self._tasks[res.actor_id] = res.value
 
     def stop(self) -> None:
-        if self.servers and not self.manager.in_process:  # let servers acknowledge what was trained on
+        # Servers acknowledge what was trained on; recording runners close their shards (index,
+        # trailer, fsync) and write the episodes still running. Others are simply killed.
+        if (self.servers or self.settings.recording is not None) and not self.manager.in_process:
             try:
                 self.manager.foreach_actor("stop", timeout_s=15.0)
             except Exception as err:  # noqa: BLE001 - they are killed next anyway
-                log.warning("stopping the policy servers: %s", err)
+                log.warning("stopping the %ss: %s", self.manager.name, err)
         self.manager.stop()

@@ -118,6 +118,7 @@ class OfflineReader(EnvRunnerRole):
         self._buffered_steps = 0
         self._stream = self._records()
         self.epoch = 0
+        self._accepted_epoch = 0
         self.counts = {"records": 0, "steps": 0, "damaged_records": 0, "torn_tails": 0, "skipped_records": 0}
 
     # --- the data stream ----------------------------------------------------------------------
@@ -175,7 +176,13 @@ class OfflineReader(EnvRunnerRole):
             for c in next(self._stream):
                 if self.r.input_read_episodes and not (c.chunk_index == 0 and c.is_done):
                     self.counts["skipped_records"] += 1
+                    if self.epoch - self._accepted_epoch >= 2:  # a whole pass found nothing to hand out
+                        raise RuntimeError(
+                            f"input_read_episodes=True, but {self.r.input_!r} holds no whole episodes (each "
+                            f"record is a piece of one): record with output_write_episodes=True, or read "
+                            f"with input_read_episodes=False")
                     continue
+                self._accepted_epoch = self.epoch
                 self._buffer.append(self._prepared(c))
                 self._buffered_steps += len(c)
             if size <= 0 and self._buffer:
