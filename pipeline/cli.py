@@ -6,6 +6,10 @@
     runnel train file tuned/cartpole-ppo.yaml [flags that override the file]
     runnel evaluate ~/runnel_results/PPO_CartPole-v1_2025-01-01_12-00-00/checkpoint_000012 --episodes 10
     runnel keys server sim-1 --dir keys/     (CURVE key pairs for a policy server and its clients)
+    runnel record CHECKPOINT --episodes 50 --output expert/     (record a trained policy)
+    runnel train --algo BC --input expert/ --env CartPole-v1     (learn from it; the env evaluates)
+    runnel inspect expert/                   (episodes, steps, spaces, damaged records)
+    runnel import minari DATASET_DIR OUT     (a Minari dataset into a runnel recording)
 
 ``train`` writes a run directory ``<output-dir>/<ALGO>_<env>_<YYYY-mm-dd_HH-MM-SS>`` holding
 ``params.json``, ``result.json``, ``progress.csv``, TensorBoard event files (see
@@ -50,6 +54,7 @@ import traceback
 from typing import Sequence
 
 from pipeline.cli_evaluate import cmd_evaluate
+from pipeline.cli_offline import add_parsers as add_offline_parsers
 from pipeline.cli_train import cmd_train
 from pipeline.train_spec import DEFAULT_OUTPUT_DIR, DEFAULT_STOP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, CLIError
 
@@ -65,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="runnel", description="Train and evaluate reinforcement-learning agents with runnel.",
         epilog="Exit status: 0 done, 1 runtime failure, 2 usage/config error, 130 interrupted. "
                "RUNNEL_DEBUG=1 shows tracebacks.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate,keys}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate,record,inspect,import,keys}")
 
     t = sub.add_parser(
         "train", help="train an algorithm on an environment",
@@ -108,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-env-runners", type=_nonneg_int, metavar="N",
                    help="env runner actors (0: sample in this process, no Ray needed)")
     t.add_argument("--seed", type=int, metavar="N", help="seed torch, numpy and the environments")
+    t.add_argument("--input", metavar="DIR",
+                   help="train from a recording (a directory, shard glob or file) instead of an env; --env, "
+                        "if given, serves evaluation only (e.g. --algo BC --input expert/ --env CartPole-v1)")
     t.add_argument("--framework", metavar="torch", help="accepted for RLlib compatibility; only torch exists")
     t.set_defaults(func=cmd_train)
 
@@ -131,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-env-runners", type=int, default=0, metavar="N",
                    help="evaluator actors playing the episodes in parallel (default 0: in this process)")
     e.set_defaults(func=cmd_evaluate)
+
+    add_offline_parsers(sub, _pos_int)
 
     k = sub.add_parser(
         "keys", help="make CURVE key pairs for policy servers and their clients",

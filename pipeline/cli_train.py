@@ -113,6 +113,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     config.update_from_dict(spec.config)
     if spec.env is not None:
         config.environment(spec.env)
+    if spec.input_ is not None:  # train from a recording; an env, if given, serves evaluation
+        config.offline_data(input_=spec.input_)
+        if spec.env is not None and not config.evaluation_interval:
+            config.evaluation(evaluation_interval=1, evaluation_duration=10, evaluation_duration_unit="episodes")
     if spec.num_env_runners is not None:
         config.env_runners(num_env_runners=spec.num_env_runners)
     if spec.seed is not None:
@@ -182,7 +186,7 @@ def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str) -> int
                 num_results += 1
                 last_result = result
                 logger.log(result)
-                ret = result.get("env_runners", {}).get("episode_return_mean")
+                ret = _return_of(result)
                 if isinstance(ret, (int, float)) and math.isfinite(ret) and (best is None or ret > best[0]):
                     best = (float(ret), result.get("training_iteration", num_results))
                 _print_progress(result, time.monotonic() - t0)
@@ -231,6 +235,15 @@ def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str) -> int
     return EXIT_INTERRUPTED if outcome.startswith("interrupted") else EXIT_OK
 
 
+def _return_of(result: dict) -> Any:
+    """The training runners' mean return, or the evaluators' where runners play no episodes
+    (training from a recording)."""
+    ret = result.get("env_runners", {}).get("episode_return_mean")
+    if ret is None:
+        ret = result.get("evaluation", {}).get("env_runners", {}).get("episode_return_mean")
+    return ret
+
+
 def _print_progress(result: dict, elapsed: float) -> None:
     env_runners = result.get("env_runners", {})
     steps = result.get("num_env_steps_sampled_lifetime", env_runners.get("num_env_steps_sampled_lifetime"))
@@ -238,7 +251,7 @@ def _print_progress(result: dict, elapsed: float) -> None:
     if sps is None and result.get("time_this_iter_s"):
         sps = env_runners.get("num_env_steps_sampled", 0) / result["time_this_iter_s"]
     print(f"iter {result.get('training_iteration', '?'):>4} | env steps {_fmt_num(steps, ',d'):>10} | "
-          f"return {_fmt_num(env_runners.get('episode_return_mean')):>9} | {_fmt_num(sps, ',.0f'):>7} steps/s | "
+          f"return {_fmt_num(_return_of(result)):>9} | {_fmt_num(sps, ',.0f'):>7} steps/s | "
           f"elapsed {_fmt_duration(elapsed)}", flush=True)
 
 
@@ -253,7 +266,7 @@ def _print_summary(algo: Any, result: dict | None, elapsed: float, best: tuple[f
           f"{'s' if iters != 1 else ''} in {_fmt_duration(elapsed)}: {why}")
     if result is not None:
         steps = result.get("num_env_steps_sampled_lifetime")
-        ret = result.get("env_runners", {}).get("episode_return_mean")
+        ret = _return_of(result)
         best_text = f" (best {best[0]:.2f} at iteration {best[1]})" if best else ""
         print(f"  env steps sampled: {_fmt_num(steps, ',d')}   episode_return_mean: {_fmt_num(ret)}{best_text}")
     print(f"  results:    {run_dir}   (tensorboard --logdir {shlex.quote(run_dir)})")

@@ -174,6 +174,7 @@ class TrainSpec:
     output_dir: str
     num_env_runners: int | None
     seed: int | None
+    input_: str | None = None
 
 
 def train_spec(args: argparse.Namespace) -> TrainSpec:
@@ -207,7 +208,8 @@ def train_spec(args: argparse.Namespace) -> TrainSpec:
     if not algo:
         raise CLIError("--algo is required (e.g. --algo PPO), or train from a file: runnel train file X.yaml")
     env = args.env or data.get("env")
-    if env is None and config.get("env") is None:
+    input_ = getattr(args, "input", None)
+    if env is None and config.get("env") is None and input_ is None:
         raise CLIError("--env is required (a gymnasium id such as CartPole-v1, a registered name, or "
                        "'package.module:Class')")
     if args.stop is not None:
@@ -222,7 +224,7 @@ def train_spec(args: argparse.Namespace) -> TrainSpec:
         checkpoint_at_end=(args.checkpoint_at_end if args.checkpoint_at_end is not None
                            else bool(data.get("checkpoint_at_end", True))),
         output_dir=args.output_dir or data.get("output_dir") or DEFAULT_OUTPUT_DIR,
-        num_env_runners=args.num_env_runners, seed=args.seed,
+        num_env_runners=args.num_env_runners, seed=args.seed, input_=input_,
     )
 
 

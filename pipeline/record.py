@@ -1,0 +1,104 @@
+"""Recording a trained policy (``runnel record``) and describing a recording (``runnel inspect``).
+
+``record_policy`` plays whole episodes with an algorithm's current weights in one env runner in
+this process, recording every episode into ``output`` exactly as training runners record (same
+shards, same manifest), so the result trains BC/MARWIL/CQL or prefills replay. ``inspect_recording``
+reads every shard of a recording -- each record decoded, so checksum failures and torn tails are
+found -- and sums up episodes, steps, returns and damage without loading more than one record.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from actors.env import EnvRunner
+from actors.offline import RecordingSettings, manifest_for, resolve_input, write_manifest
+from protocols.errors import ProtocolError
+from protocols.shards import ShardReader, decode_record
+
+
+def record_policy(algo: Any, num_episodes: int, output: str, explore: bool = False,
+                  max_file_size: int = 64 * 1024 * 1024) -> dict[str, Any]:
+    """Play ``num_episodes`` episodes with ``algo``'s policy (greedy unless ``explore``) and record
+    them into ``output``. Returns the episodes' returns and lengths."""
+    if num_episodes < 1:
+        raise ValueError(f"num_episodes must be >= 1, got {num_episodes}")
+    if algo.env_creator is None:
+        raise ValueError("recording a policy needs an env to play in: the algorithm's config has none "
+                         "(pass --env, or .environment(...))")
+    config = algo.config
+    write_manifest(output, algo.observation_space, algo.action_space, algo.name,
+                   json.loads(json.dumps(config.to_dict(), default=repr)), _version(),
+                   actions_normalized=bool(config.normalize_actions))
+    settings = dataclasses.replace(
+        algo.env_runner_settings(in_evaluation=True), num_envs=1, explore=explore,
+        recording=RecordingSettings(output=output, output_max_file_size=max_file_size, output_write_episodes=True))
+    runner = EnvRunner(settings, worker_index=1)
+    try:
+        runner.set_weights(algo.get_weights(), algo.weights_version)
+        chunks = runner.sample(num_episodes=num_episodes, explore=explore)
+        runner.flush_recording()
+    finally:
+        runner.stop()
+    returns: dict[str, float] = {}
+    lengths: dict[str, int] = {}
+    for c in chunks:
+        returns[c.episode_id] = returns.get(c.episode_id, 0.0) + float(np.sum(c.rewards))
+        lengths[c.episode_id] = lengths.get(c.episode_id, 0) + len(c)
+    rets, lens = list(returns.values()), list(lengths.values())
+    return {"output": output, "episodes": len(rets), "steps": int(sum(lens)), "episode_returns": rets,
+            "episode_lengths": lens, "episode_return_mean": float(np.mean(rets)) if rets else float("nan")}
+
+
+def inspect_recording(input_: str | list) -> dict[str, Any]:
+    """Shards, records, episodes, steps, returns of whole episodes, spaces and damage of a recording."""
+    files = resolve_input(input_)
+    manifest = manifest_for(files)
+    out: dict[str, Any] = {
+        "shards": len(files), "complete_shards": 0, "records": 0, "chunks": 0, "steps": 0, "episodes": 0,
+        "bytes": 0, "damaged_records": 0, "torn_tails": 0, "damage": [], "episode_returns": [],
+        "observation_space": manifest.get("observation_space") if manifest else None,
+        "action_space": manifest.get("action_space") if manifest else None,
+        "algorithm": manifest.get("algorithm") if manifest else None,
+        "runnel_version": manifest.get("runnel_version") if manifest else None,
+    }
+    open_returns: dict[str, float] = {}
+    for path in files:
+        out["bytes"] += os.path.getsize(path)
+        reader = ShardReader(path)
+        for off, frame in reader.frames():
+            try:
+                chunks = decode_record(frame, reader.limits, f"{path} at byte {off}")
+            except ProtocolError as err:
+                out["damaged_records"] += 1
+                out["damage"].append(f"{path}: record at byte {off}: {err}")
+                continue
+            out["records"] += 1
+            for c in chunks:
+                out["chunks"] += 1
+                out["steps"] += len(c)
+                ret = open_returns.pop(c.episode_id, 0.0) + float(np.sum(c.rewards))
+                if c.is_done:
+                    out["episodes"] += 1
+                    out["episode_returns"].append(ret)
+                else:
+                    open_returns[c.episode_id] = ret
+        out["complete_shards"] += int(reader.scan.complete)
+        out["damaged_records"] += reader.scan.damaged_records
+        if reader.scan.damaged_bytes:
+            out["torn_tails"] += 1
+            out["damage"].append(f"{path}: {reader.scan.damaged_bytes} bytes unreadable at the end ({reader.scan.damage})")
+    rets = out["episode_returns"]
+    out["episode_return_mean"] = float(np.mean(rets)) if rets else None
+    out["open_episodes"] = len(open_returns)
+    return out
+
+
+def _version() -> str:
+    from pipeline.algorithm import runnel_version
+
+    return runnel_version()
