@@ -1,0 +1,49 @@
+"""Learning from recordings, with no env stepped for training (the env serves evaluation only).
+
+The recordings are checked in (tests/data/make_cartpole_recordings.py made them): 20 greedy
+episodes of a PPO CartPole policy (mean return 500), and about as many steps of a freshly
+initialized policy acting near-uniformly at random (mean return 22).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from actors.offline import read_manifest
+from pipeline import BCConfig, MARWILConfig
+from pipeline.record import inspect_recording
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+EXPERT = os.path.join(DATA, "cartpole_expert")
+RANDOM = os.path.join(DATA, "cartpole_random")
+
+pytestmark = pytest.mark.slow
+
+
+def train(config, iterations: int) -> float:
+    config = (config.environment("CartPole-v1").env_runners(num_env_runners=0).debugging(seed=0)
+              .training(lr=1e-3, train_batch_size_per_learner=2000, minibatch_size=250)
+              .evaluation(evaluation_interval=iterations, evaluation_duration=20, evaluation_duration_unit="episodes"))
+    algo = config.build()
+    try:
+        for _ in range(iterations):
+            result = algo.train()
+        assert result["env_runners"]["num_env_steps_sampled_lifetime"] >= iterations * 2000  # read, not stepped
+        return result["evaluation"]["env_runners"]["episode_return_mean"]
+    finally:
+        algo.stop()
+
+
+def test_bc_reaches_95_percent_of_the_recorded_policy():
+    expert = inspect_recording(EXPERT)["episode_return_mean"]
+    assert expert >= 450 and read_manifest(EXPERT)["algorithm"] == "PPO"
+    assert train(BCConfig().offline_data(input_=EXPERT), 100) >= 0.95 * expert
+
+
+def test_marwil_beats_bc_on_half_expert_half_random_data():
+    mixed = inspect_recording([EXPERT, RANDOM])
+    assert abs(mixed["steps"] - 20_000) < 100  # half of the steps from each policy
+    bc = train(BCConfig().offline_data(input_=[EXPERT, RANDOM]), 60)
+    marwil = train(MARWILConfig().offline_data(input_=[EXPERT, RANDOM]).training(beta=1.0), 60)
+    assert marwil >= 1.5 * bc and marwil >= bc + 30, (marwil, bc)
