@@ -45,7 +45,7 @@ from pipeline.envs import env_creator, probe_spaces
 from pipeline.evaluation import EVALUATOR_REQUEST_SLOTS, Evaluators
 from pipeline.external_config import external_settings
 from pipeline.offline_config import reader_settings, recorded_spaces, recording_settings
-from actors.offline import write_manifest
+from actors.offline import OfflineReader, write_manifest
 from pipeline.learner_group import LearnerGroup
 from pipeline.registry import get_algorithm
 from protocols import nested
@@ -142,6 +142,7 @@ class Algorithm:
         self.learner_group: LearnerGroup | None = None
         self.env_runner_group: EnvRunnerGroup | None = None
         self.plan: Any = None
+        self._ope_reader: OfflineReader | None = None
         if self.recording is not None:
             write_manifest(self.recording.output, obs_space, act_space, self.name, _json_safe(config.to_dict()),
                            runnel_version(), actions_normalized=bool(config.normalize_actions))
@@ -154,7 +155,7 @@ class Algorithm:
                 on_recreated=lambda ids: self._hook(
                     "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
                     env_runner_indices=ids, is_evaluation=False))
-            if config.evaluation_interval:
+            if config.evaluation_interval and self.env_creator is not None:
                 self.build_evaluators()
             self.plan = self.build_plan()
         except BaseException:
@@ -324,24 +325,48 @@ class Algorithm:
         return {"evaluation": self.evaluation_results}
 
     def _sync_evaluators(self, wait: bool = True) -> None:
+        if self.env_creator is None:  # no env to evaluate in (off-policy estimates read the learner's weights)
+            return
         evaluators = self.build_evaluators()
         evaluators.sync_weights(self.learner_group.get_weights(inference_only=True), self.weights_version,
                                 self.counters["num_env_steps_sampled_lifetime"], wait=wait)
 
     def _evaluate(self, stop: threading.Event | None) -> dict[str, Any]:
         """One evaluation with the weights the evaluators hold (in the evaluation thread when parallel)."""
-        evaluators = self.build_evaluators()
         self._hook("on_evaluate_start", algorithm=self, metrics_logger=self.metrics)
-        if self.custom_evaluation_function is not None:
+        if self.env_creator is None:  # training from a recording with no env: off-policy estimates only
+            metrics: dict[str, Any] = {}
+        elif self.custom_evaluation_function is not None:
+            evaluators = self.build_evaluators()
             metrics = self.custom_evaluation_function(self, evaluators.group)
             if isinstance(metrics, tuple):  # RLlib's newer (metrics, env_steps, agent_steps)
                 metrics = metrics[0]
             if not isinstance(metrics, dict):
                 raise TypeError(f"custom_evaluation_function must return a dict of metrics, got {type(metrics).__name__}")
         else:
-            metrics = evaluators.run(stop)
+            metrics = self.build_evaluators().run(stop)
+        if self.config.off_policy_estimation_methods:
+            metrics["off_policy_estimator"] = self._off_policy_estimates()
         self._hook("on_evaluate_end", algorithm=self, evaluation_metrics=metrics, metrics_logger=self.metrics)
         return metrics
+
+    def _off_policy_estimates(self) -> dict[str, dict[str, float]]:
+        """IS/WIS estimates of the current policy's return over recorded whole episodes."""
+        from pipeline.ope import estimate_all, estimator_kinds
+
+        if self._ope_reader is None:
+            settings = dataclasses.replace(self.offline_input, input_read_episodes=True, shuffle_buffer_size=0)
+            self._ope_reader = OfflineReader(self.env_runner_settings(), worker_index=0, offline=settings)
+        chunks = self._ope_reader.sample(num_episodes=self.config.off_policy_estimation_episodes)
+        module = self._inference_module()
+
+        def target_logp(obs: Any, actions: Any) -> np.ndarray:
+            with torch.inference_mode():
+                out = module.forward_inference(to_torch(obs))["action_dist_inputs"]
+                return module.action_dist(out).logp(to_torch(actions)).numpy()
+
+        kinds = estimator_kinds(self.config.off_policy_estimation_methods)[0]
+        return estimate_all(chunks, target_logp, float(getattr(self.config, "gamma", 0.99)), kinds)
 
     def _result(self, dt: float, steps: int) -> dict[str, Any]:
         self.env_runner_group.log_fault_tolerance(self.metrics)

@@ -44,7 +44,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "evaluation": ("evaluation_interval", "evaluation_duration", "evaluation_duration_unit", "evaluation_num_env_runners",
                    "evaluation_parallel_to_training", "evaluation_config", "evaluation_sample_timeout_s",
                    "evaluation_force_reset_envs_before_iteration", "custom_evaluation_function",
-                   "always_attach_evaluation_results"),
+                   "always_attach_evaluation_results", "off_policy_estimation_methods",
+                   "off_policy_estimation_episodes"),
 }
 CODE_SETTINGS = ("callbacks_functions", "env_task_fn", "custom_evaluation_function")
 """Settings that hold functions: a checkpoint keeps their import paths, or leaves out one that has none
@@ -216,6 +217,13 @@ class AlgorithmConfig:
     synced first)."""
     always_attach_evaluation_results: bool = True
     """Every ``train()`` result carries the latest evaluation results, also in iterations without one."""
+    off_policy_estimation_methods: dict = field(default_factory=dict)
+    """Estimate the policy's return from the offline input's recorded episodes at each evaluation:
+    ``{"wis": {"type": "WeightedImportanceSampling"}, "is": {"type": "ImportanceSampling"}}``
+    (see ``pipeline.ope``); results under ``evaluation/off_policy_estimator/<name>/``. Needs
+    ``offline_data(input_=...)``; with no env, evaluation is these estimates alone."""
+    off_policy_estimation_episodes: int = 100
+    """Recorded whole episodes each off-policy estimate reads."""
 
     # external clients
     external_clients_config: dict | None = None
@@ -432,8 +440,15 @@ class AlgorithmConfig:
 
         problems += external_problems(self)
         from pipeline.offline_config import offline_problems
+        from pipeline.ope import estimator_kinds
 
         problems += offline_problems(self)
+        problems += estimator_kinds(self.off_policy_estimation_methods)[1]
+        if self.off_policy_estimation_methods and not (self.offline_data_config or {}).get("input_"):
+            problems.append("off_policy_estimation_methods estimate from recorded episodes: add "
+                            ".offline_data(input_='DIR') (a recording whose episodes carry action_logp)")
+        if not isinstance(self.off_policy_estimation_episodes, int) or self.off_policy_estimation_episodes < 1:
+            problems.append(f"off_policy_estimation_episodes must be an int >= 1, got {self.off_policy_estimation_episodes!r}")
         for key in ("env_task_fn", "custom_evaluation_function"):
             if getattr(self, key) is not None and not callable(getattr(self, key)) and not isinstance(getattr(self, key), str):
                 problems.append(f"{key} must be a function, got {getattr(self, key)!r}")

@@ -96,9 +96,9 @@ def offline_problems(config: Any) -> list[str]:
         if not getattr(config, "synchronous_sampling", True):
             problems.append(f"{config.algo_name} samples by streaming, which offline readers do not do yet: "
                             f"train from recordings with BC, MARWIL, CQL, PPO, DQN or SAC")
-        if config.evaluation_interval and config.env is None:
+        if config.evaluation_interval and config.env is None and not getattr(config, "off_policy_estimation_methods", None):
             problems.append("evaluation runs an env in evaluators, and this config has none: set "
-                            ".environment(env=...) (it serves evaluation only) or turn evaluation_interval off")
+                            ".environment(env=...) (it serves evaluation only) or turn evaluation_interval off (or evaluate off-policy only: off_policy_estimation_methods)")
         if not problems and (config.observation_space is None or config.action_space is None):
             try:
                 recorded_spaces(config)
