@@ -271,3 +271,31 @@ def test_second_ctrl_c_stops_at_once(tmp_path, capsys, monkeypatch):
     assert _train(out_dir, "--config", SMALL) == 130
     assert "nothing was saved" in capsys.readouterr().err
     assert not out_dir.exists() or not os.listdir(out_dir)  # no iteration finished: no run dir
+
+
+# --- record / train --input / inspect -------------------------------------------------------------
+def test_record_then_train_bc_from_the_recording_then_inspect(checkpoint, tmp_path, capsys):
+    rec = tmp_path / "rec"
+    assert main(["record", checkpoint, "--episodes", "3", "--output", str(rec), "--json", "--explore"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["episodes"] == 3 and out["steps"] == sum(out["episode_lengths"])
+    assert main(["inspect", str(rec), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["episodes"] == 3 and summary["steps"] == out["steps"] and summary["algorithm"] == "PPO"
+    assert sorted(summary["episode_returns"]) == sorted(out["episode_returns"])
+
+    out_dir = tmp_path / "results"
+    assert main(["train", "--algo", "BC", "--input", str(rec), "--env", "CartPole-v1", "--num-env-runners", "0",
+                 "--stop", '{"training_iteration": 2}', "--output-dir", str(out_dir),
+                 "--config", '{"train_batch_size_per_learner": 64, "minibatch_size": 32}']) == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^iter +\d+ \| env steps", out, re.M)) == 2
+    (run_dir,) = out_dir.iterdir()
+    results = [json.loads(line) for line in (run_dir / "result.json").read_text().splitlines()]
+    assert results[-1]["evaluation"]["env_runners"]["episode_return_mean"] > 0  # the env evaluates
+
+    assert main(["record", str(tmp_path / "nope"), "--output", str(rec)]) == 2
+    assert "is not a directory" in _one_error_line(capsys)
+    assert main(["train", "--algo", "BC", "--env", "CartPole-v1", "--num-env-runners", "0",
+                 "--output-dir", str(out_dir)]) == 2
+    assert "learns from recorded experience" in _one_error_line(capsys)
