@@ -345,3 +345,41 @@ def test_cli_inspect(capsys):
     assert out["episodes"] == 20 and out["torn_tails"] == 0
     assert cli(["inspect", "/nonexistent/dir"]) == 2
     assert "neither a directory" in capsys.readouterr().err
+
+
+class InfoCartPole(gym.Wrapper):
+    """CartPole whose infos say where they come from: reset infos {"reset": seed-ish}, step infos {"t": t}."""
+
+    def __init__(self, ctx=None):
+        super().__init__(gym.make("CartPole-v1"))
+        self.t = 0
+
+    def reset(self, **kw):
+        obs, _ = self.env.reset(**kw)
+        self.t = 0
+        return obs, {"t": 0, "reset": True}
+
+    def step(self, action):
+        obs, r, term, trunc, _ = self.env.step(action)
+        self.t += 1
+        return obs, r, term, trunc, {"t": self.t, "x": np.float32(obs[0])}
+
+
+def test_env_runner_records_infos_when_asked(tmp_path):
+    from actors.env import EnvRunner, EnvRunnerSettings
+
+    out = str(tmp_path / "rec")
+    settings = EnvRunnerSettings(env_creator=InfoCartPole, num_envs=2, rollout_fragment_length=30, seed=0,
+                                 recording=RecordingSettings(out, output_write_episodes=False, output_write_infos=True))
+    runner = EnvRunner(settings, worker_index=1)
+    sampled = [c for _ in range(4) for c in runner.sample()]
+    runner.stop()
+    got = {(c.episode_id, c.chunk_index): c for c in _read_all(out)}
+    for c in sampled:
+        r = got[(c.episode_id, c.chunk_index)]
+        assert len(r.infos) == len(r) + 1 and same(r, c)
+        # each observation row's info: the episode's step count at that row, the reset info first
+        assert [i["t"] for i in r.infos] == list(range(r.t_started, r.t_started + len(r) + 1))
+        assert all(i["x"] == pytest.approx(float(o[0])) for i, o in zip(r.infos[1:], r.obs[1:]))
+        assert r.infos[0].get("reset") is (r.t_started == 0 or None)
+    assert any(c.is_done for c in sampled)

@@ -152,6 +152,10 @@ class EnvRunner(EnvRunnerRole):
             self.env.keep_infos = True
         if self.env.supports_hooks:
             self.env.before_reset = self._episode_begins
+        self._with_infos = settings.recording is not None and settings.recording.output_write_infos
+        if self._with_infos:
+            self.env.keep_infos = True
+        self._obs_infos: list[dict] | None = None  # the info of each sub-env's current observation
         self.recorder = (Recorder(settings.recording, f"{'eval' if settings.in_evaluation else 'runner'}{worker_index:03d}")
                          if settings.recording is not None else None)
         self._postprocess = overrides(cb, "on_postprocess_trajectory")
@@ -276,6 +280,9 @@ class EnvRunner(EnvRunnerRole):
             for j in range(self.s.num_envs):
                 self._episode_begins(j)
         self._slots = [_Slot(*self._next[j].popleft()) for j in range(self.s.num_envs)]
+        if self._with_infos:
+            reset_infos = getattr(self.env, "reset_infos", None) or [{}] * self.s.num_envs
+            self._obs_infos = [_plain(i) for i in reset_infos]
         if self.hooks is not None:
             infos = getattr(self.env, "reset_infos", None) or [{}] * self.s.num_envs
             for j in range(self.s.num_envs):
@@ -289,6 +296,8 @@ class EnvRunner(EnvRunnerRole):
         terminated = np.zeros((steps, n), bool)
         truncated = np.zeros((steps, n), bool)
         final_obs: dict[tuple[int, int], Any] = {}
+        info_rows: list[list[dict]] | None = [self._obs_infos or [{}] * n] if self._with_infos else None
+        final_infos: dict[tuple[int, int], dict] = {}
         obs = self._obs
         module, spec, exploration = self.module, self.module.dist_spec, self.exploration
         forward = module.forward_exploration if explore else module.forward_inference
@@ -310,12 +319,22 @@ class EnvRunner(EnvRunnerRole):
                     self._episode_begins(i)
             if self.hooks is not None:
                 self.hooks.step_all(act_np, res.rewards, res.obs, res)
+            if info_rows is not None:
+                step_infos = [_plain(i) for i in (res.infos or [{}] * n)]
+                reset_infos = res.reset_infos or {}
+                for i in res.final_obs:
+                    final_infos[(t, i)] = step_infos[i]
+                info_rows.append([_plain(reset_infos.get(i, {})) if i in res.final_obs else step_infos[i]
+                                  for i in range(n)])
             obs = res.obs
         self._obs = obs
         obs_rows.append(obs)
+        if info_rows is not None:
+            self._obs_infos = info_rows[-1]
         self.num_env_steps_sampled_lifetime += steps * n
         self._log_steps(steps * n)
-        return self._cut(obs_rows, act_rows, logp_rows, dist_rows, rewards, terminated, truncated, final_obs, hold_back)
+        return self._cut(obs_rows, act_rows, logp_rows, dist_rows, rewards, terminated, truncated, final_obs, hold_back,
+                         info_rows, final_infos)
 
     def _log_steps(self, steps: int) -> None:
         m = self.metrics
@@ -344,7 +363,7 @@ class EnvRunner(EnvRunnerRole):
         return np.clip(rewards, -c, c)
 
     def _cut(self, obs_rows, act_rows, logp_rows, dist_rows, rewards, terminated, truncated, final_obs,
-             hold_back: bool) -> list[EpisodeChunk]:
+             hold_back: bool, info_rows: list | None = None, final_infos: dict | None = None) -> list[EpisodeChunk]:
         """Time-major buffers -> one chunk per (sub-env, episode segment)."""
         env_major = lambda rows: nested.map_structure(lambda a: np.ascontiguousarray(np.swapaxes(a, 0, 1)), nested.stack(rows))  # noqa: E731
         obs = env_major(obs_rows)  # [n, T+1, ...]
@@ -379,6 +398,8 @@ class EnvRunner(EnvRunnerRole):
                     extra={"action_logp": logp[j, start : t + 1], "action_dist_inputs": col(dists, j, start, t + 1)},
                     t_started=slot.t_started, weights_version=self.weights_version,
                     env_runner_index=self.worker_index, env_index=j,
+                    infos=([row[j] for row in info_rows[start : t + 1 + (not ended)]]
+                           + ([final_infos[(t, j)]] if ended else [])) if info_rows is not None else [],
                 )
                 slot.ret += float(raw_rewards[j, start : t + 1].sum())
                 slot.length += t + 1 - start
@@ -618,3 +639,17 @@ def lower_priority(niceness: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
         except OSError:  # a thread that ended meanwhile
             pass
+
+
+def _plain(info: Any) -> dict:
+    """An env info as plain data the codec carries (numpy scalars to Python numbers, arrays kept)."""
+    if not isinstance(info, dict):
+        return {}
+    out = {}
+    for k, v in info.items():
+        if isinstance(v, np.generic):
+            v = v.item()
+        elif isinstance(v, dict):
+            v = _plain(v)
+        out[str(k)] = v
+    return out

@@ -55,6 +55,9 @@ class RecordingSettings:
     (every record), "never" (left to the OS)."""
     output_max_queue: int = 64
     """Sample rounds waiting for the writer before ``record`` makes sampling wait."""
+    output_write_infos: bool = False
+    """Record each step's env info dict too (``EpisodeChunk.infos``, T + 1 per chunk: the reset
+    info, then each step's); off by default, as infos are often large and rarely trained on."""
     output_include_evaluation: bool = False
     """Evaluators record too (into the same directory, shards named ``eval-...``)."""
 
