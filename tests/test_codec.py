@@ -259,8 +259,47 @@ def test_compressed_frames_are_smaller_and_flagged():
     chunk = small_chunk(200)
     packed, plain = encode(chunk), encode(chunk, compress=False)
     assert packed[:4] == plain[:4] == b"RNNL" and packed[4] == plain[4] == 1
-    assert packed[5] == 1 and plain[5] == 0
+    assert packed[5] == codec.FLAG_COMPRESSED | codec.FLAG_CHECKSUM and plain[5] == codec.FLAG_CHECKSUM
+    assert encode(chunk, checksum=False)[5] == codec.FLAG_COMPRESSED and encode(chunk, compress=False, checksum=False)[5] == 0
     assert len(packed) < len(plain)
+
+
+# --- checksums ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("compress", [True, False])
+def test_any_flipped_byte_of_a_checksummed_frame_is_caught(compress):
+    frame = encode([small_chunk(40), small_chunk(7)], compress=compress)
+    assert codec.verify(frame) is True
+    rng = np.random.default_rng(0)
+    positions = sorted({*range(codec.HEADER_SIZE + 8), *rng.integers(0, len(frame), 300).tolist(),
+                        *range(len(frame) - 8, len(frame))})
+    for pos in positions:
+        bad = bytearray(frame)
+        bad[pos] ^= 1 << int(rng.integers(0, 8))
+        assert codec.verify(bytes(bad)) in (False, None)  # None: the flag bit itself was cleared
+        with pytest.raises(ProtocolError):
+            decode(bytes(bad))
+
+
+def test_checksum_mismatch_names_itself_and_frames_without_one_still_decode():
+    chunk = small_chunk(30)
+    frame = bytearray(encode(chunk, compress=False))
+    frame[codec.HEADER_SIZE + 100] ^= 0xFF  # an array byte: without the checksum, a silently wrong number
+    with pytest.raises(ProtocolError, match="corrupt frame: checksum mismatch"):
+        decode(bytes(frame))
+    for compress in (True, False):
+        old = encode(chunk, compress=compress, checksum=False)  # as every frame was before checksums
+        assert codec.verify(old) is None
+        assert encode(decode(old), compress=compress, checksum=False) == old
+
+
+def test_checksummed_frames_keep_the_bounds():
+    frame = encode({"a": np.zeros(10_000, np.float32)})
+    with pytest.raises(ProtocolError, match="max_frame_bytes"):
+        decode(frame, limits=codec.Limits(max_frame_bytes=100))
+    with pytest.raises(ProtocolError, match="trailing bytes"):
+        decode(frame + b"x")
+    with pytest.raises(ProtocolError, match="truncated"):
+        decode(frame[:-1])
 
 
 # ----------------------------------------------------------------------------- encode errors

@@ -6,6 +6,8 @@ encode+decode (or dumps+loads, compress+decompress) of the whole payload, in mil
 with the methods' batches interleaved within each repeat, after one warm-up call of every
 method on every payload (``--cold`` skips the warm-up). ``minflt_per_call`` counts the page
 faults (fresh memory) per call: for large payloads they, not LZ4, dominate decoding.
+``checksum_cost`` is the round trip with the CRC-32 trailer over the one without it, minus 1
+(timed as a pair on their own, see ``checksum_pair``).
 pickle is imported here for comparison only; nothing in runnel pickles what it sends.
 """
 from __future__ import annotations
@@ -152,6 +154,17 @@ def methods(obj) -> dict:
     }
 
 
+def checksum_pair(obj, repeats: int) -> tuple[float, float]:
+    """Round trip with and without the CRC-32 trailer, timed as a pair on their own (in both
+    orders, averaged): among the other methods, the allocator state each inherits from the one
+    before it (pickle, bare LZ4) moves a 2 ms round trip by more than the checksum costs."""
+    with_crc = lambda: decode(encode(obj))  # noqa: E731
+    without = lambda: decode(encode(obj, checksum=False))  # noqa: E731
+    a = timed_interleaved({"crc": with_crc, "none": without}, repeats)
+    b = timed_interleaved({"none": without, "crc": with_crc}, repeats)
+    return (a["crc"] + b["crc"]) / 2, (a["none"] + b["none"]) / 2
+
+
 def minor_faults(fn, calls: int = 5) -> float:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(calls):
@@ -170,6 +183,7 @@ def bench(name: str, obj, repeats: int) -> dict:
     faults = {k: round(minor_faults(methods(obj)[k]), 1) for k in ("codec", "pickle", "lz4")}
     t_enc, t_dec, t_codec, t_plain, t_pickle, t_lz4 = (
         t["codec_encode"], t["codec_decode"], t["codec"], t["codec_uncompressed"], t["pickle"], t["lz4"])
+    t_crc, t_nocrc = checksum_pair(obj, repeats)
     return {
         "payload": name,
         "raw_array_bytes": raw_bytes,
@@ -188,6 +202,9 @@ def bench(name: str, obj, repeats: int) -> dict:
         "size_vs_pickle": round(len(pickled) / len(frame), 2),
         "time_vs_lz4": round(t_codec / t_lz4, 3),
         "time_vs_pickle": round(t_codec / t_pickle, 3),
+        "codec_checksum_ms": round(t_crc * 1e3, 4),
+        "codec_no_checksum_ms": round(t_nocrc * 1e3, 4),
+        "checksum_cost": round(t_crc / t_nocrc - 1, 3),
         "minflt_per_call": faults,
     }
 
@@ -222,6 +239,7 @@ def main() -> None:
         "atari_size_vs_pickle>=3": atari["size_vs_pickle"] >= 3,
         "atari_time_vs_lz4<=1.5": atari["time_vs_lz4"] <= 1.5,
         "cartpole_time_vs_pickle<=2": cartpole["time_vs_pickle"] <= 2,
+        "atari_checksum_cost<=0.10": atari["checksum_cost"] <= 0.10,
     }}), flush=True)
 
 
