@@ -383,3 +383,20 @@ def test_env_runner_records_infos_when_asked(tmp_path):
         assert all(i["x"] == pytest.approx(float(o[0])) for i, o in zip(r.infos[1:], r.obs[1:]))
         assert r.infos[0].get("reset") is (r.t_started == 0 or None)
     assert any(c.is_done for c in sampled)
+
+
+def test_a_flipped_bit_inside_a_record_is_caught_by_its_checksum(tmp_path):
+    records = [episode(9, i) for i in range(4)]
+    path = str(tmp_path / "flip.rshard")
+    offsets = write_shard(path, records)
+    with open(path, "r+b") as f:  # one bit in the middle of the third record's frame
+        f.seek((offsets[2] + offsets[3]) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    summary = inspect_recording(str(tmp_path))
+    assert summary["damaged_records"] == 1 and summary["records"] == 3 and "checksum mismatch" in summary["damage"][0]
+    reader = OfflineReader(_runner_settings(), offline=ReaderSettings(str(tmp_path), shuffle_buffer_size=0))
+    got = [c for _ in range(6) for c in reader.sample(num_timesteps=1)]  # two chunks per record
+    assert {c.episode_id for c in got} == {records[i][0].episode_id for i in (0, 1, 3)}
+    assert reader.counts["damaged_records"] == 1
