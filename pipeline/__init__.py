@@ -2,6 +2,7 @@
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.appo import APPO, APPOConfig
 from pipeline.algorithms.bc import BC, BCConfig
+from pipeline.algorithms.cql import CQL, CQLConfig
 from pipeline.algorithms.dqn import DQN, DQNConfig
 from pipeline.algorithms.impala import IMPALA, IMPALAConfig
 from pipeline.algorithms.marwil import MARWIL, MARWILConfig
@@ -16,7 +17,7 @@ from pipeline.envs import register_env
 from pipeline.evaluation import collect_episodes, summarize_episodes
 from pipeline.registry import get_algorithm, register_algorithm
 
-__all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "BC", "BCConfig", "MARWIL", "MARWILConfig", "CallbackError", "Callbacks", "CheckpointError",
+__all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "BC", "BCConfig", "CQL", "CQLConfig", "MARWIL", "MARWILConfig", "CallbackError", "Callbacks", "CheckpointError",
            "ConfigError", "DQN", "DQNConfig", "DefaultCallbacks", "EnvContext", "IMPALA", "IMPALAConfig", "PPO",
            "PPOConfig", "RLlibCallback", "SAC", "SACConfig", "TaskSettableEnv", "collect_episodes", "get_algorithm",
            "make_multi_callbacks", "register_algorithm", "register_env", "summarize_episodes"]

@@ -1,0 +1,199 @@
+"""CQL: conservative Q-learning (Kumar et al., 2020) on top of SAC, trained from recordings.
+
+Offline RL's failure mode is a critic that overrates actions the data never took: the actor
+climbs toward them and the policy falls apart. CQL adds a regularizer to SAC's critic loss that
+pushes Q down on actions drawn from outside the data (uniform random actions, and the current
+policy's actions at ``s`` and ``s'``) -- a soft maximum over them, ``temperature * logsumexp(Q /
+temperature)`` -- and up on the recorded actions, weighted by ``min_q_weight``. With
+``lagrangian=True`` that weight is learned instead, so the gap stays near ``lagrangian_thresh``.
+For the first ``bc_iters`` updates the actor imitates the recorded actions (behaviour cloning)
+before it follows the critic.
+
+Data flow: readers (``actors.offline.OfflineReader``) take the env runners' place and hand
+recorded chunks to SAC's off-policy plan, whose replay stage stores them and samples transitions
+(``next_obs``, n-step discounts) exactly as for online SAC; so CQL reuses the plan, the replay
+and SAC's losses unchanged and adds only its regularizer. The replay acts as a large shuffle
+buffer over the recording (``replay_buffer_config.capacity`` >= the recording's steps keeps all
+of it). CQL extends SAC as in the paper: ``CQLConfig`` adds CQL's settings to ``SACConfig`` and
+``CQLLearner`` replaces the critic step of ``SACLearner`` -- one level, nothing deeper.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actors.learner import Optimizer
+from actors.modules import SACModule
+from pipeline.algorithm import Algorithm
+from pipeline.algorithms.sac import SACConfig, SACLearner, sac_actor_loss, sac_alpha_loss, sac_critic_loss
+from pipeline.config import is_number
+from pipeline.offline_config import input_required_problems
+from pipeline.offpolicy_plan import OffPolicyPlan, polyak, to_tensors
+from pipeline.registry import register_algorithm
+
+
+@dataclass
+class CQLConfig(SACConfig):
+    algo_name = "CQL"
+
+    bc_iters: int = 20_000
+    """Updates during which the actor imitates the recorded actions (then it maximizes Q as SAC's)."""
+    temperature: float = 1.0
+    """Temperature of the soft maximum over out-of-data actions in the regularizer."""
+    num_actions: int = 10
+    """Actions sampled per state for that soft maximum (each of: uniform random, policy at s, policy at s')."""
+    min_q_weight: float = 5.0
+    """Weight of the regularizer (with ``lagrangian``: its scale before the learned multiplier)."""
+    lagrangian: bool = False
+    """Learn the regularizer's multiplier so that the Q gap stays near ``lagrangian_thresh``."""
+    lagrangian_thresh: float = 5.0
+    """Target gap between the soft maximum and the data's Q when ``lagrangian`` is on."""
+    rollout_fragment_length: int | str = 1000
+    """Recorded steps a reader hands to replay per training step."""
+    training_intensity: float | None = 256.0
+    """Transitions trained per transition read: 256 with batches of 256 is one update per recorded step read."""
+    num_steps_sampled_before_learning_starts: int = 10_000
+    """Recorded steps in replay before the first update."""
+    replay_buffer_config: dict = field(default_factory=lambda: {"type": "EpisodeReplayBuffer", "capacity": 1_000_000})
+    """See ``OffPolicySettings``: the replay holds (up to ``capacity`` steps of) the recording."""
+    actor_lr: float | list = 1e-4
+    """Learning rate of the policy (CQL's paper: lower than the critic's)."""
+    critic_lr: float | list = 3e-4
+    """Learning rate of the twin critics."""
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems() + input_required_problems(self)
+        for key in ("bc_iters", "num_actions"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "num_actions" else 0):
+                problems.append(f"{key} must be an int >= {1 if key == 'num_actions' else 0}, got {value!r}")
+        for key in ("temperature", "min_q_weight", "lagrangian_thresh"):
+            value = getattr(self, key)
+            if not is_number(value) or value < 0 or (key == "temperature" and value == 0):
+                problems.append(f"{key} must be a number {'> 0' if key == 'temperature' else '>= 0'}, got {value!r}")
+        return problems
+
+
+def cql_regularizer(module: SACModule, batch: dict[str, Any], config: Any,
+                    q_data: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``min_q_weight * (temperature * logsumexp(Q(s, a~) / temperature) - Q(s, a_data))`` per critic,
+    summed over the twin critics, with ``a~`` uniform random and policy actions (importance-weighted
+    by their densities, CQL(H) of the paper). ``q_data``: both critics' Q of the recorded actions."""
+    obs, next_obs = batch["obs"], batch["next_obs"]
+    n, b = config.num_actions, q_data[0].shape[0]
+    act_dim = batch["actions"].shape[-1] if batch["actions"].dim() > 1 else 1
+
+    def repeat(x: torch.Tensor) -> torch.Tensor:  # [B, ...] -> [B * n, ...], each row n times
+        return x.repeat_interleave(n, dim=0)
+
+    obs_rep, next_rep = repeat(obs), repeat(next_obs)
+    with torch.no_grad():
+        random_actions = torch.rand(b * n, act_dim, device=obs.device) * 2 - 1
+        random_logp = torch.full((b * n,), act_dim * math.log(0.5), device=obs.device)  # uniform on [-1, 1]^d
+    curr_actions, curr_logp = module.action_dist(module.forward_inference(obs_rep)["action_dist_inputs"]).rsample_with_logp()
+    next_actions, next_logp = module.action_dist(module.forward_inference(next_rep)["action_dist_inputs"]).rsample_with_logp()
+    if batch["actions"].dim() == 1:
+        random_actions = random_actions.squeeze(-1)
+    total = torch.zeros((), device=obs.device)
+    stats: dict[str, torch.Tensor] = {}
+    candidates = [(random_actions, random_logp), (curr_actions.detach(), curr_logp.detach()),
+                  (next_actions.detach(), next_logp.detach())]
+    qs = [module.q_values(obs_rep, a) for a, _ in candidates]  # each (q1, q2), [B * n]
+    for k in range(2 if config.twin_q else 1):
+        cat = torch.cat([(q[k] - logp).view(b, n) for q, (_, logp) in zip(qs, candidates)], dim=1)
+        soft_max = torch.logsumexp(cat / config.temperature, dim=1) * config.temperature
+        gap = (soft_max - q_data[k]).mean()
+        total = total + config.min_q_weight * gap
+        stats[f"cql_gap_q{k + 1}"] = gap.detach()
+    return total, stats
+
+
+class CQLLearner(SACLearner):
+    """SAC's updates with CQL's regularizer in the critic step and behaviour cloning for the actor's
+    first ``bc_iters`` updates; with ``lagrangian``, a learned multiplier on the regularizer."""
+
+    module_class = SACModule
+    state_fields = ("num_target_updates", "log_alpha_prime_value")
+
+    def __init__(self, config: CQLConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
+        self.log_alpha_prime = torch.nn.Parameter(torch.zeros(()))
+        super().__init__(config, observation_space, action_space, **placement)
+
+    @property
+    def log_alpha_prime_value(self) -> float:
+        return float(self.log_alpha_prime.detach())
+
+    @log_alpha_prime_value.setter
+    def log_alpha_prime_value(self, value: float) -> None:
+        with torch.no_grad():
+            self.log_alpha_prime.fill_(float(value))
+
+    def build_optimizers(self) -> dict[str, Optimizer]:
+        slots = super().build_optimizers()
+        if self.config.lagrangian:
+            self.log_alpha_prime = torch.nn.Parameter(self.log_alpha_prime.detach().to(self.device))
+            slots["alpha_prime"] = Optimizer(self.adam([self.log_alpha_prime], self.config.critic_lr),
+                                             [self.log_alpha_prime], self.config.critic_lr)
+        return slots
+
+    def train_on_batch(self, batch: dict[str, Any], timestep: int) -> dict[str, float]:
+        cfg, m = self.config, self.module
+        t = to_tensors(batch, self.device)
+        alpha = m.log_alpha.exp().detach()
+        critic_loss, stats, td_error = sac_critic_loss(m, self.targets["target"], t, cfg, alpha)
+        q_data = m.q_values(t["obs"], t["actions"])
+        reg, reg_stats = cql_regularizer(m, t, cfg, q_data)
+        stats |= reg_stats
+        if cfg.lagrangian:
+            alpha_prime = self.log_alpha_prime.exp().clamp(0.0, 1e6)
+            n_q = 2 if cfg.twin_q else 1
+            reg_term = alpha_prime.detach() * (reg - n_q * cfg.min_q_weight * cfg.lagrangian_thresh)
+            alpha_prime_loss = -alpha_prime * (reg.detach() - n_q * cfg.min_q_weight * cfg.lagrangian_thresh)
+            self.apply_gradients(alpha_prime_loss, "alpha_prime")
+            stats["alpha_prime_value"] = alpha_prime.detach()
+        else:
+            reg_term = reg
+        stats["cql_loss"] = reg.detach()
+        stats["critic_gradients_global_norm"] = self.apply_gradients(critic_loss + reg_term, "critic")
+        if self.num_target_updates < cfg.bc_iters:  # counts batches (num_updates counts optimizer steps)
+            actor_loss, actor_stats, logp = bc_actor_loss(m, t, alpha)
+        else:
+            actor_loss, actor_stats, logp = sac_actor_loss(m, t, cfg, alpha)
+        stats |= actor_stats
+        stats["actor_gradients_global_norm"] = self.apply_gradients(actor_loss, "actor")
+        alpha_loss = sac_alpha_loss(m.log_alpha, logp, self.target_entropy)
+        self.apply_gradients(alpha_loss, "alpha")
+        polyak(self.targets["target"], m, cfg.tau, prefixes=("q_encoder.", "qf1.", "qf2."))
+        self.num_target_updates += 1
+        self.last_outputs = {"td_error": td_error.cpu().numpy()}
+        out = {k: float(v) for k, v in stats.items()}
+        out |= {"alpha_loss": float(alpha_loss.detach()), "alpha_value": float(alpha),
+                "num_module_steps_trained": float(len(batch["rewards"]))}
+        return out
+
+
+def bc_actor_loss(module: SACModule, batch: dict[str, Any],
+                  alpha: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """``alpha * log pi(a~|s) - log pi(a_data|s)``: imitate the recorded actions, keep the entropy term."""
+    dist = module.action_dist(module.forward_inference(batch["obs"])["action_dist_inputs"])
+    _, logp = dist.rsample_with_logp()
+    data_logp = dist.logp(batch["actions"])
+    loss = (alpha * logp - data_logp).mean()
+    return loss, {"actor_loss": loss.detach(), "bc_logp": data_logp.detach().mean(),
+                  "entropy": -logp.detach().mean()}, logp.detach()
+
+
+@register_algorithm
+class CQL(Algorithm):
+    config_class = CQLConfig
+    learner_class = CQLLearner
+
+    def build_plan(self) -> OffPolicyPlan:
+        return OffPolicyPlan(self.config, self.env_runner_group, self.learner_group, self.metrics,
+                             self.observation_space, self.action_space, self.compress_frames())
+
+    def training_step(self) -> None:
+        self.plan.training_step()
