@@ -9,7 +9,6 @@
     runnel record CHECKPOINT --episodes 50 --output expert/     (record a trained policy)
     runnel train --algo BC --input expert/ --env CartPole-v1     (learn from it; the env evaluates)
     runnel inspect expert/                   (episodes, steps, spaces, damaged records)
-    runnel import minari DATASET_DIR OUT     (a Minari dataset into a runnel recording)
 
 ``train`` writes a run directory ``<output-dir>/<ALGO>_<env>_<YYYY-mm-dd_HH-MM-SS>`` holding
 ``params.json``, ``result.json``, ``progress.csv``, TensorBoard event files (see
@@ -70,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="runnel", description="Train and evaluate reinforcement-learning agents with runnel.",
         epilog="Exit status: 0 done, 1 runtime failure, 2 usage/config error, 130 interrupted. "
                "RUNNEL_DEBUG=1 shows tracebacks.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate,record,inspect,import,keys}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate,record,inspect,keys}")
 
     t = sub.add_parser(
         "train", help="train an algorithm on an environment",

@@ -1,4 +1,4 @@
-"""``runnel record``, ``runnel inspect`` and ``runnel import``: the command line of recorded experience."""
+"""``runnel record`` and ``runnel inspect``: the command line of recorded experience."""
 from __future__ import annotations
 
 import argparse
@@ -73,21 +73,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_import(args: argparse.Namespace) -> int:
-    if args.source != "minari":
-        raise CLIError(f"cannot import from {args.source!r}: the one source is 'minari'", EXIT_USAGE)
-    try:
-        from pipeline.offline_import import import_minari
-    except ImportError as err:
-        raise CLIError(f"importing from Minari is not available: {err}", EXIT_FAILURE) from err
-    try:
-        out = import_minari(args.dataset, args.output)
-    except (FileNotFoundError, ValueError, ImportError) as err:
-        raise CLIError(str(err), EXIT_USAGE) from err
-    print(json.dumps(out, default=str) if args.json else f"imported {args.dataset} into {args.output}: {out}", flush=True)
-    return EXIT_OK
-
-
 def add_parsers(sub: Any, pos_int: Any) -> None:
     r = sub.add_parser(
         "record", help="record episodes of a trained checkpoint's policy",
@@ -113,12 +98,3 @@ def add_parsers(sub: Any, pos_int: Any) -> None:
     i.add_argument("input", metavar="DIR", help="recording directory, shard glob or shard file")
     i.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     i.set_defaults(func=cmd_inspect)
-
-    m = sub.add_parser("import", help="convert another format's dataset into a runnel recording",
-                       description="runnel import minari DATASET_DIR OUT: a Minari dataset directory (HDF5) "
-                                   "into a runnel recording at OUT.")
-    m.add_argument("source", metavar="SOURCE", help="the dataset's format: minari")
-    m.add_argument("dataset", metavar="DATASET_DIR")
-    m.add_argument("output", metavar="OUT")
-    m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    m.set_defaults(func=cmd_import)

@@ -4,7 +4,8 @@ from typing import Any
 from actors.offline.reader import OfflineReader, ReaderSettings, manifest_for, resolve_input
 from actors.offline.recorder import Recorder, RecordingSettings, read_manifest, write_manifest
 
-READERS = ("local", "ray_data")
+READERS = ("local",)
+"""Reading stages there are (a Ray Data path, for data larger than one machine, is not built yet)."""
 
 
 def reader_class(offline: ReaderSettings) -> Any:

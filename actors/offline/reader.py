@@ -47,8 +47,8 @@ class ReaderSettings:
     shards_in_flight: int = 4
     """Shards read at once, interleaved record by record."""
     input_reader: str = "local"
-    """How records are read: "local" (this module's streaming reader, in each reader stage) or
-    "ray_data" (a Ray Data dataset over the shards, for data larger than one machine)."""
+    """How records are read: "local" (this module's streaming reader, in each reader stage) -- the
+    one there is; the field is the seam for a Ray Data path (data larger than one machine)."""
     seed: int | None = None
 
 
