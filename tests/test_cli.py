@@ -231,6 +231,15 @@ def test_failure_before_first_iteration_leaves_no_run_dir(tmp_path, capsys):
     assert not out_dir.exists() or not os.listdir(out_dir)
 
 
+@pytest.fixture
+def sigint_default():
+    """A suite started in the background by a non-interactive shell inherits SIGINT ignored, and
+    the CLI rightly leaves an ignored Ctrl-C alone: these tests get the terminal's default."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupting_train(monkeypatch, at_calls):
     """PPO.train that delivers SIGINT (like Ctrl-C) while running the given calls (1-based)."""
     original, calls = PPO.train, []
@@ -244,7 +253,7 @@ def _interrupting_train(monkeypatch, at_calls):
     monkeypatch.setattr(PPO, "train", train)
 
 
-def test_ctrl_c_stops_after_the_iteration_and_saves(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_stops_after_the_iteration_and_saves(tmp_path, capsys, monkeypatch, sigint_default):
     _interrupting_train(monkeypatch, at_calls={2})
     out_dir = tmp_path / "results"
     handler = signal.getsignal(signal.SIGINT)
@@ -258,7 +267,7 @@ def test_ctrl_c_stops_after_the_iteration_and_saves(tmp_path, capsys, monkeypatc
     assert f"runnel evaluate {run_dir / 'checkpoint_000002'} --episodes 10" in out
 
 
-def test_second_ctrl_c_stops_at_once(tmp_path, capsys, monkeypatch):
+def test_second_ctrl_c_stops_at_once(tmp_path, capsys, monkeypatch, sigint_default):
     _interrupting_train(monkeypatch, at_calls={1})
     original = signal.raise_signal
 
