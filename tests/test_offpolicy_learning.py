@@ -59,7 +59,9 @@ def test_remote_replay_fed_by_streams_survives_its_own_death(ray_cluster):
         result = None
         for _ in range(30):  # until the learner trains on replayed batches
             result = algo.train()
-            if result["num_env_steps_trained_lifetime"] > 0 and result["replay"]["inserts"] > 200:
+            # runners' stream counters arrive with their metrics, which may trail the first trained batch
+            if (result["num_env_steps_trained_lifetime"] > 0 and result["replay"]["inserts"] > 200
+                    and result.get("stream", {}).get("runner_num_frames_sent", 0) > 0):
                 break
         assert result["num_env_steps_trained_lifetime"] > 0
         assert result["num_env_steps_sampled_lifetime"] == result["replay"]["inserts"]  # counted where stored
