@@ -61,6 +61,13 @@ CHOICES = {
 }
 
 
+_MISSING = object()
+ALGORITHM_OF: dict[type, Any] = {}
+"""Config class -> the algorithm it builds (filled by ``pipeline.registry.register_algorithm``). Kept
+here, not as a class attribute: a class attribute holding the algorithm class, whose own attributes
+hold the config class, sends Ray's class fingerprinting (``dis`` over class attributes) in circles."""
+
+
 class ConfigError(ValueError):
     """A config key or value is invalid; the message names it and what would be valid."""
 
@@ -70,8 +77,6 @@ class AlgorithmConfig:
     algo_name: ClassVar[str] = "Algorithm"
     synchronous_sampling: ClassVar[bool] = True
     """The algorithm asks its env runners for batches (PPO, DQN, SAC) rather than streaming from them."""
-    algo_class: ClassVar[Any] = None
-    """The algorithm this config builds (set by ``pipeline.registry.register_algorithm``)."""
 
     # environment
     env: Any = None
@@ -352,6 +357,24 @@ class AlgorithmConfig:
                 out._unknown[key] = ("evaluation_config", sorted(f.name for f in fields(out) if f.name != "_unknown"))
         return out
 
+    # --- dict-style reads (RLlib's ``config["lr"]``; Ray Tune reads ``config.get(...)``) -------------
+    def __getitem__(self, key: str) -> Any:
+        name = RENAMED.get(key, key)
+        if name == "_unknown" or name not in {f.name for f in fields(self)}:
+            close = difflib.get_close_matches(key, [f.name for f in fields(self) if f.name != "_unknown"], n=3)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise KeyError(f"{type(self).__name__} has no setting {key!r}{hint}")
+        return getattr(self, name)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key, _MISSING) is not _MISSING
+
     # --- (de)serialisation --------------------------------------------------------------------
     def copy(self) -> "AlgorithmConfig":
         return copy.deepcopy(self)
@@ -516,11 +539,12 @@ class AlgorithmConfig:
 
     def build(self, **kwargs: Any):
         """Validate and build the algorithm this config belongs to."""
-        if self.algo_class is None:
+        algo_class = ALGORITHM_OF.get(type(self))
+        if algo_class is None:
             raise ConfigError(f"{type(self).__name__} belongs to no algorithm; use an algorithm's config "
                               f"(PPOConfig, IMPALAConfig, APPOConfig...)")
         self.validate()
-        return self.algo_class(self.copy(), **kwargs)
+        return algo_class(self.copy(), **kwargs)
 
     build_algo = build
 

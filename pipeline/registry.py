@@ -1,10 +1,11 @@
 """The one algorithm registry: names -> algorithm classes (each knows its config class, and each
-config class knows its algorithm). ``pipeline`` registers the built-ins when imported."""
+config class knows its algorithm). ``pipeline`` registers the built-ins when imported, with Ray Tune too."""
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import AlgorithmConfig, ConfigError
+from pipeline.config import ALGORITHM_OF, AlgorithmConfig, ConfigError
+from pipeline.tune_support import register_with_tune
 
 _ALGORITHMS: dict[str, Any] = {}
 
@@ -13,8 +14,9 @@ def register_algorithm(algo_cls: Any, name: str | None = None) -> Any:
     """Make ``algo_cls`` buildable by name (CLI, checkpoints) and from its config (``build()``).
     Usable as a class decorator."""
     config_cls: type[AlgorithmConfig] = algo_cls.config_class
-    config_cls.algo_class = algo_cls
+    ALGORITHM_OF[config_cls] = algo_cls
     _ALGORITHMS[name or algo_cls.__name__] = algo_cls
+    register_with_tune(name or algo_cls.__name__, algo_cls)  # tune.Tuner("PPO", ...) finds it by name
     return algo_cls
 
 
