@@ -21,12 +21,12 @@ import logging
 import os
 import threading
 import time
-from datetime import datetime
 from typing import Any, Callable, ClassVar
 
 import numpy as np
 import ray
 import torch
+from ray.tune import Trainable
 
 from actors.callbacks import build_callbacks, call_hook
 from actors.env import EnvRunnerSettings
@@ -48,6 +48,9 @@ from pipeline.offline_config import reader_settings, recorded_spaces, recording_
 from actors.offline import OfflineReader, write_manifest
 from pipeline.learner_group import LearnerGroup
 from pipeline.registry import get_algorithm
+from pipeline.results import ResultLogger
+from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
+from pipeline.tune_support import resource_request
 from protocols import nested
 from protocols.spaces import space_to_dict
 from protocols.transport import compress_by_default
@@ -84,17 +87,63 @@ def lookup(result: dict, path: str) -> Any:
     return node
 
 
-class Algorithm:
+class Algorithm(Trainable):
+    """Also a ``ray.tune.Trainable``: Tune hosts it as a trial (``tune.Tuner(PPO, param_space=config)``),
+    calling ``train``/``save``/``restore``/``stop`` with its own bookkeeping around them; used directly,
+    those methods are runnel's own (``save()`` returns the checkpoint's path)."""
+
     config_class: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
     learner_class: ClassVar[type[Learner]] = Learner
 
-    def __init__(self, config: AlgorithmConfig, logdir: str | None = None) -> None:
-        self.logdir = logdir
-        self.setup(config)
+    def __init__(self, config: AlgorithmConfig | dict | None = None, env: Any = None, logdir: str | None = "auto",
+                 storage: Any = None, **kwargs: Any) -> None:
+        """``PPO(config)``, or RLlib's spellings ``PPO(config={...})`` and ``PPO(config=c, env="CartPole-v1")``.
+
+        ``logdir``: where ``train()`` writes results (``params.json``, ``result.json``, ``progress.csv``,
+        TensorBoard events) and ``save()`` puts checkpoints; "auto" makes a new directory under
+        ``$RUNNEL_RESULTS_DIR`` (default ``~/runnel_results``) at the first result; None writes no results.
+        ``storage`` is Ray Tune's, when it hosts the algorithm as a trial (results are then Tune's to log)."""
+        if kwargs:
+            hint = " (runnel writes results itself: pass logdir=DIR, or logdir=None for none)" \
+                if "logger_creator" in kwargs else ""
+            raise TypeError(f"{type(self).__name__}() got unexpected arguments {sorted(kwargs)}{hint}")
+        self._hosted_by_tune = storage is not None
+        self._num_iterations = 0
+        self._results: ResultLogger | None = None
+        self._logdir_setting = None if self._hosted_by_tune else logdir
+        self._run_dir = logdir if logdir not in ("auto", None) and not self._hosted_by_tune else None
+        if self._hosted_by_tune:  # Tune's trial bookkeeping (trial dir, output files), which calls setup()
+            Trainable.__init__(self, config, storage)
+        else:
+            self.setup(self._as_config(config, env))
+
+    @classmethod
+    def _as_config(cls, config: AlgorithmConfig | dict | None, env: Any = None) -> AlgorithmConfig:
+        if config is None:
+            config = cls.config_class()
+        elif isinstance(config, dict):  # RLlib's dict configs, and Tune's trial configs
+            config = cls.config_class.from_dict(config)
+        elif not isinstance(config, AlgorithmConfig):
+            raise ConfigError(f"{cls.__name__}(config=...) takes a {cls.config_class.__name__} or a dict of its "
+                              f"settings, got {type(config).__name__}")
+        elif not isinstance(config, cls.config_class):
+            raise ConfigError(f"{cls.__name__} was given a {type(config).__name__}; build it from a "
+                              f"{cls.config_class.__name__} (or call config.build())")
+        else:
+            config = config.copy()
+        if env is not None:
+            config.environment(env)
+        return config
+
+    @classmethod
+    def default_resource_request(cls, config: AlgorithmConfig | dict) -> Any:
+        """What Tune reserves for one trial: the driver, then every runner, learner and evaluator actor."""
+        return resource_request(cls._as_config(config))
 
     # --- building -------------------------------------------------------------------------------
-    def setup(self, config: AlgorithmConfig) -> None:
-        """Build every stage ``config`` asks for (the name and signature of Tune's ``Trainable.setup``)."""
+    def setup(self, config: AlgorithmConfig | dict) -> None:
+        """Build every stage ``config`` asks for (Tune calls it with a dict, its trial's settings)."""
+        config = self._as_config(config)
         config.validate()
         self.config = config
         set_log_level(config.log_level)
@@ -137,7 +186,6 @@ class Algorithm:
         """The latest evaluation's results (``always_attach_evaluation_results`` repeats them)."""
         self._eval_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._sys = SysUsage() if config.log_sys_usage else None
-        self.iteration = 0
         self.time_total_s = 0.0
         self.learner_group: LearnerGroup | None = None
         self.env_runner_group: EnvRunnerGroup | None = None
@@ -159,7 +207,7 @@ class Algorithm:
                 self.build_evaluators()
             self.plan = self.build_plan()
         except BaseException:
-            self.stop()
+            self.cleanup()
             raise
         self.sync_weights()
         self._hook("on_algorithm_init", algorithm=self, metrics_logger=self.metrics)
@@ -266,7 +314,48 @@ class Algorithm:
     def counters(self) -> dict[str, int]:
         return {name: self.metrics.peek(key, 0) for name, key in COUNTERS.items()}
 
+    @property
+    def iteration(self) -> int:
+        """Training iterations (``train()`` calls) so far, restored with a checkpoint."""
+        return self._num_iterations
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self._num_iterations = int(value)
+
+    training_iteration = iteration
+
+    @property
+    def logdir(self) -> str | None:
+        """This run's results directory (None until the first result with ``logdir="auto"``, or when off)."""
+        return self._run_dir
+
+    @logdir.setter
+    def logdir(self, path: str | None) -> None:
+        self._run_dir = path
+
     def train(self) -> dict[str, Any]:
+        """One training iteration (``step()``); its result is also written to ``logdir``."""
+        if self._hosted_by_tune:
+            return super().train()  # Tune's bookkeeping around step()
+        result = self.step()
+        self._log_result(result)
+        return result
+
+    def get_auto_filled_metrics(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Tune's per-result fields, with the config as the plain dict Tune expects."""
+        return super().get_auto_filled_metrics(*args, **kwargs) | {"config": self.config.to_dict()}
+
+    def _log_result(self, result: dict[str, Any]) -> None:
+        if self._logdir_setting is None:
+            return
+        if self._results is None:
+            if self._run_dir is None:
+                self._run_dir = make_run_dir(os.path.join(results_root(), run_dir_name(self.name, self.config.env)))
+            self._results = ResultLogger(self._run_dir, params=self.config.to_dict())
+        self._results.log(result)
+
+    def step(self) -> dict[str, Any]:
         """Run training steps until the iteration's minimum time/steps are reached; return results."""
         t0 = time.perf_counter()
         c = self.config
@@ -434,10 +523,11 @@ class Algorithm:
 
     # --- checkpoints --------------------------------------------------------------------------
     def default_checkpoint_dir(self) -> str:
-        root = self.logdir or os.path.join(os.path.expanduser("~/runnel_results"),
-                                           f"{self.name}_{datetime.now():%Y-%m-%d_%H-%M-%S}")
-        self.logdir = root
-        return os.path.join(root, f"checkpoint_{self.iteration:06d}")
+        """``<logdir>/checkpoint_<iteration>`` (the run directory is made now if there is none yet:
+        unique per process, so two runs saving at the same moment never collide)."""
+        if self._run_dir is None:
+            self._run_dir = make_run_dir(os.path.join(results_root(), run_dir_name(self.name, self.config.env)))
+        return os.path.join(self._run_dir, f"checkpoint_{self.iteration:06d}")
 
     def get_state(self) -> dict[str, Any]:
         """The driver's own state (plain data): iteration, time, weights version, metrics, numpy RNG."""
@@ -454,7 +544,16 @@ class Algorithm:
             name, keys, pos, has_gauss, cached = state["numpy_rng"]
             np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, cached))
 
-    def save(self, checkpoint_dir: str | None = None) -> str:
+    def save(self, checkpoint_dir: str | None = None) -> Any:
+        """Write a checkpoint directory (atomically) and return its path (under Tune: Tune's result)."""
+        if self._hosted_by_tune:
+            return super().save(checkpoint_dir)  # calls save_checkpoint(), then reports it to Tune
+        return self.save_to_path(checkpoint_dir)
+
+    def save_checkpoint(self, checkpoint_dir: str) -> str:
+        return self.save_to_path(checkpoint_dir)
+
+    def save_to_path(self, checkpoint_dir: str | None = None) -> str:
         """Write a checkpoint directory (atomically) and return its path."""
         path = checkpoint_dir or self.default_checkpoint_dir()
         native = self._inference_module() if self.config.export_native_model_files else None
@@ -463,10 +562,12 @@ class Algorithm:
                                 self.get_state(), native_module=native, runner_states=self.env_runner_group.get_state(),
                                 replay_state=plan_state)
 
-    save_to_path = save
-
-    def restore(self, checkpoint_dir: str) -> None:
-        """Load a checkpoint of this algorithm into this instance; training continues from its state."""
+    def restore(self, checkpoint_dir: Any) -> None:
+        """Load a checkpoint of this algorithm into this instance; training continues from its state.
+        (Tune passes its own checkpoint result, which comes back here through ``load_checkpoint``.)"""
+        if not isinstance(checkpoint_dir, (str, os.PathLike)):
+            return super().restore(checkpoint_dir)
+        checkpoint_dir = os.fspath(checkpoint_dir)
         manifest, _, learner_state, state = read_checkpoint(checkpoint_dir)
         if manifest["algorithm"] != self.name:
             raise CheckpointError(f"checkpoint {checkpoint_dir!r} is of {manifest['algorithm']}, not {self.name}")
@@ -479,6 +580,9 @@ class Algorithm:
         if plan_state and self.plan is not None:
             self.plan.set_state(plan_state)
         self._hook("on_checkpoint_loaded", algorithm=self)
+
+    def load_checkpoint(self, checkpoint: Any) -> None:
+        self.restore(os.fspath(checkpoint))
 
     restore_from_path = restore
 
@@ -506,6 +610,15 @@ class Algorithm:
 
     def stop(self) -> None:
         """Stop every actor and thread this algorithm started (Ray itself stays up)."""
+        if self._hosted_by_tune:
+            super().stop()  # Tune's own clean-up, which calls cleanup()
+        else:
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        if self._results is not None:
+            self._results.close()
+            self._results = None
         if getattr(self, "_eval_thread", None) is not None:
             self._eval_thread.shutdown(wait=True)
             self._eval_thread = None

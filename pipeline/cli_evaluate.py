@@ -7,7 +7,8 @@ import os
 import sys
 from typing import Any
 
-from pipeline.train_spec import EXIT_FAILURE, EXIT_OK, CLIError, describe_exc, env_label
+from pipeline.run_dirs import env_label
+from pipeline.train_spec import EXIT_FAILURE, EXIT_OK, CLIError, describe_exc
 
 
 def _check_render(algo: Any, label: str) -> None:

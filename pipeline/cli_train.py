@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -15,32 +14,11 @@ import sys
 import threading
 import time
 import traceback
-from datetime import datetime
 from typing import Any
 
+from pipeline.run_dirs import env_label, make_run_dir, run_dir_name
 from pipeline.train_spec import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CLIError, TrainSpec,
-                                  check_stop_keys, describe_exc, env_label, stop_reason, train_spec, warn)
-
-
-def _path_safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_.") or "env"
-
-
-def _run_dir_name(algo_name: str, env: Any) -> str:
-    return f"{algo_name}_{_path_safe(env_label(env))}_{datetime.now():%Y-%m-%d_%H-%M-%S}"
-
-
-def _make_run_dir(path: str) -> str:
-    """Create ``path`` (or ``path_2``, ``path_3``... if taken) and return the one created."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    candidate, n = path, 1
-    while True:
-        try:
-            os.mkdir(candidate)
-            return candidate
-        except FileExistsError:
-            n += 1
-            candidate = f"{path}_{n}"
+                                  check_stop_keys, describe_exc, stop_reason, train_spec, warn)
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -125,18 +103,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     algo_name = algo_cls.__name__
     output_dir = os.path.abspath(os.path.expanduser(spec.output_dir))
-    run_dir = os.path.join(output_dir, _run_dir_name(algo_name, config.env))
+    run_dir = os.path.join(output_dir, run_dir_name(algo_name, config.env))
     ray_was_up = ray.is_initialized()
     algo = None
     try:
         try:
-            algo = config.build(logdir=run_dir)
+            algo = config.build(logdir=None)  # results: the CLI logs them itself (below)
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - Ray, actors, the env itself
             raise CLIError(f"building {algo_name} on {env_label(config.env)} failed: {describe_exc(err)}",
                            EXIT_FAILURE) from err
-        run_dir = _make_run_dir(run_dir)
+        run_dir = make_run_dir(run_dir)
         algo.logdir = run_dir
         return _train_loop(algo, spec, run_dir, algo_name)
     finally:

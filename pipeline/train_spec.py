@@ -46,13 +46,6 @@ class CLIError(Exception):
         self.code = code
 
 
-def env_label(env: Any) -> str:
-    """How an env setting is named in messages and run directories."""
-    if isinstance(env, str):
-        return env
-    return getattr(env, "__name__", type(env).__name__)
-
-
 def warn(message: str) -> None:
     print(f"runnel: warning: {message}", file=sys.stderr, flush=True)
 

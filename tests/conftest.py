@@ -7,6 +7,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Ray workers inherit this environment: lets them import tests.envs for the test environments.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# algo.train() writes a results directory (see pipeline.run_dirs): keep the suite's out of ~/runnel_results.
+if "RUNNEL_RESULTS_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["RUNNEL_RESULTS_DIR"] = tempfile.mkdtemp(prefix="runnel-test-results-")
+    atexit.register(shutil.rmtree, os.environ["RUNNEL_RESULTS_DIR"], True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,40 @@
+"""What Ray Tune needs to host runnel's algorithms as trials.
+
+``pipeline`` calls ``register_with_tune`` for every built-in algorithm when imported, so
+``tune.Tuner("PPO", param_space=config.to_dict())`` finds it by name and ``tune.Tuner(PPO,
+param_space=config)`` takes the config object itself. Each trial gets one placement group holding
+the driver and every actor the config asks for (Ray places the trial's actors inside it).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray.tune
+from ray.tune.execution.placement_groups import PlacementGroupFactory
+
+log = logging.getLogger("runnel")
+
+
+def resource_request(config: Any) -> PlacementGroupFactory:
+    """Bundles: the driver (with the learner when ``num_learners=0``), then each env runner,
+    learner actor and evaluator; packed onto as few nodes as fit."""
+    local_gpus = config.num_gpus_per_learner if config.num_learners == 0 else 0
+    bundles = [{"CPU": config.num_cpus_for_main_process, "GPU": local_gpus}]
+    bundles += [{"CPU": config.num_cpus_per_env_runner}] * config.num_env_runners
+    bundles += [{"CPU": config.num_cpus_per_learner, "GPU": config.num_gpus_per_learner}] * config.num_learners
+    bundles += [{"CPU": config.num_cpus_per_env_runner}] * config.evaluation_num_env_runners
+    return PlacementGroupFactory([{k: v for k, v in b.items() if v} or {"CPU": 0.01} for b in bundles],
+                                 strategy="PACK")
+
+
+def register_with_tune(name: str, algo_cls: type) -> None:
+    """Make ``algo_cls`` a Tune trainable under ``name``, and its config class a valid ``param_space``."""
+    ray.tune.register_trainable(name, algo_cls, warn=False)
+    # Tune turns a ``param_space`` into a dict only for subclasses of its (private) config base class,
+    # an ABC: registering ours as a virtual subclass is the one hook it offers.
+    config_base = getattr(getattr(ray.tune, "tune", None), "_Config", None)
+    if config_base is not None and hasattr(config_base, "register"):
+        config_base.register(algo_cls.config_class)
+    else:  # a Ray version without it: dicts (config.to_dict()) still work
+        log.debug("ray.tune has no config base class here; pass param_space=config.to_dict()")

@@ -1,0 +1,79 @@
+"""Algorithms under Ray Tune: grid search by name and by class, Tune checkpoints that restore through
+runnel's format, and PBT perturbing ``lr`` of running trials."""
+import pytest
+import ray
+from ray import tune
+from ray.tune.schedulers import PopulationBasedTraining
+
+from pipeline import PPO, Algorithm, PPOConfig
+
+METRIC = "env_runners/episode_return_mean"
+
+
+@pytest.fixture(scope="module")
+def ray2():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def small_config(num_env_runners: int = 1) -> PPOConfig:
+    return (PPOConfig().environment("CartPole-v1")
+            .env_runners(num_env_runners=num_env_runners, num_envs_per_env_runner=2)
+            .training(train_batch_size_per_learner=256, minibatch_size=64, num_epochs=2)
+            .debugging(seed=0))
+
+
+def test_grid_search_by_class_and_config_object_restores_best_checkpoint(ray2, tmp_path):
+    config = small_config().training(lr=tune.grid_search([1e-3, 3e-4]), gamma=tune.grid_search([0.98, 0.99]))
+    tuner = tune.Tuner(PPO, param_space=config, run_config=tune.RunConfig(
+        stop={"training_iteration": 2}, storage_path=str(tmp_path), name="grid",
+        checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True)))
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    assert len(results) == 4
+    assert sorted((r.config["lr"], r.config["gamma"]) for r in results) == [
+        (3e-4, 0.98), (3e-4, 0.99), (1e-3, 0.98), (1e-3, 0.99)]
+    for r in results:
+        assert r.metrics["training_iteration"] == 2
+        assert r.metrics["num_env_steps_sampled_lifetime"] >= 2 * 256
+    best = results.get_best_result(METRIC, "max")
+    algo = Algorithm.from_checkpoint(best.checkpoint.path, num_env_runners=0)
+    try:
+        assert isinstance(algo, PPO)
+        assert algo.iteration == 2
+        assert (algo.config.lr, algo.config.gamma) == (best.config["lr"], best.config["gamma"])
+        assert algo.counters["num_env_steps_sampled_lifetime"] == best.metrics["num_env_steps_sampled_lifetime"]
+    finally:
+        algo.stop()
+
+
+def test_registered_name_with_a_dict_param_space(ray2, tmp_path):
+    tuner = tune.Tuner("PPO", param_space=small_config(num_env_runners=0).to_dict(), run_config=tune.RunConfig(
+        stop={"training_iteration": 1}, storage_path=str(tmp_path), name="by-name"))
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    assert results[0].metrics["training_iteration"] == 1
+
+
+def test_pbt_perturbs_lr_of_a_running_trial(ray2, tmp_path):
+    config = small_config(num_env_runners=0).training(lr=tune.grid_search([1e-4, 1e-3]))
+    pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=1, synch=True,
+                                  hyperparam_mutations={"lr": [1e-5, 5e-3]})
+    tuner = tune.Tuner(PPO, param_space=config,
+                       tune_config=tune.TuneConfig(scheduler=pbt, metric=METRIC, mode="max"),
+                       run_config=tune.RunConfig(stop={"training_iteration": 3}, storage_path=str(tmp_path),
+                                                 name="pbt"))
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    lr_column = "learners/default_policy/curr_lr"
+    perturbed = []
+    for r in results:
+        history = r.metrics_dataframe
+        lrs = list(history[lr_column])
+        # the learner trains with each iteration's config lr: the last one is the trial's final config
+        assert lrs[-1] == pytest.approx(r.config["lr"])
+        if r.config["lr"] in (1e-5, 5e-3):
+            perturbed.append(lrs)
+    assert perturbed, "PBT never perturbed lr"
+    assert all(lrs[0] in (1e-4, 1e-3) for lrs in perturbed)
