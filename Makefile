@@ -1,15 +1,20 @@
 # Quick start:  make train   (set up, then train PPO on CartPole on the local embedded Ray)
+#               make evaluate CHECKPOINT=<dir>   (play 10 episodes with a checkpoint 'make train' printed;
+#                              ARGS='--episodes 3 --render' passes more flags to runnel evaluate)
 #               make test    (set up, then run the test suite; .ci/run calls this)
+#               make help    (this text)
+# Any other runnel command in a fresh shell: .venv/bin/runnel ..., or '. .venv/bin/activate' first.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.runnel-installed
 
-.PHONY: setup train test bench clean c-client-deps c-client
+.PHONY: setup train evaluate test bench clean help c-client-deps c-client
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip uninstall -q -y runnel >/dev/null 2>&1 || true   # the distribution's old name (now runnel-rl)
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
@@ -17,6 +22,10 @@ setup: $(STAMP)
 
 train: setup
 	$(BIN)/runnel train file tuned/cartpole-ppo.yaml
+
+evaluate: setup
+	@test -n "$(CHECKPOINT)" || { echo "make evaluate needs CHECKPOINT=<checkpoint directory>, the path 'make train' prints at the end, e.g. make evaluate CHECKPOINT=~/runnel_results/PPO_CartPole-v1_<date>/checkpoint_000050" >&2; exit 2; }
+	$(BIN)/runnel evaluate $(CHECKPOINT) $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q tests
@@ -34,3 +43,6 @@ c-client:
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+help:
+	@sed -n '/^# Quick start/,/^# Any other/p' Makefile | sed 's/^# \{0,1\}//'
