@@ -9,6 +9,7 @@
     runnel record CHECKPOINT --episodes 50 --output expert/     (record a trained policy)
     runnel train --algo BC --input expert/ --env CartPole-v1     (learn from it; the env evaluates)
     runnel inspect expert/                   (episodes, steps, spaces, damaged records)
+    runnel plot ~/runnel_results/PPO_CartPole-v1_2025-01-01_12-00-00     (a PNG learning curve of a run)
 
 ``train`` writes a run directory ``<output-dir>/<ALGO>_<env>_<YYYY-mm-dd_HH-MM-SS>`` holding
 ``params.json``, ``result.json``, ``progress.csv``, TensorBoard event files (see
@@ -54,6 +55,7 @@ from typing import Sequence
 
 from pipeline.cli_evaluate import cmd_evaluate
 from pipeline.cli_offline import add_parsers as add_offline_parsers
+from pipeline.cli_plot import add_parser as add_plot_parser
 from pipeline.cli_train import cmd_train
 from pipeline.train_spec import DEFAULT_OUTPUT_DIR, DEFAULT_STOP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, CLIError
 
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="runnel", description="Train and evaluate reinforcement-learning agents with runnel.",
         epilog="Exit status: 0 done, 1 runtime failure, 2 usage/config error, 130 interrupted. "
                "RUNNEL_DEBUG=1 shows tracebacks.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate,record,inspect,keys}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate,record,inspect,plot,keys}")
 
     t = sub.add_parser(
         "train", help="train an algorithm on an environment",
@@ -140,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_evaluate)
 
     add_offline_parsers(sub, _pos_int)
+    add_plot_parser(sub)
 
     k = sub.add_parser(
         "keys", help="make CURVE key pairs for policy servers and their clients",
