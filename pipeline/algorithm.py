@@ -587,14 +587,15 @@ class Algorithm(Trainable):
     restore_from_path = restore
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str, **kwargs: Any) -> "Algorithm":
-        """Rebuild the algorithm a checkpoint was written by, with its config and state."""
+    def from_checkpoint(cls, checkpoint_dir: str, logdir: str | None = "auto", **kwargs: Any) -> "Algorithm":
+        """Rebuild the algorithm a checkpoint was written by, with its config and state; ``kwargs``
+        override config settings (e.g. ``num_env_runners=0``), ``logdir`` as in the constructor."""
         manifest = read_manifest(checkpoint_dir)
         config_cls, algo_cls = get_algorithm(manifest["algorithm"])
         _, config_dict, _, _ = read_checkpoint(checkpoint_dir)
         config = config_cls.from_dict(config_dict)
         config.update_from_dict(kwargs)  # e.g. num_env_runners=0 to evaluate locally; typos fail in validate
-        algo = algo_cls(config)
+        algo = algo_cls(config, logdir=logdir)
         try:
             algo.restore(checkpoint_dir)
         except BaseException:

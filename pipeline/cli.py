@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "<output-dir>/<ALGO>_<env>_<date>_<time>/ (params.json, result.json, progress.csv,\n"
                     "TensorBoard events, checkpoint_NNNNNN/). 'train file X.yaml' reads algo, env, stop,\n"
                     "config, checkpoint_freq... from a tuned-example file; flags given beside it override it.\n"
-                    "Ctrl-C stops after the current iteration and saves (Ctrl-C twice: at once).",
+                    "Ctrl-C or SIGTERM stops after the current iteration and saves (twice: at once, still saving).\n"
+                    "--resume RUN_DIR continues a run from its latest checkpoint.",
         epilog="examples:\n"
                "  runnel train --algo PPO --env CartPole-v1 --stop '{\"env_runners/episode_return_mean\": 450}'\n"
                "  runnel train --algo PPO --env Pendulum-v1 --config '{\"lr\": 0.0003, \"num_env_runners\": 4}'\n"
@@ -118,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train from a recording (a directory, shard glob or file) instead of an env; --env, "
                         "if given, serves evaluation only (e.g. --algo BC --input expert/ --env CartPole-v1)")
     t.add_argument("--framework", metavar="torch", help="accepted for RLlib compatibility; only torch exists")
+    t.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a run from its latest checkpoint, in the same directory (results appended, "
+                        "counters continuous); --stop, --checkpoint-freq, --keep-checkpoints may change")
+    t.add_argument("--keep-checkpoints", type=_pos_int, metavar="N",
+                   help="keep only N checkpoints: the best by --checkpoint-score, else the latest (default: all)")
+    t.add_argument("--checkpoint-score", metavar="KEY",
+                   help="result key that ranks checkpoints for --keep-checkpoints (higher is better), "
+                        "e.g. env_runners/episode_return_mean")
+    t.add_argument("--num-samples", type=_pos_int, metavar="N",
+                   help="run N trials through Ray Tune (also when the config holds grid_search/choice spaces)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser(

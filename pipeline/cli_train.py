@@ -5,20 +5,21 @@ See ``pipeline.cli`` for the command line and ``pipeline.train_spec`` for how it
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import os
 import shlex
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
 from typing import Any
 
 from pipeline.run_dirs import env_label, make_run_dir, run_dir_name
-from pipeline.train_spec import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, CLIError, TrainSpec,
-                                  check_stop_keys, describe_exc, stop_reason, train_spec, warn)
+from pipeline.train_spec import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RUN_FILE, CLIError, TrainSpec,
+                                  check_stop_keys, describe_exc, resume_spec, say, stop_reason, train_spec, warn)
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -32,12 +33,6 @@ def _fmt_num(value: Any, spec: str = ".2f") -> str:
     return "n/a"
 
 
-
-
-
-
-
-
 def _validate(config: Any) -> None:
     from pipeline.config import ConfigError
 
@@ -49,43 +44,41 @@ def _validate(config: Any) -> None:
         raise CLIError(f"invalid {config.algo_name} config: {describe_exc(err)}", EXIT_USAGE) from None
 
 
-class _GracefulInterrupt:
-    """First Ctrl-C: ask the loop to stop after the current iteration. Second: KeyboardInterrupt now."""
+class _GracefulStop:
+    """First Ctrl-C or SIGTERM: ask the loop to stop after the current iteration (and checkpoint).
+    Second: KeyboardInterrupt now (a checkpoint of the state at that moment is still written)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-        self._installed = False
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "_GracefulInterrupt":
+    def __enter__(self) -> "_GracefulStop":
         if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGINT)
-            if previous is not signal.SIG_IGN:  # started with Ctrl-C ignored (nohup...): leave it so
-                self._previous = previous
-                signal.signal(signal.SIGINT, self._handle)
-                self._installed = True
+            for sig in self.SIGNALS:
+                previous = signal.getsignal(sig)
+                if previous is not signal.SIG_IGN:  # started with it ignored (nohup...): leave it so
+                    self._previous[sig] = previous
+                    signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        print("\nrunnel: Ctrl-C: stopping after this iteration (press Ctrl-C again to stop at once)",
-              file=sys.stderr, flush=True)
+        self.requested = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {self.requested} again"
+        say(f"\nrunnel: {self.requested}: stopping after this iteration ({again} to stop at once)", err=True)
 
     def __exit__(self, *exc: Any) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
-            self._installed = False
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    import ray
-
+def _build_config(spec: TrainSpec) -> tuple[Any, Any]:
     from pipeline.registry import get_algorithm
-    from pipeline.config import ConfigError
 
-    spec = train_spec(args)
     config_cls, algo_cls = get_algorithm(spec.algo)
     config = config_cls()
     config.update_from_dict(spec.config)
@@ -99,24 +92,48 @@ def cmd_train(args: argparse.Namespace) -> int:
         config.env_runners(num_env_runners=spec.num_env_runners)
     if spec.seed is not None:
         config.debugging(seed=spec.seed)
+    return config, algo_cls
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import ray
+
+    from pipeline.config import ConfigError
+
+    from pipeline.tune_run import first_variant, has_search_space, run_with_tune
+
+    resume_dir = os.path.abspath(os.path.expanduser(args.resume)) if getattr(args, "resume", None) else None
+    spec = resume_spec(args, resume_dir) if resume_dir else train_spec(args)
+    searching = has_search_space(spec.config)
+    config, algo_cls = _build_config(dataclasses.replace(spec, config=first_variant(spec.config)) if searching
+                                     else spec)
     _validate(config)  # ConfigError -> exit 2, before anything is started or written
+    if not resume_dir and (spec.num_samples > 1 or searching):
+        return run_with_tune(spec, config, algo_cls)
 
     algo_name = algo_cls.__name__
-    output_dir = os.path.abspath(os.path.expanduser(spec.output_dir))
-    run_dir = os.path.join(output_dir, run_dir_name(algo_name, config.env))
+    checkpoint = _resume_checkpoint(resume_dir) if resume_dir else None
+    run_dir = resume_dir or os.path.join(os.path.abspath(os.path.expanduser(spec.output_dir)),
+                                         run_dir_name(algo_name, config.env))
     ray_was_up = ray.is_initialized()
     algo = None
     try:
         try:
-            algo = config.build(logdir=None)  # results: the CLI logs them itself (below)
+            if checkpoint is not None:
+                overrides = {} if spec.num_env_runners is None else {"num_env_runners": spec.num_env_runners}
+                algo = algo_cls.from_checkpoint(checkpoint, logdir=None, **overrides)
+            else:
+                algo = config.build(logdir=None)  # results: the CLI logs them itself (below)
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - Ray, actors, the env itself
-            raise CLIError(f"building {algo_name} on {env_label(config.env)} failed: {describe_exc(err)}",
-                           EXIT_FAILURE) from err
-        run_dir = make_run_dir(run_dir)
+            what = f"resuming {algo_name} from {checkpoint}" if checkpoint else \
+                f"building {algo_name} on {env_label(config.env)}"
+            raise CLIError(f"{what} failed: {describe_exc(err)}", EXIT_FAILURE) from err
+        if resume_dir is None:
+            run_dir = make_run_dir(run_dir)
         algo.logdir = run_dir
-        return _train_loop(algo, spec, run_dir, algo_name)
+        return _train_loop(algo, spec, run_dir, algo_name, resumed=checkpoint is not None)
     finally:
         if algo is not None:
             try:
@@ -127,37 +144,66 @@ def cmd_train(args: argparse.Namespace) -> int:
             ray.shutdown()
 
 
-def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str) -> int:
+def _resume_checkpoint(run_dir: str) -> str:
+    from pipeline.checkpoint_keeper import checkpoints_in
+
+    if not os.path.isdir(run_dir):
+        raise CLIError(f"--resume {run_dir!r}: no such directory")
+    found = checkpoints_in(run_dir)
+    if not found:
+        raise CLIError(f"--resume {run_dir!r}: the run has no complete checkpoint to continue from (it stopped "
+                       f"before its first save); start it again without --resume")
+    return found[-1][1]
+
+
+def _write_run_file(run_dir: str, spec: TrainSpec) -> None:
+    tmp = os.path.join(run_dir, RUN_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(spec.to_json(), f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(run_dir, RUN_FILE))
+
+
+def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str, resumed: bool = False) -> int:
+    from pipeline.checkpoint_keeper import CheckpointKeeper, checkpoints_in
     from pipeline.results import ResultLogger
 
     label = env_label(algo.config.env)
     try:
-        logger = ResultLogger(run_dir)
+        logger = ResultLogger(run_dir, resume_after=algo.iteration if resumed else None)
         logger.write_params(algo.config.to_dict())
+        _write_run_file(run_dir, spec)
     except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if not resumed:
+            shutil.rmtree(run_dir, ignore_errors=True)
         raise
+    keeper = CheckpointKeeper(spec.keep_checkpoints, spec.checkpoint_score_attribute, spec.checkpoint_score_order)
+    for iteration, path in checkpoints_in(run_dir) if resumed else []:
+        keeper.adopt(path, iteration)
     stop_text = ", ".join(f"{k} >= {v:g}" for k, v in spec.stop.items()) or "none (runs until Ctrl-C)"
-    print(f"runnel: training {algo_name} on {label}; results in {run_dir}", flush=True)
-    print(f"runnel: stop when {stop_text.replace(', ', ' or ')}", flush=True)
+    verb = f"resuming {algo_name} on {label} at iteration {algo.iteration}" if resumed else \
+        f"training {algo_name} on {label}"
+    say(f"runnel: {verb}; results in {run_dir}")
+    say(f"runnel: stop when {stop_text.replace(', ', ' or ')}")
 
     t0 = time.monotonic()
     num_results = 0
     last_result: dict | None = None
     best: tuple[float, int] | None = None
     checkpoint: str | None = None
-    checkpoint_iter = -1
+    saved: dict[str, Any] = {}  # what the last checkpoint holds: the summary prints these
     reason: str | None = None
     outcome = "done"
     failure: BaseException | None = None
 
-    def save() -> str:
-        nonlocal checkpoint, checkpoint_iter
+    def save(result: dict | None) -> str:
+        nonlocal checkpoint
         checkpoint = algo.save(os.path.join(run_dir, f"checkpoint_{algo.iteration:06d}"))
-        checkpoint_iter = algo.iteration
+        saved.update(iteration=algo.iteration, counters=dict(algo.counters))
+        for path in keeper.add(checkpoint, algo.iteration, result):
+            say(f"runnel: removed checkpoint {path} (keeping {spec.keep_checkpoints})")
         return checkpoint
 
-    with _GracefulInterrupt() as interrupt:
+    with _GracefulStop() as stopping:
         try:
             while True:
                 result = algo.train()
@@ -172,45 +218,56 @@ def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str) -> int
                     for w in check_stop_keys(result, spec.stop):
                         warn(w)
                 if spec.checkpoint_freq and algo.iteration % spec.checkpoint_freq == 0:
-                    save()
+                    save(result)
                 reason = stop_reason(result, spec.stop)
-                if reason or interrupt.requested:
+                if reason or stopping.requested:
                     break
         except KeyboardInterrupt:
             outcome = "interrupted at once"
         except Exception as err:  # noqa: BLE001 - reported as one line; traceback goes to error.txt
             outcome, failure = "failed", err
-        if interrupt.requested and outcome == "done" and not reason:
+        if stopping.requested and outcome == "done" and not reason:
             outcome = "interrupted"
         elapsed = time.monotonic() - t0
 
-        if num_results == 0:  # nothing was trained: leave no run directory behind
+        if num_results == 0 and not resumed:  # nothing was trained: leave no run directory behind
             logger.close()
             shutil.rmtree(run_dir, ignore_errors=True)
             if outcome == "failed":
                 raise CLIError(f"training failed before the first iteration finished: {describe_exc(failure)}",
                                EXIT_FAILURE) from failure
-            print("runnel: interrupted before the first iteration finished; nothing was saved", file=sys.stderr,
-                  flush=True)
+            say("runnel: stopped before the first iteration finished; nothing was saved", err=True)
             return EXIT_INTERRUPTED
 
         if outcome == "failed":
             logger.close()
             with open(os.path.join(run_dir, "error.txt"), "w", encoding="utf-8") as f:
                 f.write("".join(traceback.format_exception(type(failure), failure, failure.__traceback__)))
-            last = f"; last checkpoint: {checkpoint}" if checkpoint else ""
+            saved_text = _save_after_failure(save, algo, last_result, checkpoint)
             raise CLIError(f"training failed in iteration {algo.iteration + 1}: {describe_exc(failure)} "
-                           f"(traceback in {os.path.join(run_dir, 'error.txt')}; results so far in {run_dir}{last})",
+                           f"(traceback in {os.path.join(run_dir, 'error.txt')}; results so far in {run_dir}"
+                           f"{saved_text}; continue with: runnel train --resume {shlex.quote(run_dir)})",
                            EXIT_FAILURE) from failure
 
         try:
-            if spec.checkpoint_at_end and checkpoint_iter != algo.iteration:
-                save()
+            if spec.checkpoint_at_end and saved.get("iteration") != algo.iteration:
+                save(last_result)
         finally:
             logger.close()
 
-    _print_summary(algo, last_result, elapsed, best, reason, outcome, run_dir, checkpoint)
+    _print_summary(algo, last_result, elapsed, best, reason, outcome, run_dir, checkpoint, saved, stopping.requested)
     return EXIT_INTERRUPTED if outcome.startswith("interrupted") else EXIT_OK
+
+
+def _save_after_failure(save: Any, algo: Any, last_result: dict | None, checkpoint: str | None) -> str:
+    """A failed iteration leaves the learner's weights and the counters of what it finished (each
+    update and each counted batch is whole): checkpoint them, unless a stage is gone."""
+    try:
+        path = save(last_result)
+    except Exception as err:  # noqa: BLE001 - a dead learner or runner: the last checkpoint stands
+        last = f"; last checkpoint: {checkpoint}" if checkpoint else "; no checkpoint"
+        return f"; no final checkpoint ({describe_exc(err)}){last}"
+    return f"; checkpoint of the state at the failure: {path}"
 
 
 def _return_of(result: dict) -> Any:
@@ -228,29 +285,31 @@ def _print_progress(result: dict, elapsed: float) -> None:
     sps = result.get("num_env_steps_sampled_per_s")
     if sps is None and result.get("time_this_iter_s"):
         sps = env_runners.get("num_env_steps_sampled", 0) / result["time_this_iter_s"]
-    print(f"iter {result.get('training_iteration', '?'):>4} | env steps {_fmt_num(steps, ',d'):>10} | "
-          f"return {_fmt_num(_return_of(result)):>9} | {_fmt_num(sps, ',.0f'):>7} steps/s | "
-          f"elapsed {_fmt_duration(elapsed)}", flush=True)
+    say(f"iter {result.get('training_iteration', '?'):>4} | env steps {_fmt_num(steps, ',d'):>10} | "
+        f"return {_fmt_num(_return_of(result)):>9} | {_fmt_num(sps, ',.0f'):>7} steps/s | "
+        f"elapsed {_fmt_duration(elapsed)}")
 
 
 def _print_summary(algo: Any, result: dict | None, elapsed: float, best: tuple[float, int] | None,
-                   reason: str | None, outcome: str, run_dir: str, checkpoint: str | None) -> None:
-    iters = algo.iteration
+                   reason: str | None, outcome: str, run_dir: str, checkpoint: str | None,
+                   saved: dict[str, Any], requested: str | None) -> None:
+    # The iteration and counters printed are the checkpoint's, so the two always agree.
+    iters = saved.get("iteration", algo.iteration)
+    counters = saved.get("counters") or dict(algo.counters)
     why = {"done": f"stop criterion met: {reason}" if reason else "done",
-           "interrupted": "interrupted (Ctrl-C)",
-           "interrupted at once": f"interrupted during iteration {iters + 1} (Ctrl-C twice); the checkpoint "
+           "interrupted": f"stopped by {requested}",
+           "interrupted at once": f"interrupted during iteration {iters + 1} ({requested} twice); the checkpoint "
                                   f"holds the state at that moment"}[outcome]
-    print(f"\nTraining {'stopped' if outcome.startswith('interrupted') else 'finished'} after {iters} iteration"
-          f"{'s' if iters != 1 else ''} in {_fmt_duration(elapsed)}: {why}")
-    if result is not None:
-        steps = result.get("num_env_steps_sampled_lifetime")
-        ret = _return_of(result)
-        best_text = f" (best {best[0]:.2f} at iteration {best[1]})" if best else ""
-        print(f"  env steps sampled: {_fmt_num(steps, ',d')}   episode_return_mean: {_fmt_num(ret)}{best_text}")
-    print(f"  results:    {run_dir}   (tensorboard --logdir {shlex.quote(run_dir)})")
+    say(f"\nTraining {'stopped' if outcome.startswith('interrupted') else 'finished'} after {iters} iteration"
+        f"{'s' if iters != 1 else ''} in {_fmt_duration(elapsed)}: {why}")
+    ret = _return_of(result) if result is not None else None
+    best_text = f" (best {best[0]:.2f} at iteration {best[1]})" if best else ""
+    say(f"  env steps sampled: {_fmt_num(counters.get('num_env_steps_sampled_lifetime'), ',d')}   "
+        f"episode_return_mean: {_fmt_num(ret)}{best_text}")
+    say(f"  results:    {run_dir}")
     if checkpoint:
-        print(f"  checkpoint: {checkpoint}")
-        print(f"\nEvaluate it with:\n  runnel evaluate {shlex.quote(checkpoint)} --episodes 10")
+        say(f"  checkpoint: {checkpoint}")
+        say(f"\nEvaluate it with:\n  runnel evaluate {shlex.quote(checkpoint)} --episodes 10")
+        say(f"Continue training with:\n  runnel train --resume {shlex.quote(run_dir)}")
     else:
-        print("  no checkpoint saved (--no-checkpoint-at-end)")
-    sys.stdout.flush()
+        say("  no checkpoint saved (--no-checkpoint-at-end)")

@@ -97,17 +97,20 @@ class ResultLogger:
     """
 
     def __init__(self, logdir: str | os.PathLike, params: dict[str, Any] | None = None,
-                 tensorboard: bool = True) -> None:
+                 tensorboard: bool = True, resume_after: int | None = None) -> None:
         self.logdir = os.path.abspath(os.fspath(logdir))
         os.makedirs(self.logdir, exist_ok=True)
         self.params_path = os.path.join(self.logdir, "params.json")
         self.result_path = os.path.join(self.logdir, "result.json")
         self.progress_path = os.path.join(self.logdir, "progress.csv")
-        self._json = open(self.result_path, "w", encoding="utf-8")
         self._fields: list[str] = []
         self._num_rows = 0
         self._num_results = 0
         self._params_written = False
+        if resume_after is not None:  # a resumed run: keep its results up to the checkpoint it resumes from
+            self._keep_results_up_to(resume_after)
+            self._params_written = os.path.exists(self.params_path)
+        self._json = open(self.result_path, "a" if resume_after is not None else "w", encoding="utf-8")
         self._writer = None
         if tensorboard:
             try:
@@ -119,6 +122,35 @@ class ResultLogger:
         self._closed = False
         if params is not None:
             self.write_params(params)
+
+    def _keep_results_up_to(self, iteration: int) -> None:
+        """Drop results after ``iteration`` (trained after the checkpoint a run resumes from, so they
+        are trained again) from result.json and progress.csv; later rows continue these."""
+        def kept(row_iteration: Any) -> bool:
+            try:
+                return float(row_iteration) <= iteration
+            except (TypeError, ValueError):
+                return False
+
+        if os.path.exists(self.result_path):
+            with open(self.result_path, encoding="utf-8") as f:
+                lines = [line for line in f if line.strip()]
+            keep = []
+            for line in lines:
+                try:
+                    if kept(json.loads(line).get("training_iteration")):
+                        keep.append(line)
+                except json.JSONDecodeError:  # a line torn by a crash
+                    continue
+            _write_atomically(self.result_path, "".join(keep))
+            self._num_results = len(keep)
+        if os.path.exists(self.progress_path):
+            with open(self.progress_path, newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                self._fields = list(reader.fieldnames or [])
+                rows = [row for row in reader if kept(row.get("training_iteration"))]
+            self._num_rows = len(rows)
+            self._rewrite_csv(rows)
 
     # --- params -------------------------------------------------------------------------------
     def write_params(self, params: dict[str, Any]) -> None:
@@ -162,12 +194,13 @@ class ResultLogger:
             w.writerow({k: _csv_value(v) for k, v in flat.items()})
         self._num_rows += 1
 
-    def _rewrite_csv(self) -> None:
-        """Write the header with the current columns, keeping the rows written so far."""
-        rows: Iterable[dict] = []
-        if self._num_rows and os.path.exists(self.progress_path):
-            with open(self.progress_path, newline="", encoding="utf-8") as f:
-                rows = list(csv.DictReader(f))
+    def _rewrite_csv(self, rows: Iterable[dict] | None = None) -> None:
+        """Write the header with the current columns, keeping the rows written so far (or ``rows``)."""
+        if rows is None:
+            rows = []
+            if self._num_rows and os.path.exists(self.progress_path):
+                with open(self.progress_path, newline="", encoding="utf-8") as f:
+                    rows = list(csv.DictReader(f))
         tmp = self.progress_path + ".tmp"
         with open(tmp, "w", newline="", encoding="utf-8") as f:
             w = csv.DictWriter(f, fieldnames=self._fields, restval="", extrasaction="ignore")
@@ -195,3 +228,10 @@ class ResultLogger:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)

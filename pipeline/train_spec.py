@@ -19,7 +19,12 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_STOP: dict[str, float] = {"training_iteration": 100}
 DEFAULT_OUTPUT_DIR = "~/runnel_results"
 FILE_KEYS = ("algo", "run", "env", "stop", "config", "checkpoint_freq", "checkpoint_at_end", "output_dir",
-             "framework")
+             "framework", "checkpoint_config", "num_samples")
+CHECKPOINT_CONFIG_KEYS = ("num_to_keep", "checkpoint_score_attribute", "checkpoint_score_order",
+                          "checkpoint_frequency", "checkpoint_at_end")
+"""``checkpoint_config:`` in a tuned file (Tune's ``CheckpointConfig`` names)."""
+RUN_FILE = "run.json"
+"""What a run was asked to do (algo, env, stop, checkpoint settings), kept in its directory for ``--resume``."""
 
 
 # RLlib's old result names -> runnel's (hints in the "stop key not in results" warning).
@@ -46,8 +51,21 @@ class CLIError(Exception):
         self.code = code
 
 
+def say(text: str = "", err: bool = False) -> None:
+    """Print a line; if the reader has gone (``runnel train | tee log`` after Ctrl-C, ``| head``),
+    go on silently instead of failing the run on a BrokenPipeError."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        print(text, file=stream, flush=True)
+    except (BrokenPipeError, ValueError):
+        try:  # later writes (and the flush at exit) go nowhere instead of raising again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+
 def warn(message: str) -> None:
-    print(f"runnel: warning: {message}", file=sys.stderr, flush=True)
+    say(f"runnel: warning: {message}", err=True)
 
 
 def describe_exc(err: BaseException) -> str:
@@ -168,6 +186,51 @@ class TrainSpec:
     num_env_runners: int | None
     seed: int | None
     input_: str | None = None
+    keep_checkpoints: int | None = None
+    """Checkpoints kept (None: all); the best by ``checkpoint_score_attribute``, else the latest."""
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: str = "max"
+    num_samples: int = 1
+    """Trials (through Ray Tune when > 1 or when the config holds search spaces)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TrainSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def checkpoint_settings(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """A tuned file's ``checkpoint_config:`` -> TrainSpec fields, checked."""
+    cc = data.get("checkpoint_config") or {}
+    if not isinstance(cc, dict):
+        raise CLIError(f"{source}: 'checkpoint_config' must be a mapping with keys {list(CHECKPOINT_CONFIG_KEYS)}")
+    unknown = [k for k in cc if k not in CHECKPOINT_CONFIG_KEYS]
+    if unknown:
+        raise CLIError(f"{source}: unknown checkpoint_config key(s) {unknown}; valid: {list(CHECKPOINT_CONFIG_KEYS)}")
+    out: dict[str, Any] = {}
+    if cc.get("num_to_keep") is not None:
+        out["keep_checkpoints"] = _positive(cc["num_to_keep"], f"{source}: checkpoint_config.num_to_keep")
+    if cc.get("checkpoint_score_attribute") is not None:
+        out["checkpoint_score_attribute"] = str(cc["checkpoint_score_attribute"])
+    if cc.get("checkpoint_score_order") is not None:
+        if cc["checkpoint_score_order"] not in ("max", "min"):
+            raise CLIError(f"{source}: checkpoint_config.checkpoint_score_order must be 'max' or 'min', "
+                           f"got {cc['checkpoint_score_order']!r}")
+        out["checkpoint_score_order"] = cc["checkpoint_score_order"]
+    if cc.get("checkpoint_frequency") is not None:
+        out["checkpoint_freq"] = _positive(cc["checkpoint_frequency"], f"{source}: checkpoint_config.checkpoint_frequency", 0)
+    if cc.get("checkpoint_at_end") is not None:
+        out["checkpoint_at_end"] = bool(cc["checkpoint_at_end"])
+    return out
+
+
+def _positive(value: Any, what: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise CLIError(f"{what} must be an integer >= {low}, got {value!r}")
+    return value
 
 
 def train_spec(args: argparse.Namespace) -> TrainSpec:
@@ -211,14 +274,64 @@ def train_spec(args: argparse.Namespace) -> TrainSpec:
         stop = flatten_stop(data["stop"], f"{src}: stop")
     else:
         stop = dict(DEFAULT_STOP)
+    stop = map_old_stop_keys(stop)
+    ckpt = checkpoint_settings(data, src)
+    num_samples = getattr(args, "num_samples", None) or data.get("num_samples") or 1
+    _positive(num_samples, "num_samples")
     return TrainSpec(
         algo=str(algo), env=env, stop=stop, config=config,
-        checkpoint_freq=args.checkpoint_freq if args.checkpoint_freq is not None else int(data.get("checkpoint_freq") or 0),
+        checkpoint_freq=(args.checkpoint_freq if args.checkpoint_freq is not None
+                         else int(data.get("checkpoint_freq") or ckpt.get("checkpoint_freq") or 0)),
         checkpoint_at_end=(args.checkpoint_at_end if args.checkpoint_at_end is not None
-                           else bool(data.get("checkpoint_at_end", True))),
+                           else bool(data.get("checkpoint_at_end", ckpt.get("checkpoint_at_end", True)))),
         output_dir=args.output_dir or data.get("output_dir") or DEFAULT_OUTPUT_DIR,
         num_env_runners=args.num_env_runners, seed=args.seed, input_=input_,
+        keep_checkpoints=getattr(args, "keep_checkpoints", None) or ckpt.get("keep_checkpoints"),
+        checkpoint_score_attribute=(getattr(args, "checkpoint_score", None)
+                                    or ckpt.get("checkpoint_score_attribute")),
+        checkpoint_score_order=ckpt.get("checkpoint_score_order", "max"),
+        num_samples=num_samples,
     )
+
+
+def map_old_stop_keys(stop: dict[str, float]) -> dict[str, float]:
+    """RLlib's old result names (``episode_reward_mean``...) -> runnel's, said once at start: an old
+    name would never appear in the results, and the run would go on forever."""
+    out = {}
+    for key, value in stop.items():
+        if key in _OLD_KEYS:
+            warn(f"stop key {key!r} is RLlib's old name: stopping on {_OLD_KEYS[key]!r} instead")
+            key = _OLD_KEYS[key]
+        out[key] = min(value, out[key]) if key in out else value
+    return out
+
+
+def resume_spec(args: argparse.Namespace, run_dir: str) -> TrainSpec:
+    """The spec a run was started with (its ``run.json``), with the flags given beside ``--resume``."""
+    path = os.path.join(run_dir, RUN_FILE)
+    if not os.path.isfile(path):
+        raise CLIError(f"--resume {run_dir!r}: no {RUN_FILE} there; give a run directory made by 'runnel train' "
+                       f"(it holds params.json, progress.csv and checkpoint_NNNNNN/)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = TrainSpec.from_json(json.load(f))
+    except (OSError, ValueError, TypeError) as err:
+        raise CLIError(f"--resume {run_dir!r}: cannot read {RUN_FILE}: {err}") from None
+    given = [flag for flag, value in (("--algo", args.algo), ("--env", args.env), ("--config", args.config),
+                                      ("--input", getattr(args, "input", None)), ("file", args.target or args.file))
+             if value]
+    if given:
+        raise CLIError(f"--resume continues the run as it was set up; {', '.join(given)} cannot change it (the "
+                       f"checkpoint holds its config). Start a new run instead, or leave {given[0]} out")
+    if args.stop is not None:
+        spec.stop = map_old_stop_keys(flatten_stop(parse_json_arg(args.stop, "--stop"), "--stop"))
+    for name, value in (("checkpoint_freq", args.checkpoint_freq), ("checkpoint_at_end", args.checkpoint_at_end),
+                        ("num_env_runners", args.num_env_runners),
+                        ("keep_checkpoints", getattr(args, "keep_checkpoints", None)),
+                        ("checkpoint_score_attribute", getattr(args, "checkpoint_score", None))):
+        if value is not None:
+            setattr(spec, name, value)
+    return spec
 
 
 def stop_reason(result: dict, stop: dict[str, float]) -> str | None:

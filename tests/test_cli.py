@@ -202,8 +202,11 @@ def test_train_file_with_flag_overrides_and_stop_key_warning(tmp_path, capsys):
     assert len((run_dir / "result.json").read_text().splitlines()) == 1  # --stop replaced the file's stop
     assert (run_dir / "checkpoint_000001" / "manifest.json").is_file()  # checkpoint_freq from the file
     warning = [line for line in err.splitlines() if line.startswith("runnel: warning:")]
-    assert len(warning) == 1 and "'episode_reward_mean'" in warning[0]
-    assert "did you mean 'env_runners/episode_return_mean'" in warning[0]
+    # an old stop key is mapped at start (said once), never left to run forever
+    assert len(warning) == 1 and "'episode_reward_mean' is RLlib's old name" in warning[0]
+    assert "stopping on 'env_runners/episode_return_mean'" in warning[0]
+    assert json.loads((run_dir / "run.json").read_text())["stop"] == {
+        "env_runners/episode_return_mean": 1000, "training_iteration": 1}
 
 
 class _CrashOnStep(gym.Env):

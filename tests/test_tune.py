@@ -1,5 +1,7 @@
 """Algorithms under Ray Tune: grid search by name and by class, Tune checkpoints that restore through
 runnel's format, and PBT perturbing ``lr`` of running trials."""
+import re
+
 import pytest
 import ray
 from ray import tune
@@ -77,3 +79,22 @@ def test_pbt_perturbs_lr_of_a_running_trial(ray2, tmp_path):
             perturbed.append(lrs)
     assert perturbed, "PBT never perturbed lr"
     assert all(lrs[0] in (1e-4, 1e-3) for lrs in perturbed)
+
+
+def test_cli_grid_search_in_a_tuned_file_runs_through_tune(ray2, tmp_path, capsys):
+    from pipeline.cli import main
+
+    f = tmp_path / "grid.yaml"
+    f.write_text("algo: PPO\nenv: CartPole-v1\nstop: {training_iteration: 1}\n"
+                 "config: {num_env_runners: 0, num_envs_per_env_runner: 2, train_batch_size_per_learner: 128,\n"
+                 "         minibatch_size: 64, lr: {grid_search: [0.001, 0.0001]}}\n")
+    assert main(["train", "file", str(f), "--num-samples", "1", "--output-dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "2 trial(s):" in out
+    assert "{'lr': 0.001}" in out and "{'lr': 0.0001}" in out
+    best = re.search(r"checkpoint: (\S+)", out).group(1)
+    algo = Algorithm.from_checkpoint(best, logdir=None)
+    try:
+        assert algo.iteration == 1 and algo.config.lr in (0.001, 0.0001)
+    finally:
+        algo.stop()
