@@ -48,6 +48,7 @@ from pipeline.offline_config import reader_settings, recorded_spaces, recording_
 from actors.offline import OfflineReader, write_manifest
 from pipeline.learner_group import LearnerGroup
 from pipeline.registry import get_algorithm
+from pipeline.resources import actor_cpus, check_room, held, released
 from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
 from pipeline.tune_support import resource_request
@@ -180,6 +181,8 @@ class Algorithm(Trainable):
         self.custom_evaluation_function = _function(config.custom_evaluation_function, "custom_evaluation_function")
         if config.num_env_runners > 0 or config.num_learners > 0 or config.evaluation_num_env_runners > 0:
             init_ray_if_needed(config)
+            if not self._hosted_by_tune:  # a trial's actors go into its own placement group
+                check_room(self.name, config)
         self.metrics = MetricsLogger()
         self.evaluators: Evaluators | None = None
         self.evaluation_results: dict[str, Any] | None = None
@@ -210,6 +213,7 @@ class Algorithm(Trainable):
             self.cleanup()
             raise
         self.sync_weights()
+        held(self, actor_cpus(config))
         self._hook("on_algorithm_init", algorithm=self, metrics_logger=self.metrics)
 
     def _hook(self, hook: str, **kwargs: Any) -> None:
@@ -617,6 +621,7 @@ class Algorithm(Trainable):
             self.cleanup()
 
     def cleanup(self) -> None:
+        released(self)
         if self._results is not None:
             self._results.close()
             self._results = None

@@ -98,3 +98,17 @@ def test_cli_grid_search_in_a_tuned_file_runs_through_tune(ray2, tmp_path, capsy
         assert algo.iteration == 1 and algo.config.lr in (0.001, 0.0001)
     finally:
         algo.stop()
+
+
+def test_a_second_algorithm_fails_fast_naming_the_one_holding_the_cpus(ray2, tmp_path):
+    """On a 2-CPU Ray, restoring while the first algorithm's two runners still run cannot place its
+    runners: say so at once (naming the holder), instead of waiting for a start-up timeout."""
+    first = small_config(num_env_runners=2).build(logdir=None)
+    try:
+        path = first.save(str(tmp_path / "ckpt"))
+        with pytest.raises(RuntimeError, match=r"needs 2 CPUs .* 0 of 2 free: PPO built at .* holds 2 .*\.stop\(\)"):
+            Algorithm.from_checkpoint(path, logdir=None)
+    finally:
+        first.stop()
+    second = Algorithm.from_checkpoint(path, logdir=None)  # once the first is stopped, it fits
+    second.stop()
