@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import importlib.metadata
 import json
 import logging
 import os
@@ -52,6 +51,7 @@ from pipeline.resources import actor_cpus, check_room, held, released
 from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
 from pipeline.tune_support import resource_request
+from pipeline.version import runnel_version
 from protocols import nested
 from protocols.spaces import space_to_dict
 from protocols.transport import compress_by_default
@@ -643,13 +643,6 @@ EVALUATOR_NICENESS = 19
 """Parallel evaluators run at the lowest OS priority: on shared cores they use what training leaves."""
 AUTO_FRAGMENT = 200
 """Evaluators' steps per sub-env per request when ``rollout_fragment_length`` is "auto" (sized for training)."""
-
-
-def runnel_version() -> str:
-    try:
-        return importlib.metadata.version("runnel")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _json_safe(value: Any) -> Any:

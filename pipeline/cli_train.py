@@ -270,6 +270,18 @@ def _save_after_failure(save: Any, algo: Any, last_result: dict | None, checkpoi
     return f"; checkpoint of the state at the failure: {path}"
 
 
+def _learning_curve(run_dir: str) -> str | None:
+    """Write the run's learning curve (``runnel plot``'s default) and return its path; a run whose
+    results cannot be plotted (no episode finished yet) gets none, with a one-line note."""
+    from pipeline.cli_plot import PlotError, plot_learning_curve
+
+    try:
+        return plot_learning_curve(run_dir).path
+    except (PlotError, OSError, ImportError) as err:
+        say(f"runnel: no learning curve written: {err}", err=True)
+        return None
+
+
 def _return_of(result: dict) -> Any:
     """The training runners' mean return, or the evaluators' where runners play no episodes
     (training from a recording)."""
@@ -306,7 +318,10 @@ def _print_summary(algo: Any, result: dict | None, elapsed: float, best: tuple[f
     best_text = f" (best {best[0]:.2f} at iteration {best[1]})" if best else ""
     say(f"  env steps sampled: {_fmt_num(counters.get('num_env_steps_sampled_lifetime'), ',d')}   "
         f"episode_return_mean: {_fmt_num(ret)}{best_text}")
-    say(f"  results:    {run_dir}")
+    say(f"  results:    {run_dir}   (tensorboard --logdir {shlex.quote(run_dir)})")
+    plot = _learning_curve(run_dir)
+    if plot:
+        say(f"  plot:       {plot}")
     if checkpoint:
         say(f"  checkpoint: {checkpoint}")
         say(f"\nEvaluate it with:\n  runnel evaluate {shlex.quote(checkpoint)} --episodes 10")

@@ -99,6 +99,6 @@ def inspect_recording(input_: str | list) -> dict[str, Any]:
 
 
 def _version() -> str:
-    from pipeline.algorithm import runnel_version
+    from pipeline.version import runnel_version
 
     return runnel_version()
