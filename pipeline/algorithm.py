@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Callable, ClassVar
 
+import gymnasium as gym
 import numpy as np
 import ray
 import torch
@@ -507,14 +508,14 @@ class Algorithm(Trainable):
         explore = self.config.explore if explore is None else explore
         module = self._inference_module()
         with torch.inference_mode():
-            t_obs = to_torch(nested.map_structure(np.asarray, obs))
+            t_obs = to_torch(_as_arrays(obs, self.observation_space))
             dist = module.action_dist(module.forward_inference(t_obs)["action_dist_inputs"])
             actions = self.exploration.actions(dist, explore, self.counters["num_env_steps_sampled_lifetime"])
         return self.env_actions(actions.numpy())
 
     def compute_single_action(self, obs: Any, explore: bool | None = None) -> Any:
         """One observation (no batch dim) -> one action the env accepts."""
-        batched = nested.map_structure(lambda a: np.asarray(a)[None], obs)
+        batched = nested.map_structure(lambda a: a[None], _as_arrays(obs, self.observation_space))
         action = self.compute_actions(batched, explore=explore)[0]
         return action.item() if np.ndim(action) == 0 else action
 
@@ -643,6 +644,16 @@ EVALUATOR_NICENESS = 19
 """Parallel evaluators run at the lowest OS priority: on shared cores they use what training leaves."""
 AUTO_FRAGMENT = 200
 """Evaluators' steps per sub-env per request when ``rollout_fragment_length`` is "auto" (sized for training)."""
+
+
+def _as_arrays(obs: Any, space: Any) -> Any:
+    """``obs`` as numpy arrays nested like ``space`` (Dict/Tuple); anything else, lists included
+    (``[0.0, 0.1, ...]`` for a Box), becomes one array."""
+    if isinstance(space, gym.spaces.Dict) and isinstance(obs, dict):
+        return {k: _as_arrays(obs[k], space[k]) if k in space.spaces else np.asarray(obs[k]) for k in obs}
+    if isinstance(space, gym.spaces.Tuple) and isinstance(obs, (list, tuple)):
+        return tuple(_as_arrays(o, s) for o, s in zip(obs, space.spaces))
+    return np.asarray(obs)
 
 
 def _json_safe(value: Any) -> Any:

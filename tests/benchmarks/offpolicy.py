@@ -352,7 +352,7 @@ def task(algo: str, quick: bool) -> dict:
 
 def versions_of(python: str) -> dict:
     code = ("import importlib.metadata as m, json\nout = {}\n"
-            "for p in ('runnel', 'ray', 'torch', 'stable-baselines3', 'gymnasium', 'numpy'):\n"
+            "for p in ('runnel-rl', 'ray', 'torch', 'stable-baselines3', 'gymnasium', 'numpy'):\n"
             "    try: out[p] = m.version(p)\n    except Exception: pass\nprint(json.dumps(out))")
     try:
         return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout)

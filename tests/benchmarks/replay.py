@@ -403,7 +403,7 @@ def machine_line(args: argparse.Namespace) -> None:
     import importlib.metadata as md
 
     versions = {}
-    for p in ("runnel", "numpy", "ray", "torch", "gymnasium"):
+    for p in ("runnel-rl", "numpy", "ray", "torch", "gymnasium"):
         try:
             versions[p] = md.version(p)
         except md.PackageNotFoundError:
