@@ -41,6 +41,7 @@ from actors.sys_usage import SysUsage
 from pipeline.checkpoint import CheckpointError, read_checkpoint, read_extras, read_manifest, write_checkpoint
 from pipeline.config import AlgorithmConfig, ConfigError, resolve_import_path
 from pipeline.env_runner_group import EnvRunnerGroup
+from pipeline.env_runners import runner_settings
 from pipeline.envs import env_creator, probe_spaces
 from pipeline.evaluation import EVALUATOR_REQUEST_SLOTS, Evaluators
 from pipeline.external_config import external_settings
@@ -223,19 +224,10 @@ class Algorithm(Trainable):
     def env_runner_settings(self, config: AlgorithmConfig | None = None, in_evaluation: bool = False
                             ) -> EnvRunnerSettings:
         c = config or self.config
-        return EnvRunnerSettings(
-            env_creator=self.env_creator, env_config=c.env_config, num_envs=c.num_envs_per_env_runner,
-            vectorize_mode=c.gym_env_vectorize_mode, rollout_fragment_length=c.get_rollout_fragment_length(),
-            batch_mode=c.batch_mode, explore=c.explore, module_class=self.learner_class.module_class,
-            model_config=c.model_config, module_kwargs=c.module_kwargs(), exploration_config=c.exploration_settings(),
-            observation_space=self.observation_space, action_space=self.action_space, clip_rewards=c.clip_rewards,
-            normalize_actions=c.normalize_actions, clip_actions=c.clip_actions, seed=c.seed,
-            num_env_runners=c.num_env_runners, restart_failed_sub_environments=c.restart_failed_sub_environments,
-            metrics_window=c.metrics_num_episodes_for_smoothing, callbacks=c.callbacks_spec(),
-            in_evaluation=in_evaluation, log_level=c.log_level, log_sys_usage=c.log_sys_usage,
-            recording=(self.recording if self.recording is not None
-                       and (not in_evaluation or self.recording.output_include_evaluation) else None),
-        )
+        recording = (self.recording if self.recording is not None
+                     and (not in_evaluation or self.recording.output_include_evaluation) else None)
+        return runner_settings(c, self.env_creator, self.learner_class.module_class, self.observation_space,
+                               self.action_space, in_evaluation=in_evaluation, recording=recording)
 
     def fault_tolerance_settings(self, config: AlgorithmConfig | None = None) -> FaultToleranceSettings:
         c = config or self.config
@@ -357,7 +349,12 @@ class Algorithm(Trainable):
         if self._results is None:
             if self._run_dir is None:
                 self._run_dir = make_run_dir(os.path.join(results_root(), run_dir_name(self.name, self.config.env)))
-            self._results = ResultLogger(self._run_dir, params=self.config.to_dict())
+            try:
+                params = self.config.to_dict()
+            except ConfigError:  # a setting with no import path (a local class): logged as its repr
+                params = {f.name: _json_safe(getattr(self.config, f.name)) for f in dataclasses.fields(self.config)
+                          if f.name != "_unknown"}
+            self._results = ResultLogger(self._run_dir, params=params)
         self._results.log(result)
 
     def step(self) -> dict[str, Any]:
@@ -526,6 +523,26 @@ class Algorithm(Trainable):
     def env_runners(self) -> EnvRunnerGroup:
         return self.env_runner_group
 
+    @property
+    def workers(self) -> Any:
+        # RLlib's old WorkerSet held RolloutWorkers with policy maps; runnel's runners are not those
+        raise AttributeError(
+            "algo.workers is RLlib's old WorkerSet of RolloutWorkers: use algo.env_runner_group, e.g. "
+            "algo.env_runner_group.foreach_env_runner(lambda runner: runner.get_weights()), or algo.get_weights()")
+
+    def get_module(self, module_id: str = "default_policy") -> RLModule:
+        """The current policy as a torch module (the learner's latest weights), RLlib's new-stack name."""
+        if module_id != "default_policy":
+            raise KeyError(f"module {module_id!r}: runnel trains one module, 'default_policy' (multi-agent "
+                           f"modules are not built yet)")
+        return self._inference_module()
+
+    def get_policy(self, policy_id: str = "default_policy") -> Any:
+        raise AttributeError(
+            "algo.get_policy() is RLlib's old API stack: runnel has no Policy objects. Use "
+            "algo.get_module() for the torch module, algo.compute_single_action(obs) for actions, and "
+            "algo.get_weights()/set_weights() for the weights")
+
     # --- checkpoints --------------------------------------------------------------------------
     def default_checkpoint_dir(self) -> str:
         """``<logdir>/checkpoint_<iteration>`` (the run directory is made now if there is none yet:
@@ -563,9 +580,10 @@ class Algorithm(Trainable):
         path = checkpoint_dir or self.default_checkpoint_dir()
         native = self._inference_module() if self.config.export_native_model_files else None
         plan_state = self.plan.get_state() if self.plan is not None else None
-        return write_checkpoint(path, self.name, self.config.to_dict(), self.learner_group.get_state(),
-                                self.get_state(), native_module=native, runner_states=self.env_runner_group.get_state(),
-                                replay_state=plan_state)
+        written = write_checkpoint(path, self.name, self.config.to_dict(), self.learner_group.get_state(),
+                                   self.get_state(), native_module=native,
+                                   runner_states=self.env_runner_group.get_state(), replay_state=plan_state)
+        return SavedCheckpoint(written, self.counters)
 
     def restore(self, checkpoint_dir: Any) -> None:
         """Load a checkpoint of this algorithm into this instance; training continues from its state.
@@ -638,6 +656,29 @@ class Algorithm(Trainable):
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class SavedCheckpoint(str):
+    """What ``save()`` returns: the checkpoint's path (a str), which also answers RLlib's spelling
+    ``algo.save().checkpoint.path``; ``metrics`` holds the run's counters at the save."""
+
+    def __new__(cls, path: str, metrics: dict[str, Any] | None = None) -> "SavedCheckpoint":
+        out = super().__new__(cls, path)
+        out.metrics = dict(metrics or {})
+        return out
+
+    @property
+    def checkpoint(self) -> Any:
+        return _CheckpointRef(str(self))
+
+    @property
+    def path(self) -> str:
+        return str(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CheckpointRef:
+    path: str
 
 
 EVALUATOR_NICENESS = 19

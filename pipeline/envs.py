@@ -110,6 +110,9 @@ def env_creator(env: Any) -> Callable[[EnvContext], gym.Env]:
     if isinstance(env, str):
         if env in _REGISTRY:
             return _REGISTRY[env]
+        tune_creator = _tune_registered(env)
+        if tune_creator is not None:  # RLlib users register with ray.tune.registry.register_env
+            return tune_creator
         if env in gym.registry:
             return _GymMaker(env)
         if ":" in env:
@@ -128,6 +131,19 @@ def env_creator(env: Any) -> Callable[[EnvContext], gym.Env]:
     if callable(env):
         return env
     raise ConfigError(f"config.env must be a str, an env class or a creator function, got {env!r}")
+
+
+def _tune_registered(name: str) -> Callable[[EnvContext], gym.Env] | None:
+    try:
+        from ray.tune.registry import ENV_CREATOR, _global_registry
+    except ImportError:
+        return None
+    try:
+        if _global_registry.contains(ENV_CREATOR, name):
+            return _global_registry.get(ENV_CREATOR, name)
+    except Exception:  # noqa: BLE001 - Ray's registry unreachable: treat as not registered
+        return None
+    return None
 
 
 def probe_spaces(creator: Callable[[EnvContext], gym.Env], env_config: dict) -> tuple[gym.Space, gym.Space]:

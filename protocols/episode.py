@@ -101,6 +101,10 @@ class EpisodeChunk:
         """Sum of this chunk's rewards."""
         return float(self.rewards.sum(dtype=np.float64))
 
+    def get_return(self) -> float:
+        """RLlib's episode method: the sum of the rewards (of the whole episode, for a whole-episode chunk)."""
+        return self.ret
+
     def validate(self) -> "EpisodeChunk":
         """Check the internal consistency; raise ProtocolError naming the first problem."""
         if not isinstance(self.episode_id, str) or not self.episode_id:

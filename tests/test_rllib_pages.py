@@ -261,10 +261,6 @@ def test_compute_single_action_for_one_episode():
 
 # --- 000: Accessing Policy State / Model State ------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`algo.get_policy()` raises the bare \"'DQN' object has no attribute 'get_policy'\": pipeline/algorithm.py "
-    "(or the pipeline/compat.py table, through an Algorithm.__getattr__) should raise AttributeError saying "
-    "runnel has no Policy objects and naming `algo.get_weights()` (and the module, e.g. `algo.module`)"))
 def test_policy_state_get_policy_names_runnel_way():
     """Page 000, "Accessing Policy State": runnel has no Policy objects; ``get_policy()`` fails
     naming the way to the weights."""
@@ -281,10 +277,6 @@ def test_policy_state_get_policy_names_runnel_way():
         algo.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`algo.workers` raises the bare \"'DQN' object has no attribute 'workers'\": pipeline/algorithm.py (or the "
-    "pipeline/compat.py table through Algorithm.__getattr__) should raise AttributeError naming "
-    "`algo.env_runner_group` and `foreach_env_runner(lambda runner: runner.get_weights())`"))
 def test_policy_state_workers_names_runnel_way():
     """Page 000, "Accessing Policy State": ``algo.workers`` (RolloutWorkers) fails naming
     ``env_runner_group`` / ``foreach_env_runner``."""
@@ -443,12 +435,6 @@ def test_training_model_dict_names_rl_module_model_config():
         config.validate()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an env registered with ray.tune.registry.register_env is not found: ConfigError \"unknown env "
-    "'pages_cartpole': not a gymnasium id, not registered with pipeline.register_env...\". Fix "
-    "pipeline/envs.py env_creator: after runnel's own registry, look the name up in Tune's "
-    "(ray.tune.registry._global_registry.contains/get with ENV_CREATOR) and use that creator (it takes the "
-    "EnvContext)"))
 def test_environment_registered_with_tune_register_env():
     """Page 000, "Specifying Environments": "a tune-registered env, via
     tune.register_env([name], lambda env_ctx: [env object])", with ``env_config``."""
@@ -605,12 +591,6 @@ def test_key_concepts_train_through_tune(ray_cluster, tmp_path):
     assert results[0].metrics["num_env_steps_sampled_lifetime"] >= 1000
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`from pipeline import SingleAgentEnvRunner` fails (ImportError). Needed: pipeline exports "
-    "SingleAgentEnvRunner, an actors.env.env_runner.EnvRunner built from an AlgorithmConfig "
-    "(`SingleAgentEnvRunner(config=config)`, settings as Algorithm.env_runner_settings makes them: env "
-    "creator, probed spaces, module class); its `sample(num_episodes=3)` already returns 3 whole-episode "
-    "EpisodeChunks, which need RLlib's `get_return()` (protocols/episode.py EpisodeChunk: alias of `.ret`)"))
 def test_key_concepts_env_runner_actors(ray_cluster):
     """Page 003, "EnvRunner: Combining RL environment and RLModule": two remote env runners built
     from the config, each sampling three whole episodes."""
