@@ -86,3 +86,21 @@ def test_old_algorithm_api_names():
         assert algo.compute_single_action([0.0, 0.0, 0.01, 0.0]) in (0, 1)
     finally:
         algo.stop()
+
+
+def test_restore_with_another_number_of_sub_envs_starts_fresh_episodes(tmp_path):
+    algo = PPO(config={"env": "CartPole-v1", **SMALL}, logdir=None)
+    try:
+        algo.train()
+        path = algo.save(str(tmp_path / "ckpt"))
+    finally:
+        algo.stop()
+    from pipeline import Algorithm
+
+    restored = Algorithm.from_checkpoint(path, logdir=None, num_envs_per_env_runner=4)
+    try:
+        assert restored.iteration == 1
+        result = restored.train()  # runs on 4 fresh sub-envs with the checkpoint's weights and counters
+        assert result["num_env_steps_sampled_lifetime"] > 128
+    finally:
+        restored.stop()

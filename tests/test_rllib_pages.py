@@ -183,13 +183,6 @@ def test_algorithm_from_checkpoint(tmp_path):
         algo.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`algo.restore(checkpoint_path)` raises IndexError in actors/env/vector_env.py SyncVectorEnv.set_state "
-    "(state['seeds'][i]): the checkpoint's runner had 2 sub-envs, this config has runnel's default 8 (the "
-    "same happens with `Algorithm.from_checkpoint(path, num_envs_per_env_runner=4)`). Fix in "
-    "actors/env/env_runner.py EnvRunner.set_state: restore the running episodes (state['env'], "
-    "state['slots']) only when the saved sub-env count equals num_envs, else keep weights/counters/RNG and "
-    "start fresh episodes"))
 def test_old_checkpoint_restore_with_config_and_env_class(tmp_path):
     """Page 000: "For older RLlib checkpoint versions (version < 1.0), you can restore an algorithm via"
     ``PPO(config=config, env=env_class)`` and ``algo.restore(checkpoint_path)``. The checkpoint was

@@ -508,12 +508,17 @@ class EnvRunner(EnvRunnerRole):
         self._timestep_offset = state.get("timestep_offset", 0)
         self.exploration.set_state(state.get("exploration", {}))
         if state.get("torch_rng") is not None:
-            torch.set_rng_state(torch.as_tensor(np.asarray(state["torch_rng"], np.uint8)))
+            torch.set_rng_state(torch.as_tensor(np.array(state["torch_rng"], np.uint8)))  # a writable copy
         if state.get("episode_ids"):
             self._ids.bit_generator.state = json.loads(state["episode_ids"])
         if state.get("env_tasks") is not None:
             self.set_env_tasks(state["env_tasks"])
-        if state.get("env") is not None:
+        slots = state.get("slots")
+        if state.get("env") is not None and slots is not None and len(slots) != self.s.num_envs:
+            # restored with another num_envs_per_env_runner: the saved episodes have no sub-envs to go on in
+            logging.getLogger("runnel").info("env runner %d: the checkpoint ran %d sub-envs, this runner %d; starting fresh episodes",
+                     self.worker_index, len(slots), self.s.num_envs)
+        elif state.get("env") is not None:
             self._obs = self.env.set_state(state["env"])
             self._next = [deque() for _ in range(self.s.num_envs)]  # the replayed resets drew ids the slots replace
             self._slots = [_Slot(s["episode_id"], True, s["chunk_index"], s["t_started"], s["ret"], s["length"],
