@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from actors.callbacks import HOOKS, CallbacksSpec
 from actors.learner import LearnerSettings
+from pipeline.compat import ACCEPTED, BUILDERS_REFUSED, IGNORED, check_framework, refusal
 
 log = logging.getLogger("runnel")
 
@@ -50,8 +51,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 CODE_SETTINGS = ("callbacks_functions", "env_task_fn", "custom_evaluation_function")
 """Settings that hold functions: a checkpoint keeps their import paths, or leaves out one that has none
 (a lambda, a nested function) with a warning, instead of failing the save."""
-RENAMED = {"evaluation_num_workers": "evaluation_num_env_runners", "custom_eval_function": "custom_evaluation_function",
-           "evaluation_num_episodes": "evaluation_duration"}
+RENAMED = ACCEPTED  # RLlib's older names of the same settings (pipeline/compat.py)
 CHOICES = {
     "batch_mode": ("truncate_episodes", "complete_episodes"),
     "grad_clip_by": ("value", "norm", "global_norm"),
@@ -250,6 +250,8 @@ class AlgorithmConfig:
                 setattr(self, key, value)
             elif key in RENAMED and RENAMED[key] in valid:
                 setattr(self, RENAMED[key], value)  # RLlib's older name for the same setting
+            elif key in IGNORED:
+                self._ignore(key, value)
             else:
                 self._unknown[key] = (group, sorted(valid))
         return self
@@ -259,6 +261,26 @@ class AlgorithmConfig:
         if group == "training":
             keys |= {f.name for f in fields(self)} - {k for g in GROUPS.values() for k in g} - {"_unknown"}
         return keys
+
+    def _ignore(self, key: str, value: Any) -> None:
+        """An RLlib setting with no meaning here (one framework, one API stack)."""
+        problem = check_framework(value) if key == "framework" else None
+        if problem:
+            raise ConfigError(problem)
+        log.debug("config setting %s=%r is RLlib's and means nothing in runnel: ignored", key, value)
+
+    def framework(self, framework: str | None = "torch", **kwargs: Any) -> "AlgorithmConfig":
+        """RLlib's framework choice: runnel runs on PyTorch, so only "torch" is accepted (and changes nothing)."""
+        self._ignore("framework", framework)
+        return self
+
+    def api_stack(self, **kwargs: Any) -> "AlgorithmConfig":
+        """RLlib's old/new API stack switch: runnel has one stack; accepted and ignored."""
+        log.debug("api_stack(%s) means nothing in runnel (one API stack): ignored", kwargs)
+        return self
+
+    def rollouts(self, **kwargs: Any) -> "AlgorithmConfig":
+        raise ConfigError(f".rollouts() is RLlib's old name: {BUILDERS_REFUSED['rollouts']}")
 
     def environment(self, env: Any = None, **kwargs: Any) -> "AlgorithmConfig":
         if env is not None:
@@ -402,6 +424,10 @@ class AlgorithmConfig:
                 value = space_from_dict(value["__space__"])
             if key in valid:
                 setattr(cfg, key, value)
+            elif key in RENAMED and RENAMED[key] in valid:
+                setattr(cfg, RENAMED[key], value)
+            elif key in IGNORED:
+                cfg._ignore(key, value)
             else:
                 cfg._unknown[key] = ("config", sorted(valid))
         return cfg
@@ -411,8 +437,11 @@ class AlgorithmConfig:
         for key in d:
             if key in other._unknown:
                 self._unknown[key] = other._unknown[key]
+            elif key in IGNORED:
+                continue
             else:
-                setattr(self, key, getattr(other, key))
+                name = RENAMED.get(key, key)
+                setattr(self, name, getattr(other, name))
         return self
 
     # --- validation ---------------------------------------------------------------------------
@@ -429,6 +458,9 @@ class AlgorithmConfig:
         """Every problem found; algorithm configs extend this list."""
         problems = []
         for key, (group, valid) in self._unknown.items():
+            if refusal(key):
+                problems.append(refusal(key))
+                continue
             close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
             hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f"; valid keys: {valid}"
             problems.append(f"unknown {group} setting {key!r}{hint}")

@@ -34,13 +34,6 @@ def _kill(actors):
 
 # --- 000 "Getting Started with RLlib": Using the Python API ------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "today `.resources(num_gpus=0)` fails with \"unknown resources setting 'num_gpus'; valid keys: "
-    "['num_cpus_for_main_process']\", naming no runnel way: pipeline/compat.py should refuse `num_gpus` naming"
-    " `.learners(num_gpus_per_learner=...)`. Then `algo.save().checkpoint.path` raises AttributeError (save()"
-    " returns a str): pipeline/algorithm.py Algorithm.save() outside Tune should return a str subclass that "
-    "also carries RLlib's `.checkpoint.path` (and `.metrics`), so the README's `path = algo.save()` keeps "
-    "working"))
 def test_python_api_train_loop_and_save(ray_cluster):
     """Page 000, "Using the Python API": build, train, ``algo.save().checkpoint.path``. ``num_gpus`` is
     RLlib's old name (RLlib's new stack refuses it too): refused, naming ``num_gpus_per_learner``;
@@ -295,11 +288,6 @@ def test_policy_state_workers_names_runnel_way():
         algo.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`DQNConfig().framework(...)` does not exist (AttributeError: 'DQNConfig' object has no attribute "
-    "'framework'): pipeline/config.py AlgorithmConfig.framework(framework, **kwargs) (via pipeline/compat.py)"
-    " should accept 'torch' as a no-op and raise ConfigError for 'tf'/'tf2' saying runnel is PyTorch-only "
-    "(use 'torch')"))
 def test_query_action_distribution_with_tf2_names_torch():
     """Page 000, "Example: Querying a policy's action distribution": ``framework("tf2")`` is refused,
     naming torch (runnel is PyTorch only)."""
@@ -326,9 +314,6 @@ def test_query_action_distribution_with_tf2_names_torch():
         policy.model.base_model.summary()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "same gap as the action-distribution example: no AlgorithmConfig.framework(); 'tf2' should raise "
-    "ConfigError naming torch (pipeline/config.py + pipeline/compat.py)"))
 def test_dqn_q_values_with_tf2_names_torch():
     """Page 000, "Example: Getting Q values from a DQN model": ``framework("tf2")`` is refused,
     naming torch."""
@@ -350,11 +335,6 @@ def test_dqn_q_values_with_tf2_names_torch():
 
 # --- 000: Configuring RLlib Algorithms ----------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`from pipeline import MemoryTrackingCallbacks` fails (ImportError): pipeline/callbacks.py should provide"
-    " it (a Callbacks subclass reporting process memory per episode, or one that turns on `log_sys_usage`) "
-    "and pipeline/__init__.py export it; then `.resources(num_gpus=0)` must be refused naming "
-    "`num_gpus_per_learner` (pipeline/compat.py), as in the Python-API example"))
 def test_algorithm_config_with_memory_tracking_callbacks():
     """Page 000, ``AlgorithmConfig`` class docs: a config built from several groups, with
     ``MemoryTrackingCallbacks``. ``num_gpus`` is refused naming ``num_gpus_per_learner``; with that
@@ -415,9 +395,6 @@ def test_training_train_batch_size_names_per_learner_setting():
         config.validate()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`.training(model={...})` fails with \"unknown training setting 'model'; valid keys: [...]\" that never "
-    "names model_config: pipeline/compat.py should refuse `model` naming `.rl_module(model_config={...})`"))
 def test_training_model_dict_names_rl_module_model_config():
     """Page 000, "Specifying Training Options": ``model`` ("Arguments passed into the policy model")
     fails naming ``rl_module(model_config=...)``."""
@@ -459,10 +436,6 @@ def test_environment_dotted_classpath_names_module_colon_class():
         config.build()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "AttributeError: 'PPOConfig' object has no attribute 'api_stack' (nor 'framework'): pipeline/config.py "
-    "AlgorithmConfig should get `api_stack(**kwargs)` and `framework('torch', **kwargs)` as no-ops with a "
-    "debug note (pipeline/compat.py)"))
 def test_framework_torch_and_api_stack_are_accepted():
     """Page 000, "Specifying Framework Options" / "Using PyTorch" and the new-API-stack note:
     ``.framework("torch")`` and ``.api_stack(...)`` mean what runnel always does: accepted, and
@@ -484,10 +457,6 @@ def test_framework_torch_and_api_stack_are_accepted():
         algo.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "AttributeError: 'PPOConfig' object has no attribute 'rollouts': pipeline/config.py (via "
-    "pipeline/compat.py) should add `rollouts(**kwargs)` that fails naming "
-    "`.env_runners(num_env_runners=...)` (and `num_rollout_workers` -> `num_env_runners`)"))
 def test_rollouts_group_names_env_runners():
     """Page 000, "Specifying Rollout Workers": ``AlgorithmConfig.rollouts(**kwargs)`` (with its old
     ``num_rollout_workers``) fails naming ``env_runners(num_env_runners=...)``."""
@@ -497,11 +466,6 @@ def test_rollouts_group_names_env_runners():
         PPOConfig().environment("CartPole-v1").rollouts(num_rollout_workers=2).validate()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`env_runners(remote_worker_envs=True, remote_env_batch_wait_ms=10)` fails with \"unknown env_runners "
-    "setting 'remote_worker_envs'; valid keys: [...]\", which does not say what to use: pipeline/compat.py "
-    "should refuse it with \"... use gym_env_vectorize_mode='async' (one process per sub-env)\" (and "
-    "remote_env_batch_wait_ms as having no runnel counterpart)"))
 def test_scaling_remote_worker_envs_names_vectorize_mode():
     """Page 000, "RLlib Scaling Guide" rule 4: ``remote_worker_envs: True`` (sub-envs in processes of
     their own) fails naming runnel's ``gym_env_vectorize_mode='async'``."""
