@@ -286,7 +286,8 @@ class ActorManager:
 def _raise_user_error(err: RayError) -> None:
     """A member raised in user code: the caller gets that error (with the remote traceback in its
     message), and the member stays healthy -- restarting it would only repeat the error."""
-    if isinstance(err, RayTaskError) and isinstance(err.cause, UserCodeError):
+    if isinstance(err, RayTaskError) and (isinstance(err.cause, UserCodeError)
+                                          or getattr(err.cause, "runnel_user_code", False)):
         raise err.as_instanceof_cause() from None
 
 

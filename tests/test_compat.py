@@ -60,3 +60,32 @@ def test_dict_reads():
     assert "no_such_setting" not in config and config.get("no_such_setting", 7) == 7
     with pytest.raises(KeyError, match="did you mean 'lr'"):
         config["lrr"]
+
+
+def _boom(runner):
+    raise ValueError(f"user function failed in runner {runner.worker_index}")
+
+
+@pytest.mark.parametrize("num_env_runners", [0, 1])
+def test_foreach_env_runner_hands_a_user_error_to_the_caller(num_env_runners):
+    """An exception raised by the user's function reaches the caller as that exception; the runners
+    are healthy and are not restarted (it is not a runner failure)."""
+    import ray
+
+    started = False
+    if num_env_runners and not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        started = True
+    algo = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=num_env_runners,
+                                                               num_envs_per_env_runner=1).build(logdir=None))
+    try:
+        with pytest.raises(ValueError, match="user function failed in runner"):
+            algo.foreach_env_runner(_boom)
+        assert algo.foreach_env_runner(lambda runner: runner.worker_index) == \
+            ([0] if num_env_runners == 0 else [1])
+        assert algo.env_runner_group.manager.num_restarts == 0
+        assert algo.env_runner_group.num_healthy() == max(1, num_env_runners)
+    finally:
+        algo.stop()
+        if started:
+            ray.shutdown()

@@ -532,8 +532,13 @@ class EnvRunner(EnvRunnerRole):
         return "ok"
 
     def apply(self, fn: Callable[["EnvRunner"], Any]) -> Any:
-        """Run ``fn(self)`` here (``Algorithm.foreach_env_runner``)."""
-        return fn(self)
+        """Run ``fn(self)`` here (``Algorithm.foreach_env_runner``). An error ``fn`` raises is the
+        caller's (marked so: the group re-raises it instead of restarting this healthy runner)."""
+        try:
+            return fn(self)
+        except Exception as err:
+            err.runnel_user_code = True
+            raise
 
     def foreach_env(self, fn: Callable[[gym.Env], Any]) -> list[Any]:
         """``fn(sub_env)`` for each sub-environment of this runner."""
