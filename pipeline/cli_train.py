@@ -19,7 +19,8 @@ from typing import Any
 
 from pipeline.run_dirs import env_label, make_run_dir, run_dir_name
 from pipeline.train_spec import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RUN_FILE, CLIError, TrainSpec,
-                                  check_stop_keys, describe_exc, resume_spec, say, stop_reason, train_spec, warn)
+                                  check_stop_keys, describe_exc, resume_spec, runnel_command, say, stop_reason, train_spec,
+                                  warn)
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -246,7 +247,7 @@ def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str, resume
             saved_text = _save_after_failure(save, algo, last_result, checkpoint)
             raise CLIError(f"training failed in iteration {algo.iteration + 1}: {describe_exc(failure)} "
                            f"(traceback in {os.path.join(run_dir, 'error.txt')}; results so far in {run_dir}"
-                           f"{saved_text}; continue with: runnel train --resume {shlex.quote(run_dir)})",
+                           f"{saved_text}; continue with: {runnel_command()} train --resume {shlex.quote(run_dir)})",
                            EXIT_FAILURE) from failure
 
         try:
@@ -324,7 +325,7 @@ def _print_summary(algo: Any, result: dict | None, elapsed: float, best: tuple[f
         say(f"  plot:       {plot}")
     if checkpoint:
         say(f"  checkpoint: {checkpoint}")
-        say(f"\nEvaluate it with:\n  runnel evaluate {shlex.quote(checkpoint)} --episodes 10")
-        say(f"Continue training with:\n  runnel train --resume {shlex.quote(run_dir)}")
+        say(f"\nEvaluate it with:\n  {runnel_command()} evaluate {shlex.quote(checkpoint)} --episodes 10")
+        say(f"Continue training with:\n  {runnel_command()} train --resume {shlex.quote(run_dir)}")
     else:
         say("  no checkpoint saved (--no-checkpoint-at-end)")

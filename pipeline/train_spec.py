@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 from typing import Any
 
@@ -62,6 +63,20 @@ def say(text: str = "", err: bool = False) -> None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         except (OSError, ValueError):
             pass
+
+
+def runnel_command() -> str:
+    """How to run ``runnel`` again from a fresh shell: ``runnel`` when that is this program on PATH,
+    else this program's absolute path (e.g. ``.venv/bin/runnel`` of a venv that is not activated)."""
+    import shutil
+
+    me = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.basename(me) != "runnel" or not os.path.isfile(me):
+        return "runnel"  # called from Python (tests, notebooks): the command's name
+    on_path = shutil.which("runnel")
+    if on_path and os.path.realpath(on_path) == os.path.realpath(me):
+        return "runnel"
+    return shlex.quote(me)
 
 
 def warn(message: str) -> None:

@@ -10,7 +10,7 @@ import shlex
 from typing import Any
 
 from pipeline.run_dirs import env_label, run_dir_name
-from pipeline.train_spec import EXIT_FAILURE, EXIT_OK, TrainSpec, say
+from pipeline.train_spec import EXIT_FAILURE, EXIT_OK, TrainSpec, runnel_command, say
 
 SEARCH_KEYS = ("grid_search",)
 """Search spaces a tuned file or ``--config`` can hold as plain data: ``{"grid_search": [values]}``."""
@@ -89,7 +89,7 @@ def run_with_tune(spec: TrainSpec, config: Any, algo_cls: Any) -> int:
     if best is not None and best.checkpoint is not None:
         say(f"\nBest trial: {os.path.basename(best.path)} ({SCORE} {best_score})")
         say(f"  checkpoint: {best.checkpoint.path}")
-        say(f"\nEvaluate it with:\n  runnel evaluate {shlex.quote(best.checkpoint.path)} --episodes 10")
+        say(f"\nEvaluate it with:\n  {runnel_command()} evaluate {shlex.quote(best.checkpoint.path)} --episodes 10")
     return EXIT_FAILURE if results.errors else EXIT_OK
 
 

@@ -179,3 +179,27 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
     assert "no complete checkpoint" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path), "--env", "Pendulum-v1"]) == 2
     assert "cannot change it" in capsys.readouterr().err
+
+
+def test_printed_follow_up_commands_work_in_a_fresh_shell(tmp_path):
+    """`make train` runs .venv/bin/runnel with the venv not activated: the commands it prints at the
+    end (evaluate, resume) must run as printed in a shell whose PATH has no runnel."""
+    runnel = os.path.join(os.path.dirname(sys.executable), "runnel")
+    if not os.path.isfile(runnel):
+        pytest.skip(f"no runnel console script next to {sys.executable} (not an installed venv)")
+    fresh_env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", str(tmp_path)),
+                 "RUNNEL_RESULTS_DIR": str(tmp_path)}
+    out_dir = tmp_path / "results"
+    done = subprocess.run([os.path.relpath(runnel, ROOT), "train", "--algo", "PPO", "--env", "CartPole-v1",
+                           "--num-env-runners", "0", "--config", SMALL, "--output-dir", str(out_dir),
+                           "--stop", json.dumps({"training_iteration": 1})],
+                          cwd=ROOT, env=fresh_env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    evaluate = lines[lines.index("Evaluate it with:") + 1].strip()
+    resume = lines[lines.index("Continue training with:") + 1].strip()
+    assert evaluate.startswith(runnel) and resume.startswith(runnel)
+    for command in (evaluate, f"{resume} --stop '{{\"training_iteration\": 2}}'"):
+        ran = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=fresh_env, capture_output=True, text=True,
+                             timeout=300)
+        assert ran.returncode == 0, (command, ran.stdout[-2000:], ran.stderr[-2000:])
