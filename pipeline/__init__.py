@@ -14,12 +14,13 @@ from pipeline.callbacks import (CallbackError, Callbacks, DefaultCallbacks, Memo
                                 make_multi_callbacks)
 from pipeline.checkpoint import CheckpointError
 from pipeline.config import AlgorithmConfig, ConfigError
+from actors.modules import ModelConfig as DefaultModelConfig
 from pipeline.env_runners import SingleAgentEnvRunner
 from pipeline.envs import register_env
 from pipeline.evaluation import collect_episodes, summarize_episodes
 from pipeline.registry import get_algorithm, register_algorithm
 
 __all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "BC", "BCConfig", "CQL", "CQLConfig", "MARWIL", "MARWILConfig", "CallbackError", "Callbacks", "CheckpointError",
-           "ConfigError", "DQN", "DQNConfig", "DefaultCallbacks", "EnvContext", "IMPALA", "IMPALAConfig", "MemoryTrackingCallbacks", "PPO",
+           "ConfigError", "DQN", "DefaultModelConfig", "DQNConfig", "DefaultCallbacks", "EnvContext", "IMPALA", "IMPALAConfig", "MemoryTrackingCallbacks", "PPO",
            "PPOConfig", "RLlibCallback", "SAC", "SingleAgentEnvRunner", "SACConfig", "TaskSettableEnv", "collect_episodes", "get_algorithm",
            "make_multi_callbacks", "register_algorithm", "register_env", "summarize_episodes"]

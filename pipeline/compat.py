@@ -89,6 +89,9 @@ def migration_table() -> str:
     lines += ["| `.framework('torch')`, `.api_stack(...)` | (nothing) | accepted, ignored; other frameworks refused |",
               "| `PPO(config={...})`, `PPO(config=cfg, env=...)`, `config['lr']` | the same | accepted |",
               "| `algo.save().checkpoint.path` | `algo.save()` (a path) | accepted |",
+              "| `DefaultModelConfig(...)`, `get_default_learner_class()`, `get_multi_rl_module_spec(env=...)`, "
+              "`Learner(config=..., module_spec=...)`, `build()`, `update_from_episodes(...)` | the same | accepted |",
+              "| `SingleAgentEnvRunner(config=...)`, `episode.get_return()` | the same | accepted |",
               "| `algo.get_policy()`, `algo.workers` | `algo.get_module()`, `algo.get_weights()`, "
               "`algo.env_runner_group` | refused with this hint |",
               "| stop key `episode_reward_mean` (and the other old result names) | "

@@ -309,7 +309,32 @@ class AlgorithmConfig:
         return self._set("training", kwargs)
 
     def rl_module(self, **kwargs: Any) -> "AlgorithmConfig":
+        if dataclasses.is_dataclass(kwargs.get("model_config")):  # RLlib's DefaultModelConfig(...)
+            kwargs["model_config"] = dataclasses.asdict(kwargs["model_config"])
         return self._set("rl_module", kwargs)
+
+    def get_default_learner_class(self) -> type:
+        """The learner class of this config's algorithm (RLlib's name)."""
+        algo_class = ALGORITHM_OF.get(type(self))
+        if algo_class is None:
+            raise ConfigError(f"{type(self).__name__} belongs to no algorithm; use an algorithm's config")
+        return algo_class.learner_class
+
+    def get_multi_rl_module_spec(self, env: Any = None, spaces: Any = None, **kwargs: Any) -> Any:
+        """A module spec for this config's module on ``env``'s spaces (or ``spaces=(obs, act)``); runnel
+        trains one module, so this is that module's spec (RLlib's name)."""
+        from actors.modules import ModuleSpec
+
+        if env is not None:
+            obs_space, act_space = env.observation_space, env.action_space
+        elif spaces is not None:
+            obs_space, act_space = spaces
+        else:
+            obs_space, act_space = self.observation_space, self.action_space
+        if obs_space is None or act_space is None:
+            raise ConfigError("get_multi_rl_module_spec needs spaces: pass env=gym.make(...) or spaces=(obs, act)")
+        return ModuleSpec(obs_space, act_space, self.model_config, self.get_default_learner_class().module_class,
+                          self.module_kwargs())
 
     def resources(self, **kwargs: Any) -> "AlgorithmConfig":
         return self._set("resources", kwargs)

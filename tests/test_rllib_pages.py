@@ -588,15 +588,6 @@ def test_key_concepts_env_runner_actors(ray_cluster):
         _kill(env_runners)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`from pipeline import DefaultModelConfig` fails (ImportError). Needed, in order: pipeline exports "
-    "DefaultModelConfig (actors.modules.ModelConfig) and pipeline/config.py accepts it as model_config (today"
-    " \"model_config must be a dict, got ModelConfig\"); AlgorithmConfig.get_default_learner_class() (the "
-    "algorithm's learner_class); get_multi_rl_module_spec(env=...) (a ModuleSpec from the env's spaces); "
-    "PPOLearner(config=..., module_spec=...) plus a `build()` (pipeline/algorithms/ppo.py; today "
-    "PPOLearner(config, obs_space, act_space)); Learner.update_from_episodes(episodes=...) in "
-    "actors/learner/learner.py returning {'default_policy': {...'policy_loss'...}} (today update(chunks, "
-    "timestep) returns flat stats)"))
 def test_key_concepts_learner_actor(ray_cluster):
     """Page 003, "Learner: Combining RLModule, loss function and optimizer": a remote PPO learner
     built from the config, updated from a list of episodes."""

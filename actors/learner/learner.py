@@ -76,8 +76,15 @@ class Learner(LearnerRole):
     matters where updates dominate (off-policy); rounding differs slightly from the default path,
     so the on-policy learners keep the default and their seeded runs stay as measured."""
 
-    def __init__(self, settings: LearnerSettings, observation_space: gym.Space, action_space: gym.Space, *,
-                 device: str = "cpu", rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, settings: LearnerSettings, observation_space: gym.Space | None = None,
+                 action_space: gym.Space | None = None, *, module_spec: Any = None, device: str = "cpu", rank: int = 0,
+                 world_size: int = 1) -> None:
+        if module_spec is not None:  # RLlib's spelling: the spaces come with the module spec
+            observation_space = observation_space or module_spec.observation_space
+            action_space = action_space or module_spec.action_space
+        if observation_space is None or action_space is None:
+            raise TypeError(f"{type(self).__name__} needs the observation and action spaces: pass "
+                            f"observation_space=, action_space= or module_spec=config.get_multi_rl_module_spec(env=...)")
         self.settings = settings
         self.observation_space, self.action_space = observation_space, action_space
         self.device = torch.device(device)
@@ -118,6 +125,16 @@ class Learner(LearnerRole):
     def train_on_batch(self, batch: Any, timestep: int) -> dict[str, float]:
         raise NotImplementedError
 
+    def build(self) -> "Learner":
+        """RLlib's two-step construction: a runnel learner is complete when constructed."""
+        return self
+
+    def update_from_episodes(self, episodes: list[Any], timesteps: dict | None = None, **kwargs: Any
+                             ) -> dict[str, dict[str, float]]:
+        """RLlib's spelling of ``update``: one update on whole or partial episodes (EpisodeChunks),
+        results per module id."""
+        return {"default_policy": self.update(list(episodes), self.timestep)}
+
     # --- updating -----------------------------------------------------------------------------
     def update(self, batch: Any, timestep: int) -> dict[str, float]:
         """Set every optimizer's learning rate for ``timestep`` (env steps sampled so far), then
@@ -139,7 +156,6 @@ class Learner(LearnerRole):
                       train_batch=batch, result=extra)
         return self.train_on_batch(batch, timestep) | rates | extra
 
-    update_from_episodes = update  # RLlib's name for the same call
 
     def update_with_outputs(self, batch: Any, timestep: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """``update`` and the per-row outputs it left in ``last_outputs``, in one call."""

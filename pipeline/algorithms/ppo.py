@@ -120,7 +120,8 @@ class PPOLearner(Learner):
 
     state_fields = ("kl_coeff",)
 
-    def __init__(self, config: PPOConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
+    def __init__(self, config: PPOConfig, observation_space: Any = None, action_space: Any = None,
+                 **placement: Any) -> None:
         self.config = config
         self.kl_coeff = float(config.kl_coeff)
         super().__init__(config.learner_settings(), observation_space, action_space, **placement)
