@@ -13,6 +13,8 @@ import dataclasses
 import difflib
 import importlib
 import logging
+import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -632,7 +634,14 @@ def resolve_import_path(path: str, what: str) -> Any:
     if not module_name or not qualname:
         raise ConfigError(f"{what} {path!r} is not an import path; write it as 'package.module:Name'")
     try:
-        obj = importlib.import_module(module_name)
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            # a module beside the user's script ("mycallbacks:MyCallbacks" run without PYTHONPATH=.)
+            if err.name != module_name.split(".")[0] or os.getcwd() in sys.path:
+                raise
+            sys.path.append(os.getcwd())
+            obj = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as err:

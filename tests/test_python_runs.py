@@ -104,3 +104,15 @@ def test_restore_with_another_number_of_sub_envs_starts_fresh_episodes(tmp_path)
         assert result["num_env_steps_sampled_lifetime"] > 128
     finally:
         restored.stop()
+
+
+def test_import_paths_find_modules_in_the_current_directory(tmp_path, monkeypatch):
+    """``callbacks_class="mycallbacks:MyCallbacks"`` beside the user's script, without PYTHONPATH."""
+    from pipeline.config import resolve_import_path
+
+    (tmp_path / "runnel_cwd_callbacks.py").write_text("from pipeline import Callbacks\n\n\nclass Mine(Callbacks):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert resolve_import_path("runnel_cwd_callbacks:Mine", "callbacks class").__name__ == "Mine"
+    with pytest.raises(ConfigError, match="cannot import callbacks class 'no_such_module_here:X'"):
+        resolve_import_path("no_such_module_here:X", "callbacks class")
