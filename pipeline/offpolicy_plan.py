@@ -32,7 +32,7 @@ BUFFER_TYPES = {"EpisodeReplayBuffer": False, "uniform": False,
                 "PrioritizedEpisodeReplayBuffer": True, "prioritized": True}
 """replay_buffer_config["type"] -> prioritized? (RLlib's class names, and runnel's short names)."""
 BUFFER_KEYS = ("type", "capacity", "alpha", "beta", "epsilon", "samples_per_insert", "min_size_to_sample",
-               "error_buffer", "timeout_s", "remote", "prefetch", "num_cpus")
+               "error_buffer", "timeout_s", "remote", "prefetch", "num_cpus", "prefill_from", "prefill_steps")
 
 
 @dataclass
@@ -43,7 +43,10 @@ class OffPolicySettings:
     """RLlib's keys -- ``type`` ("EpisodeReplayBuffer" or "PrioritizedEpisodeReplayBuffer"; also "uniform",
     "prioritized"), ``capacity`` (env steps), ``alpha``, ``beta``, ``epsilon`` (priority floor) -- and
     Reverb's rate limiter: ``samples_per_insert`` (default: ``training_intensity``), ``min_size_to_sample``
-    (default: ``num_steps_sampled_before_learning_starts``), ``error_buffer``, ``timeout_s``."""
+    (default: ``num_steps_sampled_before_learning_starts``), ``error_buffer``, ``timeout_s``. ``prefill_from``
+    (a recording: directory, glob or list) fills the replay before training with up to ``prefill_steps``
+    recorded steps (default: the capacity); they count toward ``min_size_to_sample`` but are not inserts,
+    so the replay ratio holds from the first sampled step (a prefill unlocks no burst of updates)."""
     store_buffer_in_checkpoints: bool = False
     """Save the replay contents, sampler and limiter state with every checkpoint (a restored run continues exactly)."""
     num_steps_sampled_before_learning_starts: int = 1000
@@ -97,6 +100,11 @@ class OffPolicySettings:
         if c.get("remote", False) and self.external_clients_config is not None:
             problems.append("replay_buffer_config remote=True streams from env runners, which policy servers do not "
                             "do yet: with external clients use the in-process replay stage (remote=False)")
+        if c.get("prefill_from") is not None:
+            problems += _prefill_problems(c)
+            if c.get("remote", False):
+                problems.append("replay_buffer_config prefill_from fills the in-process replay stage: use it with "
+                                "remote=False")
         if not is_int(c.get("prefetch", 2)) or c.get("prefetch", 2) < 1:
             problems.append(f"replay_buffer_config prefetch={c.get('prefetch')!r} must be an int >= 1")
         if not is_int(self.broadcast_interval) or self.broadcast_interval < 1:
@@ -120,6 +128,58 @@ class OffPolicySettings:
             problems.append(f"replay_buffer_config capacity={capacity} is smaller than a train batch "
                             f"({self.train_batch_size_per_learner}); raise the capacity")
         return problems + [f"replay: {p}" for p in settings.problems()]
+
+
+def _prefill_problems(c: dict) -> list[str]:
+    from actors.offline import resolve_input
+
+    problems = []
+    steps = c.get("prefill_steps")
+    if steps is not None and (not is_int(steps) or steps < 1):
+        problems.append(f"replay_buffer_config prefill_steps={steps!r} must be an int >= 1 (or None: up to the capacity)")
+    try:
+        if not resolve_input(c["prefill_from"]):
+            raise ValueError("no shard files there")
+    except (OSError, ValueError, TypeError) as err:
+        problems.append(f"replay_buffer_config prefill_from={c['prefill_from']!r} names no recording ({err}): give "
+                        f"a directory written by offline_data(output=...), a glob of its shard files, or a list")
+    return problems
+
+
+def prefill_replay(replay: ReplayBuffer, config: Any, runner_settings: Any, metrics: MetricsLogger) -> int:
+    """One pass over the recording (in shuffled record order) into ``replay``, up to ``prefill_steps``."""
+    from actors.offline import OfflineReader, ReaderSettings
+
+    from actors.offline import manifest_for, resolve_input
+    from protocols.spaces import space_to_dict
+
+    c = config.replay_buffer_config
+    manifest = manifest_for(resolve_input(c["prefill_from"]))
+    for key, space in (("observation_space", runner_settings.observation_space),
+                       ("action_space", runner_settings.action_space)):
+        recorded = (manifest or {}).get(key)
+        if recorded is not None and space is not None and recorded != space_to_dict(space):
+            raise ValueError(f"replay_buffer_config prefill_from={c['prefill_from']!r}: the recording's {key} "
+                             f"{recorded} is not this algorithm's {space_to_dict(space)}: prefill from a recording "
+                             f"of the same env")
+    limit = int(c.get("prefill_steps") or replay.settings.capacity)
+    reader = OfflineReader(runner_settings, offline=ReaderSettings(input_=c["prefill_from"], shuffle_buffer_size=0,
+                                                                    seed=config.seed))
+    stored = 0
+    try:
+        while stored < limit:
+            chunks = reader.sample(num_timesteps=1)  # the next record's chunks
+            if reader.epoch > 0:  # that was the start of a second pass: one pass is the prefill
+                break
+            try:
+                stored += replay.prefill(chunks)
+            except ValueError as err:
+                raise ValueError(f"replay_buffer_config prefill_from={c['prefill_from']!r}: the recording does not "
+                                 f"fit this algorithm's replay: {err}") from None
+    finally:
+        reader.stop()
+    metrics.log_value("replay/num_prefilled_steps", stored, reduce="max", window=1)
+    return stored
 
 
 def to_tensors(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -152,7 +212,8 @@ class OffPolicyPlan:
     learning overlap) -- see ``StreamingReplay``."""
 
     def __init__(self, config: Any, env_runners: EnvRunnerGroup, learners: LearnerGroup, metrics: MetricsLogger,
-                 observation_space: Any = None, action_space: Any = None, compress: bool = False) -> None:
+                 observation_space: Any = None, action_space: Any = None, compress: bool = False,
+                 runner_settings: Any = None) -> None:
         self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
         settings = config.replay_settings()
         self.prioritized = settings.prioritized
@@ -166,6 +227,8 @@ class OffPolicyPlan:
                                              action_space, compress)
         else:
             self.replay = ReplayBuffer(settings)
+            if config.replay_buffer_config.get("prefill_from") is not None:
+                prefill_replay(self.replay, config, runner_settings, metrics)
 
     def training_step(self) -> None:
         if self.streaming is not None:

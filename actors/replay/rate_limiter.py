@@ -198,6 +198,18 @@ class RateLimiter:
             self.size = self.size + int(n) if size is None else int(size)
             self._cond.notify_all()
 
+    def record_prefill(self, n: int, size: int) -> None:
+        """``n`` items stored before training (from a recording). They stand in for the warm-up inserts
+        the ratio's offset (``samples_per_insert * min_size_to_sample``) waits for -- at most that many --
+        so sampling starts at once, but beyond it they allow no samples of their own: only the
+        inserts that follow do, at the configured ratio."""
+        with self._cond:
+            if self.samples_per_insert is not None and _is_number(self.error_buffer if self.error_buffer is not None
+                                                                  else 0.0):
+                self.inserts += min(int(n), max(0, self.min_size_to_sample - self.inserts))
+            self.size = int(size)
+            self._cond.notify_all()
+
     def record_sample(self, n: int) -> None:
         with self._cond:
             self.samples += int(n)

@@ -150,22 +150,45 @@ class ReplayBuffer(ReplayRole):
         if not n:
             return
         with self.lock:
-            spec = self.storage.spec or RingStorage.spec_of(chunks[0])
-            for c in chunks:  # refuse the whole call before storing any of it
-                RingStorage.check(c, spec)
+            self._check(chunks)
             self._wait("insert", n, timeout_s)
-            touched = [self.storage.add(c) for c in chunks]
-            if self.tree is not None:
-                # One tree update for the call, from the final state of every touched row: new steps
-                # (and closing rows that just became steps) at max priority, overwritten rows and
-                # closing rows at 0.
-                rows = np.concatenate(touched)
-                steps = self.storage.cols["has_action"][rows]
-                self.tree.update(rows, np.where(steps, self.max_priority**self.settings.alpha, 0.0))
+            self._store(chunks)
             self.num_inserts += n
             if self.limiter is not None:
                 self.limiter.record_insert(n, size=len(self))
             self._log("inserts", n)
+
+    def prefill(self, chunks: list[EpisodeChunk]) -> int:
+        """Store recorded chunks before training starts, without the rate limiter: they fill the table
+        (and count toward ``min_size_to_sample``) but are not inserts, so they unlock no updates by
+        themselves -- the replay ratio holds from the first sampled step on. Returns the steps stored."""
+        chunks = [c.validate() for c in chunks]
+        n = sum(len(c) for c in chunks)
+        if not n:
+            return 0
+        with self.lock:
+            self._check(chunks)
+            self._store(chunks)
+            if self.limiter is not None:
+                self.limiter.record_prefill(n, len(self))
+            self._log("prefilled", n)
+        return n
+
+    def _check(self, chunks: list[EpisodeChunk]) -> None:
+        """Refuse the whole call before storing any of it."""
+        spec = self.storage.spec or RingStorage.spec_of(chunks[0])
+        for c in chunks:
+            RingStorage.check(c, spec)
+
+    def _store(self, chunks: list[EpisodeChunk]) -> None:
+        touched = [self.storage.add(c) for c in chunks]
+        if self.tree is not None:
+            # One tree update for the call, from the final state of every touched row: new steps
+            # (and closing rows that just became steps) at max priority, overwritten rows and
+            # closing rows at 0.
+            rows = np.concatenate(touched)
+            steps = self.storage.cols["has_action"][rows]
+            self.tree.update(rows, np.where(steps, self.max_priority**self.settings.alpha, 0.0))
 
     def can_add(self, num_steps: int) -> bool:
         return self.limiter is None or self.limiter.can_insert(num_steps)
