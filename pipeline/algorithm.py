@@ -45,7 +45,7 @@ from pipeline.env_runners import runner_settings
 from pipeline.envs import env_creator, probe_spaces
 from pipeline.evaluation import EVALUATOR_REQUEST_SLOTS, Evaluators
 from pipeline.external_config import external_settings
-from pipeline.offline_config import reader_settings, recorded_spaces, recording_settings
+from pipeline.offline_config import mixes_sampler, reader_settings, recorded_spaces, recording_settings
 from actors.offline import OfflineReader, write_manifest
 from pipeline.learner_group import LearnerGroup
 from pipeline.registry import get_algorithm
@@ -156,10 +156,12 @@ class Algorithm(Trainable):
         self.name = type(self).__name__
         self.external = external_settings(config)
         self.offline_input = reader_settings(config)
+        # {"sampler": p, "DIR": q}: env runners stay; the off-policy plan mixes the recordings in
+        readers_in_slots = self.offline_input is not None and not mixes_sampler(config)
         self.recording = recording_settings(config)
         self.env_creator = env_creator(config.env) if config.env is not None else None
         obs_space, act_space = config.observation_space, config.action_space
-        if (obs_space is None or act_space is None) and self.offline_input is not None:
+        if (obs_space is None or act_space is None) and readers_in_slots:
             recorded = recorded_spaces(config)
             obs_space, act_space = obs_space or recorded[0], act_space or recorded[1]
         if obs_space is None or act_space is None:
@@ -204,7 +206,7 @@ class Algorithm(Trainable):
             self.env_runner_group = EnvRunnerGroup(
                 self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
                 self.fault_tolerance_settings(), compress_frames=self.compress_frames(), external=self.external,
-                offline=self.offline_input,
+                offline=self.offline_input if readers_in_slots else None,
                 on_recreated=lambda ids: self._hook(
                     "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
                     env_runner_indices=ids, is_evaluation=False))

@@ -14,6 +14,7 @@ import difflib
 from typing import Any
 
 from actors.offline import READERS, ReaderSettings, RecordingSettings, manifest_for, resolve_input
+from actors.offline.reader import SAMPLER, input_sources
 from actors.offline.recorder import FSYNC_CHOICES
 from protocols.errors import ProtocolError
 from protocols.spaces import space_from_dict
@@ -38,13 +39,20 @@ def reader_settings(config: Any) -> ReaderSettings | None:
 
 
 def recorded_spaces(config: Any) -> tuple[Any, Any]:
-    """The observation and action spaces of the recording ``input_`` names (from its manifest)."""
-    files = resolve_input(config.offline_data_config["input_"])
-    manifest = manifest_for(files)
-    if manifest is None:
-        raise ValueError(f"offline input {config.offline_data_config['input_']!r} has no manifest.json to take "
-                         f"the spaces from: give them with .environment(observation_space=..., action_space=...)")
-    return space_from_dict(manifest["observation_space"]), space_from_dict(manifest["action_space"])
+    """The observation and action spaces of the recording(s) ``input_`` names (from their manifests;
+    mixed recordings must agree)."""
+    spaces = None
+    for source, _ in input_sources(config.offline_data_config["input_"]):
+        manifest = manifest_for(resolve_input(source))
+        if manifest is None:
+            raise ValueError(f"offline input {source!r} has no manifest.json to take the spaces from: give them "
+                             f"with .environment(observation_space=..., action_space=...)")
+        these = (manifest["observation_space"], manifest["action_space"])
+        if spaces is not None and these != spaces:
+            raise ValueError(f"offline input {source!r} was recorded with other spaces than the first recording "
+                             f"({these} vs {spaces}): mix recordings of the same env")
+        spaces = these
+    return space_from_dict(spaces[0]), space_from_dict(spaces[1])
 
 
 def offline_problems(config: Any) -> list[str]:
@@ -75,13 +83,14 @@ def offline_problems(config: Any) -> list[str]:
         problems.append("offline_data output_* settings need output='DIR' (where to record)")
     if read is not None:
         if isinstance(read.input_, dict):
-            problems.append("offline_data input_ as a dict of sources with probabilities (mixing the sampler "
-                            "and recordings) is not supported yet: give one directory, glob or list")
-            return problems
-        try:
-            resolve_input(read.input_)
-        except FileNotFoundError as err:
-            problems.append(f"offline_data: {err}")
+            problems += _mixing_problems(config, read.input_)
+            if problems:
+                return problems
+        for source, _ in input_sources(read.input_):
+            try:
+                resolve_input(source)
+            except FileNotFoundError as err:
+                problems.append(f"offline_data: {err}")
         if not isinstance(read.shuffle_buffer_size, int) or read.shuffle_buffer_size < 0:
             problems.append(f"offline_data shuffle_buffer_size must be an int >= 0, got {read.shuffle_buffer_size!r}")
         if read.input_reader not in READERS:
@@ -91,7 +100,7 @@ def offline_problems(config: Any) -> list[str]:
         if rec is not None:
             problems.append("offline_data: input_ and output together would record the recording again; "
                             "drop output (or record a trained policy with `runnel record`)")
-        if config.external_clients_config is not None:
+        if config.external_clients_config is not None and not mixes_sampler(config):
             problems.append("offline_data input_ and external_clients both take the env runner slots: pick one")
         if not getattr(config, "synchronous_sampling", True):
             problems.append(f"{config.algo_name} samples by streaming, which offline readers do not do yet: "
@@ -106,6 +115,34 @@ def offline_problems(config: Any) -> list[str]:
                 problems.append(f"offline_data: {err}")
     elif any(k in d for k in INPUT_KEYS if k != "input_"):
         problems.append("offline_data input settings need input_='DIR' (what to read)")
+    return problems
+
+
+def mixes_sampler(config: Any) -> bool:
+    """``input_`` mixes live sampling with recordings (``{"sampler": p, "DIR": q}``): env runners stay
+    in their slots and the off-policy plan adds recorded steps to what they sample."""
+    input_ = (config.offline_data_config or {}).get("input_")
+    return isinstance(input_, dict) and SAMPLER in input_
+
+
+def _mixing_problems(config: Any, sources: dict) -> list[str]:
+    problems = []
+    for source, p in sources.items():
+        if not isinstance(source, str) or isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0:
+            problems.append(f"offline_data input_ maps sources (a directory, a glob or 'sampler') to probabilities "
+                            f"> 0, like {{'sampler': 0.5, 'recordings/expert': 0.5}}; got {source!r}: {p!r}")
+    if not [s for s in sources if s != SAMPLER]:
+        problems.append("offline_data input_ names no recording besides 'sampler': give at least one directory")
+    if SAMPLER in sources:
+        if not hasattr(config, "replay_buffer_config") or config.algo_name == "CQL":
+            problems.append(f"offline_data input_ with 'sampler' mixes recorded steps into what the env runners "
+                            f"sample, through the replay: DQN and SAC do that; {config.algo_name} cannot (drop "
+                            f"'sampler' to train on the recordings alone)")
+        elif (getattr(config, "replay_buffer_config", {}) or {}).get("remote", False):
+            problems.append("offline_data input_ with 'sampler' needs the in-process replay stage "
+                            "(replay_buffer_config remote=False)")
+        if config.env is None:
+            problems.append("offline_data input_ with 'sampler' samples an env too: set .environment(env=...)")
     return problems
 
 

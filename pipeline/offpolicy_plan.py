@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from actors.metrics import MetricsLogger
+from actors.offline.reader import SAMPLER
 from actors.replay import ReplayBuffer, ReplaySettings
 from pipeline.config import is_int, is_number
 from pipeline.env_runner_group import EnvRunnerGroup
 from pipeline.learner_group import LearnerGroup
+from pipeline.offline_config import mixes_sampler
 from protocols import nested
 
 BUFFER_TYPES = {"EpisodeReplayBuffer": False, "uniform": False,
@@ -68,6 +70,8 @@ class OffPolicySettings:
             from pipeline.external_config import external_settings
 
             steps += external_settings(self).fragment_length
+        if mixes_sampler(self):  # recorded steps join each round: up to ratio * steps, plus one piece
+            steps = int(steps * (2 + mix_ratio(self)))
         spi = c.get("samples_per_insert", self.training_intensity)
         if spi is None:  # one update of `batch` transitions per training step of `steps`
             spi = batch / steps
@@ -229,6 +233,7 @@ class OffPolicyPlan:
             self.replay = ReplayBuffer(settings)
             if config.replay_buffer_config.get("prefill_from") is not None:
                 prefill_replay(self.replay, config, runner_settings, metrics)
+        self.mix = RecordedMix(config, runner_settings) if mixes_sampler(config) else None
 
     def training_step(self) -> None:
         if self.streaming is not None:
@@ -237,6 +242,8 @@ class OffPolicyPlan:
         m, batch_size = self.metrics, self.config.train_batch_size_per_learner
         with m.log_time("timers/env_runner_sampling_timer"):
             chunks = self.env_runners.sample(self.steps_per_training_step, m)
+        if self.mix is not None:
+            chunks = chunks + self.mix.sample(sum(len(c) for c in chunks), m)
         with m.log_time("timers/replay_insert"):
             self.replay.add(chunks)
         timestep = m.peek("env_runners/num_env_steps_sampled_lifetime", 0)
@@ -265,7 +272,49 @@ class OffPolicyPlan:
             self.replay.set_state(state)
 
     def stop(self) -> None:
+        if self.mix is not None:
+            self.mix.stop()
         if self.streaming is not None:
             self.streaming.stop()
         else:
             self.replay.stop()
+
+
+def mix_ratio(config: Any) -> float:
+    """Recorded steps per sampled step of an ``input_`` that mixes in the sampler."""
+    shares = config.offline_data_config["input_"]
+    return sum(float(p) for k, p in shares.items() if k != SAMPLER) / float(shares[SAMPLER])
+
+
+class RecordedMix:
+    """``input_={"sampler": p, "DIR": q, ...}``: next to each round the env runners sample, recorded steps
+    in the proportion ``sum(q) / p`` go into the replay (inserts like any other: the replay ratio holds).
+    Records are handed out in pieces of at most one round, so a long recorded episode never needs
+    more room in the rate limiter's band than a round does."""
+
+    def __init__(self, config: Any, runner_settings: Any) -> None:
+        from actors.offline import OfflineReader
+        from pipeline.offline_config import reader_settings
+
+        self.ratio = mix_ratio(config)
+        self.piece = max(1, config.steps_per_training_step())
+        self.reader = OfflineReader(runner_settings, offline=reader_settings(config))
+        self._pending: list = []
+        self._owed = 0.0
+
+    def sample(self, sampled_steps: int, metrics: MetricsLogger) -> list:
+        self._owed += sampled_steps * self.ratio
+        out, n = [], 0
+        while self._owed - n >= 1:
+            if not self._pending:
+                self._pending = [p for c in self.reader.sample(num_timesteps=1) for p in c.split(self.piece)]
+            piece = self._pending.pop(0)
+            out.append(piece)
+            n += len(piece)
+        self._owed -= n  # the last piece may run past what was owed: the next round takes less
+        if n:
+            metrics.log_value("offline_data/num_env_steps_read_lifetime", n, reduce="lifetime_sum")
+        return out
+
+    def stop(self) -> None:
+        self.reader.stop()

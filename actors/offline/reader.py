@@ -73,6 +73,20 @@ def resolve_input(input_: str | list) -> list[str]:
     return files
 
 
+SAMPLER = "sampler"
+"""In an ``input_`` dict, the live env runners (RLlib's name): ``{"sampler": 0.5, "DIR": 0.5}``."""
+
+
+def input_sources(input_: Any) -> list[tuple[Any, float]]:
+    """The recordings ``input_`` names with the probability of reading each (normalized over the
+    recordings; a ``"sampler"`` entry is the env runners' share, mixed in by the off-policy plan)."""
+    if not isinstance(input_, dict):
+        return [(input_, 1.0)]
+    recorded = [(src, float(p)) for src, p in input_.items() if src != SAMPLER]
+    total = sum(p for _, p in recorded)
+    return [(src, p / total) for src, p in recorded] if total > 0 else []
+
+
 def manifest_for(files: list[str]) -> dict[str, Any] | None:
     """The manifest of the recording the first shard belongs to (None when there is none)."""
     for f in files:
@@ -95,11 +109,14 @@ class OfflineReader(EnvRunnerRole):
         self.s = settings
         self.r = offline
         self.worker_index = worker_index
-        files = resolve_input(offline.input_)
-        if num_readers > 1:  # readers 1..n take disjoint shares of the shards
-            files = files[worker_index - 1::num_readers] or files
-        self.files = files
-        manifest = manifest_for(files)
+        self.sources: list[tuple[list[str], float]] = []
+        for source, weight in input_sources(offline.input_):
+            files = resolve_input(source)
+            if num_readers > 1:  # readers 1..n take disjoint shares of the shards
+                files = files[worker_index - 1::num_readers] or files
+            self.sources.append((files, weight))
+        self.files = [f for files, _ in self.sources for f in files]
+        manifest = manifest_for(self.files)
         normalized = offline.actions_in_input_normalized
         if normalized is None:
             normalized = bool(manifest.get("actions_normalized", True)) if manifest else True
@@ -116,15 +133,25 @@ class OfflineReader(EnvRunnerRole):
         self.weights_version = 0
         self._buffer: list[EpisodeChunk] = []
         self._buffered_steps = 0
-        self._stream = self._records()
+        self._epochs = [0] * len(self.sources)
         self.epoch = 0
+        """Passes completed over the recording (with several sources: over each, the fewest)."""
+        self._stream = self._mixed()
         self._accepted_epoch = 0
         self.counts = {"records": 0, "steps": 0, "damaged_records": 0, "torn_tails": 0, "skipped_records": 0}
 
     # --- the data stream ----------------------------------------------------------------------
-    def _records(self) -> Iterator[list[EpisodeChunk]]:
+    def _mixed(self) -> Iterator[list[EpisodeChunk]]:
+        """Records from the sources, each drawn with its probability (one source: its records in turn)."""
+        streams = [self._records(files, i) for i, (files, _) in enumerate(self.sources)]
+        weights = [w for _, w in self.sources]
         while True:
-            order = list(self.files)
+            i = self.rng.choices(range(len(streams)), weights)[0] if len(streams) > 1 else 0
+            yield next(streams[i])
+
+    def _records(self, files: list[str], source: int = 0) -> Iterator[list[EpisodeChunk]]:
+        while True:
+            order = list(files)
             self.rng.shuffle(order)
             pending = iter(order)
             active: list[tuple[ShardReader, Iterator[EpisodeChunk]]] = []
@@ -145,7 +172,8 @@ class OfflineReader(EnvRunnerRole):
                     continue
                 got_any = True
                 yield record
-            self.epoch += 1
+            self._epochs[source] += 1
+            self.epoch = min(self._epochs)
             self.metrics.log_value("offline_data/epochs", 1, reduce="lifetime_sum")
             if not got_any:
                 raise RuntimeError(f"offline input {self.r.input_!r} holds no readable records "
