@@ -47,3 +47,31 @@ def test_marwil_beats_bc_on_half_expert_half_random_data():
     bc = train(BCConfig().offline_data(input_=[EXPERT, RANDOM]), 60)
     marwil = train(MARWILConfig().offline_data(input_=[EXPERT, RANDOM]).training(beta=1.0), 60)
     assert marwil >= 1.5 * bc and marwil >= bc + 30, (marwil, bc)
+
+
+def test_cql_on_sac_pendulum_recordings_reaches_minus_300():
+    """CQL from the checked-in Pendulum recording (a SAC run's training steps plus its final policy's
+    episodes, mean return -553), evaluated every 3 iterations over 10 episodes, stops once the
+    evaluation return reaches -300 (RLlib's tuned CQL example stops at -700). Seeds 0-2 reached it at
+    iterations 33, 54 and 27; the budget is 90."""
+    from pipeline import CQLConfig
+
+    config = (CQLConfig().offline_data(input_=os.path.join(DATA, "pendulum_sac")).environment("Pendulum-v1")
+              .env_runners(num_env_runners=0, rollout_fragment_length=200).debugging(seed=2)
+              .training(num_steps_sampled_before_learning_starts=2000, bc_iters=400, num_actions=4, min_q_weight=5.0,
+                        train_batch_size_per_learner=128, training_intensity=128, actor_lr=3e-4, critic_lr=1e-3,
+                        alpha_lr=3e-4)
+              .rl_module(model_config={"fcnet_hiddens": [128, 128], "fcnet_activation": "relu"})
+              .evaluation(evaluation_interval=3, evaluation_duration=10, evaluation_duration_unit="episodes"))
+    algo = config.build(logdir=None)
+    returns = []
+    try:
+        for i in range(90):
+            result = algo.train()
+            if (i + 1) % 3 == 0:
+                returns.append(result["evaluation"]["env_runners"]["episode_return_mean"])
+                if returns[-1] >= -300:
+                    break
+    finally:
+        algo.stop()
+    assert returns[-1] >= -300, f"evaluation returns every 3 iterations: {[round(r) for r in returns]}"
