@@ -36,6 +36,10 @@ MANIFEST_VERSION = 1
 FSYNC_CHOICES = ("rotation", "always", "never")
 
 
+RECORD_STEPS = 2048
+"""Whole episodes are grouped into records of up to this many steps (a longer episode is one record)."""
+
+
 @dataclass
 class RecordingSettings:
     """Where and how a stage records what it samples (``config.offline_data(output=...)``)."""
@@ -195,6 +199,8 @@ class Recorder:
                         self._finish()
                         return
                     self._write(item)
+                    if self._shard is not None:  # once per handed-over batch, not per record: a sample
+                        self._shard.flush()      # of short episodes is hundreds of records
                 finally:
                     self._queue.task_done()
         except BaseException as err:  # noqa: BLE001 -- surfaced by the next record()/flush()
@@ -210,12 +216,25 @@ class Recorder:
         if not self.settings.output_write_episodes:
             self._append(chunks, sum(c.is_done for c in chunks))
             return
+        done: list[EpisodeChunk] = []
         for c in chunks:
             parts = self._open.setdefault(c.episode_id, [])
             parts.append(c)
             if c.is_done:
                 del self._open[c.episode_id]
-                self._append([EpisodeChunk.concat(parts) if len(parts) > 1 else parts[0]], 1)
+                done.append(EpisodeChunk.concat(parts) if len(parts) > 1 else parts[0])
+        # the episodes a batch completed go into records of up to RECORD_STEPS steps each: one frame
+        # per short episode would spend more on per-frame work (header, checksum, index) than on data
+        record: list[EpisodeChunk] = []
+        steps = 0
+        for episode in done:
+            if record and steps + len(episode) > RECORD_STEPS:
+                self._append(record, len(record))
+                record, steps = [], 0
+            record.append(episode)
+            steps += len(episode)
+        if record:
+            self._append(record, len(record))
 
     def _append(self, chunks: list[EpisodeChunk], episodes_done: int) -> None:
         frame = encode(chunks, compress=self.settings.compress)
@@ -230,8 +249,6 @@ class Recorder:
         self._shard.append(frame, steps, len(chunks), episodes_done)
         if self.settings.output_fsync == "always":
             self._shard.flush(fsync=True)
-        else:
-            self._shard.flush()  # into the OS: a killed process loses nothing already written
         with self._lock:
             self.counters["recorded_steps"] += steps
             self.counters["recorded_chunks"] += len(chunks)
