@@ -183,7 +183,8 @@ class Algorithm(Trainable):
             raise ConfigError(str(err)) from err
         self.env_task_fn = _function(config.env_task_fn, "env_task_fn")
         self.custom_evaluation_function = _function(config.custom_evaluation_function, "custom_evaluation_function")
-        if config.num_env_runners > 0 or config.num_learners > 0 or config.evaluation_num_env_runners > 0:
+        ray_data = self.offline_input is not None and self.offline_input.input_reader == "ray_data"
+        if config.num_env_runners > 0 or config.num_learners > 0 or config.evaluation_num_env_runners > 0 or ray_data:
             init_ray_if_needed(config)
             if not self._hosted_by_tune:  # a trial's actors go into its own placement group
                 check_room(self.name, config)

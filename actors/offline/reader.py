@@ -47,8 +47,8 @@ class ReaderSettings:
     shards_in_flight: int = 4
     """Shards read at once, interleaved record by record."""
     input_reader: str = "local"
-    """How records are read: "local" (this module's streaming reader, in each reader stage) -- the
-    one there is; the field is the seam for a Ray Data path (data larger than one machine)."""
+    """How records are read: "local" (this module's streaming reader, in each reader stage) or
+    "ray_data" (Ray Data tasks list, read and check the shards: ``actors.offline.dataset``)."""
     seed: int | None = None
 
 

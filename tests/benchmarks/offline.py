@@ -12,6 +12,9 @@ Prints one JSON object per line:
   shuffle buffer 10,000 steps) handing out a recording made here (CartPole: recorded by the runner
   above; atari84: synthetic 84x84x4 uint8 frame stacks in 200-step episodes), transitions/s,
   median of repeats, each repeat a fresh reader reading the whole recording once.
+- ``{"bench": "read", "reader": "ray_data", ...}``: the same recordings through the Ray Data path
+  (``actors.offline.dataset.transition_dataset(...).iter_batches``: shards read and checked by Ray Data
+  tasks, decoded into per-step columns in ``map_batches``), on a local Ray of 2 CPUs.
 - ``{"bench": "read", "system": "rllib", ...}``: RLlib 2.60 in the anchors venv
   (``--anchors-python``) recording CartPole with its env runners (``offline_data(output=...)``,
   Parquet) and reading it back through ``ray.data.read_parquet(...).iter_batches`` (the Ray Data
@@ -141,6 +144,27 @@ def reads(cartpole: str, tmp: str, repeats: int, atari_steps: int) -> None:
         emit({"bench": "read", "system": "runnel", "reader": "local", "data": name, "steps": total,
               "bytes": size if name == "atari84" else None, "transitions_per_s": round(statistics.median(rates)),
               "repeats": repeats})
+        rates = [ray_data_rate(path) for _ in range(repeats)]
+        emit({"bench": "read", "system": "runnel", "reader": "ray_data", "data": name, "steps": total,
+              "transitions_per_s": round(statistics.median(rates)), "repeats": repeats})
+
+
+def ray_data_rate(path: str) -> float:
+    """The Ray Data path: ``transition_dataset`` (shards listed, read and checked by Ray Data tasks,
+    decoded into per-step columns in ``map_batches``) through ``iter_batches``, transitions/s."""
+    import glob
+
+    import ray
+
+    from actors.offline.dataset import transition_dataset
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    files = sorted(glob.glob(os.path.join(path, "*.rshard")))
+    done, t0 = 0, time.perf_counter()
+    for batch in transition_dataset(files).iter_batches(batch_size=1000, batch_format="numpy"):
+        done += len(batch["rewards"])
+    return done / (time.perf_counter() - t0)
 
 
 RLLIB_SCRIPT = r'''
