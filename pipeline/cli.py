@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="runnel", description="Train and evaluate reinforcement-learning agents with runnel.",
         epilog="Exit status: 0 done, 1 runtime failure, 2 usage/config error, 130 interrupted. "
                "RUNNEL_DEBUG=1 shows tracebacks.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate,record,inspect,plot,keys}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,evaluate,record,inspect,import,plot,keys}")
 
     t = sub.add_parser(
         "train", help="train an algorithm on an environment",

@@ -1,4 +1,4 @@
-"""``runnel record`` and ``runnel inspect``: the command line of recorded experience."""
+"""``runnel record``, ``runnel inspect`` and ``runnel import minari``: the command line of recorded experience."""
 from __future__ import annotations
 
 import argparse
@@ -73,6 +73,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from pipeline.import_minari import MinariImportError, import_minari
+
+    if args.source != "minari":
+        raise CLIError(f"cannot import from {args.source!r}: runnel imports 'minari' datasets", EXIT_USAGE)
+    if os.path.exists(os.path.join(args.output, "manifest.json")):
+        raise CLIError(f"{args.output!r} already holds a recording: import into a new directory", EXIT_USAGE)
+    try:
+        out = import_minari(args.dataset, args.output)
+    except MinariImportError as err:
+        raise CLIError(str(err), EXIT_USAGE) from err
+    except OSError as err:
+        raise CLIError(f"importing {args.dataset!r} failed: {err}", EXIT_FAILURE) from err
+    if args.json:
+        print(json.dumps(out), flush=True)
+    else:
+        print(f"imported Minari dataset {out['dataset_id']}: {out['episodes']} episodes, {out['steps']:,} steps "
+              f"into {args.output}\n  train on it:  runnel train --algo BC --input {args.output} --env ENV", flush=True)
+    return EXIT_OK
+
+
 def add_parsers(sub: Any, pos_int: Any) -> None:
     r = sub.add_parser(
         "record", help="record episodes of a trained checkpoint's policy",
@@ -98,3 +119,14 @@ def add_parsers(sub: Any, pos_int: Any) -> None:
     i.add_argument("input", metavar="DIR", help="recording directory, shard glob or shard file")
     i.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     i.set_defaults(func=cmd_inspect)
+
+    m = sub.add_parser("import", help="import a dataset of another format as a runnel recording",
+                       description="Convert a Minari dataset (its on-disk HDF5 format; needs h5py) into a runnel "
+                                   "recording that BC, MARWIL and CQL train from and replay can be prefilled from.",
+                       epilog="example:\n  runnel import minari ~/.minari/datasets/D4RL/door/human-v2 door-human/",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("source", choices=["minari"], help="the dataset's format")
+    m.add_argument("dataset", metavar="DATASET_DIR", help="the dataset directory (holding data/metadata.json)")
+    m.add_argument("output", metavar="OUT", help="the recording directory to create")
+    m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    m.set_defaults(func=cmd_import)
