@@ -216,7 +216,8 @@ class EpisodeChunk:
 
 
 def _check_rows(name: str, struct: Any, expected: int) -> None:
-    for leaf in nested.flatten(struct):
+    leaves = (struct,) if type(struct) is np.ndarray else nested.flatten(struct)  # the common case: one array
+    for leaf in leaves:
         if not isinstance(leaf, np.ndarray):
             raise ProtocolError(f"{name} must hold numpy arrays, got {type(leaf).__name__}")
         if leaf.ndim == 0 or len(leaf) != expected:
