@@ -9,7 +9,10 @@ In-process calls run at once, and an exception in one propagates to the caller w
 For Ray members the manager tracks, per actor index, whether the actor is healthy and which
 requests are in flight. A call that fails (actor died, method raised, no answer within the
 timeout) marks the actor unhealthy and is reported to the caller as a failed result -- never
-silently dropped. Unhealthy actors are then either recreated at the same index (and their state
+silently dropped. An exception raised by the caller's own code is different: a function run with
+``apply`` (``foreach_env_runner``), or an error a stage marks as user code (a callback), is raised
+to the caller as that exception, naming the member, and the member -- healthy -- is not restarted
+(a restart would only repeat the error). Unhealthy actors are then either recreated at the same index (and their state
 restored through ``on_restart``), or, when restarts are off and failures are ignored, left out
 while the healthy rest go on; with neither, the first failure raises ``ActorGroupError`` naming
 the actor and the cause.
@@ -27,6 +30,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from actors.core import UserCodeError
 
 log = logging.getLogger(__name__)
+
+USER_CODE_METHODS = ("apply",)
+"""Methods that run a function the caller gave: whatever it raises is the caller's error."""
 
 
 class ActorGroupError(RuntimeError):
@@ -111,10 +117,20 @@ class ActorManager:
         ref goes to each), or the value itself in-process."""
         return value if self.in_process else ray.put(value)
 
-    def _start(self, member: _Member, method: str, args: tuple, kwargs: dict) -> Any:
+    def _start(self, member: _Member, method: str, args: tuple, kwargs: dict, actor_id: int | None = None) -> Any:
         if self.in_process:
-            return _Done(getattr(member.handle, method)(*args, **kwargs))
+            try:
+                return _Done(getattr(member.handle, method)(*args, **kwargs))
+            except Exception as err:
+                if method in USER_CODE_METHODS:
+                    err.add_note(self._user_error_note(actor_id))
+                raise
         return getattr(member.handle, method).remote(*args, **kwargs)
+
+    def _user_error_note(self, actor_id: int | None) -> str:
+        where = f"{self.name} {actor_id}" if actor_id is not None else f"an in-process {self.name}"
+        return (f"(raised by user code run in {where}; it is the caller's error, not a failure of the "
+                f"{self.name}, which was not restarted)")
 
     # --- synchronous calls --------------------------------------------------------------------
     def foreach_actor(self, method: str, *args: Any, actor_ids: list[int] | None = None,
@@ -126,11 +142,16 @@ class ActorManager:
         per_actor_args = per_actor_args or {}
         refs = {}
         for i in ids:
-            refs[self._start(self.members[i], method, per_actor_args.get(i, args), kwargs)] = i
-        return self._collect(refs, timeout_s if timeout_s is not None else self.settings.probe_timeout_s)
+            refs[self._start(self.members[i], method, per_actor_args.get(i, args), kwargs, actor_id=i)] = i
+        return self._collect(refs, timeout_s if timeout_s is not None else self.settings.probe_timeout_s,
+                             user_code=method in USER_CODE_METHODS)
 
-    def _collect(self, refs: dict, timeout_s: float | None) -> list[CallResult]:
+    def _collect(self, refs: dict, timeout_s: float | None, user_code: bool = False) -> list[CallResult]:
+        """Wait for ``refs``; members that died or did not answer are marked failed. An exception raised
+        in user code (``user_code``: the method runs the caller's function) is raised to the caller
+        once every answer is in -- the first by member index -- and leaves its member healthy."""
         results: dict[int, CallResult] = {}
+        user_errors: dict[int, RayTaskError] = {}
         remote = [r for r in refs if not isinstance(r, _Done)]
         ready, not_ready = ray.wait(remote, num_returns=len(remote), timeout=timeout_s) if remote else ([], [])
         for ref in refs:
@@ -141,15 +162,27 @@ class ActorManager:
             try:
                 results[i] = CallResult(i, True, ray.get(ref))
             except RayError as err:
-                _raise_user_error(err)
                 results[i] = CallResult(i, False, error=err)
-                self._mark_failed(i, err)
+                if _is_user_error(err, user_code):
+                    user_errors[i] = err
+                else:
+                    self._mark_failed(i, err)
         for ref in not_ready:
             i = refs[ref]
             err = GetTimeoutError(f"{self.name} {i} did not answer within {timeout_s:.1f} s")
             results[i] = CallResult(i, False, error=err)
             self._mark_failed(i, err, kill=True)
+        if user_errors:
+            i = min(user_errors)
+            raise self._caller_error(i, user_errors[i]) from None
         return [results[i] for i in sorted(results)]
+
+    def _caller_error(self, actor_id: int, err: RayTaskError) -> BaseException:
+        """The exception user code raised in a member, as the caller should see it: an instance of its own
+        class (``except ValueError`` catches it), whose message holds the remote traceback."""
+        out = err.as_instanceof_cause()
+        out.add_note(self._user_error_note(actor_id))
+        return out
 
     # --- asynchronous calls -------------------------------------------------------------------
     def submit(self, method: str, *args: Any, actor_ids: list[int] | None = None, tag: Any = None,
@@ -183,7 +216,8 @@ class ActorManager:
             try:
                 out.append(CallResult(i, True, ray.get(ref), tag=tag))
             except RayError as err:
-                _raise_user_error(err)
+                if _is_user_error(err):
+                    raise self._caller_error(i, err) from None
                 out.append(CallResult(i, False, error=err, tag=tag))
                 self._mark_failed(i, err)
         return out
@@ -283,12 +317,15 @@ class ActorManager:
         self.members.clear()
 
 
-def _raise_user_error(err: RayError) -> None:
-    """A member raised in user code: the caller gets that error (with the remote traceback in its
-    message), and the member stays healthy -- restarting it would only repeat the error."""
-    if isinstance(err, RayTaskError) and (isinstance(err.cause, UserCodeError)
-                                          or getattr(err.cause, "runnel_user_code", False)):
-        raise err.as_instanceof_cause() from None
+def _is_user_error(err: RayError, user_code: bool = False) -> bool:
+    """Whether a failed call raised in user code (the caller's error) rather than failed the member.
+    A method that ran and raised is a ``RayTaskError``; a member that died or was lost raises another
+    ``RayError`` (``ActorDiedError``...), always a member failure. A method running the caller's
+    function (``user_code``) hands over anything it raised; others only what a stage marks as user
+    code (``UserCodeError``, or an exception with ``runnel_user_code`` set)."""
+    if not isinstance(err, RayTaskError):
+        return False
+    return user_code or isinstance(err.cause, UserCodeError) or bool(getattr(err.cause, "runnel_user_code", False))
 
 
 def _remote_traceback(err: BaseException) -> str:

@@ -2,7 +2,9 @@
 
 Each builder (``environment``, ``env_runners``, ``training``...) sets the fields of its group and
 returns the config, so calls chain. A key a builder does not know is remembered and reported at
-``build()``/``validate()`` together with the closest valid names, never silently ignored.
+``build()``/``validate()`` together with the closest valid names, never silently ignored. RLlib's old
+and renamed names go through the table in ``pipeline/compat.py``: accepted where they are the same
+setting, otherwise reported as "X is RLlib's old name: use Y".
 Algorithm configs (``PPOConfig``...) subclass this and add their own fields; those belong to the
 ``training`` group.
 """
@@ -20,7 +22,8 @@ from typing import Any, ClassVar
 
 from actors.callbacks import HOOKS, CallbacksSpec
 from actors.learner import LearnerSettings
-from pipeline.compat import ACCEPTED, BUILDERS_REFUSED, IGNORED, check_framework, refusal
+from pipeline.compat import (ACCEPTED, ACCEPTED_KIND, BUILDERS, IGNORED_KIND, NAMES, NO_VALUE, UNSUPPORTED_KIND,
+                             ignored_note, is_harmless, refusal)
 
 log = logging.getLogger("runnel")
 
@@ -53,7 +56,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
 CODE_SETTINGS = ("callbacks_functions", "env_task_fn", "custom_evaluation_function")
 """Settings that hold functions: a checkpoint keeps their import paths, or leaves out one that has none
 (a lambda, a nested function) with a warning, instead of failing the save."""
-RENAMED = ACCEPTED  # RLlib's older names of the same settings (pipeline/compat.py)
+RENAMED = ACCEPTED
+"""RLlib's older names of the same settings -> runnel's (the accepted entries of ``pipeline.compat.NAMES``)."""
+OWN_BUILDERS = {"external_clients_config": "external_clients", "offline_data_config": "offline_data"}
+"""Settings outside ``GROUPS`` that have a builder of their own."""
 CHOICES = {
     "batch_mode": ("truncate_episodes", "complete_episodes"),
     "grad_clip_by": ("value", "norm", "global_norm"),
@@ -250,13 +256,44 @@ class AlgorithmConfig:
         for key, value in kwargs.items():
             if key in valid:
                 setattr(self, key, value)
-            elif key in RENAMED and RENAMED[key] in valid:
-                setattr(self, RENAMED[key], value)  # RLlib's older name for the same setting
-            elif key in IGNORED:
-                self._ignore(key, value)
             else:
-                self._unknown[key] = (group, sorted(valid))
+                self._set_other(key, value, group, valid)
         return self
+
+    def _set_other(self, key: str, value: Any, group: str, valid: set[str]) -> None:
+        """A key that is not one of ``valid``: RLlib's name of the same setting (set it), one that means
+        nothing here (drop it), or one to report at ``validate()`` (an RLlib name refused, or unknown)."""
+        entry = NAMES.get(key)
+        if entry is not None and entry.kind == ACCEPTED_KIND and entry.runnel in valid:
+            setattr(self, entry.runnel, value)  # RLlib's older name for the same setting
+        elif entry is not None and entry.kind == IGNORED_KIND:
+            self._ignore(key, value)
+        elif entry is not None and entry.kind == UNSUPPORTED_KIND and is_harmless(entry, value):
+            log.debug("config setting %s=%r asks for nothing runnel does not do anyway: ignored", key, value)
+        else:
+            self._unknown[key] = (group, sorted(valid), value)
+
+    @classmethod
+    def _setting_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "_unknown"]
+
+    def _unknown_problem(self, key: str, group: str, valid: list[str], value: Any = NO_VALUE) -> str:
+        """What to say about a key nobody took: the table's refusal, the builder a runnel setting given
+        to the wrong builder belongs to, or the closest valid names."""
+        refused = refusal(key, value)
+        if refused:
+            return refused
+        names = self._setting_names()
+        entry = NAMES.get(key)
+        target = entry.runnel if entry is not None and entry.kind == ACCEPTED_KIND else key
+        what = f"{key!r} (RLlib's name of {target!r})" if target != key else repr(key)
+        if target in names:
+            return f"unknown {group} setting {what}: it is set with .{builder_of(target)}({target}=...)"
+        if target != key:
+            return f"unknown {group} setting {what}: {type(self).__name__} has no setting {target!r}"
+        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f"; valid keys: {valid}"
+        return f"unknown {group} setting {key!r}{hint}"
 
     def _group_keys(self, group: str) -> set[str]:
         keys = set(GROUPS[group])
@@ -265,24 +302,36 @@ class AlgorithmConfig:
         return keys
 
     def _ignore(self, key: str, value: Any) -> None:
-        """An RLlib setting with no meaning here (one framework, one API stack)."""
-        problem = check_framework(value) if key == "framework" else None
+        """An RLlib setting with no meaning here (one framework, one API stack); a framework other than
+        torch is refused at once."""
+        problem = ignored_note(key, value)
         if problem:
             raise ConfigError(problem)
-        log.debug("config setting %s=%r is RLlib's and means nothing in runnel: ignored", key, value)
+        log.debug("config setting %s=%r is RLlib's and means nothing in runnel (%s): ignored", key, value,
+                  NAMES[key].how)
 
     def framework(self, framework: str | None = "torch", **kwargs: Any) -> "AlgorithmConfig":
-        """RLlib's framework choice: runnel runs on PyTorch, so only "torch" is accepted (and changes nothing)."""
+        """RLlib's framework choice: runnel runs on PyTorch, so only "torch" is accepted (and changes
+        nothing). RLlib's other framework settings go through the table (TensorFlow ones are ignored)."""
         self._ignore("framework", framework)
+        for key, value in kwargs.items():
+            self._set_other(key, value, "framework", {"framework"})
         return self
 
-    def api_stack(self, **kwargs: Any) -> "AlgorithmConfig":
-        """RLlib's old/new API stack switch: runnel has one stack; accepted and ignored."""
-        log.debug("api_stack(%s) means nothing in runnel (one API stack): ignored", kwargs)
+    def api_stack(self, enable_rl_module_and_learner: Any = None, enable_env_runner_and_connector_v2: Any = None,
+                  **kwargs: Any) -> "AlgorithmConfig":
+        """RLlib's old/new API stack switch: runnel has one stack, RLlib's new one (RLModule, Learner,
+        EnvRunner); accepted and ignored."""
+        log.debug("api_stack(enable_rl_module_and_learner=%r, enable_env_runner_and_connector_v2=%r) means "
+                  "nothing in runnel (one API stack): ignored", enable_rl_module_and_learner,
+                  enable_env_runner_and_connector_v2)
+        for key, value in kwargs.items():
+            self._set_other(key, value, "api_stack",
+                            {"enable_rl_module_and_learner", "enable_env_runner_and_connector_v2"})
         return self
 
     def rollouts(self, **kwargs: Any) -> "AlgorithmConfig":
-        raise ConfigError(f".rollouts() is RLlib's old name: {BUILDERS_REFUSED['rollouts']}")
+        raise ConfigError(f".rollouts() is RLlib's old name: use {BUILDERS['rollouts']}")
 
     def environment(self, env: Any = None, **kwargs: Any) -> "AlgorithmConfig":
         if env is not None:
@@ -362,7 +411,7 @@ class AlgorithmConfig:
             if hook in HOOKS:
                 self.callbacks_functions[hook] = list(fns) if isinstance(fns, (list, tuple)) else [fns]
             else:
-                self._unknown[hook] = ("callbacks", sorted(("callbacks_class",) + HOOKS))
+                self._unknown[hook] = ("callbacks", sorted(("callbacks_class",) + HOOKS), fns)
         return self
 
     def exploration(self, **kwargs: Any) -> "AlgorithmConfig":
@@ -398,22 +447,33 @@ class AlgorithmConfig:
             overrides = overrides.changed_settings()
         out = self.copy()
         out.evaluation_config = None
+        names = set(out._setting_names())
         for key, value in (overrides or {}).items():
-            key = RENAMED.get(key, key)
-            if key in {f.name for f in fields(out)} - {"_unknown"}:
+            if key in names:
                 setattr(out, key, copy.deepcopy(value))
             else:
-                out._unknown[key] = ("evaluation_config", sorted(f.name for f in fields(out) if f.name != "_unknown"))
+                out._set_other(key, copy.deepcopy(value), "evaluation_config", names)
         return out
 
     # --- dict-style reads (RLlib's ``config["lr"]``; Ray Tune reads ``config.get(...)``) -------------
     def __getitem__(self, key: str) -> Any:
-        name = RENAMED.get(key, key)
-        if name == "_unknown" or name not in {f.name for f in fields(self)}:
-            close = difflib.get_close_matches(key, [f.name for f in fields(self) if f.name != "_unknown"], n=3)
-            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-            raise KeyError(f"{type(self).__name__} has no setting {key!r}{hint}")
-        return getattr(self, name)
+        """``config["lr"]``; RLlib's older names read the setting they name (``config["num_workers"]``
+        raises KeyError saying to use ``num_env_runners``), ignored ones read what runnel does
+        (``config["framework"]`` is "torch")."""
+        names = self._setting_names()
+        if key in names:
+            return getattr(self, key)
+        entry = NAMES.get(key)
+        if entry is not None and entry.kind == ACCEPTED_KIND and entry.runnel in names:
+            return getattr(self, entry.runnel)
+        if entry is not None and entry.kind == IGNORED_KIND:
+            return entry.reads_as
+        refused = refusal(key) if isinstance(key, str) else None
+        if refused:
+            raise KeyError(refused)
+        close = difflib.get_close_matches(key, names, n=3) if isinstance(key, str) else []
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise KeyError(f"{type(self).__name__} has no setting {key!r}{hint}")
 
     def get(self, key: str, default: Any = None) -> Any:
         try:
@@ -443,7 +503,7 @@ class AlgorithmConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AlgorithmConfig":
         cfg = cls()
-        valid = {f.name for f in fields(cls)} - {"_unknown"}
+        valid = set(cls._setting_names())
         for key, value in d.items():
             if isinstance(value, dict) and "__space__" in value:
                 from protocols.spaces import space_from_dict
@@ -451,24 +511,20 @@ class AlgorithmConfig:
                 value = space_from_dict(value["__space__"])
             if key in valid:
                 setattr(cfg, key, value)
-            elif key in RENAMED and RENAMED[key] in valid:
-                setattr(cfg, RENAMED[key], value)
-            elif key in IGNORED:
-                cfg._ignore(key, value)
             else:
-                cfg._unknown[key] = ("config", sorted(valid))
+                cfg._set_other(key, value, "config", valid)
         return cfg
 
     def update_from_dict(self, d: dict[str, Any]) -> "AlgorithmConfig":
         other = type(self).from_dict(d)
+        names = set(self._setting_names())
         for key in d:
             if key in other._unknown:
                 self._unknown[key] = other._unknown[key]
-            elif key in IGNORED:
-                continue
             else:
                 name = RENAMED.get(key, key)
-                setattr(self, name, getattr(other, name))
+                if name in names:  # not an ignored one
+                    setattr(self, name, getattr(other, name))
         return self
 
     # --- validation ---------------------------------------------------------------------------
@@ -484,13 +540,8 @@ class AlgorithmConfig:
     def _problems(self) -> list[str]:
         """Every problem found; algorithm configs extend this list."""
         problems = []
-        for key, (group, valid) in self._unknown.items():
-            if refusal(key):
-                problems.append(refusal(key))
-                continue
-            close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f"; valid keys: {valid}"
-            problems.append(f"unknown {group} setting {key!r}{hint}")
+        for key, (group, valid, *value) in self._unknown.items():
+            problems.append(self._unknown_problem(key, group, valid, *value))
         for key, choices in CHOICES.items():
             if getattr(self, key) not in choices:
                 problems.append(f"{key}={getattr(self, key)!r} is not one of {list(choices)}")
@@ -517,6 +568,8 @@ class AlgorithmConfig:
                             "an env class or 'pkg.module:Class')")
         if not isinstance(self.model_config, dict):
             problems.append(f"model_config must be a dict, got {type(self.model_config).__name__}")
+        else:
+            problems += model_config_problems(self.model_config)
         problems += self._evaluation_problems()
         from pipeline.external_config import external_problems
 
@@ -606,6 +659,24 @@ class AlgorithmConfig:
         return algo_class(self.copy(), **kwargs)
 
     build_algo = build
+
+
+def builder_of(name: str) -> str:
+    """The builder method that sets a runnel setting (algorithm settings: ``training``)."""
+    if name in OWN_BUILDERS:
+        return OWN_BUILDERS[name]
+    return next((group for group, keys in GROUPS.items() if name in keys), "training")
+
+
+def model_config_problems(model_config: dict) -> list[str]:
+    """``model_config`` keys the default modules do not read (RLlib's old ``model`` keys are named as such)."""
+    from actors.modules import ModelConfig
+
+    try:
+        ModelConfig.from_dict(model_config)
+    except (TypeError, ValueError) as err:
+        return [f"model_config: {err}"]
+    return []
 
 
 def is_int(v: Any) -> bool:

@@ -533,12 +533,18 @@ class EnvRunner(EnvRunnerRole):
 
     def apply(self, fn: Callable[["EnvRunner"], Any]) -> Any:
         """Run ``fn(self)`` here (``Algorithm.foreach_env_runner``). An error ``fn`` raises is the
-        caller's (marked so: the group re-raises it instead of restarting this healthy runner)."""
+        caller's: the group raises it in the driver, naming this runner, and does not restart it."""
         try:
             return fn(self)
         except Exception as err:
-            err.runnel_user_code = True
+            try:
+                err.runnel_user_code = True
+            except AttributeError:  # an exception class that takes no attributes: the method says it all
+                pass
             raise
+
+    def __repr__(self) -> str:  # how Ray names this actor in errors and logs
+        return f"EnvRunner({getattr(self, 'where', 'env runner')})"
 
     def foreach_env(self, fn: Callable[[gym.Env], Any]) -> list[Any]:
         """``fn(sub_env)`` for each sub-environment of this runner."""
