@@ -78,19 +78,21 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     if args.source != "minari":
         raise CLIError(f"cannot import from {args.source!r}: runnel imports 'minari' datasets", EXIT_USAGE)
-    if os.path.exists(os.path.join(args.output, "manifest.json")):
-        raise CLIError(f"{args.output!r} already holds a recording: import into a new directory", EXIT_USAGE)
     try:
-        out = import_minari(args.dataset, args.output)
+        out = import_minari(os.path.expanduser(args.dataset), os.path.expanduser(args.output), infos=args.infos)
     except MinariImportError as err:
         raise CLIError(str(err), EXIT_USAGE) from err
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
         raise CLIError(f"importing {args.dataset!r} failed: {err}", EXIT_FAILURE) from err
     if args.json:
         print(json.dumps(out), flush=True)
     else:
+        notes = [f"{out[k]} {k.replace('_', ' ')}" for k in ("unfinished_episodes", "empty_episodes") if out[k]]
         print(f"imported Minari dataset {out['dataset_id']}: {out['episodes']} episodes, {out['steps']:,} steps "
-              f"into {args.output}\n  train on it:  runnel train --algo BC --input {args.output} --env ENV", flush=True)
+              f"into {args.output}" + (f" ({', '.join(notes)}: unfinished ones are written as truncated, empty "
+                                        f"ones skipped)" if notes else "")
+              + f"\n  observation space {out['observation_space']}\n  action space      {out['action_space']}"
+              f"\n  train on it:  runnel train --algo BC --input {args.output} --env ENV", flush=True)
     return EXIT_OK
 
 
@@ -127,6 +129,7 @@ def add_parsers(sub: Any, pos_int: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("source", choices=["minari"], help="the dataset's format")
     m.add_argument("dataset", metavar="DATASET_DIR", help="the dataset directory (holding data/metadata.json)")
-    m.add_argument("output", metavar="OUT", help="the recording directory to create")
+    m.add_argument("output", metavar="OUT", help="the recording directory to create (new or empty)")
+    m.add_argument("--infos", action="store_true", help="also import each step's info dict (when recorded)")
     m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     m.set_defaults(func=cmd_import)
