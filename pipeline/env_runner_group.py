@@ -249,11 +249,19 @@ class EnvRunnerGroup:
     def foreach_env_runner(self, fn: Callable[[EnvRunner], Any] | None = None, local: bool = True,
                            remote_worker_ids: list[int] | None = None, **kwargs: Any) -> list[Any]:
         """``fn(runner)`` on every healthy runner (or those of ``remote_worker_ids``); the results in
-        runner order. ``local=False`` leaves out the in-process runner (RLlib's ``local_env_runner``)."""
+        runner order. ``local=False`` leaves out the in-process runner (RLlib's ``local_env_runner``).
+
+        An exception ``fn`` raises is the caller's: it is raised here as that exception (a note names the
+        runner), and the runner, which is healthy, is not restarted. A runner that dies or does not answer
+        within ``env_runner_health_probe_timeout_s`` is a runner failure: its result is left out and it is
+        recreated (or given up) under the fault-tolerance settings."""
         local = kwargs.pop("local_env_runner", kwargs.pop("local_worker", local))
         fn = kwargs.pop("func", fn)
         if kwargs:
             raise TypeError(f"foreach_env_runner() got unexpected arguments {sorted(kwargs)}")
+        if not callable(fn):
+            raise TypeError(f"foreach_env_runner(fn) takes a function of one runner, e.g. "
+                            f"lambda runner: runner.worker_index; got {fn!r}")
         if self.manager.in_process and not local:
             return []
         ids = None if self.manager.in_process else remote_worker_ids

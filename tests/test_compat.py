@@ -253,6 +253,8 @@ def test_foreach_env_runner_hands_a_user_error_to_the_caller(algo):
     manager = algo.env_runner_group.manager
     assert (manager.num_restarts, manager.num_failures) == (0, 0)
     assert algo.foreach_env_runner(lambda runner: runner.worker_index) == [index]
+    with pytest.raises(TypeError, match=r"takes a function of one runner, e\.g\. lambda runner"):
+        algo.env_runner_group.foreach_env_runner(None)
     assert algo.train()["training_iteration"] == 1  # the runners were left as they were
 
 
@@ -271,3 +273,4 @@ def test_a_runner_that_dies_in_foreach_is_still_a_runner_failure(ray_local):
         assert algo.foreach_env_runner(lambda runner: runner.worker_index) == [1]
     finally:
         algo.stop()
+
