@@ -13,8 +13,15 @@ Prints one JSON object per line:
   above; atari84: synthetic 84x84x4 uint8 frame stacks in 200-step episodes), transitions/s,
   median of repeats, each repeat a fresh reader reading the whole recording once.
 - ``{"bench": "read", "reader": "ray_data", ...}``: the same recordings through the Ray Data path
-  (``actors.offline.dataset.transition_dataset(...).iter_batches``: shards read and checked by Ray Data
-  tasks, decoded into per-step columns in ``map_batches``), on a local Ray of 2 CPUs.
+  (``actors.offline.dataset.transition_dataset(...).iter_batches``: shards read by Ray Data tasks,
+  decoded into per-step columns in ``map_batches``), on a local Ray of 2 CPUs; and
+  ``"reader": "ray_data_stage"``: the ``input_reader="ray_data"`` stage (``RayDataReader``: records
+  read and checked by Ray Data tasks, handed out as chunks through the local reader's shuffle
+  buffer of 10,000 steps), as the local reader's rows are measured. Each repeat is a fresh dataset
+  (or reader) reading the whole recording once, so Ray Data's start-up per execution is included;
+  one untimed pass first (it starts Ray's worker processes).
+  ``--only read`` runs only these rows (the CartPole recording is then made by one recording
+  runner of ``--sample-steps`` steps, without the cost measurement).
 - ``{"bench": "read", "system": "rllib", ...}``: RLlib 2.60 in the anchors venv
   (``--anchors-python``) recording CartPole with its env runners (``offline_data(output=...)``,
   Parquet) and reading it back through ``ray.data.read_parquet(...).iter_batches`` (the Ray Data
@@ -45,7 +52,7 @@ import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 
 from actors.env import EnvRunner, EnvRunnerSettings  # noqa: E402
-from actors.offline import OfflineReader, ReaderSettings, Recorder, RecordingSettings, write_manifest  # noqa: E402
+from actors.offline import OfflineReader, ReaderSettings, Recorder, RecordingSettings, reader_class, write_manifest  # noqa: E402
 from protocols.episode import EpisodeChunk, new_episode_id  # noqa: E402
 
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -96,6 +103,19 @@ def record_cost(tmp: str, steps: int, repeats: int) -> str:
     return os.path.join(tmp, "cartpole")
 
 
+def record_cartpole(tmp: str, steps: int) -> str:
+    """The CartPole recording of ``record_cost``, without measuring anything (``--only read``)."""
+    path = os.path.join(tmp, "cartpole")
+    write_manifest(path, gym.spaces.Box(-np.inf, np.inf, (4,), np.float32), gym.spaces.Discrete(2), "bench", {}, "bench")
+    r = runner(RecordingSettings(path))
+    done = 0
+    while done < steps:
+        done += sum(len(c) for c in r.sample())
+        r.flush_recording()
+    r.stop()
+    return path
+
+
 def atari_recording(path: str, steps: int, seed: int = 0) -> int:
     """Synthetic 84x84x4 frame-stack episodes of 200 steps (smooth frames, so LZ4 compresses them
     about as much as real Atari frames). Returns the bytes written."""
@@ -118,9 +138,12 @@ def atari_recording(path: str, steps: int, seed: int = 0) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
-def read_rate(path: str, action_space: gym.Space, total: int) -> float:
+def read_rate(path: str, action_space: gym.Space, total: int, input_reader: str = "local") -> float:
     settings = EnvRunnerSettings(env_creator=None, rollout_fragment_length=1000, seed=0, action_space=action_space)
-    reader = OfflineReader(settings, offline=ReaderSettings(path, shuffle_buffer_size=10_000))
+    if input_reader == "ray_data":
+        start_ray()
+    cls = reader_class(ReaderSettings(path, input_reader=input_reader))
+    reader = cls(settings, offline=ReaderSettings(path, shuffle_buffer_size=10_000, input_reader=input_reader))
     done, t0 = 0, time.perf_counter()
     while done < total:
         done += sum(len(c) for c in reader.sample(num_timesteps=1000))
@@ -144,9 +167,21 @@ def reads(cartpole: str, tmp: str, repeats: int, atari_steps: int) -> None:
         emit({"bench": "read", "system": "runnel", "reader": "local", "data": name, "steps": total,
               "bytes": size if name == "atari84" else None, "transitions_per_s": round(statistics.median(rates)),
               "repeats": repeats})
-        rates = [ray_data_rate(path) for _ in range(repeats)]
+        rates = [ray_data_rate(path) for _ in range(repeats + 1)][1:]  # the first pass starts Ray's workers
         emit({"bench": "read", "system": "runnel", "reader": "ray_data", "data": name, "steps": total,
-              "transitions_per_s": round(statistics.median(rates)), "repeats": repeats})
+              "bytes": size if name == "atari84" else None, "transitions_per_s": round(statistics.median(rates)),
+              "repeats": repeats})
+        rates = [read_rate(path, space, total, "ray_data") for _ in range(repeats + 1)][1:]
+        emit({"bench": "read", "system": "runnel", "reader": "ray_data_stage", "data": name, "steps": total,
+              "bytes": size if name == "atari84" else None, "transitions_per_s": round(statistics.median(rates)),
+              "repeats": repeats})
+
+
+def start_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
 
 
 def ray_data_rate(path: str) -> float:
@@ -154,12 +189,9 @@ def ray_data_rate(path: str) -> float:
     decoded into per-step columns in ``map_batches``) through ``iter_batches``, transitions/s."""
     import glob
 
-    import ray
-
     from actors.offline.dataset import transition_dataset
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    start_ray()
     files = sorted(glob.glob(os.path.join(path, "*.rshard")))
     done, t0 = 0, time.perf_counter()
     for batch in transition_dataset(files).iter_batches(batch_size=1000, batch_format="numpy"):
@@ -251,9 +283,17 @@ def main() -> None:
     p.add_argument("--big-gb", type=float, default=4.0)
     p.add_argument("--anchors-python", default=ANCHORS_PYTHON)
     p.add_argument("--skip-anchor", action="store_true")
+    p.add_argument("--only", choices=["all", "read"], default="all",
+                   help="read: only the read rows (local reader, Ray Data path, Ray Data reader stage)")
     args = p.parse_args()
     emit({"machine": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()})
     tmp = tempfile.mkdtemp(prefix="runnel-offline-bench-")
+    if args.only == "read":
+        try:
+            reads(record_cartpole(tmp, args.sample_steps), tmp, args.repeats, args.atari_steps)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     try:
         cartpole = record_cost(tmp, args.sample_steps, args.repeats)
         reads(cartpole, tmp, args.repeats, args.atari_steps)
