@@ -172,9 +172,4 @@ class RayDataReader(OfflineReader):
                     continue
                 got_any = True
                 yield decode_record(bytes(frame))
-            self._epochs[source] += 1
-            self.epoch = min(self._epochs)
-            self.metrics.log_value("offline_data/epochs", 1, reduce="lifetime_sum")
-            if not got_any:
-                raise RuntimeError(f"offline input {self.r.input_!r} holds no readable records "
-                                   f"(all shards empty or damaged; inspect with `runnel inspect`)")
+            self._end_pass(source, got_any)

@@ -172,12 +172,17 @@ class OfflineReader(EnvRunnerRole):
                     continue
                 got_any = True
                 yield record
-            self._epochs[source] += 1
-            self.epoch = min(self._epochs)
-            self.metrics.log_value("offline_data/epochs", 1, reduce="lifetime_sum")
-            if not got_any:
-                raise RuntimeError(f"offline input {self.r.input_!r} holds no readable records "
-                                   f"(all shards empty or damaged; inspect with `runnel inspect`)")
+            self._end_pass(source, got_any)
+
+    def _end_pass(self, source: int, got_any: bool) -> None:
+        """A pass over one source's shards is done: count the epoch (readers of several sources
+        report the fewest passes), and refuse a source with nothing readable in it."""
+        self._epochs[source] += 1
+        self.epoch = min(self._epochs)
+        self.metrics.log_value("offline_data/epochs", 1, reduce="lifetime_sum")
+        if not got_any:
+            raise RuntimeError(f"offline input {self.r.input_!r} holds no readable records "
+                               f"(all shards empty or damaged; inspect with `runnel inspect`)")
 
     def _shard_records(self, reader: ShardReader) -> Iterator[list[EpisodeChunk]]:
         """One record's chunks at a time (a shard's chunks are grouped back into its records)."""
