@@ -246,6 +246,7 @@ def assert_stopped_cleanly(algo, handles):
 def run_cartpole(config_cls, tmp_path_factory, max_steps=1_000_000):
     algo = config_cls().environment("CartPole-v1").env_runners(num_env_runners=2).debugging(seed=0).build()
     handles = [m.handle for m in algo.env_runner_group.manager.members.values()]
+    initial = {k: v.clone() for k, v in algo.learner_group.get_state()["module"].items()}
     results = []
     try:
         while True:
@@ -256,7 +257,7 @@ def run_cartpole(config_cls, tmp_path_factory, max_steps=1_000_000):
         streaming = [r.value for r in algo.env_runner_group.manager.foreach_actor("is_streaming")]
         path = algo.save(str(tmp_path_factory.mktemp("ckpt") / config_cls.algo_name))
         saved = {"learner": algo.learner_group.get_state(), "weights_version": algo.weights_version,
-                 "counters": dict(algo.counters)}
+                 "counters": dict(algo.counters), "initial_module": initial}
     finally:
         algo.stop()
     assert_stopped_cleanly(algo, handles)
@@ -321,13 +322,20 @@ def test_appo_checkpoint_restores_learner_target_and_streams_again(appo_run):
             torch.testing.assert_close(state["module"][k], v, rtol=0, atol=0)
         for k, v in saved["learner"]["targets"]["target_policy"].items():
             torch.testing.assert_close(state["targets"]["target_policy"][k], v, rtol=0, atol=0)
-        # the runners act with the restored weights (the learned policy: exact, not a return that depends
-        # on which episodes happen to finish in one iteration after a restart -- a streaming runner
-        # starts fresh episodes, and the short ones finish first)
-        module = saved["learner"]["module"]
+        # the runners act with restored weights. Not compared exactly with the learner's: a streaming runner
+        # restores its own checkpointed state (weights a version or two behind the learner's, as it held
+        # them at save time) and takes the learner's broadcast before its next fragment, and an APPO learner
+        # keeps training on what streams in between train() calls. What must hold: no runner is back at its
+        # freshly built version 0, and each runner's weights lie next to the saved learner's, far from where
+        # training started.
+        module, initial = saved["learner"]["module"], saved["initial_module"]
+        versions = algo.foreach_env_runner(lambda r: r.weights_version, local_env_runner=False)
+        assert len(versions) == 2 and min(versions) > 0, versions
         for weights in algo.foreach_env_runner(lambda r: r.get_weights(), local_env_runner=False):
-            for k, v in weights.items():
-                np.testing.assert_array_equal(v, module[k].numpy())
+            assert weights and set(weights) <= set(module)  # the policy's part (runners infer only)
+            learned = sum(float(((module[k] - initial[k]) ** 2).sum()) for k in weights) ** 0.5
+            drift = sum(float(((torch.as_tensor(weights[k]) - module[k]) ** 2).sum()) for k in weights) ** 0.5
+            assert drift < 0.1 * learned, (drift, learned)
         result = algo.train()
         assert result["num_env_steps_sampled_lifetime"] > saved["counters"]["num_env_steps_sampled_lifetime"]
         assert result["learners"]["__all_modules__"]["weights_version"] > saved["weights_version"]
