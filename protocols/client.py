@@ -81,7 +81,8 @@ class PolicyClient:
                  server_public_key: str | bytes | None = None, client_key: str | tuple | None = None,
                  timeout_s: float = 60.0, spool_chunks: int = 1024, resend_after_s: float = 10.0,
                  heartbeat_s: float = 1.0, name: str | None = None, observation_space: Any = None,
-                 action_space: Any = None, seed: int | None = None, spool_dir: str | None = None) -> None:
+                 action_space: Any = None, seed: int | None = None, spool_dir: str | None = None,
+                 spin_s: float = 0.0) -> None:
         """``address``: the server's ``tcp://host:port``. ``inference_mode``: "remote", "local" or None
         (the server's default). ``server_public_key`` (z85, or the path of the server's ``.key`` file)
         turns on CURVE encryption; ``client_key`` is then this client's key pair (the path of a
@@ -91,7 +92,10 @@ class PolicyClient:
         ``observation_space``/``action_space`` (gymnasium spaces or ``protocols.spaces`` dicts),
         when given, are checked against the server's at connect time. ``spool_dir``: keep the spool
         on disk too, so chunks survive a crash of this process; a client started later with the same
-        directory sends them (one directory per client process)."""
+        directory sends them (one directory per client process). ``spin_s``: while waiting for a
+        reply, poll this long without sleeping before blocking -- on a machine whose idle cores sleep,
+        waking costs more than a remote-inference round trip, so a simulator that acts in a tight loop
+        trades a busy core for latency (pair it with the server's ``spin_s``; 0: always block)."""
         if inference_mode not in (None, "remote", "local"):
             raise ValueError(f"inference_mode={inference_mode!r}; use 'remote', 'local' or None (the server's choice)")
         self.address = address
@@ -102,6 +106,9 @@ class PolicyClient:
         self.spool_dir = spool_dir
         self.resend_after_s = float(resend_after_s)
         self.heartbeat_s = float(heartbeat_s)
+        if not 0.0 <= float(spin_s) <= 1.0:
+            raise ValueError(f"spin_s={spin_s!r}; use 0 (block while waiting) up to 1.0 seconds (typically 0.001)")
+        self.spin_s = float(spin_s)
         self.name = name or f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._spaces = {k: _space_dict(v) for k, v in (("observation_space", observation_space),
                                                         ("action_space", action_space)) if v is not None}
@@ -540,6 +547,10 @@ class PolicyClient:
     def _pump(self, timeout_s: float) -> None:
         """Receive and dispatch everything that arrives within ``timeout_s`` (at least one poll)."""
         sock = self._sock
+        if self.spin_s > 0.0 and timeout_s > 0.0:
+            end = time.perf_counter() + min(self.spin_s, timeout_s)
+            while not sock.poll(0) and time.perf_counter() < end:
+                pass
         if not sock.poll(int(timeout_s * 1000)):
             return
         while True:

@@ -432,3 +432,23 @@ def test_one_request_acts_for_several_episodes(server, mode):
         served = server.get_metrics()["external/num_actions_served"]["value"]
         assert served == (24 if mode == "remote" else 0)
         server.sample(1)
+
+
+def test_spinning_client_and_server_play_and_deliver_as_blocking_ones_do(tmp_path):
+    """spin_s changes only how each side waits for a message: episodes play, chunks arrive whole and
+    are acknowledged, and a client's other traffic (commit notices) still reaches it."""
+    srv = make_server(tmp_path, spin_s=0.002)
+    try:
+        with PolicyClient(srv.address, "remote", timeout_s=20, spin_s=0.002) as client:
+            steps = int(sum(run_env(client, gym.make("CartPole-v1"), num_episodes=3, seed=1)))
+            got = srv.sample(steps)
+            assert sum(len(c) for c in got) == steps
+            assert {c.episode_id for c in got if c.is_done} == {c.episode_id for c in got}
+            srv.sample(1)
+            client.flush(timeout_s=10)
+            assert sorted(client.committed) == sorted(ids(got))
+            assert srv.get_metrics()["external/num_actions_served"]["value"] >= steps
+    finally:
+        srv.stop()
+    with pytest.raises(ValueError, match="spin_s=-1"):
+        PolicyClient("tcp://127.0.0.1:1", spin_s=-1)

@@ -59,7 +59,7 @@ def free_port() -> int:
 
 
 # --- runnel ----------------------------------------------------------------------------------
-def serve(port: int, keys: str | None, ready: mp.Event, stop: mp.Event) -> None:
+def serve(port: int, keys: str | None, ready: mp.Event, stop: mp.Event, spin_s: float = 0.0) -> None:
     import gymnasium as gym
     import torch
 
@@ -70,7 +70,7 @@ def serve(port: int, keys: str | None, ready: mp.Event, stop: mp.Event) -> None:
     env = gym.make("CartPole-v1")
     settings = EnvRunnerSettings(env_creator=None, observation_space=env.observation_space,
                                  action_space=env.action_space)
-    x = ExternalSettings(address=f"tcp://127.0.0.1:{port}", journal_dir="", spin_s=float(os.environ.get("SPIN", "0")),
+    x = ExternalSettings(address=f"tcp://127.0.0.1:{port}", journal_dir="", spin_s=spin_s,
                          server_secret_key=os.path.join(keys, "server.key_secret") if keys else None,
                          allowed_client_keys=os.path.join(keys, "clients") if keys else None)
     server = PolicyServer(settings, 0, external=x)
@@ -87,10 +87,11 @@ def client_options(keys: str | None) -> dict:
             "client_key": os.path.join(keys, "clients", "bench.key_secret")}
 
 
-def play(port: int, keys: str | None, n_clients: int, seconds: float, out: mp.Queue, latencies: bool) -> None:
+def play(port: int, keys: str | None, n_clients: int, seconds: float, out: mp.Queue, latencies: bool,
+         spin_s: float = 0.0) -> None:
     from protocols.client import PolicyClient
 
-    clients = [PolicyClient(f"tcp://127.0.0.1:{port}", "remote", timeout_s=60, **client_options(keys))
+    clients = [PolicyClient(f"tcp://127.0.0.1:{port}", "remote", timeout_s=60, spin_s=spin_s, **client_options(keys))
                for _ in range(n_clients)]
     obs = np.array([0.01, -0.02, 0.03, 0.04], np.float32)
     barrier = threading.Barrier(n_clients)
@@ -144,11 +145,11 @@ def play_batched(port: int, keys: str | None, n_envs: int, seconds: float, out: 
 
 
 def runnel_round(n_clients: int, procs: int, seconds: float, keys: str | None, latencies: bool,
-                 batched: bool = False) -> dict:
+                 batched: bool = False, spin_s: float = 0.0) -> dict:
     ctx = mp.get_context("spawn")
     port = free_port()
     ready, stop = ctx.Event(), ctx.Event()
-    server = ctx.Process(target=serve, args=(port, keys, ready, stop))
+    server = ctx.Process(target=serve, args=(port, keys, ready, stop, spin_s))
     server.start()
     try:
         if not ready.wait(120):
@@ -157,7 +158,7 @@ def runnel_round(n_clients: int, procs: int, seconds: float, keys: str | None, l
         out = ctx.Queue()
         per = [n_clients // procs + (i < n_clients % procs) for i in range(procs)]
         players = [ctx.Process(target=play_batched, args=(port, keys, k, seconds, out)) if batched else
-                   ctx.Process(target=play, args=(port, keys, k, seconds, out, latencies)) for k in per]
+                   ctx.Process(target=play, args=(port, keys, k, seconds, out, latencies, spin_s)) for k in per]
         for p in players:
             p.start()
         results = [out.get(timeout=seconds + 300) for _ in players]
