@@ -4,6 +4,8 @@ Prints one JSON object per line:
   {"bench": "machine", ...}
   {"bench": "zmq_floor", "p50_us", "p99_us"}     a bare ZeroMQ echo round trip between two processes
   {"bench": "latency", "system": "runnel", "security": "plaintext"|"curve", "p50_us", "p99_us", "n"}
+  {"bench": "latency", ..., "security": "plaintext_spin"|"curve_spin", "spin_s"}   the same with spin_s on
+        both sides (client and server poll that long before sleeping)
   {"bench": "throughput", "system": "runnel", "security": ..., "clients": N, "actions_per_s"}
   {"bench": "throughput_batched", ..., "envs": N, "client_processes": P, "actions_per_s"}
         the same N envs driven by P clients, each acting for its N/P envs with one request (get_actions)
@@ -321,6 +323,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--anchors-python", default=ANCHORS_PYTHON)
     p.add_argument("--no-anchor", action="store_true")
+    p.add_argument("--spin-s", type=float, default=0.001,
+                   help="also time one client's round trips with both sides polling this long before sleeping (0: skip)")
     args = p.parse_args()
     import ray
     import torch
@@ -352,6 +356,12 @@ def main() -> None:
                     emit(bench="throughput", system=system, security=security, clients=n, repeat=r,
                          **{k: v for k, v in row.items() if k in ("actions_per_s", "client_errors")})
                     rows.setdefault((system, security, n), []).append(row)
+                    if system == "runnel" and n == 1 and args.spin_s > 0:  # the latency-minded setting
+                        row = runnel_round(1, 1, args.seconds, keys if security == "curve" else None, latencies=True,
+                                           spin_s=args.spin_s)
+                        emit(bench="latency", system=system, security=f"{security}_spin", spin_s=args.spin_s,
+                             repeat=r, **{k: row[k] for k in ("p50_us", "p99_us", "n")})
+                        rows.setdefault((system, f"{security}_spin", n), []).append(row)
                     if system == "runnel" and n > 1:  # the same envs, one batched request per client process
                         row = runnel_round(n, args.client_procs, args.seconds, keys if security == "curve" else None,
                                            latencies=False, batched=True)
