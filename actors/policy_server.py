@@ -67,6 +67,8 @@ REQUIRED_EXTRA = ("action_logp", "action_dist_inputs")
 """What every chunk carries besides obs/actions/rewards: the behaviour policy's outputs."""
 QUIET_LOG_S = 30.0
 """How often a server that receives no experience says so."""
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+"""Plain ints: pyzmq's enum flags cost a conversion on every call of the hot path."""
 COUNTS = ("num_actions_served", "num_inference_batches", "num_connects", "num_protocol_errors", "num_bad_chunks",
           "num_busy_replies", "num_duplicate_chunks", "num_chunks_received", "num_replies_dropped", "num_banned")
 """Counters the server thread keeps; ``get_metrics`` reports them under ``external/``."""
@@ -257,12 +259,12 @@ class PolicyServer(EnvRunnerRole):
                             self._wake_rx.recv()
                 else:
                     self._on_message(parts)
+                sock, recv = self._sock, self._sock.recv_multipart
                 for _ in range(4 * self.x.max_batch):  # bounded, so queued acts and commits go out
-                    try:
-                        parts = self._sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
+                    # asking the socket first: a raised zmq.Again costs more than the whole check
+                    if not sock.getsockopt(_EVENTS) & _POLLIN:
                         break
-                    self._on_message(parts)
+                    self._on_message(recv(_NOBLOCK))
                     if self._rows >= self.x.max_batch:
                         self._infer()
                 if self._acts and time.monotonic() >= self._first_act_at + self.x.batch_wait_s:
@@ -280,18 +282,16 @@ class PolicyServer(EnvRunnerRole):
         """Poll without sleeping for up to ``spin_s``: a client acting in a loop sends its next
         request within that, and waking a sleeping thread costs more than the whole request."""
         end = time.perf_counter() + self.x.spin_s
-        recv = self._sock.recv_multipart
+        sock = self._sock
         while time.perf_counter() < end:
-            try:
-                return recv(zmq.NOBLOCK)
-            except zmq.Again:
-                pass
+            if sock.getsockopt(_EVENTS) & _POLLIN:
+                return sock.recv_multipart(_NOBLOCK)
         return None
 
     def _send(self, route: bytes, header: dict, body: bytes | None = None) -> None:
-        parts = [route, wire.pack(header)] + ([body] if body is not None else [])
-        try:
-            self._sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+        parts = [route, wire.pack(header)] if body is None else [route, wire.pack(header), body]
+        try:  # copying small parts is cheaper than tracking zero-copy frames
+            self._sock.send_multipart(parts, _NOBLOCK, copy=body is None or len(body) < 65536)
         except zmq.Again:  # the peer's queue is full: it is not reading; it will resend what matters
             self._counts["num_replies_dropped"] += 1
 
@@ -470,28 +470,38 @@ class PolicyServer(EnvRunnerRole):
     def _infer(self) -> None:
         acts, self._acts = self._acts, []
         self._rows = 0
-        rows = [o for a in acts for o in a.obs]
+        if len(acts) == 1 and len(acts[0].obs) == 1:  # one client acting alone: no gathering, no stacking
+            rows = acts[0].obs
+            obs = rows[0][None] if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+            explore = [acts[0].explore]
+            given = {} if acts[0].given[0] is None else {0: acts[0].given[0]}
+        else:
+            rows = [o for a in acts for o in a.obs]
+            obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+            explore = [a.explore for a in acts for _ in a.obs]
+            given = {i: g for i, g in enumerate(g for a in acts for g in a.given) if g is not None}
         n = len(rows)
-        obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
-        explore = [a.explore for a in acts for _ in a.obs]
-        given = {i: g for i, g in enumerate(g for a in acts for g in a.given) if g is not None}
         with self._module_lock:
             module_actions, logp, dists = self._compute(obs, explore, given)
             version = self.weights_version
-        env_actions = self.env_actions(module_actions)
-        env_list, logp_list, dist_list = env_actions.tolist(), logp.tolist(), dists.tolist()
+        env_list, logp_list, dist_list = self.env_actions(module_actions).tolist(), logp.tolist(), dists.tolist()
         raw_list = module_actions.tolist() if self.box_actions else None
-        i = 0
+        conns, send, i = self._conns, self._send, 0
         for a in acts:
             k = len(a.obs)
-            pick = (lambda values: values[i:i + k]) if a.batched else (lambda values: values[i])  # noqa: E731
-            reply = {"op": wire.ACTION, "id": a.rid, "weights_version": version, "action": pick(env_list),
-                     "logp": pick(logp_list), "dist": pick(dist_list)}
-            if raw_list is not None:
-                reply["module_action"] = pick(raw_list)
-            self._send(a.route, reply)
+            if a.batched:
+                reply = {"op": wire.ACTION, "id": a.rid, "weights_version": version, "action": env_list[i:i + k],
+                         "logp": logp_list[i:i + k], "dist": dist_list[i:i + k]}
+                if raw_list is not None:
+                    reply["module_action"] = raw_list[i:i + k]
+            else:
+                reply = {"op": wire.ACTION, "id": a.rid, "weights_version": version, "action": env_list[i],
+                         "logp": logp_list[i], "dist": dist_list[i]}
+                if raw_list is not None:
+                    reply["module_action"] = raw_list[i]
+            send(a.route, reply)
             i += k
-            conn = self._conns.get(a.route)
+            conn = conns.get(a.route)
             if conn is not None:
                 conn.in_flight -= 1
         self.num_env_steps_served += n
@@ -520,6 +530,9 @@ class PolicyServer(EnvRunnerRole):
         if policy is None:
             return self._compute_torch(obs, explore, given)
         inputs = policy.dist_inputs(obs)
+        if not given and all(explore):
+            actions, logp = policy.choose_with_logp(inputs, True, self._rng)
+            return actions, logp, inputs
         actions = policy.choose(inputs, True, self._rng)
         if not all(explore):
             keep = np.asarray(explore).reshape(len(explore), *([1] * (actions.ndim - 1)))

@@ -48,6 +48,8 @@ from protocols.external import ServerError
 
 log = logging.getLogger("runnel.client")
 
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+"""Plain ints: pyzmq's enum flags cost a conversion on every call of the hot path."""
 REPLY_LIMITS = Limits(max_frame_bytes=256 << 20, max_decoded_bytes=512 << 20)
 """Bounds for what a client decodes from a server (weights of large policies included)."""
 INLINE_ELEMENTS = 4096
@@ -133,7 +135,9 @@ class PolicyClient:
         self._in_hello = False
         self._epoch = 0  # connections said hello on: a request sent before the latest hello is sent again
         self._closed = threading.Event()
-        self._ctx = zmq.Context()
+        # one context (one ZeroMQ I/O thread) for all clients of this process: a simulator hosting many
+        # clients wakes one thread per burst of replies, not one per client
+        self._ctx = zmq.Context.instance()
         self._curve = _curve_options(server_public_key, client_key)
         self._sock = self._connect()
         if spool_dir is not None:
@@ -183,7 +187,8 @@ class PolicyClient:
         out = []
         for ep, (action, module_action, extra, version) in zip(eps, rows):
             ep.prev_action, ep.prev_extra = module_action, extra
-            ep.versions.append(version)
+            if ep.builder is not None:
+                ep.versions.append(version)
             out.append(action)
         return out
 
@@ -251,7 +256,6 @@ class PolicyClient:
                 except zmq.ZMQError:
                     pass
                 self._sock.close(linger=100)
-            self._ctx.term()
 
     def __enter__(self) -> "PolicyClient":
         return self
@@ -287,7 +291,8 @@ class PolicyClient:
         else:
             action, module_action, extra, version = self._act_local(obs, given)
         ep.prev_action, ep.prev_extra = module_action, extra
-        ep.versions.append(version)
+        if ep.builder is not None:  # an acting-only episode cuts no chunks: nothing would ever clear these
+            ep.versions.append(version)
         return action
 
     def _add_step(self, ep: _Episode, obs: Any, terminated: bool = False, truncated: bool = False) -> None:
@@ -303,7 +308,7 @@ class PolicyClient:
     def _act_remote(self, eid: str, obs: Any, given: Any) -> tuple[Any, Any, dict, int]:
         request: dict[str, Any] = {"op": wire.ACT, "episode_id": eid}
         body = None
-        if _size(obs) <= INLINE_ELEMENTS:  # small: plain msgpack in the header (no frame to build or parse)
+        if (obs.size if isinstance(obs, np.ndarray) else _size(obs)) <= INLINE_ELEMENTS:  # small: plain msgpack in the header (no frame to build or parse)
             request["obs"] = _plain(obs)
             if given is not None:
                 request["action"] = _plain(given)
@@ -312,10 +317,10 @@ class PolicyClient:
         reply, _ = self._request(request, body, retry_unknown_episode=eid)
         version = int(reply.get("weights_version", 0))
         self._policy_version = max(self._policy_version, version)
-        action = self._from_plain_action(reply["action"])
+        action = self._from_plain_action(reply["action"])  # a new array, built from the reply's plain values
         module_action = np.asarray(reply["module_action"], np.float32) if "module_action" in reply else action
         extra = {"action_logp": np.float32(reply["logp"]), "action_dist_inputs": np.asarray(reply["dist"], np.float32)}
-        return _env_value(action), module_action, extra, version
+        return (action[()] if action.ndim == 0 else action.copy()), module_action, extra, version
 
     def _act_remote_batch(self, eids: list[str], obs: list[Any]) -> list[tuple[Any, Any, dict, int]]:
         reply, _ = self._request({"op": wire.ACT, "episode_ids": eids, "obs": [_plain(o) for o in obs]},
@@ -340,7 +345,7 @@ class PolicyClient:
                 for i in range(len(obs))]
 
     def _from_plain_action(self, value: Any) -> np.ndarray:
-        return np.asarray(value, dtype=self.welcome["action_mapping"]["dtype"])
+        return np.asarray(value, dtype=self._action_dtype)
 
     def _act_local(self, obs: Any, given: Any) -> tuple[Any, Any, dict, int]:
         if self._policy is None:
@@ -462,6 +467,8 @@ class PolicyClient:
         for opt, value in self._curve:
             sock.setsockopt(opt, value)
         sock.connect(self.address)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
         return sock
 
     def _hello(self) -> None:
@@ -478,6 +485,7 @@ class PolicyClient:
         self._epoch += 1
         new_server = welcome.get("server_id") != self.server_id
         self.welcome, self.server_id = welcome, welcome.get("server_id")
+        self._action_dtype = np.dtype(welcome["action_mapping"]["dtype"])
         for ep in self._episodes.values():  # the server forgot them (or it is another server)
             ep.started_remote = False
         self._resend(everything=True)
@@ -486,9 +494,11 @@ class PolicyClient:
                      welcome["inference_mode"])
 
     def _send(self, header: dict, body: bytes | None = None) -> None:
-        parts = [wire.pack(header)] + ([body] if body is not None else [])
         with self._lock:
-            self._sock.send_multipart(parts, copy=False)
+            if body is None:
+                self._sock.send(wire.pack(header))
+            else:
+                self._sock.send_multipart([wire.pack(header), body], copy=len(body) < 65536)
 
     def _request(self, header: dict, body: bytes | None = None, *, hello: bool = False,
                  retry_unknown_episode: str | list[str] | None = None) -> tuple[dict, list]:
@@ -547,17 +557,16 @@ class PolicyClient:
     def _pump(self, timeout_s: float) -> None:
         """Receive and dispatch everything that arrives within ``timeout_s`` (at least one poll)."""
         sock = self._sock
-        if self.spin_s > 0.0 and timeout_s > 0.0:
-            end = time.perf_counter() + min(self.spin_s, timeout_s)
-            while not sock.poll(0) and time.perf_counter() < end:
-                pass
-        if not sock.poll(int(timeout_s * 1000)):
-            return
-        while True:
-            try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+        if not sock.getsockopt(_EVENTS) & _POLLIN:
+            if self.spin_s > 0.0 and timeout_s > 0.0:
+                end = time.perf_counter() + min(self.spin_s, timeout_s)
+                while not sock.getsockopt(_EVENTS) & _POLLIN and time.perf_counter() < end:
+                    pass
+            if not sock.getsockopt(_EVENTS) & _POLLIN and not self._poller.poll(int(timeout_s * 1000)):
                 return
+        # asking the socket before each read: a raised zmq.Again costs more than a small reply's handling
+        while sock.getsockopt(_EVENTS) & _POLLIN:
+            parts = sock.recv_multipart(_NOBLOCK)
             self._last_heard = time.monotonic()
             try:
                 header = wire.unpack_header(parts[0])

@@ -268,3 +268,28 @@ def test_wrong_observations_and_actions_are_protocol_errors() -> None:
     for actions in (np.array([0, 3]), np.array([0]), np.array([-1, 0])):
         with pytest.raises(ProtocolError):
             policy.extras(obs, actions)
+
+
+def test_small_categorical_batches_sample_the_same_distribution_in_plain_floats() -> None:
+    """A remote-inference request of a few rows takes ``choose_with_logp``'s plain-float path:
+    its draws follow the policy's probabilities and its log-probabilities are ``logp``'s."""
+    from protocols.numpy_policy import SMALL_BATCH
+
+    module = build(BOX, S.Discrete(4), AC, {})
+    policy = received(export_policy(module))
+    one = sample_obs(BOX, 1, seed=4)
+    probs = torch_dist(module, one)[0].softmax(-1).numpy()[0]
+    rng = np.random.default_rng(11)
+    inputs = policy.dist_inputs(one)
+    draws = np.array([policy.choose_with_logp(inputs, True, rng)[0][0] for _ in range(20_000)])
+    np.testing.assert_allclose(np.bincount(draws, minlength=4) / len(draws), probs, atol=0.02)
+
+    rows = policy.dist_inputs(sample_obs(BOX, SMALL_BATCH, seed=5))
+    actions, logp = policy.choose_with_logp(rows, True, np.random.default_rng(12))
+    assert actions.dtype == np.int64 and actions.shape == (SMALL_BATCH,) and logp.dtype == np.float32
+    np.testing.assert_allclose(logp, policy.logp(rows, actions), rtol=1e-5, atol=1e-6)
+    big = np.repeat(rows, 2, axis=0)  # past SMALL_BATCH: the vectorized path, same contract
+    actions, logp = policy.choose_with_logp(big, True, np.random.default_rng(13))
+    np.testing.assert_allclose(logp, policy.logp(big, actions), rtol=1e-5, atol=1e-6)
+    greedy, logp = policy.choose_with_logp(rows, False, np.random.default_rng(14))
+    np.testing.assert_array_equal(greedy, rows.argmax(-1))
