@@ -308,7 +308,8 @@ class PolicyClient:
     def _act_remote(self, eid: str, obs: Any, given: Any) -> tuple[Any, Any, dict, int]:
         request: dict[str, Any] = {"op": wire.ACT, "episode_id": eid}
         body = None
-        if (obs.size if isinstance(obs, np.ndarray) else _size(obs)) <= INLINE_ELEMENTS:  # small: plain msgpack in the header (no frame to build or parse)
+        size = obs.size if isinstance(obs, np.ndarray) else _size(obs)
+        if size <= INLINE_ELEMENTS:  # small: plain msgpack in the header (no frame to build or parse)
             request["obs"] = _plain(obs)
             if given is not None:
                 request["action"] = _plain(given)

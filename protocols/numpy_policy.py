@@ -22,9 +22,9 @@ FORMAT = "runnel-numpy-policy"
 VERSION = 1
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
 MAX_WIDTH = 1 << 22
+"""Most numbers per row a tensor may hold: bounds what a hostile description can make us allocate."""
 SMALL_BATCH = 8
 """Categorical batches up to this many rows are sampled in plain floats (``choose_with_logp``)."""
-"""Most numbers per row a tensor may hold: bounds what a hostile description can make us allocate."""
 
 Op = Callable[[np.ndarray], np.ndarray]
 _ELEMENTWISE: dict[str, Op] = {
@@ -114,7 +114,8 @@ class NumpyPolicy:
     # --- forward ---------------------------------------------------------------------------------
     def dist_inputs(self, obs: Any) -> np.ndarray:
         """A batch of observations (leading batch dim, nested like the space) -> float32 ``[B, D]``."""
-        if type(obs) is np.ndarray and obs.ndim == 2 and self._one_box and obs.shape[1] == self.width_in:
+        if (type(obs) is np.ndarray and self._one_box and obs.ndim == 2 and obs.shape[1] == self.width_in
+                and obs.dtype.kind in "biuf"):
             x = obs.astype(np.float32, copy=False)  # the common case, checked without flattening
         else:
             x = self._features(nested.flatten(obs))
