@@ -67,7 +67,10 @@ REQUIRED_EXTRA = ("action_logp", "action_dist_inputs")
 """What every chunk carries besides obs/actions/rewards: the behaviour policy's outputs."""
 QUIET_LOG_S = 30.0
 """How often a server that receives no experience says so."""
-_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _EVENTS, _POLLIN, _RCVMORE = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+MAX_PARTS = 3
+"""No client message has more parts (route, header, body); the rest of a longer one is read and dropped."""
 """Plain ints: pyzmq's enum flags cost a conversion on every call of the hot path."""
 COUNTS = ("num_actions_served", "num_inference_batches", "num_connects", "num_protocol_errors", "num_bad_chunks",
           "num_busy_replies", "num_duplicate_chunks", "num_chunks_received", "num_replies_dropped", "num_banned")
@@ -139,6 +142,9 @@ class _Conn:
     errors: int = 0
 
 
+_NO_ACTION = [None]  # the one row of an act request without a client-chosen action (read only)
+
+
 @dataclass
 class _Act:
     route: bytes
@@ -207,6 +213,7 @@ class PolicyServer(EnvRunnerRole):
         self._rows = 0  # observations in self._acts
         self._first_act_at = 0.0
         self._quiet_logged = 0.0
+        self._pack = wire.header_packer()  # the server thread's own: a packer is not thread-safe
         self._ctx = zmq.Context()
         self.security = ServerSecurity(self._ctx, self.address, self.x.server_secret_key, self.x.allowed_client_keys,
                                        self.x.allow_plaintext)
@@ -259,12 +266,12 @@ class PolicyServer(EnvRunnerRole):
                             self._wake_rx.recv()
                 else:
                     self._on_message(parts)
-                sock, recv = self._sock, self._sock.recv_multipart
+                sock, recv = self._sock, self._recv
                 for _ in range(4 * self.x.max_batch):  # bounded, so queued acts and commits go out
                     # asking the socket first: a raised zmq.Again costs more than the whole check
                     if not sock.getsockopt(_EVENTS) & _POLLIN:
                         break
-                    self._on_message(recv(_NOBLOCK))
+                    self._on_message(recv())
                     if self._rows >= self.x.max_batch:
                         self._infer()
                 if self._acts and time.monotonic() >= self._first_act_at + self.x.batch_wait_s:
@@ -285,13 +292,30 @@ class PolicyServer(EnvRunnerRole):
         sock = self._sock
         while time.perf_counter() < end:
             if sock.getsockopt(_EVENTS) & _POLLIN:
-                return sock.recv_multipart(_NOBLOCK)
+                return self._recv()
         return None
 
+    def _recv(self) -> list[bytes]:
+        """One message's parts (at most ``MAX_PARTS``, plus an empty marker part if it had more)."""
+        sock = self._sock
+        parts = [sock.recv(_NOBLOCK)]
+        while sock.getsockopt(_RCVMORE):
+            part = sock.recv(_NOBLOCK)
+            if len(parts) < MAX_PARTS:
+                parts.append(part)
+            elif len(parts) == MAX_PARTS:
+                parts.append(b"")  # too many parts: the checks refuse the message by its part count
+        return parts
+
     def _send(self, route: bytes, header: dict, body: bytes | None = None) -> None:
-        parts = [route, wire.pack(header)] if body is None else [route, wire.pack(header), body]
-        try:  # copying small parts is cheaper than tracking zero-copy frames
-            self._sock.send_multipart(parts, _NOBLOCK, copy=body is None or len(body) < 65536)
+        sock = self._sock
+        try:  # part by part with plain-int flags; copying small parts is cheaper than zero-copy tracking
+            sock.send(route, _MORE_NOBLOCK)
+            if body is None:
+                sock.send(self._pack(header), _NOBLOCK)
+            else:
+                sock.send(self._pack(header), _MORE_NOBLOCK)
+                sock.send(body, _NOBLOCK, copy=len(body) < 65536)
         except zmq.Again:  # the peer's queue is full: it is not reading; it will resend what matters
             self._counts["num_replies_dropped"] += 1
 
@@ -317,8 +341,10 @@ class PolicyServer(EnvRunnerRole):
                 raise ProtocolError("a message needs a header part")
             header = wire.unpack_header(parts[1])
             rid = header.get("id", 0)
-            wire.check_request(header, len(parts) - 1)
             op = header["op"]
+            if op == wire.ACT and conn is not None and len(parts) == 2 and self._act_one(route, conn, rid, header):
+                return
+            wire.check_request(header, len(parts) - 1)
             if conn is None:
                 if op == wire.HELLO:
                     self._hello(route, rid, header)
@@ -418,6 +444,26 @@ class PolicyServer(EnvRunnerRole):
             return
         conn.episodes.add(eid)
         self._send(route, {"op": wire.STARTED, "id": rid, "episode_id": eid})
+
+    def _act_one(self, route: bytes, conn: _Conn, rid: int, h: dict) -> bool:
+        """The common request -- one started episode, its observation in the header -- taken without
+        the general checks (an id in ``conn.episodes`` passed them at 'start'); False: not that request."""
+        eid = h.get("episode_id")
+        if (type(eid) is not str or eid not in conn.episodes or "action" in h or "obs" not in h
+                or conn.in_flight >= self.x.max_requests_in_flight):
+            return False
+        try:
+            row = self.schema.observation_from_plain(h["obs"])
+        except ProtocolError as err:
+            self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
+            return True
+        conn.last_seen = time.monotonic()
+        if not self._acts:
+            self._first_act_at = conn.last_seen
+        conn.in_flight += 1
+        self._acts.append(_Act(route, rid, [row], _NO_ACTION, bool(h.get("explore", self.s.explore)), False))
+        self._rows += 1
+        return True
 
     def _on_act(self, route: bytes, conn: _Conn, rid: int, h: dict, body: bytes | None) -> None:
         if body is None:  # small observations travel in the header as plain msgpack

@@ -48,7 +48,7 @@ from protocols.external import ServerError
 
 log = logging.getLogger("runnel.client")
 
-_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _EVENTS, _POLLIN, _RCVMORE = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 """Plain ints: pyzmq's enum flags cost a conversion on every call of the hot path."""
 REPLY_LIMITS = Limits(max_frame_bytes=256 << 20, max_decoded_bytes=512 << 20)
 """Bounds for what a client decodes from a server (weights of large policies included)."""
@@ -66,6 +66,7 @@ class _Episode:
     prev_extra: dict = field(default_factory=dict)
     reward: float = 0.0
     versions: list[int] = field(default_factory=list)  # weights versions of the steps since the last cut
+    in_flight: tuple | None = None  # send_action's request (id, epoch, header, body, local result) until received
 
 
 @dataclass
@@ -192,6 +193,39 @@ class PolicyClient:
             out.append(action)
         return out
 
+    def send_action(self, episode_id: str, observation: Any) -> None:
+        """Ask for the action without waiting for it; ``receive_action`` collects it. A program
+        stepping many episodes (on this client or on several) sends every request first, so the
+        server answers them in one batch while nobody waits. One request per episode at a time."""
+        ep = self._episodes.get(episode_id) or self._episode(episode_id)
+        if ep.in_flight is not None:
+            raise ValueError(f"episode {episode_id!r} already waits for an action: call receive_action() first")
+        obs = self._observed(ep, observation)
+        if not self._remote:
+            ep.in_flight = (0, 0, None, None, self._act_local(obs, None))
+            return
+        request, body = self._act_request(episode_id, obs, None)
+        with self._lock:
+            rid, epoch = self._issue(request, body)
+        ep.in_flight = (rid, epoch, request, body, None)
+
+    def receive_action(self, episode_id: str, timeout_s: float | None = None) -> Any:
+        """The action ``send_action`` asked for (waits up to ``timeout_s``, default the client's
+        ``timeout_s``, then raises ``TimeoutError``)."""
+        ep = self._episodes.get(episode_id) or self._episode(episode_id)
+        if ep.in_flight is None:
+            raise ValueError(f"no action was asked for episode {episode_id!r}: call send_action() first")
+        (rid, epoch, request, body, done), ep.in_flight = ep.in_flight, None  # a failed wait asks anew
+        if done is None:
+            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+            with self._lock:
+                reply, _ = self._complete(rid, epoch, request, body, deadline, retry_unknown_episode=episode_id)
+            done = self._read_action(reply, ep.builder is not None)
+        action, ep.prev_action, ep.prev_extra, version = done
+        if ep.builder is not None:
+            ep.versions.append(version)
+        return action
+
     def log_action(self, episode_id: str, observation: Any, action: Any) -> None:
         """Record an action the client chose itself (off-policy data for the policy to learn from)."""
         self._step(episode_id, observation, np.asarray(action))
@@ -204,6 +238,9 @@ class PolicyClient:
         """The episode's last observation; ``truncated=True`` when it was cut (a time limit) rather
         than reaching a terminal state."""
         ep = self._episode(episode_id)
+        if ep.in_flight is not None:
+            raise ValueError(f"episode {episode_id!r} waits for the action send_action() asked for: call "
+                             f"receive_action() first (the final observation follows the last action taken)")
         with self._lock:
             if ep.builder is not None and ep.prev_action is not None:
                 self._add_step(ep, observation, terminated=not truncated, truncated=truncated)
@@ -274,9 +311,9 @@ class PolicyClient:
     def _observed(self, ep: _Episode, obs: Any) -> Any:
         """Record a new observation in the episode (closing its previous step); returns it as arrays."""
         # copies: an env may reuse its observation buffer, and the chunk keeps every row
-        obs = np.array(obs) if isinstance(obs, list) else nested.map_structure(np.array, obs)
-        with self._lock:
-            if ep.builder is not None:
+        obs = np.array(obs) if type(obs) is np.ndarray or isinstance(obs, list) else nested.map_structure(np.array, obs)
+        if ep.builder is not None:
+            with self._lock:
                 if not ep.builder.started:
                     ep.builder.add_reset(obs)
                 elif ep.prev_action is not None:
@@ -284,10 +321,12 @@ class PolicyClient:
         return obs
 
     def _step(self, eid: str, obs: Any, given: Any) -> Any:
-        ep = self._episode(eid)
+        ep = self._episodes.get(eid) or self._episode(eid)
+        if ep.in_flight is not None:
+            raise ValueError(f"episode {eid!r} waits for the action send_action() asked for: call receive_action()")
         obs = self._observed(ep, obs)
-        if self.inference_mode == "remote":
-            action, module_action, extra, version = self._act_remote(eid, obs, given)
+        if self._remote:
+            action, module_action, extra, version = self._act_remote(eid, obs, given, ep.builder is not None)
         else:
             action, module_action, extra, version = self._act_local(obs, given)
         ep.prev_action, ep.prev_extra = module_action, extra
@@ -305,23 +344,35 @@ class PolicyClient:
             ep.versions.clear()
             self._spool_chunk(b.cut())
 
-    def _act_remote(self, eid: str, obs: Any, given: Any) -> tuple[Any, Any, dict, int]:
+    def _act_remote(self, eid: str, obs: Any, given: Any, record: bool = True) -> tuple[Any, Any, dict, int]:
+        """``record``: the step goes into a chunk, so keep the module action and extras too."""
+        request, body = self._act_request(eid, obs, given)
+        reply, _ = self._request(request, body, retry_unknown_episode=eid)
+        return self._read_action(reply, record)
+
+    def _act_request(self, eid: str, obs: Any, given: Any) -> tuple[dict, bytes | None]:
         request: dict[str, Any] = {"op": wire.ACT, "episode_id": eid}
         body = None
-        size = obs.size if isinstance(obs, np.ndarray) else _size(obs)
-        if size <= INLINE_ELEMENTS:  # small: plain msgpack in the header (no frame to build or parse)
-            request["obs"] = _plain(obs)
+        dense = type(obs) is np.ndarray
+        if (obs.size if dense else _size(obs)) <= INLINE_ELEMENTS:
+            request["obs"] = obs.tolist() if dense else _plain(obs)  # small: plain msgpack in the header
             if given is not None:
                 request["action"] = _plain(given)
         else:
             body = encode({"obs": obs} if given is None else {"obs": obs, "action": given}, compress=False)
-        reply, _ = self._request(request, body, retry_unknown_episode=eid)
-        version = int(reply.get("weights_version", 0))
-        self._policy_version = max(self._policy_version, version)
+        return request, body
+
+    def _read_action(self, reply: dict, record: bool) -> tuple[Any, Any, dict, int]:
+        version = reply.get("weights_version", 0)
+        if version > self._policy_version:
+            self._policy_version = int(version)
         action = self._from_plain_action(reply["action"])  # a new array, built from the reply's plain values
+        env_action = action[()] if action.ndim == 0 else action
+        if not record:  # acting only: nothing keeps the module action or the extras
+            return env_action, None, {}, version
         module_action = np.asarray(reply["module_action"], np.float32) if "module_action" in reply else action
         extra = {"action_logp": np.float32(reply["logp"]), "action_dist_inputs": np.asarray(reply["dist"], np.float32)}
-        return (action[()] if action.ndim == 0 else action.copy()), module_action, extra, version
+        return (env_action if action.ndim == 0 else action.copy()), module_action, extra, version
 
     def _act_remote_batch(self, eids: list[str], obs: list[Any]) -> list[tuple[Any, Any, dict, int]]:
         reply, _ = self._request({"op": wire.ACT, "episode_ids": eids, "obs": [_plain(o) for o in obs]},
@@ -487,6 +538,7 @@ class PolicyClient:
         new_server = welcome.get("server_id") != self.server_id
         self.welcome, self.server_id = welcome, welcome.get("server_id")
         self._action_dtype = np.dtype(welcome["action_mapping"]["dtype"])
+        self._remote = welcome["inference_mode"] == "remote"
         for ep in self._episodes.values():  # the server forgot them (or it is another server)
             ep.started_remote = False
         self._resend(everything=True)
@@ -507,36 +559,47 @@ class PolicyClient:
         not know this connection; ``TimeoutError`` when no reply comes within ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
-            while True:
-                rid = next(self._ids)
-                header["id"] = rid
-                epoch = self._epoch
-                self._awaiting.add(rid)
-                try:
-                    self._send(header, body)
-                    reply = self._await(rid, deadline, header["op"], epoch)
-                finally:
-                    self._awaiting.discard(rid)
-                    self._replies.pop(rid, None)
-                if reply is None:  # reconnected meanwhile: the server never saw this request
-                    continue
+            rid, epoch = self._issue(header, body)
+            return self._complete(rid, epoch, header, body, deadline, hello, retry_unknown_episode)
+
+    def _issue(self, header: dict, body: bytes | None) -> tuple[int, int]:
+        """Send a request under a new id (under the lock); its reply is kept for ``_complete``."""
+        rid = next(self._ids)
+        header["id"] = rid
+        self._awaiting.add(rid)
+        try:
+            self._send(header, body)
+        except BaseException:
+            self._awaiting.discard(rid)
+            raise
+        return rid, self._epoch
+
+    def _complete(self, rid: int, epoch: int, header: dict, body: bytes | None, deadline: float, hello: bool = False,
+                  retry_unknown_episode: str | list[str] | None = None) -> tuple[dict, list]:
+        """The reply to an issued request (under the lock), sending it again as the errors ask."""
+        while True:
+            try:
+                reply = self._await(rid, deadline, header["op"], epoch)
+            finally:
+                self._awaiting.discard(rid)
+                self._replies.pop(rid, None)
+            if reply is not None:  # None: reconnected meanwhile, so the server never saw the request
                 h, parts = reply
                 if h.get("op") != wire.ERROR:
                     return reply
                 code = h.get("code")
-                if code == wire.HELLO_FIRST and not hello:
-                    self._hello()
-                    continue
                 restart = ([retry_unknown_episode] if isinstance(retry_unknown_episode, str)
                            else retry_unknown_episode or [])
-                if code == wire.UNKNOWN_EPISODE and restart and all(e in self._episodes for e in restart):
+                if code == wire.HELLO_FIRST and not hello:
+                    self._hello()
+                elif code == wire.UNKNOWN_EPISODE and restart and all(e in self._episodes for e in restart):
                     for eid in restart:  # the server restarted mid-episode: it forgot them
                         self._start_remote(eid)
-                    continue
-                if code == wire.BUSY and time.monotonic() < deadline:
+                elif code == wire.BUSY and time.monotonic() < deadline:
                     self._pump(0.01)
-                    continue
-                raise ServerError(str(code), str(h.get("message")), bool(h.get("fatal")))
+                else:
+                    raise ServerError(str(code), str(h.get("message")), bool(h.get("fatal")))
+            rid, epoch = self._issue(header, body)
 
     def _await(self, rid: int, deadline: float, what: str, epoch: int) -> tuple[dict, list] | None:
         """The reply to request ``rid``; None if the client said hello again meanwhile."""
@@ -567,7 +630,9 @@ class PolicyClient:
                 return
         # asking the socket before each read: a raised zmq.Again costs more than a small reply's handling
         while sock.getsockopt(_EVENTS) & _POLLIN:
-            parts = sock.recv_multipart(_NOBLOCK)
+            parts = [sock.recv(_NOBLOCK)]
+            while sock.getsockopt(_RCVMORE):
+                parts.append(sock.recv(_NOBLOCK))
             self._last_heard = time.monotonic()
             try:
                 header = wire.unpack_header(parts[0])

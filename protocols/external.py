@@ -69,6 +69,11 @@ def pack(header: dict[str, Any]) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
+def header_packer() -> Any:
+    """``pack`` without building a packer per call: for one thread's hot path (a packer is not thread-safe)."""
+    return msgpack.Packer(use_bin_type=True).pack
+
+
 def unpack_header(raw: bytes) -> dict[str, Any]:
     """A header part -> its map, bounded; raises ProtocolError for anything malformed."""
     if len(raw) > MAX_HEADER_BYTES:

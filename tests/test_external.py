@@ -452,3 +452,45 @@ def test_spinning_client_and_server_play_and_deliver_as_blocking_ones_do(tmp_pat
         srv.stop()
     with pytest.raises(ValueError, match="spin_s=-1"):
         PolicyClient("tcp://127.0.0.1:1", spin_s=-1)
+
+
+@pytest.mark.parametrize("mode", ["remote", "local"])
+def test_requests_sent_first_and_received_later_play_many_episodes(server, mode):
+    """send_action/receive_action: several clients each with several episodes in flight at once;
+    each episode's chunks arrive whole, with the extras a training step needs."""
+    clients = [PolicyClient(server.address, mode, timeout_s=20) for _ in range(2)]
+    try:
+        games = [(c, c.start_episode(), gym.make("CartPole-v1")) for c in clients for _ in range(3)]
+        obs = [env.reset(seed=i)[0] for i, (_, _, env) in enumerate(games)]
+        for _ in range(6):
+            for (c, eid, _), o in zip(games, obs):
+                c.send_action(eid, o)
+            actions = [c.receive_action(eid) for c, eid, _ in games]
+            assert all(a in (0, 1) for a in actions)
+            obs = [env.step(a)[0] for (_, _, env), a in zip(games, actions)]
+            for c, eid, _ in games:
+                c.log_returns(eid, 1.0)
+        c, eid, _ = games[0]
+        c.send_action(eid, obs[0])
+        for misuse in (lambda: c.send_action(eid, obs[0]), lambda: c.get_action(eid, obs[0]),
+                       lambda: c.end_episode(eid, obs[0])):
+            with pytest.raises(ValueError, match="receive_action"):
+                misuse()
+        c.receive_action(eid)
+        with pytest.raises(ValueError, match="send_action"):
+            c.receive_action(eid)
+        obs[0] = games[0][2].step(0)[0]
+        for (c, eid, _), o in zip(games, obs):
+            c.end_episode(eid, o, truncated=True)
+        got = server.sample(37)
+        assert sorted({ch.episode_id for ch in got}) == sorted(eid for _, eid, _ in games)
+        assert sum(len(ch) for ch in got) == 37 and all(ch.is_done for ch in got)
+        assert all(ch.extra["action_logp"].shape == (len(ch),) and np.all(ch.extra["action_logp"] <= 0) for ch in got)
+        served = server.get_metrics()["external/num_actions_served"]["value"]
+        assert served == (37 if mode == "remote" else 0)
+        server.sample(1)
+        for c in clients:
+            c.flush(timeout_s=10)
+    finally:
+        for c in clients:
+            c.close(flush=False)

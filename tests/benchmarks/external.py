@@ -7,6 +7,9 @@ Prints one JSON object per line:
   {"bench": "latency", ..., "security": "plaintext_spin"|"curve_spin", "spin_s"}   the same with spin_s on
         both sides (client and server poll that long before sleeping)
   {"bench": "throughput", "system": "runnel", "security": ..., "clients": N, "actions_per_s"}
+  {"bench": "throughput_pipelined", ..., "clients": N, "client_processes": P, "actions_per_s"}
+        the same N clients (a connection and an episode each, one request in flight each), each
+        process's driven by one thread: send_action to all of them, then receive_action in turn
   {"bench": "throughput_batched", ..., "envs": N, "client_processes": P, "actions_per_s"}
         the same N envs driven by P clients, each acting for its N/P envs with one request (get_actions)
   {"bench": "latency"/"throughput", "system": "rllib", ...}       the anchor, or {"bench": "anchor", "skipped": why}
@@ -146,8 +149,36 @@ def play_batched(port: int, keys: str | None, n_envs: int, seconds: float, out: 
     out.put((n, []))
 
 
+def play_pipelined(port: int, keys: str | None, n_clients: int, seconds: float, out: mp.Queue) -> None:
+    """``n_clients`` clients (a connection and an episode each) driven by one thread: every client's
+    request is sent (``send_action``) before any reply is read (``receive_action``), as a process
+    hosting many simulators would; each client still has one request in flight at a time."""
+    from protocols.client import PolicyClient
+
+    clients = [PolicyClient(f"tcp://127.0.0.1:{port}", "remote", timeout_s=60, **client_options(keys))
+               for _ in range(n_clients)]
+    eids = [c.start_episode(training_enabled=False) for c in clients]
+    obs = np.array([0.01, -0.02, 0.03, 0.04], np.float32)
+    for _ in range(50):
+        for c, eid in zip(clients, eids):
+            c.get_action(eid, obs)
+    pairs = list(zip(clients, eids))
+    for c, eid in pairs:
+        c.send_action(eid, obs)
+    t_end, n = time.perf_counter() + seconds, 0
+    while time.perf_counter() < t_end:
+        for c, eid in pairs:  # collect each reply and ask again at once
+            c.receive_action(eid)
+            c.send_action(eid, obs)
+        n += n_clients
+    for c, eid in pairs:
+        c.receive_action(eid)
+        c.close(flush=False)
+    out.put((n, []))
+
+
 def runnel_round(n_clients: int, procs: int, seconds: float, keys: str | None, latencies: bool,
-                 batched: bool = False, spin_s: float = 0.0) -> dict:
+                 batched: bool = False, spin_s: float = 0.0, pipelined: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     port = free_port()
     ready, stop = ctx.Event(), ctx.Event()
@@ -160,6 +191,7 @@ def runnel_round(n_clients: int, procs: int, seconds: float, keys: str | None, l
         out = ctx.Queue()
         per = [n_clients // procs + (i < n_clients % procs) for i in range(procs)]
         players = [ctx.Process(target=play_batched, args=(port, keys, k, seconds, out)) if batched else
+                   ctx.Process(target=play_pipelined, args=(port, keys, k, seconds, out)) if pipelined else
                    ctx.Process(target=play, args=(port, keys, k, seconds, out, latencies, spin_s)) for k in per]
         for p in players:
             p.start()
@@ -362,6 +394,12 @@ def main() -> None:
                         emit(bench="latency", system=system, security=f"{security}_spin", spin_s=args.spin_s,
                              repeat=r, **{k: row[k] for k in ("p50_us", "p99_us", "n")})
                         rows.setdefault((system, f"{security}_spin", n), []).append(row)
+                    if system == "runnel" and n > 1:  # the same clients, each process's driven by one thread
+                        row = runnel_round(n, args.client_procs, args.seconds, keys if security == "curve" else None,
+                                           latencies=False, pipelined=True)
+                        emit(bench="throughput_pipelined", system=system, security=security, clients=n,
+                             client_processes=min(args.client_procs, n), repeat=r, actions_per_s=row["actions_per_s"])
+                        rows.setdefault((system, security, f"{n}_pipelined"), []).append(row)
                     if system == "runnel" and n > 1:  # the same envs, one batched request per client process
                         row = runnel_round(n, args.client_procs, args.seconds, keys if security == "curve" else None,
                                            latencies=False, batched=True)
