@@ -242,6 +242,10 @@ def test_errors_are_replies_and_the_server_keeps_serving(server):
         assert ask(msgpack.packb({"op": "act", "id": 7, "episode_id": "e", "obs": ["a", "b", "c", "d"]}))["code"] == \
             wire.BAD_OBSERVATION
         assert ask(msgpack.packb({"op": "act", "id": 7, "episode_id": "e", "obs": [0.0] * 4}))["op"] == "action"
+        many = ask(msgpack.packb({"op": "act", "id": 7, "episode_id": "e", "obs": [0.0] * 4}), *[b"x"] * 50)
+        assert many["code"] == wire.BAD_MESSAGE and "part" in many["message"]
+        assert ask(msgpack.packb({"op": "act", "id": 7, "episode_id": ["e"], "obs": [0.0] * 4}))["code"] == \
+            wire.BAD_MESSAGE
         assert ask(msgpack.packb({"op": "act", "id": 8, "episode_id": "e"}), b"RNNL" + b"\xff" * 40)["code"] == \
             wire.BAD_MESSAGE
         wrong_id = ask(msgpack.packb({"op": "chunks", "id": 9, "ids": [["other", 0]]}), _chunk_frame("mine", 0))
