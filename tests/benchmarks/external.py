@@ -413,11 +413,12 @@ def main() -> None:
             summary[f"{system}_{security}_p50_us"] = statistics.median(r["p50_us"] for r in rs if "p50_us" in r)
             summary[f"{system}_{security}_p99_us"] = statistics.median(r["p99_us"] for r in rs if "p99_us" in r)
     for n in counts:
-        base = summary.get(f"runnel_plaintext_{n}_actions_per_s")
-        if base and summary.get(f"runnel_curve_{n}_actions_per_s"):
-            summary[f"curve_cost_{n}"] = 1 - summary[f"runnel_curve_{n}_actions_per_s"] / base
-        if base and summary.get(f"rllib_plaintext_{n}_actions_per_s"):
-            summary[f"runnel_over_rllib_{n}"] = base / summary[f"rllib_plaintext_{n}_actions_per_s"]
+        for how in ("", "_pipelined"):  # clients on threads of their own; clients driven by one thread per process
+            base = summary.get(f"runnel_plaintext_{n}{how}_actions_per_s")
+            if base and summary.get(f"runnel_curve_{n}{how}_actions_per_s"):
+                summary[f"curve_cost_{n}{how}"] = 1 - summary[f"runnel_curve_{n}{how}_actions_per_s"] / base
+            if base and summary.get(f"rllib_plaintext_{n}_actions_per_s"):
+                summary[f"runnel_over_rllib_{n}{how}"] = base / summary[f"rllib_plaintext_{n}_actions_per_s"]
     emit(bench="summary", **summary)
 
 
