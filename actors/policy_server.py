@@ -192,6 +192,9 @@ class PolicyServer(EnvRunnerRole):
         self._pending_keys: set[Key] = set()
         self._pending_steps = 0
         self._owner: dict[Key, bytes] = {}  # who to acknowledge a chunk to (the latest connection that sent it)
+        # episode id -> [next chunk index it may hand in, highest index refused] for episodes with chunks
+        # refused as busy: the rest wait their turn, so each episode reaches training in order (_on_chunks)
+        self._gates: OrderedDict[str, list[int]] = OrderedDict()
         self._delivered: list[Key] = []  # handed on by the last sample call, not yet confirmed
         self._delivered_keys: set[Key] = set()
         self._counts: dict[str, int] = dict.fromkeys(COUNTS, 0)  # the server thread's counters
@@ -627,6 +630,7 @@ class PolicyServer(EnvRunnerRole):
         accepted, committed, busy, bad = [], [], [], []
         with self._lock:
             for key, chunk in zip(ids, chunks):
+                gate = self._gates.get(key[0])
                 if (chunk.episode_id, chunk.chunk_index) != key:
                     bad.append((key, f"chunk {(chunk.episode_id, chunk.chunk_index)} sent under id {key}"))
                 elif key in self.journal:
@@ -635,12 +639,23 @@ class PolicyServer(EnvRunnerRole):
                     self._owner[key] = route  # acknowledge to the connection that sent it last
                     accepted.append(list(key))
                     self._counts["num_duplicate_chunks"] += 1
-                elif self._pending_steps >= self.x.max_pending_steps:
+                elif self._pending_steps >= self.x.max_pending_steps or (gate is not None and key[1] > gate[0]):
+                    # Busy. An episode with a refused chunk hands in the rest in order, room or not: taken
+                    # out of order, its chunks would reach the replay as separate pieces (n-step returns stop
+                    # at every cut) and its return would be reported without the late chunks' rewards.
                     busy.append(list(key))
+                    if gate is None:
+                        self._gates[key[0]] = [key[1], key[1]]
+                        if len(self._gates) > 100_000:  # episodes whose clients never came back
+                            self._gates.popitem(last=False)
+                    else:
+                        gate[1] = max(gate[1], key[1])
+                    continue
                 else:
                     problem = self._check_chunk(chunk)
                     if problem:
                         bad.append((key, problem))
+                        self._pass_gate(gate, key)  # the client drops it: the episode goes on without it
                         continue
                     chunk.env_runner_index = self.worker_index
                     self._pending.append((key, chunk))
@@ -649,6 +664,7 @@ class PolicyServer(EnvRunnerRole):
                     self._owner[key] = route
                     accepted.append(list(key))
                     self._counts["num_chunks_received"] += 1
+                self._pass_gate(gate, key)
             self._counts["num_duplicate_chunks"] += len(committed)
             if accepted:
                 self._lock.notify_all()
@@ -661,6 +677,20 @@ class PolicyServer(EnvRunnerRole):
         for key, problem in bad:
             self._counts["num_bad_chunks"] += 1
             self._send(route, {**wire.error(rid, wire.BAD_CHUNK, problem), "ids": [list(key)]})
+
+    def _pass_gate(self, gate: list[int] | None, key: Key) -> None:
+        """Chunk ``key`` is through (taken, or known): its episode's next chunk may come -- the next
+        one the server does not hold yet (one taken before the gate closed is never sent again)."""
+        if gate is None or key[1] != gate[0]:
+            return
+        gate[0] += 1
+        while gate[0] <= gate[1] and self._holds((key[0], gate[0])):
+            gate[0] += 1
+        if gate[0] > gate[1]:
+            del self._gates[key[0]]
+
+    def _holds(self, key: Key) -> bool:
+        return key in self._pending_keys or key in self._delivered_keys or key in self.journal
 
     def _check_chunk(self, chunk: EpisodeChunk) -> str | None:
         try:
