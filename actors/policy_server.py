@@ -69,9 +69,9 @@ QUIET_LOG_S = 30.0
 """How often a server that receives no experience says so."""
 _NOBLOCK, _EVENTS, _POLLIN, _RCVMORE = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 _MORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+"""Plain ints: pyzmq's enum flags cost a conversion on every call of the hot path."""
 MAX_PARTS = 3
 """No client message has more parts (route, header, body); the rest of a longer one is read and dropped."""
-"""Plain ints: pyzmq's enum flags cost a conversion on every call of the hot path."""
 COUNTS = ("num_actions_served", "num_inference_batches", "num_connects", "num_protocol_errors", "num_bad_chunks",
           "num_busy_replies", "num_duplicate_chunks", "num_chunks_received", "num_replies_dropped", "num_banned")
 """Counters the server thread keeps; ``get_metrics`` reports them under ``external/``."""
@@ -461,12 +461,16 @@ class PolicyServer(EnvRunnerRole):
             self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
             return True
         conn.last_seen = time.monotonic()
-        if not self._acts:
-            self._first_act_at = conn.last_seen
-        conn.in_flight += 1
-        self._acts.append(_Act(route, rid, [row], _NO_ACTION, bool(h.get("explore", self.s.explore)), False))
-        self._rows += 1
+        self._queue(conn, _Act(route, rid, [row], _NO_ACTION, bool(h.get("explore", self.s.explore)), False))
         return True
+
+    def _queue(self, conn: _Conn, act: _Act) -> None:
+        """An act request waits for the next forward pass."""
+        if not self._acts:
+            self._first_act_at = time.monotonic()
+        conn.in_flight += 1
+        self._acts.append(act)
+        self._rows += len(act.obs)
 
     def _on_act(self, route: bytes, conn: _Conn, rid: int, h: dict, body: bytes | None) -> None:
         if body is None:  # small observations travel in the header as plain msgpack
@@ -502,12 +506,7 @@ class PolicyServer(EnvRunnerRole):
         except ProtocolError as err:
             self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
             return
-        explore = h.get("explore", self.s.explore)
-        if not self._acts:
-            self._first_act_at = time.monotonic()
-        conn.in_flight += 1
-        self._acts.append(_Act(route, rid, rows, given, bool(explore), batched))
-        self._rows += len(rows)
+        self._queue(conn, _Act(route, rid, rows, given, bool(h.get("explore", self.s.explore)), batched))
 
     def _to_module_action(self, action: np.ndarray) -> np.ndarray:
         """An action the client took, in env units -> the module's (Box: [-1, 1] when normalized)."""

@@ -185,13 +185,7 @@ class PolicyClient:
             rows = self._act_remote_batch(list(episode_ids), obs)
         else:
             rows = self._act_local_batch(obs)
-        out = []
-        for ep, (action, module_action, extra, version) in zip(eps, rows):
-            ep.prev_action, ep.prev_extra = module_action, extra
-            if ep.builder is not None:
-                ep.versions.append(version)
-            out.append(action)
-        return out
+        return [self._took(ep, *row) for ep, row in zip(eps, rows)]
 
     def send_action(self, episode_id: str, observation: Any) -> None:
         """Ask for the action without waiting for it; ``receive_action`` collects it. A program
@@ -221,10 +215,7 @@ class PolicyClient:
             with self._lock:
                 reply, _ = self._complete(rid, epoch, request, body, deadline, retry_unknown_episode=episode_id)
             done = self._read_action(reply, ep.builder is not None)
-        action, ep.prev_action, ep.prev_extra, version = done
-        if ep.builder is not None:
-            ep.versions.append(version)
-        return action
+        return self._took(ep, *done)
 
     def log_action(self, episode_id: str, observation: Any, action: Any) -> None:
         """Record an action the client chose itself (off-policy data for the policy to learn from)."""
@@ -326,9 +317,11 @@ class PolicyClient:
             raise ValueError(f"episode {eid!r} waits for the action send_action() asked for: call receive_action()")
         obs = self._observed(ep, obs)
         if self._remote:
-            action, module_action, extra, version = self._act_remote(eid, obs, given, ep.builder is not None)
-        else:
-            action, module_action, extra, version = self._act_local(obs, given)
+            return self._took(ep, *self._act_remote(eid, obs, given, ep.builder is not None))
+        return self._took(ep, *self._act_local(obs, given))
+
+    def _took(self, ep: _Episode, action: Any, module_action: Any, extra: dict, version: int) -> Any:
+        """The episode acted: keep what its next step records; returns the env's action."""
         ep.prev_action, ep.prev_extra = module_action, extra
         if ep.builder is not None:  # an acting-only episode cuts no chunks: nothing would ever clear these
             ep.versions.append(version)
