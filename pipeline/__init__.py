@@ -12,12 +12,12 @@ from actors.env.task_settable import TaskSettableEnv
 from actors.env.vector_env import EnvContext
 from pipeline.callbacks import (CallbackError, Callbacks, DefaultCallbacks, MemoryTrackingCallbacks, RLlibCallback,
                                 make_multi_callbacks)
-from pipeline.checkpoint import CheckpointError
-from pipeline.config import AlgorithmConfig, ConfigError
+from pipeline.checkpoints.directory import CheckpointError
+from pipeline.config.base import AlgorithmConfig, ConfigError
 from actors.modules import ModelConfig as DefaultModelConfig
-from pipeline.env_runners import SingleAgentEnvRunner
+from pipeline.groups.env_runners import SingleAgentEnvRunner
 from pipeline.envs import register_env
-from pipeline.evaluation import collect_episodes, summarize_episodes
+from pipeline.groups.evaluation import collect_episodes, summarize_episodes
 from pipeline.registry import get_algorithm, register_algorithm
 
 __all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "BC", "BCConfig", "CQL", "CQLConfig", "MARWIL", "MARWILConfig", "CallbackError", "Callbacks", "CheckpointError",

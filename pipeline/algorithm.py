@@ -38,21 +38,21 @@ from actors.modules import ModuleSpec, RLModule, to_torch
 from actors.env.actions import EnvActions
 from actors.env.exploration import make_exploration
 from actors.sys_usage import SysUsage
-from pipeline.checkpoint import CheckpointError, read_checkpoint, read_extras, read_manifest, write_checkpoint
-from pipeline.config import AlgorithmConfig, ConfigError, resolve_import_path
-from pipeline.env_runner_group import EnvRunnerGroup
-from pipeline.env_runners import runner_settings
+from pipeline.checkpoints.directory import CheckpointError, read_checkpoint, read_extras, read_manifest, write_checkpoint
+from pipeline.config.base import AlgorithmConfig, ConfigError, resolve_import_path
+from pipeline.groups.env_runner_group import EnvRunnerGroup
+from pipeline.groups.env_runners import runner_settings
 from pipeline.envs import env_creator, probe_spaces
-from pipeline.evaluation import EVALUATOR_REQUEST_SLOTS, Evaluators
-from pipeline.external_config import external_settings
-from pipeline.offline_config import mixes_sampler, reader_settings, recorded_spaces, recording_settings
+from pipeline.groups.evaluation import EVALUATOR_REQUEST_SLOTS, Evaluators
+from pipeline.config.external import external_settings
+from pipeline.config.offline import mixes_sampler, reader_settings, recorded_spaces, recording_settings
 from actors.offline import OfflineReader, write_manifest
-from pipeline.learner_group import LearnerGroup
+from pipeline.groups.learner_group import LearnerGroup
 from pipeline.registry import get_algorithm
 from pipeline.resources import actor_cpus, check_room, held, released
 from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
-from pipeline.tune_support import resource_request
+from pipeline.tune.support import resource_request
 from pipeline.version import runnel_version
 from protocols import nested
 from protocols.spaces import space_to_dict
@@ -446,7 +446,7 @@ class Algorithm(Trainable):
 
     def _off_policy_estimates(self) -> dict[str, dict[str, float]]:
         """IS/WIS estimates of the current policy's return over recorded whole episodes."""
-        from pipeline.ope import estimate_all, estimator_kinds
+        from pipeline.offline.ope import estimate_all, estimator_kinds
 
         if self._ope_reader is None:
             settings = dataclasses.replace(self.offline_input, input_read_episodes=True, shuffle_buffer_size=0)

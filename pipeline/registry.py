@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import ALGORITHM_OF, AlgorithmConfig, ConfigError
-from pipeline.tune_support import register_with_tune
+from pipeline.config.base import ALGORITHM_OF, AlgorithmConfig, ConfigError
+from pipeline.tune.support import register_with_tune
 
 _ALGORITHMS: dict[str, Any] = {}
 

@@ -78,7 +78,7 @@ class _Spooled:
 
 
 class PolicyClient:
-    """A connection to a policy server (``actors.policy_server``); thread-safe."""
+    """A connection to a policy server (``actors.external.policy_server``); thread-safe."""
 
     def __init__(self, address: str, inference_mode: str | None = None, *, update_interval: float = 10.0,
                  server_public_key: str | bytes | None = None, client_key: str | tuple | None = None,

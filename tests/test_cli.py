@@ -13,7 +13,7 @@ import pytest
 
 from pipeline import PPOConfig, register_env
 from pipeline.algorithms.ppo import PPO
-from pipeline.cli import main
+from pipeline.cli.main import main
 
 SMALL = json.dumps({"train_batch_size_per_learner": 256, "minibatch_size": 128, "num_epochs": 2,
                     "num_envs_per_env_runner": 2})

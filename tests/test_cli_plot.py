@@ -1,8 +1,8 @@
 """`runnel plot RUN_DIR`: a PNG learning curve from a hand-written progress.csv."""
 import pytest
 
-from pipeline.cli import main
-from pipeline.cli_plot import DEFAULT_FILENAME, PlotError, plot_learning_curve, read_progress
+from pipeline.cli.main import main
+from pipeline.cli.plot import DEFAULT_FILENAME, PlotError, plot_learning_curve, read_progress
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

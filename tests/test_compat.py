@@ -1,4 +1,4 @@
-"""The RLlib compatibility surface: the table of RLlib's old names (pipeline/compat.py) -- accepted where
+"""The RLlib compatibility surface: the table of RLlib's old names (pipeline/config/compat.py) -- accepted where
 they are the same setting, refused naming runnel's otherwise --, ``.framework``/``.api_stack`` no-ops,
 dict-style reads, and ``foreach_env_runner`` handing an error of the user's function to the caller."""
 import dataclasses
@@ -11,9 +11,9 @@ import pytest
 from actors.modules import ModelConfig
 from pipeline import PPOConfig
 from pipeline.algorithms.dqn import DQNConfig
-from pipeline.compat import (ACCEPTED_KIND, IGNORED_KIND, MODEL_KEYS_CARRIED, NAMES, RENAMED_KIND,
+from pipeline.config.compat import (ACCEPTED_KIND, IGNORED_KIND, MODEL_KEYS_CARRIED, NAMES, RENAMED_KIND,
                              UNSUPPORTED_KIND, is_harmless, migration_table, refusal)
-from pipeline.config import ALGORITHM_OF, AlgorithmConfig, ConfigError
+from pipeline.config.base import ALGORITHM_OF, AlgorithmConfig, ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def problems(config: AlgorithmConfig) -> str:
 def test_migration_doc_is_generated_from_the_table():
     doc = (ROOT / "docs" / "MIGRATION.md").read_text(encoding="utf-8")
     assert doc == migration_table(), \
-        'docs/MIGRATION.md is stale: python -c "from pipeline.compat import regenerate; regenerate()"'
+        'docs/MIGRATION.md is stale: python -c "from pipeline.config.compat import regenerate; regenerate()"'
     for name, entry in NAMES.items():
         row = next((line for line in doc.splitlines() if line.startswith(f"| `{name}` |")), None)
         assert row is not None, f"{name} is missing from docs/MIGRATION.md"

@@ -2,7 +2,7 @@
 import pytest
 
 from pipeline import PPOConfig
-from pipeline.config import ConfigError
+from pipeline.config.base import ConfigError
 
 
 def test_builders_chain_and_set_fields():

@@ -10,7 +10,7 @@ import torch
 
 from pipeline import CQLConfig
 from pipeline.algorithms.cql import CQLLearner, bc_actor_loss, cql_regularizer
-from pipeline.config import ConfigError
+from pipeline.config.base import ConfigError
 
 OBS = gym.spaces.Box(-1, 1, (3,), np.float32)
 ACT = gym.spaces.Box(-2, 2, (1,), np.float32)

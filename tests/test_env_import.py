@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from pipeline.config import ConfigError
+from pipeline.config.base import ConfigError
 from pipeline.envs import env_creator
 
 ENV_MODULE = textwrap.dedent('''

@@ -13,9 +13,9 @@ import pytest
 import zmq
 
 from actors.env import EnvRunnerSettings
-from actors.external_security import SecurityError, make_keys
-from actors.policy_server import ExternalSettings, PolicyServer
-from pipeline.config import ConfigError
+from actors.external.security import SecurityError, make_keys
+from actors.external.policy_server import ExternalSettings, PolicyServer
+from pipeline.config.base import ConfigError
 from protocols import external as wire
 from protocols.client import PolicyClient, run_env
 from protocols.codec import encode
@@ -368,7 +368,7 @@ def test_config_group_is_validated():
 
 
 def test_runnel_keys_writes_key_pairs(tmp_path, capsys):
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     assert main(["keys", "server", "sim-1", "--dir", str(tmp_path)]) == 0
     for name in ("server.key", "server.key_secret", "sim-1.key", "sim-1.key_secret"):

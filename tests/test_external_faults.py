@@ -212,7 +212,7 @@ def test_client_killed_with_sigkill_and_restarted(tmp_path):
     import subprocess
     import sys
 
-    from actors.commit_journal import CommitJournal
+    from actors.external.journal import CommitJournal
 
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"

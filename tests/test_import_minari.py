@@ -16,9 +16,9 @@ h5py = pytest.importorskip("h5py", reason="runnel import minari reads HDF5 with 
 from actors.env import EnvRunnerSettings  # noqa: E402
 from actors.offline import OfflineReader, ReaderSettings  # noqa: E402
 from pipeline import BCConfig  # noqa: E402
-from pipeline.cli import main  # noqa: E402
-from pipeline.import_minari import MinariImportError, import_minari  # noqa: E402
-from pipeline.record import inspect_recording  # noqa: E402
+from pipeline.cli.main import main  # noqa: E402
+from pipeline.offline.import_minari import MinariImportError, import_minari  # noqa: E402
+from pipeline.offline.record import inspect_recording  # noqa: E402
 from protocols import nested  # noqa: E402
 from protocols.shards import ShardReader  # noqa: E402
 

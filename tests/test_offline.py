@@ -17,9 +17,9 @@ import pytest
 
 from actors.offline import OfflineReader, ReaderSettings, Recorder, RecordingSettings, read_manifest, write_manifest
 from pipeline import BCConfig, MARWILConfig, PPOConfig
-from pipeline.cli import main as cli
-from pipeline.config import ConfigError
-from pipeline.record import inspect_recording
+from pipeline.cli.main import main as cli
+from pipeline.config.base import ConfigError
+from pipeline.offline.record import inspect_recording
 from protocols.codec import encode
 from protocols.episode import EpisodeBuilder, EpisodeChunk
 from protocols.errors import ProtocolError

@@ -20,7 +20,7 @@ import pytest
 import ray
 
 from pipeline import Callbacks, PPOConfig
-from pipeline.record import inspect_recording
+from pipeline.offline.record import inspect_recording
 from protocols.codec import encode
 from protocols.shards import ShardReader
 

@@ -12,7 +12,7 @@ import pytest
 
 from actors.offline import read_manifest
 from pipeline import BCConfig, MARWILConfig
-from pipeline.record import inspect_recording
+from pipeline.offline.record import inspect_recording
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 EXPERT = os.path.join(DATA, "cartpole_expert")

@@ -7,7 +7,7 @@ import pytest
 from actors.env import EnvRunnerSettings
 from actors.offline import OfflineReader, ReaderSettings
 from pipeline import BCConfig, DQNConfig, PPOConfig
-from pipeline.config import ConfigError
+from pipeline.config.base import ConfigError
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 EXPERT, RANDOM = str(DATA / "cartpole_expert"), str(DATA / "cartpole_random")

@@ -267,7 +267,7 @@ def test_checkpoint_without_the_buffer_restores_weights_and_starts_an_empty_repl
 def test_runner_state_arrays_sharing_one_buffer_are_saved_and_read_back(tmp_path):
     # Remote runners' states arrive as read-only views into one Ray buffer; arrays of different
     # dtypes over the same memory must not make torch.save refuse the checkpoint.
-    from pipeline.checkpoint import read_extras, write_checkpoint
+    from pipeline.checkpoints.directory import read_extras, write_checkpoint
 
     raw = np.arange(64, dtype=np.uint8)
     raw.flags.writeable = False

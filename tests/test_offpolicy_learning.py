@@ -111,7 +111,7 @@ def test_two_remote_learners_split_replayed_batches_and_stay_identical(ray_clust
 
 @pytest.mark.parametrize("path", ["tuned/cartpole-dqn.yaml", "tuned/pendulum-sac.yaml"])
 def test_cli_trains_the_tuned_files_and_evaluates_the_checkpoint(tmp_path, capsys, path):
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     assert main(["train", "file", path, "--stop", '{"training_iteration": 3}', "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

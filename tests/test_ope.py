@@ -1,4 +1,4 @@
-"""Off-policy estimation (pipeline/ope.py): the estimators on hand-made episodes, then wired into
+"""Off-policy estimation (pipeline/offline/ope.py): the estimators on hand-made episodes, then wired into
 an algorithm trained from a recording with no env."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pipeline import BCConfig
-from pipeline.config import ConfigError
-from pipeline.ope import RecordedEpisode, estimate, estimator_kinds
+from pipeline.config.base import ConfigError
+from pipeline.offline.ope import RecordedEpisode, estimate, estimator_kinds
 
 RANDOM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "cartpole_random")
 

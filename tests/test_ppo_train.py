@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline import Algorithm, PPOConfig
-from pipeline.config import ConfigError
+from pipeline.config.base import ConfigError
 from tests.helpers import train_until
 from tests.envs import DictObsEnv
 
@@ -97,7 +97,7 @@ def test_restored_policy_evaluates_at_450_or_more(cartpole_run):
 def test_runnel_evaluate_on_the_checkpoint_reports_450_or_more(cartpole_run, capsys):
     import json
 
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     _, _, path, _ = cartpole_run
     assert main(["evaluate", path, "--episodes", "5", "--json"]) == 0

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from pipeline import PPO, DQNConfig, PPOConfig
-from pipeline.config import ConfigError
+from pipeline.config.base import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = {"num_env_runners": 0, "num_envs_per_env_runner": 2, "train_batch_size_per_learner": 128,
@@ -108,7 +108,7 @@ def test_restore_with_another_number_of_sub_envs_starts_fresh_episodes(tmp_path)
 
 def test_import_paths_find_modules_in_the_current_directory(tmp_path, monkeypatch):
     """``callbacks_class="mycallbacks:MyCallbacks"`` beside the user's script, without PYTHONPATH."""
-    from pipeline.config import resolve_import_path
+    from pipeline.config.base import resolve_import_path
 
     (tmp_path / "runnel_cwd_callbacks.py").write_text("from pipeline import Callbacks\n\n\nclass Mine(Callbacks):\n    pass\n")
     monkeypatch.chdir(tmp_path)

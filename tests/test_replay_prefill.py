@@ -6,7 +6,7 @@ import pytest
 
 from actors.replay import ReplayBuffer, ReplaySettings
 from pipeline import DQNConfig
-from pipeline.config import ConfigError
+from pipeline.config.base import ConfigError
 from protocols.shards import ShardReader, decode_record
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import gymnasium as gym
 import pytest
 
 from pipeline import Algorithm, register_env
-from pipeline.cli import main
+from pipeline.cli.main import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = json.dumps({"train_batch_size_per_learner": 128, "minibatch_size": 64, "num_epochs": 1,
@@ -25,7 +25,7 @@ ENDLESS = json.dumps({"training_iteration": 100_000})
 
 
 def _start(out_dir, *extra):
-    code = "import sys; from pipeline.cli import main; sys.exit(main())"
+    code = "import sys; from pipeline.cli.main import main; sys.exit(main())"
     return subprocess.Popen(
         [sys.executable, "-c", code, "train", "--algo", "PPO", "--env", "CartPole-v1", "--num-env-runners", "0",
          "--config", SMALL, "--stop", ENDLESS, "--output-dir", str(out_dir), *extra],

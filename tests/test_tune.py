@@ -82,7 +82,7 @@ def test_pbt_perturbs_lr_of_a_running_trial(ray2, tmp_path):
 
 
 def test_cli_grid_search_in_a_tuned_file_runs_through_tune(ray2, tmp_path, capsys):
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     f = tmp_path / "grid.yaml"
     f.write_text("algo: PPO\nenv: CartPole-v1\nstop: {training_iteration: 1}\n"

@@ -31,8 +31,8 @@ from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.returns import adapt_kl_coeff
 from pipeline.algorithms.vtrace import VTraceSettings, sgd_epochs, value_pass, vtrace_targets
-from pipeline.async_plan import AsyncPlan, AsyncPlanSettings, TakeBatch
-from pipeline.config import AlgorithmConfig, is_int, is_number
+from pipeline.plans.asynchronous import AsyncPlan, AsyncPlanSettings, TakeBatch
+from pipeline.config.base import AlgorithmConfig, is_int, is_number
 from pipeline.registry import register_algorithm
 from protocols.episode import EpisodeChunk
 

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.marwil import MARWILLearner, offline_training_step
-from pipeline.config import AlgorithmConfig
-from pipeline.offline_config import input_required_problems
+from pipeline.config.base import AlgorithmConfig
+from pipeline.config.offline import input_required_problems
 from pipeline.registry import register_algorithm
 
 

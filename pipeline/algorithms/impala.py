@@ -17,8 +17,8 @@ from actors.learner import Learner, piecewise
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.vtrace import VTraceSettings, sgd_epochs, value_pass, vtrace_targets
-from pipeline.async_plan import AsyncPlan, AsyncPlanSettings
-from pipeline.config import AlgorithmConfig
+from pipeline.plans.asynchronous import AsyncPlan, AsyncPlanSettings
+from pipeline.config.base import AlgorithmConfig
 from pipeline.registry import register_algorithm
 from protocols.episode import EpisodeChunk
 

@@ -21,7 +21,7 @@ from actors.learner import Learner, as_batch, piecewise
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.returns import adapt_kl_coeff, gae
-from pipeline.config import AlgorithmConfig
+from pipeline.config.base import AlgorithmConfig
 from pipeline.registry import register_algorithm
 from protocols.episode import EpisodeChunk
 

@@ -19,8 +19,8 @@ import torch
 from actors.learner import Learner, Optimizer
 from actors.modules import SACModule
 from pipeline.algorithm import Algorithm
-from pipeline.config import AlgorithmConfig, check_schedule, is_number
-from pipeline.offpolicy_plan import OffPolicyPlan, OffPolicySettings, polyak, to_tensors
+from pipeline.config.base import AlgorithmConfig, check_schedule, is_number
+from pipeline.plans.offpolicy import OffPolicyPlan, OffPolicySettings, polyak, to_tensors
 from pipeline.registry import register_algorithm
 
 

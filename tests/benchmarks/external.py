@@ -69,7 +69,7 @@ def serve(port: int, keys: str | None, ready: mp.Event, stop: mp.Event, spin_s: 
     import torch
 
     from actors.env import EnvRunnerSettings
-    from actors.policy_server import ExternalSettings, PolicyServer
+    from actors.external.policy_server import ExternalSettings, PolicyServer
 
     torch.set_num_threads(1)
     env = gym.make("CartPole-v1")
@@ -341,7 +341,7 @@ def anchor_round(python: str, n_clients: int, procs: int, seconds: float, latenc
 
 
 def make_keys(directory: str) -> None:
-    from actors.external_security import make_keys as write
+    from actors.external.security import make_keys as write
 
     write(directory, "server")
     write(os.path.join(directory, "clients"), "bench")

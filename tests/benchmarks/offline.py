@@ -153,7 +153,7 @@ def read_rate(path: str, action_space: gym.Space, total: int, input_reader: str 
 
 
 def steps_in(path: str) -> int:
-    from pipeline.record import inspect_recording
+    from pipeline.offline.record import inspect_recording
 
     return inspect_recording(path)["steps"]
 

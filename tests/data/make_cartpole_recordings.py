@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from pipeline import PPOConfig  # noqa: E402
-from pipeline.record import record_policy  # noqa: E402
+from pipeline.offline.record import record_policy  # noqa: E402
 
 
 def main() -> None:

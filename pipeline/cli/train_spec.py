@@ -1,7 +1,7 @@
 """What ``runnel train`` should do: tuned-example files, ``--stop``/``--config`` JSON, stop criteria.
 
 Everything here turns user input into a ``TrainSpec`` or a one-line ``CLIError``; running it is
-``pipeline.cli``'s job.
+``pipeline.cli.main``'s job.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from actors.env import EnvRunnerSettings
 from actors.manager import FaultToleranceSettings
 from actors.metrics import MetricsLogger
-from pipeline.env_runner_group import EnvRunnerGroup
+from pipeline.groups.env_runner_group import EnvRunnerGroup
 
 log = logging.getLogger("runnel")
 

@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pipeline.train_spec import EXIT_FAILURE, EXIT_USAGE, CLIError
+from pipeline.cli.train_spec import EXIT_FAILURE, EXIT_USAGE, CLIError
 
 DEFAULT_METRIC = "env_runners/episode_return_mean"
 EVALUATION_METRIC = "evaluation/env_runners/episode_return_mean"

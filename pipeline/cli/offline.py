@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from pipeline.train_spec import EXIT_FAILURE, EXIT_USAGE, CLIError
+from pipeline.cli.train_spec import EXIT_FAILURE, EXIT_USAGE, CLIError
 
 EXIT_OK = 0
 
@@ -15,7 +15,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     import ray
 
     from pipeline.algorithm import Algorithm
-    from pipeline.record import record_policy
+    from pipeline.offline.record import record_policy
 
     path = os.path.abspath(os.path.expanduser(args.checkpoint))
     if not os.path.isdir(path):
@@ -49,7 +49,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pipeline.record import inspect_recording
+    from pipeline.offline.record import inspect_recording
 
     try:
         out = inspect_recording(args.input)
@@ -74,7 +74,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from pipeline.import_minari import MinariImportError, import_minari
+    from pipeline.offline.import_minari import MinariImportError, import_minari
 
     if args.source != "minari":
         raise CLIError(f"cannot import from {args.source!r}: runnel imports 'minari' datasets", EXIT_USAGE)

@@ -28,9 +28,9 @@ import torch
 from actors.learner import ChunkBatch
 from actors.learner.loader import ChunkReceiver
 from actors.metrics import MetricsLogger
-from pipeline.config import is_int, is_number
-from pipeline.env_runner_group import EnvRunnerGroup
-from pipeline.learner_group import LearnerGroup
+from pipeline.config.base import is_int, is_number
+from pipeline.groups.env_runner_group import EnvRunnerGroup
+from pipeline.groups.learner_group import LearnerGroup
 
 TakeBatch = Callable[[float], "ChunkBatch | None"]
 

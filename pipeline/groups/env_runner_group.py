@@ -48,7 +48,7 @@ class EnvRunnerGroup:
         runner_cls: type = EnvRunner
         extra: dict[str, Any] = {}
         if external is not None:
-            from actors.policy_server import PolicyServer
+            from actors.external.policy_server import PolicyServer
 
             runner_cls, extra = PolicyServer, {"external": external}
         elif offline is not None:  # readers of a recording in the runners' place (actors.offline)

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from pipeline.run_dirs import env_label
-from pipeline.train_spec import EXIT_FAILURE, EXIT_OK, CLIError, describe_exc
+from pipeline.cli.train_spec import EXIT_FAILURE, EXIT_OK, CLIError, describe_exc
 
 
 def _check_render(algo: Any, label: str) -> None:
@@ -50,7 +50,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from pipeline.algorithm import Algorithm
     from pipeline.registry import get_algorithm
-    from pipeline.checkpoint import read_manifest
+    from pipeline.checkpoints.directory import read_manifest
     from pipeline.results import to_json_safe
 
     path = os.path.abspath(os.path.expanduser(args.checkpoint))
@@ -74,8 +74,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     ray_was_up = ray.is_initialized()
     algo = None
     try:
-        from pipeline.checkpoint import CheckpointError
-        from pipeline.config import ConfigError
+        from pipeline.checkpoints.directory import CheckpointError
+        from pipeline.config.base import ConfigError
 
         try:
             algo = Algorithm.from_checkpoint(path, **overrides)

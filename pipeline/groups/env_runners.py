@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from actors.env import EnvRunnerSettings
 from actors.env.env_runner import EnvRunner
-from pipeline.config import ALGORITHM_OF, AlgorithmConfig, ConfigError
+from pipeline.config.base import ALGORITHM_OF, AlgorithmConfig, ConfigError
 from pipeline.envs import env_creator, probe_spaces
 
 

@@ -53,11 +53,11 @@ import sys
 import traceback
 from typing import Sequence
 
-from pipeline.cli_evaluate import cmd_evaluate
-from pipeline.cli_offline import add_parsers as add_offline_parsers
-from pipeline.cli_plot import add_parser as add_plot_parser
-from pipeline.cli_train import cmd_train
-from pipeline.train_spec import DEFAULT_OUTPUT_DIR, DEFAULT_STOP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, CLIError
+from pipeline.cli.evaluate import cmd_evaluate
+from pipeline.cli.offline import add_parsers as add_offline_parsers
+from pipeline.cli.plot import add_parser as add_plot_parser
+from pipeline.cli.train import cmd_train
+from pipeline.cli.train_spec import DEFAULT_OUTPUT_DIR, DEFAULT_STOP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, CLIError
 
 
 # --- parser ----------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from actors.external_security import make_keys
+    from actors.external.security import make_keys
 
     for name in args.names:
         if not name or "/" in name or name.startswith("."):
@@ -205,8 +205,8 @@ def _pos_int(text: str) -> int:
 # --- entry point -----------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     """``runnel`` console script; returns the exit status."""
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.config import ConfigError
+    from pipeline.checkpoints.directory import CheckpointError
+    from pipeline.config.base import ConfigError
 
     debug = bool(os.environ.get("RUNNEL_DEBUG"))
     try:

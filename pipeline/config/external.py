@@ -13,8 +13,8 @@ import difflib
 from typing import Any
 from urllib.parse import urlsplit
 
-from actors.external_security import SecurityError, ServerSecurity, is_loopback
-from actors.policy_server import ExternalSettings
+from actors.external.security import SecurityError, ServerSecurity, is_loopback
+from actors.external.policy_server import ExternalSettings
 
 KEYS = tuple(f.name for f in dataclasses.fields(ExternalSettings))
 

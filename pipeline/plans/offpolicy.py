@@ -24,10 +24,10 @@ from torch import nn
 from actors.metrics import MetricsLogger
 from actors.offline.reader import SAMPLER
 from actors.replay import ReplayBuffer, ReplaySettings
-from pipeline.config import is_int, is_number
-from pipeline.env_runner_group import EnvRunnerGroup
-from pipeline.learner_group import LearnerGroup
-from pipeline.offline_config import mixes_sampler
+from pipeline.config.base import is_int, is_number
+from pipeline.groups.env_runner_group import EnvRunnerGroup
+from pipeline.groups.learner_group import LearnerGroup
+from pipeline.config.offline import mixes_sampler
 from protocols import nested
 
 BUFFER_TYPES = {"EpisodeReplayBuffer": False, "uniform": False,
@@ -67,7 +67,7 @@ class OffPolicySettings:
         c = dict(self.replay_buffer_config)
         batch, steps = self.train_batch_size_per_learner, self.steps_per_training_step()
         if self.external_clients_config is not None:  # a policy server's round may end one client chunk later
-            from pipeline.external_config import external_settings
+            from pipeline.config.external import external_settings
 
             steps += external_settings(self).fragment_length
         if mixes_sampler(self):  # recorded steps join each round: up to ratio * steps, plus one piece
@@ -225,7 +225,7 @@ class OffPolicyPlan:
         self.streaming = None
         self.replay: ReplayBuffer | None = None
         if config.replay_buffer_config.get("remote", False):
-            from pipeline.offpolicy_streaming import StreamingReplay
+            from pipeline.plans.offpolicy_streaming import StreamingReplay
 
             self.streaming = StreamingReplay(config, settings, env_runners, learners, metrics, observation_space,
                                              action_space, compress)
@@ -294,7 +294,7 @@ class RecordedMix:
 
     def __init__(self, config: Any, runner_settings: Any) -> None:
         from actors.offline import OfflineReader
-        from pipeline.offline_config import reader_settings
+        from pipeline.config.offline import reader_settings
 
         self.ratio = mix_ratio(config)
         self.piece = max(1, config.steps_per_training_step())

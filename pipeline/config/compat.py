@@ -202,7 +202,7 @@ BUILDERS: dict[str, str] = {
 }
 """RLlib's old builder methods -> runnel's (refused: ``config.rollouts(...)`` fails naming the new one)."""
 
-# Views of the table by kind (what pipeline/config.py reads).
+# Views of the table by kind (what pipeline/config/base.py reads).
 ACCEPTED: dict[str, str] = {k: n.runnel for k, n in NAMES.items() if n.kind == ACCEPTED_KIND}
 IGNORED: dict[str, Name] = {k: n for k, n in NAMES.items() if n.kind == IGNORED_KIND}
 REFUSED: dict[str, Name] = {k: n for k, n in NAMES.items() if n.kind in (RENAMED_KIND, UNSUPPORTED_KIND)}
@@ -269,7 +269,7 @@ def check_framework(value: object) -> str | None:
 def migration_table() -> str:
     """docs/MIGRATION.md: every entry of the table, grouped by kind."""
     out = ["# Coming from RLlib: old names and runnel's", "",
-           "Generated from the table in `pipeline/compat.py` (see `regenerate` there);",
+           "Generated from the table in `pipeline/config/compat.py` (see `regenerate` there);",
            "a test keeps the two in step. Settings RLlib and runnel spell alike (`gamma`, `lr`,",
            "`rollout_fragment_length`, `num_env_runners`...) are not listed.", "",
            "- **accepted**: the same setting under another name; the value goes to runnel's setting.",
@@ -317,6 +317,6 @@ def _md_fix(fix: str) -> str:
 
 def regenerate(path: str = "docs/MIGRATION.md") -> None:
     """Rewrite the migration doc from the table:
-    ``python -c "from pipeline.compat import regenerate; regenerate()"`` in the repository root."""
+    ``python -c "from pipeline.config.compat import regenerate; regenerate()"`` in the repository root."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(migration_table())

@@ -1,6 +1,6 @@
 """``runnel train``: build the algorithm, train until a stop criterion, log results and checkpoints.
 
-See ``pipeline.cli`` for the command line and ``pipeline.train_spec`` for how its inputs are read.
+See ``pipeline.cli.main`` for the command line and ``pipeline.cli.train_spec`` for how its inputs are read.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import traceback
 from typing import Any
 
 from pipeline.run_dirs import env_label, make_run_dir, run_dir_name
-from pipeline.train_spec import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RUN_FILE, CLIError, TrainSpec,
+from pipeline.cli.train_spec import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, RUN_FILE, CLIError, TrainSpec,
                                   check_stop_keys, describe_exc, resume_spec, runnel_command, say, stop_reason, train_spec,
                                   warn)
 
@@ -35,7 +35,7 @@ def _fmt_num(value: Any, spec: str = ".2f") -> str:
 
 
 def _validate(config: Any) -> None:
-    from pipeline.config import ConfigError
+    from pipeline.config.base import ConfigError
 
     try:
         config.validate()
@@ -99,9 +99,9 @@ def _build_config(spec: TrainSpec) -> tuple[Any, Any]:
 def cmd_train(args: argparse.Namespace) -> int:
     import ray
 
-    from pipeline.config import ConfigError
+    from pipeline.config.base import ConfigError
 
-    from pipeline.tune_run import first_variant, has_search_space, run_with_tune
+    from pipeline.tune.run import first_variant, has_search_space, run_with_tune
 
     resume_dir = os.path.abspath(os.path.expanduser(args.resume)) if getattr(args, "resume", None) else None
     spec = resume_spec(args, resume_dir) if resume_dir else train_spec(args)
@@ -146,7 +146,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _resume_checkpoint(run_dir: str) -> str:
-    from pipeline.checkpoint_keeper import checkpoints_in
+    from pipeline.checkpoints.keeper import checkpoints_in
 
     if not os.path.isdir(run_dir):
         raise CLIError(f"--resume {run_dir!r}: no such directory")
@@ -165,7 +165,7 @@ def _write_run_file(run_dir: str, spec: TrainSpec) -> None:
 
 
 def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str, resumed: bool = False) -> int:
-    from pipeline.checkpoint_keeper import CheckpointKeeper, checkpoints_in
+    from pipeline.checkpoints.keeper import CheckpointKeeper, checkpoints_in
     from pipeline.results import ResultLogger
 
     label = env_label(algo.config.env)
@@ -274,7 +274,7 @@ def _save_after_failure(save: Any, algo: Any, last_result: dict | None, checkpoi
 def _learning_curve(run_dir: str) -> str | None:
     """Write the run's learning curve (``runnel plot``'s default) and return its path; a run whose
     results cannot be plotted (no episode finished yet) gets none, with a one-line note."""
-    from pipeline.cli_plot import PlotError, plot_learning_curve
+    from pipeline.cli.plot import PlotError, plot_learning_curve
 
     try:
         return plot_learning_curve(run_dir).path

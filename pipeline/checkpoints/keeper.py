@@ -7,7 +7,7 @@ import re
 import shutil
 from dataclasses import dataclass
 
-from pipeline.checkpoint import MANIFEST
+from pipeline.checkpoints.directory import MANIFEST
 
 CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d{6})$")
 

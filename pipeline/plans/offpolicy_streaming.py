@@ -23,8 +23,8 @@ import torch
 from actors.manager import ActorManager, FaultToleranceSettings
 from actors.metrics import MetricsLogger
 from actors.replay import ReplayBuffer, ReplaySettings
-from pipeline.env_runner_group import EnvRunnerGroup
-from pipeline.learner_group import LearnerGroup
+from pipeline.groups.env_runner_group import EnvRunnerGroup
+from pipeline.groups.learner_group import LearnerGroup
 from protocols.codec import decode
 
 

@@ -3,7 +3,7 @@
 Each builder (``environment``, ``env_runners``, ``training``...) sets the fields of its group and
 returns the config, so calls chain. A key a builder does not know is remembered and reported at
 ``build()``/``validate()`` together with the closest valid names, never silently ignored. RLlib's old
-and renamed names go through the table in ``pipeline/compat.py``: accepted where they are the same
+and renamed names go through the table in ``pipeline/config/compat.py``: accepted where they are the same
 setting, otherwise reported as "X is RLlib's old name: use Y".
 Algorithm configs (``PPOConfig``...) subclass this and add their own fields; those belong to the
 ``training`` group.
@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from actors.callbacks import HOOKS, CallbacksSpec
 from actors.learner import LearnerSettings
-from pipeline.compat import (ACCEPTED, ACCEPTED_KIND, BUILDERS, IGNORED_KIND, NAMES, NO_VALUE, UNSUPPORTED_KIND,
+from pipeline.config.compat import (ACCEPTED, ACCEPTED_KIND, BUILDERS, IGNORED_KIND, NAMES, NO_VALUE, UNSUPPORTED_KIND,
                              ignored_note, is_harmless, refusal)
 
 log = logging.getLogger("runnel")
@@ -233,7 +233,7 @@ class AlgorithmConfig:
     off_policy_estimation_methods: dict = field(default_factory=dict)
     """Estimate the policy's return from the offline input's recorded episodes at each evaluation:
     ``{"wis": {"type": "WeightedImportanceSampling"}, "is": {"type": "ImportanceSampling"}}``
-    (see ``pipeline.ope``); results under ``evaluation/off_policy_estimator/<name>/``. Needs
+    (see ``pipeline.offline.ope``); results under ``evaluation/off_policy_estimator/<name>/``. Needs
     ``offline_data(input_=...)``; with no env, evaluation is these estimates alone."""
     off_policy_estimation_episodes: int = 100
     """Recorded whole episodes each off-policy estimate reads."""
@@ -571,11 +571,11 @@ class AlgorithmConfig:
         else:
             problems += model_config_problems(self.model_config)
         problems += self._evaluation_problems()
-        from pipeline.external_config import external_problems
+        from pipeline.config.external import external_problems
 
         problems += external_problems(self)
-        from pipeline.offline_config import offline_problems
-        from pipeline.ope import estimator_kinds
+        from pipeline.config.offline import offline_problems
+        from pipeline.offline.ope import estimator_kinds
 
         problems += offline_problems(self)
         problems += estimator_kinds(self.off_policy_estimation_methods)[1]

@@ -16,7 +16,7 @@ slots (in the driver, or as Ray actors managed like any runner) and an algorithm
 from them unchanged: ``sample_encoded`` hands on the chunks clients sent (waiting at most
 ``sample_wait_s`` for them). The driver asking again means it has the previous answer, so that
 is when the previous chunks are *committed*: their ids are written to the commit journal
-(``actors.commit_journal``) and acknowledged to the clients, which then drop them from their
+(``actors.external.journal``) and acknowledged to the clients, which then drop them from their
 spools. A recreated server is told by its group which chunks its predecessor handed on last
 (``confirm_delivered``), so a kill between hand-off and acknowledgement duplicates nothing.
 
@@ -43,12 +43,12 @@ import numpy as np
 import torch
 import zmq
 
-from actors.commit_journal import CommitJournal, Key
+from actors.external.journal import CommitJournal, Key
 from actors.core import EnvRunnerRole
 from actors.env.actions import EnvActions
 from actors.env.env_runner import EnvRunnerSettings, set_log_level
 from actors.env.exploration import make_exploration
-from actors.external_security import ServerSecurity
+from actors.external.security import ServerSecurity
 from actors.metrics import MetricsLogger
 from actors.modules import to_torch
 from protocols import external as wire

@@ -10,7 +10,7 @@ import shlex
 from typing import Any
 
 from pipeline.run_dirs import env_label, run_dir_name
-from pipeline.train_spec import EXIT_FAILURE, EXIT_OK, TrainSpec, runnel_command, say
+from pipeline.cli.train_spec import EXIT_FAILURE, EXIT_OK, TrainSpec, runnel_command, say
 
 SEARCH_KEYS = ("grid_search",)
 """Search spaces a tuned file or ``--config`` can hold as plain data: ``{"grid_search": [values]}``."""

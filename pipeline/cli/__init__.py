@@ -1,0 +1,1 @@
+"""runnel's command line: ``runnel train``, ``evaluate``, ``record``, ``inspect``, ``import``, ``plot``."""

@@ -1,0 +1,1 @@
+"""AlgorithmConfig and its setting groups, each with its validation; RLlib's old names."""

@@ -1,0 +1,1 @@
+"""The driver's handles on its stage groups: env runners, learners, evaluators."""

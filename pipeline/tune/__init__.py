@@ -1,0 +1,1 @@
+"""Ray Tune: algorithms as Trainables, and ``runnel train`` trials through Tune."""
