@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from actors.external.security import SecurityError, ServerSecurity, is_loopback
-from actors.external.policy_server import ExternalSettings
+from actors.external.settings import ExternalSettings
 
 KEYS = tuple(f.name for f in dataclasses.fields(ExternalSettings))
 

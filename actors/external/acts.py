@@ -1,0 +1,152 @@
+"""ActBatcher: the remote-inference path -- act requests taken in, gathered across clients, answered
+from one forward pass.
+
+Separate from the server loop, which only says when to run a batch (``max_batch`` rows queued, or
+``batch_wait_s`` passed); everything here runs on the server thread.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from actors.env.env_runner import EnvRunnerSettings
+from actors.external.endpoint import Conn, ServerEndpoint
+from actors.external.inference import ServerPolicy
+from actors.external.settings import ExternalSettings
+from protocols import external as wire
+from protocols import nested
+from protocols.codec import Limits, decode
+from protocols.errors import ProtocolError
+from protocols.schema import ChunkSchema
+
+_NO_ACTION = [None]  # the one row of an act request without a client-chosen action (read only)
+
+
+@dataclass
+class _Act:
+    route: bytes
+    rid: int
+    obs: list  # one observation per row (a batched request has several)
+    given: list  # per row: the action the client took (log_action), or None
+    explore: bool
+    batched: bool  # reply with lists
+
+
+class ActBatcher:
+    def __init__(self, endpoint: ServerEndpoint, conns: dict[bytes, Conn], counts: dict[str, int],
+                 policy: ServerPolicy, schema: ChunkSchema, settings: EnvRunnerSettings,
+                 external: ExternalSettings) -> None:
+        """``conns`` and ``counts``: the server thread's connections and counters, shared with its loop."""
+        self.s, self.x = settings, external
+        self.policy, self.schema = policy, schema
+        self._send = endpoint.send
+        self._conns = conns
+        self._counts = counts
+        self.act_limits = Limits(max_frame_bytes=8 << 20, max_decoded_bytes=16 << 20, max_buffer_size=1 << 20,
+                                 max_array_len=4096, max_map_len=256, max_depth=16)
+        self.requests: list[_Act] = []
+        self.rows = 0  # observations in self.requests
+        self.first_act_at = 0.0
+
+    def act_one(self, route: bytes, conn: Conn, rid: int, h: dict) -> bool:
+        """The common request -- one started episode, its observation in the header -- taken without
+        the general checks (an id in ``conn.episodes`` passed them at 'start'); False: not that request."""
+        eid = h.get("episode_id")
+        if (type(eid) is not str or eid not in conn.episodes or "action" in h or "obs" not in h
+                or conn.in_flight >= self.x.max_requests_in_flight):
+            return False
+        try:
+            row = self.schema.observation_from_plain(h["obs"])
+        except ProtocolError as err:
+            self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
+            return True
+        conn.last_seen = time.monotonic()
+        self._queue(conn, _Act(route, rid, [row], _NO_ACTION, bool(h.get("explore", self.s.explore)), False))
+        return True
+
+    def _queue(self, conn: Conn, act: _Act) -> None:
+        """An act request waits for the next forward pass."""
+        if not self.requests:
+            self.first_act_at = time.monotonic()
+        conn.in_flight += 1
+        self.requests.append(act)
+        self.rows += len(act.obs)
+
+    def on_act(self, route: bytes, conn: Conn, rid: int, h: dict, body: bytes | None) -> None:
+        if body is None:  # small observations travel in the header as plain msgpack
+            msg = h
+        else:
+            msg = decode(body, limits=self.act_limits)
+            if not isinstance(msg, dict) or "obs" not in msg:
+                raise ProtocolError("an act body must be a map with 'obs' (and optionally 'action')")
+        batched = "episode_ids" in h
+        if batched:  # several episodes' observations in one request (a vectorized client)
+            eids, obs, given = h["episode_ids"], msg["obs"], msg.get("action")
+            if (not isinstance(eids, list) or not 0 < len(eids) <= self.x.max_batch or not isinstance(obs, list)
+                    or len(obs) != len(eids) or not (given is None or isinstance(given, list) and len(given) == len(eids))):
+                raise ProtocolError(f"a batched act needs 'episode_ids' (1 to {self.x.max_batch}) and as many 'obs' "
+                                    f"(and 'action', if given)")
+            for eid in eids:
+                wire.check_episode_id(eid)
+            given = given or [None] * len(eids)
+        else:
+            eids, obs, given = [h["episode_id"]], [msg["obs"]], [msg.get("action")]
+        unknown = [eid for eid in eids if eid not in conn.episodes]
+        if unknown:
+            self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"episode {unknown[0]!r} was not started on "
+                                         f"this connection; send 'start' first"))
+            return
+        if conn.in_flight >= self.x.max_requests_in_flight:
+            self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
+                                         f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
+            return
+        try:
+            rows = [self.schema.observation_from_plain(o) for o in obs]
+            given = [None if g is None else self.policy.to_module_action(self.schema.action_from_plain(g))
+                     for g in given]
+        except ProtocolError as err:
+            self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
+            return
+        self._queue(conn, _Act(route, rid, rows, given, bool(h.get("explore", self.s.explore)), batched))
+
+    def infer(self) -> None:
+        acts, self.requests = self.requests, []
+        self.rows = 0
+        if len(acts) == 1 and len(acts[0].obs) == 1:  # one client acting alone: no gathering, no stacking
+            rows = acts[0].obs
+            obs = rows[0][None] if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+            explore = [acts[0].explore]
+            given = {} if acts[0].given[0] is None else {0: acts[0].given[0]}
+        else:
+            rows = [o for a in acts for o in a.obs]
+            obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+            explore = [a.explore for a in acts for _ in a.obs]
+            given = {i: g for i, g in enumerate(g for a in acts for g in a.given) if g is not None}
+        n = len(rows)
+        policy = self.policy
+        module_actions, logp, dists, version = policy.forward(obs, explore, given)
+        env_list, logp_list, dist_list = policy.env_actions(module_actions).tolist(), logp.tolist(), dists.tolist()
+        raw_list = module_actions.tolist() if policy.box_actions else None
+        conns, send, i = self._conns, self._send, 0
+        for a in acts:
+            k = len(a.obs)
+            if a.batched:
+                reply = {"op": wire.ACTION, "id": a.rid, "weights_version": version, "action": env_list[i:i + k],
+                         "logp": logp_list[i:i + k], "dist": dist_list[i:i + k]}
+                if raw_list is not None:
+                    reply["module_action"] = raw_list[i:i + k]
+            else:
+                reply = {"op": wire.ACTION, "id": a.rid, "weights_version": version, "action": env_list[i],
+                         "logp": logp_list[i], "dist": dist_list[i]}
+                if raw_list is not None:
+                    reply["module_action"] = raw_list[i]
+            send(a.route, reply)
+            i += k
+            conn = conns.get(a.route)
+            if conn is not None:
+                conn.in_flight -= 1
+        policy.num_env_steps_served += n
+        self._counts["num_actions_served"] += n
+        self._counts["num_inference_batches"] += 1

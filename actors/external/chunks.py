@@ -1,0 +1,178 @@
+"""ChunkIntake: the experience clients send, from arrival to acknowledgement -- bounded decoding,
+busy gates, dedup by ``(episode_id, chunk_index)``, the chunks held for the driver, and the commit
+that journals what it took and queues the acknowledgements.
+
+Apart from the act path because its state crosses threads: the server thread takes chunks in,
+the driver's thread (``PolicyServer.sample``) takes them out, both under the server's lock.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from actors.external.endpoint import ServerEndpoint
+from actors.external.journal import CommitJournal, Key
+from actors.external.settings import ExternalSettings
+from actors.metrics import MetricsLogger
+from protocols import external as wire
+from protocols.codec import Limits, decode
+from protocols.episode import EpisodeChunk
+from protocols.errors import ProtocolError
+from protocols.schema import ChunkSchema
+
+
+class ChunkIntake:
+    def __init__(self, lock: threading.Condition, endpoint: ServerEndpoint, journal: CommitJournal,
+                 metrics: MetricsLogger, counts: dict[str, int], external: ExternalSettings, schema: ChunkSchema,
+                 dist_dim: int, worker_index: int) -> None:
+        """``lock``: the server's lock, which the caller holds around ``commit`` and ``take``;
+        ``counts``: the server thread's counters."""
+        self.x, self.schema, self.dist_dim, self.worker_index = external, schema, dist_dim, worker_index
+        self.journal, self.metrics = journal, metrics
+        self._lock = lock
+        self._send, self._wake = endpoint.send, endpoint.wake
+        self._counts = counts
+        self.chunk_limits = Limits(max_frame_bytes=self.x.max_frame_bytes, max_decoded_bytes=4 * self.x.max_frame_bytes,
+                                   max_buffer_size=min(self.x.max_frame_bytes, 64 << 20))
+        self._pending: list[tuple[Key, EpisodeChunk]] = []
+        self._pending_keys: set[Key] = set()
+        self.pending_steps = 0
+        self._owner: dict[Key, bytes] = {}  # who to acknowledge a chunk to (the latest connection that sent it)
+        # episode id -> [next chunk index it may hand in, highest index refused] for episodes with chunks
+        # refused as busy: the rest wait their turn, so each episode reaches training in order (on_chunks)
+        self._gates: OrderedDict[str, list[int]] = OrderedDict()
+        self._delivered: list[Key] = []  # handed on by the last sample call, not yet confirmed
+        self._delivered_keys: set[Key] = set()
+        self._outbox: list[tuple[bytes, dict]] = []  # messages other threads ask the server thread to send
+
+    # --- the server thread ----------------------------------------------------------------------
+    def on_chunks(self, route: bytes, rid: int, h: dict, body: bytes) -> None:
+        ids = wire.chunk_ids(h["ids"], limit=4096)
+        chunks = decode(body, limits=self.chunk_limits)
+        if isinstance(chunks, EpisodeChunk):
+            chunks = [chunks]
+        if not isinstance(chunks, list) or len(chunks) != len(ids) or not all(isinstance(c, EpisodeChunk) for c in chunks):
+            raise ProtocolError(f"a chunks body must be a list of {len(ids)} episode chunks, one per id")
+        accepted, committed, busy, bad = [], [], [], []
+        with self._lock:
+            for key, chunk in zip(ids, chunks):
+                gate = self._gates.get(key[0])
+                if (chunk.episode_id, chunk.chunk_index) != key:
+                    bad.append((key, f"chunk {(chunk.episode_id, chunk.chunk_index)} sent under id {key}"))
+                elif key in self.journal:
+                    committed.append(list(key))
+                elif key in self._pending_keys or key in self._delivered_keys:
+                    self._owner[key] = route  # acknowledge to the connection that sent it last
+                    accepted.append(list(key))
+                    self._counts["num_duplicate_chunks"] += 1
+                elif self.pending_steps >= self.x.max_pending_steps or (gate is not None and key[1] > gate[0]):
+                    # Busy. An episode with a refused chunk hands in the rest in order, room or not: taken
+                    # out of order, its chunks would reach the replay as separate pieces (n-step returns stop
+                    # at every cut) and its return would be reported without the late chunks' rewards.
+                    busy.append(list(key))
+                    if gate is None:
+                        self._gates[key[0]] = [key[1], key[1]]
+                        if len(self._gates) > 100_000:  # episodes whose clients never came back
+                            self._gates.popitem(last=False)
+                    else:
+                        gate[1] = max(gate[1], key[1])
+                    continue
+                else:
+                    problem = self._check_chunk(chunk)
+                    if problem:
+                        bad.append((key, problem))
+                        self._pass_gate(gate, key)  # the client drops it: the episode goes on without it
+                        continue
+                    chunk.env_runner_index = self.worker_index
+                    self._pending.append((key, chunk))
+                    self._pending_keys.add(key)
+                    self.pending_steps += len(chunk)
+                    self._owner[key] = route
+                    accepted.append(list(key))
+                    self._counts["num_chunks_received"] += 1
+                self._pass_gate(gate, key)
+            self._counts["num_duplicate_chunks"] += len(committed)
+            if accepted:
+                self._lock.notify_all()
+        if accepted or committed:
+            self._send(route, {"op": wire.RECEIVED, "id": rid, "ids": accepted, "committed": committed})
+        if busy:
+            self._counts["num_busy_replies"] += 1
+            self._send(route, {**wire.error(rid, wire.BUSY, f"the server holds {self.pending_steps} env steps "
+                                            f"not yet trained on; resend later"), "ids": busy})
+        for key, problem in bad:
+            self._counts["num_bad_chunks"] += 1
+            self._send(route, {**wire.error(rid, wire.BAD_CHUNK, problem), "ids": [list(key)]})
+
+    def _pass_gate(self, gate: list[int] | None, key: Key) -> None:
+        """Chunk ``key`` is through (taken, or known): its episode's next chunk may come -- the next
+        one the server does not hold yet (one taken before the gate closed is never sent again)."""
+        if gate is None or key[1] != gate[0]:
+            return
+        gate[0] += 1
+        while gate[0] <= gate[1] and self._holds((key[0], gate[0])):
+            gate[0] += 1
+        if gate[0] > gate[1]:
+            del self._gates[key[0]]
+
+    def _holds(self, key: Key) -> bool:
+        return key in self._pending_keys or key in self._delivered_keys or key in self.journal
+
+    def _check_chunk(self, chunk: EpisodeChunk) -> str | None:
+        try:
+            chunk.validate()
+            if len(chunk) == 0 or len(chunk) > self.x.max_chunk_steps:
+                raise ProtocolError(f"a chunk must have 1 to {self.x.max_chunk_steps} steps, got {len(chunk)}")
+            self.schema.check(chunk)
+            dists = chunk.extra.get("action_dist_inputs")
+            if not isinstance(dists, np.ndarray) or dists.shape != (len(chunk), self.dist_dim) or dists.dtype.kind != "f":
+                raise ProtocolError(f"extra['action_dist_inputs'] must be a float array of shape "
+                                    f"({len(chunk)}, {self.dist_dim}), got {getattr(dists, 'shape', type(dists).__name__)}")
+        except ProtocolError as err:
+            return str(err)
+        return None
+
+    def take_outbox(self) -> list[tuple[bytes, dict]]:
+        """The acknowledgements commits queued, for the server thread to send."""
+        with self._lock:
+            out, self._outbox = self._outbox, []
+        return out
+
+    # --- the driver's side (the caller holds the lock) ----------------------------------------------
+    def take(self, want: int) -> list[EpisodeChunk]:
+        """Pending chunks to hand on; they count as delivered until the next ``commit_delivered``."""
+        # whole chunks in arrival order until the request is covered (like a runner's round: a replay
+        # ratio or a train batch sized for it stays right); the rest waits for the next call
+        count = steps = 0
+        for _, chunk in self._pending:
+            if steps >= want:
+                break
+            count, steps = count + 1, steps + len(chunk)
+        taken, self._pending = self._pending[:count], self._pending[count:]
+        self._pending_keys.difference_update(key for key, _ in taken)
+        self.pending_steps -= steps
+        self._delivered = [key for key, _ in taken]
+        self._delivered_keys = set(self._delivered)
+        return [c for _, c in taken]
+
+    def commit_delivered(self) -> None:
+        """What the last ``take`` handed on arrived: commit it."""
+        self.commit(self._delivered)
+
+    def commit(self, keys: list[Key]) -> None:
+        """``keys`` were handed on: journal them, then acknowledge them to their senders."""
+        if not keys:
+            return
+        self.journal.add(keys)
+        if keys is self._delivered:
+            self._delivered, self._delivered_keys = [], set()
+        by_route: dict[bytes, list] = {}
+        for key in keys:
+            route = self._owner.pop(key, None)
+            if route is not None:
+                by_route.setdefault(route, []).append(list(key))
+        self._outbox.extend((route, {"op": wire.COMMITTED, "id": 0, "ids": ids}) for route, ids in by_route.items())
+        self.metrics.log_value("external/num_chunks_committed", len(keys), reduce="lifetime_sum")
+        self._wake()

@@ -1,0 +1,224 @@
+"""ServerLoop: the policy server's thread -- polling the socket, handing each message to its
+handler, and the connections themselves (hello, episodes started, weights downloads, bans, idle sweep).
+
+Apart from the env runner role (``PolicyServer``), which runs on the caller's thread: this thread
+alone touches the socket, the connections and the act queue.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from actors.env.env_runner import EnvRunnerSettings
+from actors.external.acts import ActBatcher
+from actors.external.chunks import ChunkIntake
+from actors.external.endpoint import EVENTS, POLLIN, Conn, ServerEndpoint
+from actors.external.inference import ServerPolicy
+from actors.external.settings import ExternalSettings
+from protocols import external as wire
+from protocols.codec import encode
+from protocols.errors import ProtocolError
+from protocols.spaces import space_from_dict
+
+log = logging.getLogger("runnel")
+
+REQUIRED_EXTRA = ("action_logp", "action_dist_inputs")
+"""What every chunk carries besides obs/actions/rewards: the behaviour policy's outputs."""
+
+
+class ServerLoop:
+    def __init__(self, endpoint: ServerEndpoint, acts: ActBatcher, chunks: ChunkIntake, policy: ServerPolicy, *,
+                 conns: dict[bytes, Conn], counts: dict[str, int], stopping: threading.Event,
+                 settings: EnvRunnerSettings, external: ExternalSettings, server_id: str, spaces: dict,
+                 worker_index: int) -> None:
+        """``conns`` (shared with ``acts``) and ``counts``: the server thread's; ``stopping`` ends the loop."""
+        self.endpoint, self.acts, self.chunks, self.policy = endpoint, acts, chunks, policy
+        self.s, self.x = settings, external
+        self.server_id, self.spaces = server_id, spaces
+        self.conns = conns
+        self._counts = counts
+        self._stopping = stopping
+        self._send = endpoint.send
+        self._banned: set[bytes] = set()
+        self._export: tuple[int, bytes] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name=f"runnel-policy-server-{worker_index}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout=timeout)
+
+    def _serve(self) -> None:
+        endpoint, acts = self.endpoint, self.acts
+        poller = zmq.Poller()
+        poller.register(endpoint.sock, zmq.POLLIN)
+        poller.register(endpoint.wake_rx, zmq.POLLIN)
+        last_sweep = time.monotonic()
+        try:
+            while not self._stopping.is_set():
+                timeout = 100
+                if acts.requests:
+                    timeout = max(0, int((acts.first_act_at + self.x.batch_wait_s - time.monotonic()) * 1000))
+                parts = endpoint.spin() if self.x.spin_s > 0 and not acts.requests else None
+                if parts is None:
+                    events = dict(poller.poll(timeout))
+                    if endpoint.wake_rx in events:
+                        while endpoint.wake_rx.poll(0):
+                            endpoint.wake_rx.recv()
+                else:
+                    self._on_message(parts)
+                sock, recv = endpoint.sock, endpoint.recv
+                for _ in range(4 * self.x.max_batch):  # bounded, so queued acts and commits go out
+                    # asking the socket first: a raised zmq.Again costs more than the whole check
+                    if not sock.getsockopt(EVENTS) & POLLIN:
+                        break
+                    self._on_message(recv())
+                    if acts.rows >= self.x.max_batch:
+                        acts.infer()
+                if acts.requests and time.monotonic() >= acts.first_act_at + self.x.batch_wait_s:
+                    acts.infer()
+                self._flush_outbox()
+                if time.monotonic() - last_sweep > 1.0:
+                    last_sweep = time.monotonic()
+                    self._sweep_idle()
+            self._flush_outbox()
+        except BaseException as err:  # noqa: BLE001 - reported by get_metrics/sample (the group recreates us)
+            self.error = err
+            log.exception("policy server thread failed")
+
+    def _flush_outbox(self) -> None:
+        for route, header in self.chunks.take_outbox():
+            self._send(route, header)
+
+    def _sweep_idle(self) -> None:
+        now = time.monotonic()
+        for route in [r for r, c in self.conns.items() if now - c.last_seen > self.x.idle_timeout_s]:
+            del self.conns[route]
+
+    def _on_message(self, parts: list[bytes]) -> None:
+        route = parts[0]
+        if route in self._banned:
+            return
+        conn = self.conns.get(route)
+        rid = 0
+        try:
+            if len(parts) < 2:
+                raise ProtocolError("a message needs a header part")
+            header = wire.unpack_header(parts[1])
+            rid = header.get("id", 0)
+            op = header["op"]
+            if op == wire.ACT and conn is not None and len(parts) == 2 and self.acts.act_one(route, conn, rid, header):
+                return
+            wire.check_request(header, len(parts) - 1)
+            if conn is None:
+                if op == wire.HELLO:
+                    self._hello(route, rid, header)
+                elif op != wire.BYE:
+                    self._send(route, {**wire.error(rid, wire.HELLO_FIRST, "say hello first: this connection is new "
+                                                    "to the server (it may have restarted)"),
+                                       **({"ids": header["ids"]} if op == wire.CHUNKS else {})})
+                return
+            conn.last_seen = time.monotonic()
+            if op == wire.ACT:
+                self.acts.on_act(route, conn, rid, header, parts[2] if len(parts) > 2 else None)
+            elif op == wire.CHUNKS:
+                self.chunks.on_chunks(route, rid, header, parts[2])
+            elif op == wire.START:
+                self._on_start(route, conn, rid, header["episode_id"])
+            elif op == wire.END:
+                conn.episodes.discard(header["episode_id"])
+            elif op == wire.WEIGHTS:
+                self._on_weights(route, rid, header["have"])
+            elif op == wire.PING:
+                self._send(route, {"op": wire.PONG, "id": rid, "server_id": self.server_id})
+            elif op == wire.HELLO:
+                self._hello(route, rid, header)
+            elif op == wire.BYE:
+                self.conns.pop(route, None)
+        except ProtocolError as err:
+            self._protocol_error(route, conn, rid, str(err))
+
+    def _protocol_error(self, route: bytes, conn: Conn | None, rid: int, message: str) -> None:
+        self._counts["num_protocol_errors"] += 1
+        errors = 1 if conn is None else conn.errors + 1
+        if conn is not None:
+            conn.errors = errors
+        if conn is not None and errors > self.x.max_protocol_errors:
+            self._banned.add(route)
+            self._counts["num_banned"] += 1
+            if len(self._banned) > 100_000:  # routing ids are per connection: old ones never return
+                self._banned.pop()
+            self.conns.pop(route, None)
+            self._send(route, wire.error(rid, wire.BANNED, f"more than {self.x.max_protocol_errors} malformed "
+                                         f"messages; this connection is ignored from now on", fatal=True))
+            log.warning("policy server banned connection %s (%s) after %d malformed messages", route.hex(),
+                        conn.name, errors)
+            return
+        self._send(route, wire.error(rid, wire.BAD_MESSAGE, message))
+
+    def _hello(self, route: bytes, rid: int, h: dict) -> None:
+        if h["protocol"] != wire.PROTOCOL or h["version"] != wire.VERSION:
+            self._send(route, wire.error(rid, wire.VERSION_MISMATCH, f"this server speaks {wire.PROTOCOL} version "
+                                         f"{wire.VERSION}, not {h['protocol']!r} version {h['version']}", fatal=True))
+            return
+        mode = h["inference_mode"] or self.x.inference_mode
+        if mode not in ("remote", "local"):
+            self._send(route, wire.error(rid, wire.BAD_MODE, f"inference_mode {mode!r}: use 'remote' or 'local'",
+                                         fatal=True))
+            return
+        for key in ("observation_space", "action_space"):
+            if key in h and not self._same_space(h[key], key):
+                self._send(route, wire.error(rid, wire.SPACES_MISMATCH, f"the client's {key} {h[key]!r:.300} is not "
+                                             f"the server's {self.spaces[key]!r:.300}", fatal=True))
+                return
+        if route not in self.conns and len(self.conns) >= self.x.max_clients:
+            self._send(route, wire.error(rid, wire.SERVER_FULL, f"{self.x.max_clients} clients are connected; "
+                                         f"try another server or later", fatal=True))
+            return
+        name = h.get("name") if isinstance(h.get("name"), str) else ""
+        self.conns[route] = Conn(name[:64], mode, time.monotonic())
+        self._send(route, {
+            "op": wire.WELCOME, "id": rid, "server_id": self.server_id, "protocol": wire.PROTOCOL,
+            "version": wire.VERSION, "inference_mode": mode, **self.spaces,
+            "fragment_length": self.x.fragment_length, "explore": self.s.explore,
+            "weights_version": self.policy.weights_version, "action_mapping": self.policy.action_mapping(),
+            "required_extra": list(REQUIRED_EXTRA),
+            "limits": {"max_frame_bytes": self.x.max_frame_bytes, "max_open_episodes": self.x.max_open_episodes,
+                       "max_requests_in_flight": self.x.max_requests_in_flight,
+                       "max_chunk_steps": self.x.max_chunk_steps}})
+        self._counts["num_connects"] += 1
+
+    def _same_space(self, desc: Any, key: str) -> bool:
+        try:
+            return space_from_dict(desc) == getattr(self.policy, key)
+        except ProtocolError:
+            return False
+
+    def _on_start(self, route: bytes, conn: Conn, rid: int, eid: str) -> None:
+        if eid not in conn.episodes and len(conn.episodes) >= self.x.max_open_episodes:
+            self._send(route, wire.error(rid, wire.TOO_MANY_EPISODES, f"{len(conn.episodes)} episodes are open on "
+                                         f"this connection (limit {self.x.max_open_episodes}); end some first"))
+            return
+        conn.episodes.add(eid)
+        self._send(route, {"op": wire.STARTED, "id": rid, "episode_id": eid})
+
+    def _on_weights(self, route: bytes, rid: int, have: int) -> None:
+        version = self.policy.weights_version
+        if have == version:
+            self._send(route, {"op": wire.POLICY, "id": rid, "changed": False, "weights_version": version})
+            return
+        if self._export is None or self._export[0] != version:
+            desc = self.policy.exported()
+            if desc is None:
+                self._send(route, wire.error(rid, wire.NOT_SUPPORTED, f"this policy cannot run in the client: "
+                                             f"{self.policy.export_error}"))
+                return
+            self._export = (version, encode(desc, compress=True))
+        self._send(route, {"op": wire.POLICY, "id": rid, "changed": True, "weights_version": version},
+                   self._export[1])

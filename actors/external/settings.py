@@ -1,0 +1,65 @@
+"""ExternalSettings: how a policy server listens and what it allows (``config.external_clients(...)``).
+
+Plain configuration, apart from the server itself, so the config layer can check and build it
+without importing the server (torch, sockets).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+
+@dataclass
+class ExternalSettings:
+    """How a policy server listens and what it allows (``config.external_clients(...)``)."""
+
+    address: str = "tcp://127.0.0.1:9900"
+    """Where runner slot 1 (or the in-driver server) binds; slot ``i`` binds port + i - 1."""
+    inference_mode: str = "remote"
+    """What clients that do not choose get: "remote" (the server acts) or "local" (they act with exported weights)."""
+    max_batch: int = 256
+    """Most act requests answered by one forward pass."""
+    batch_wait_s: float = 0.0
+    """How long the first queued act request may wait for more to batch with (0: answer as soon as none are queued)."""
+    spin_s: float = 0.0
+    """After a message, poll this long without sleeping before blocking (lower latency for clients acting
+    in a loop, at the cost of a busy core while they do; 0: always block)."""
+    inference_backend: str = "auto"
+    """Remote inference with "numpy" (the exported policy: far less per-call overhead than torch for
+    small MLPs), "torch", or "auto" (numpy for exportable MLP policies, torch for CNNs and the rest)."""
+    sample_wait_s: float = 5.0
+    """How long one ``sample`` call waits for clients' chunks before returning what it has."""
+    max_pending_steps: int = 200_000
+    """Env steps of received, not yet handed-on chunks the server holds; beyond it clients are told "busy"."""
+    server_secret_key: str | None = None
+    """Path of the server's ``.key_secret`` (``runnel keys server``): turns on CURVE encryption."""
+    allowed_client_keys: Any = None
+    """With CURVE: the clients' public keys -- a directory of ``.key`` files, or a list of files / z85 keys."""
+    allow_plaintext: bool = False
+    """Serve unencrypted on a non-loopback address (a warning is logged)."""
+    max_clients: int = 1024
+    """Connections served at once."""
+    max_open_episodes: int = 1024
+    """Episodes one connection may have started and not ended (remote inference)."""
+    max_requests_in_flight: int = 256
+    """Act requests of one connection waiting for their answer."""
+    max_frame_bytes: int = 64 << 20
+    """Largest message part; ZeroMQ disconnects a peer that sends a bigger one."""
+    max_chunk_steps: int = 100_000
+    """Longest chunk accepted."""
+    max_protocol_errors: int = 100
+    """Malformed messages one connection may send before it is banned."""
+    idle_timeout_s: float = 300.0
+    """A connection silent this long is forgotten (its open episodes with it)."""
+    journal_dir: str | None = None
+    """Where the commit journal lives (default: the temp dir's ``runnel-journal``); "" disables it."""
+    fragment_length: int = 200
+    """Steps per chunk a client cuts (from ``rollout_fragment_length``)."""
+
+    def address_for(self, slot: int) -> str:
+        """The address of runner slot ``slot`` (0 = the in-driver server, like slot 1)."""
+        if slot <= 1:
+            return self.address
+        parts = urlsplit(self.address)
+        return f"{parts.scheme}://{parts.hostname}:{parts.port + slot - 1}"
