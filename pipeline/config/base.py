@@ -7,66 +7,39 @@ and renamed names go through the table in ``pipeline/config/compat.py``: accepte
 setting, otherwise reported as "X is RLlib's old name: use Y".
 Algorithm configs (``PPOConfig``...) subclass this and add their own fields; those belong to the
 ``training`` group.
+
+The settings stay flat fields of this one dataclass (``config.lr``, ``config["lr"]``, ``to_dict()``, pickling,
+subclasses overriding defaults); each group's checks and what is built from it live in the group's module
+of ``pipeline/config/`` (``sampling``, ``training``, ``evaluation``, ``exploration``, ``callbacks``...).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
-import importlib
 import logging
-import os
-import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from actors.callbacks import HOOKS, CallbacksSpec
 from actors.learner import LearnerSettings
-from pipeline.config.compat import (ACCEPTED, ACCEPTED_KIND, BUILDERS, IGNORED_KIND, NAMES, NO_VALUE, UNSUPPORTED_KIND,
-                             ignored_note, is_harmless, refusal)
+from pipeline.config.callbacks import callbacks_spec
+from pipeline.config.checks import ConfigError, range_problems
+# is_int, is_number, check_schedule: algorithm configs and plans import them from here
+from pipeline.config.checks import check_schedule, is_int, is_number  # noqa: F401
+from pipeline.config.compat import (ACCEPTED, ACCEPTED_KIND, BUILDERS, IGNORED_KIND, NAMES, UNSUPPORTED_KIND,
+                                    is_harmless)
+from pipeline.config.evaluation import estimation_problems, evaluation_problems
+from pipeline.config.exploration import exploration_problems, exploration_settings
+from pipeline.config.keys import group_keys, ignore_setting, read_setting, setting_names, unknown_problem
+# resolve_import_path: the algorithm, env creation and tests import it from here
+from pipeline.config.plain import from_plain, function_problems, plain_settings, resolve_import_path  # noqa: F401
+from pipeline.config.sampling import env_runner_problems, environment_problems, rollout_fragment_length
+from pipeline.config.training import learner_settings, module_spec, rl_module_problems, training_problems
 
 log = logging.getLogger("runnel")
 
-GROUPS: dict[str, tuple[str, ...]] = {
-    "environment": ("env", "env_config", "observation_space", "action_space", "clip_rewards",
-                    "normalize_actions", "clip_actions", "env_task_fn"),
-    "env_runners": ("num_env_runners", "num_envs_per_env_runner", "rollout_fragment_length", "batch_mode",
-                    "num_cpus_per_env_runner", "explore", "gym_env_vectorize_mode"),
-    "learners": ("num_learners", "num_gpus_per_learner", "num_cpus_per_learner", "learner_placement_timeout_s"),
-    "training": ("gamma", "lr", "grad_clip", "grad_clip_by", "train_batch_size_per_learner",
-                 "minibatch_size", "num_epochs"),
-    "rl_module": ("model_config",),
-    "resources": ("num_cpus_for_main_process",),
-    "reporting": ("metrics_num_episodes_for_smoothing", "min_time_s_per_iteration",
-                  "min_sample_timesteps_per_iteration", "min_train_timesteps_per_iteration",
-                  "env_runner_metrics_interval_s"),
-    "checkpointing": ("export_native_model_files",),
-    "debugging": ("seed", "log_level", "log_sys_usage"),
-    "fault_tolerance": ("restart_failed_env_runners", "ignore_env_runner_failures", "max_num_env_runner_restarts",
-                        "delay_between_env_runner_restarts_s", "env_runner_health_probe_timeout_s",
-                        "restart_failed_sub_environments"),
-    "callbacks": ("callbacks_class", "callbacks_functions"),
-    "exploration": ("explore", "exploration_config"),
-    "evaluation": ("evaluation_interval", "evaluation_duration", "evaluation_duration_unit", "evaluation_num_env_runners",
-                   "evaluation_parallel_to_training", "evaluation_config", "evaluation_sample_timeout_s",
-                   "evaluation_force_reset_envs_before_iteration", "custom_evaluation_function",
-                   "always_attach_evaluation_results", "off_policy_estimation_methods",
-                   "off_policy_estimation_episodes"),
-}
-CODE_SETTINGS = ("callbacks_functions", "env_task_fn", "custom_evaluation_function")
-"""Settings that hold functions: a checkpoint keeps their import paths, or leaves out one that has none
-(a lambda, a nested function) with a warning, instead of failing the save."""
 RENAMED = ACCEPTED
 """RLlib's older names of the same settings -> runnel's (the accepted entries of ``pipeline.compat.NAMES``)."""
-OWN_BUILDERS = {"external_clients_config": "external_clients", "offline_data_config": "offline_data"}
-"""Settings outside ``GROUPS`` that have a builder of their own."""
-CHOICES = {
-    "batch_mode": ("truncate_episodes", "complete_episodes"),
-    "grad_clip_by": ("value", "norm", "global_norm"),
-    "gym_env_vectorize_mode": ("sync", "async"),
-    "log_level": ("DEBUG", "INFO", "WARN", "WARNING", "ERROR"),
-    "evaluation_duration_unit": ("episodes", "timesteps"),
-}
 
 
 _MISSING = object()
@@ -74,10 +47,6 @@ ALGORITHM_OF: dict[type, Any] = {}
 """Config class -> the algorithm it builds (filled by ``pipeline.registry.register_algorithm``). Kept
 here, not as a class attribute: a class attribute holding the algorithm class, whose own attributes
 hold the config class, sends Ray's class fingerprinting (``dis`` over class attributes) in circles."""
-
-
-class ConfigError(ValueError):
-    """A config key or value is invalid; the message names it and what would be valid."""
 
 
 @dataclass
@@ -252,7 +221,7 @@ class AlgorithmConfig:
 
     # --- builders -----------------------------------------------------------------------------
     def _set(self, group: str, kwargs: dict[str, Any]) -> "AlgorithmConfig":
-        valid = self._group_keys(group)
+        valid = group_keys(self, group)
         for key, value in kwargs.items():
             if key in valid:
                 setattr(self, key, value)
@@ -267,53 +236,16 @@ class AlgorithmConfig:
         if entry is not None and entry.kind == ACCEPTED_KIND and entry.runnel in valid:
             setattr(self, entry.runnel, value)  # RLlib's older name for the same setting
         elif entry is not None and entry.kind == IGNORED_KIND:
-            self._ignore(key, value)
+            ignore_setting(key, value)
         elif entry is not None and entry.kind == UNSUPPORTED_KIND and is_harmless(entry, value):
             log.debug("config setting %s=%r asks for nothing runnel does not do anyway: ignored", key, value)
         else:
             self._unknown[key] = (group, sorted(valid), value)
 
-    @classmethod
-    def _setting_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "_unknown"]
-
-    def _unknown_problem(self, key: str, group: str, valid: list[str], value: Any = NO_VALUE) -> str:
-        """What to say about a key nobody took: the table's refusal, the builder a runnel setting given
-        to the wrong builder belongs to, or the closest valid names."""
-        refused = refusal(key, value)
-        if refused:
-            return refused
-        names = self._setting_names()
-        entry = NAMES.get(key)
-        target = entry.runnel if entry is not None and entry.kind == ACCEPTED_KIND else key
-        what = f"{key!r} (RLlib's name of {target!r})" if target != key else repr(key)
-        if target in names:
-            return f"unknown {group} setting {what}: it is set with .{builder_of(target)}({target}=...)"
-        if target != key:
-            return f"unknown {group} setting {what}: {type(self).__name__} has no setting {target!r}"
-        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f"; valid keys: {valid}"
-        return f"unknown {group} setting {key!r}{hint}"
-
-    def _group_keys(self, group: str) -> set[str]:
-        keys = set(GROUPS[group])
-        if group == "training":
-            keys |= {f.name for f in fields(self)} - {k for g in GROUPS.values() for k in g} - {"_unknown"}
-        return keys
-
-    def _ignore(self, key: str, value: Any) -> None:
-        """An RLlib setting with no meaning here (one framework, one API stack); a framework other than
-        torch is refused at once."""
-        problem = ignored_note(key, value)
-        if problem:
-            raise ConfigError(problem)
-        log.debug("config setting %s=%r is RLlib's and means nothing in runnel (%s): ignored", key, value,
-                  NAMES[key].how)
-
     def framework(self, framework: str | None = "torch", **kwargs: Any) -> "AlgorithmConfig":
         """RLlib's framework choice: runnel runs on PyTorch, so only "torch" is accepted (and changes
         nothing). RLlib's other framework settings go through the table (TensorFlow ones are ignored)."""
-        self._ignore("framework", framework)
+        ignore_setting("framework", framework)
         for key, value in kwargs.items():
             self._set_other(key, value, "framework", {"framework"})
         return self
@@ -374,18 +306,7 @@ class AlgorithmConfig:
     def get_multi_rl_module_spec(self, env: Any = None, spaces: Any = None, **kwargs: Any) -> Any:
         """A module spec for this config's module on ``env``'s spaces (or ``spaces=(obs, act)``); runnel
         trains one module, so this is that module's spec (RLlib's name)."""
-        from actors.modules import ModuleSpec
-
-        if env is not None:
-            obs_space, act_space = env.observation_space, env.action_space
-        elif spaces is not None:
-            obs_space, act_space = spaces
-        else:
-            obs_space, act_space = self.observation_space, self.action_space
-        if obs_space is None or act_space is None:
-            raise ConfigError("get_multi_rl_module_spec needs spaces: pass env=gym.make(...) or spaces=(obs, act)")
-        return ModuleSpec(obs_space, act_space, self.model_config, self.get_default_learner_class().module_class,
-                          self.module_kwargs())
+        return module_spec(self, env, spaces)
 
     def resources(self, **kwargs: Any) -> "AlgorithmConfig":
         return self._set("resources", kwargs)
@@ -434,11 +355,7 @@ class AlgorithmConfig:
         return dict(kwargs)
 
     def callbacks_spec(self) -> CallbacksSpec:
-        classes = self.callbacks_class
-        classes = [] if classes is None else list(classes) if isinstance(classes, (list, tuple)) else [classes]
-        functions = {h: [resolve_import_path(f, f"callback function for {h}") if isinstance(f, str) else f
-                         for f in fns if f is not None] for h, fns in self.callbacks_functions.items()}
-        return CallbacksSpec(classes, {h: fns for h, fns in functions.items() if fns})
+        return callbacks_spec(self)
 
     def evaluation_settings(self) -> "AlgorithmConfig":
         """This config with ``evaluation_config`` applied: what evaluators run with."""
@@ -447,7 +364,7 @@ class AlgorithmConfig:
             overrides = overrides.changed_settings()
         out = self.copy()
         out.evaluation_config = None
-        names = set(out._setting_names())
+        names = set(setting_names(out))
         for key, value in (overrides or {}).items():
             if key in names:
                 setattr(out, key, copy.deepcopy(value))
@@ -460,20 +377,7 @@ class AlgorithmConfig:
         """``config["lr"]``; RLlib's older names read the setting they name (``config["num_workers"]``
         raises KeyError saying to use ``num_env_runners``), ignored ones read what runnel does
         (``config["framework"]`` is "torch")."""
-        names = self._setting_names()
-        if key in names:
-            return getattr(self, key)
-        entry = NAMES.get(key)
-        if entry is not None and entry.kind == ACCEPTED_KIND and entry.runnel in names:
-            return getattr(self, entry.runnel)
-        if entry is not None and entry.kind == IGNORED_KIND:
-            return entry.reads_as
-        refused = refusal(key) if isinstance(key, str) else None
-        if refused:
-            raise KeyError(refused)
-        close = difflib.get_close_matches(key, names, n=3) if isinstance(key, str) else []
-        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-        raise KeyError(f"{type(self).__name__} has no setting {key!r}{hint}")
+        return read_setting(self, key)
 
     def get(self, key: str, default: Any = None) -> Any:
         try:
@@ -490,25 +394,14 @@ class AlgorithmConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-able settings; classes and functions become ``"module:qualname"`` paths."""
-        out = {}
-        for f in fields(self):
-            if f.name == "_unknown":
-                continue
-            value = getattr(self, f.name)
-            if f.name in CODE_SETTINGS:
-                value = _code_to_plain(value, f.name)
-            out[f.name] = _to_plain(value, f.name)
-        return out
+        return plain_settings(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AlgorithmConfig":
         cfg = cls()
-        valid = set(cls._setting_names())
+        valid = set(setting_names(cls))
         for key, value in d.items():
-            if isinstance(value, dict) and "__space__" in value:
-                from protocols.spaces import space_from_dict
-
-                value = space_from_dict(value["__space__"])
+            value = from_plain(value)
             if key in valid:
                 setattr(cfg, key, value)
             else:
@@ -517,7 +410,7 @@ class AlgorithmConfig:
 
     def update_from_dict(self, d: dict[str, Any]) -> "AlgorithmConfig":
         other = type(self).from_dict(d)
-        names = set(self._setting_names())
+        names = set(setting_names(self))
         for key in d:
             if key in other._unknown:
                 self._unknown[key] = other._unknown[key]
@@ -541,74 +434,27 @@ class AlgorithmConfig:
         """Every problem found; algorithm configs extend this list."""
         problems = []
         for key, (group, valid, *value) in self._unknown.items():
-            problems.append(self._unknown_problem(key, group, valid, *value))
-        for key, choices in CHOICES.items():
-            if getattr(self, key) not in choices:
-                problems.append(f"{key}={getattr(self, key)!r} is not one of {list(choices)}")
-        for key in ("num_env_runners", "num_learners", "min_sample_timesteps_per_iteration",
-                    "min_train_timesteps_per_iteration", "max_num_env_runner_restarts"):
-            if not is_int(getattr(self, key)) or getattr(self, key) < 0:
-                problems.append(f"{key} must be an int >= 0, got {getattr(self, key)!r}")
-        for key in ("num_envs_per_env_runner", "train_batch_size_per_learner", "minibatch_size", "num_epochs",
-                    "metrics_num_episodes_for_smoothing"):
-            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
-                problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
-        if not is_number(self.env_runner_metrics_interval_s) or self.env_runner_metrics_interval_s <= 0:
-            problems.append(f"env_runner_metrics_interval_s must be a number > 0, got {self.env_runner_metrics_interval_s!r}")
-        rfl = self.rollout_fragment_length
-        if rfl != "auto" and (not is_int(rfl) or rfl < 1):
-            problems.append(f"rollout_fragment_length must be 'auto' or an int >= 1, got {rfl!r}")
-        if not is_number(self.gamma) or not 0.0 <= self.gamma <= 1.0:
-            problems.append(f"gamma must be in [0, 1], got {self.gamma!r}")
-        problems += check_schedule("lr", self.lr)
-        if self.grad_clip is not None and (not is_number(self.grad_clip) or self.grad_clip <= 0):
-            problems.append(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
-        if self.env is None and self.external_clients_config is None and not (self.offline_data_config or {}).get("input_"):
-            problems.append("no environment: call .environment('CartPole-v1') (a gymnasium id, a registered name, "
-                            "an env class or 'pkg.module:Class')")
-        if not isinstance(self.model_config, dict):
-            problems.append(f"model_config must be a dict, got {type(self.model_config).__name__}")
-        else:
-            problems += model_config_problems(self.model_config)
+            problems.append(unknown_problem(self, key, group, valid, *value))
+        # the groups' checks, in the order their problems are listed
+        problems += range_problems(self)
+        problems += env_runner_problems(self)
+        problems += training_problems(self)
+        problems += environment_problems(self)
+        problems += rl_module_problems(self)
         problems += self._evaluation_problems()
         from pipeline.config.external import external_problems
 
         problems += external_problems(self)
         from pipeline.config.offline import offline_problems
-        from pipeline.offline.ope import estimator_kinds
 
         problems += offline_problems(self)
-        problems += estimator_kinds(self.off_policy_estimation_methods)[1]
-        if self.off_policy_estimation_methods and not (self.offline_data_config or {}).get("input_"):
-            problems.append("off_policy_estimation_methods estimate from recorded episodes: add "
-                            ".offline_data(input_='DIR') (a recording whose episodes carry action_logp)")
-        if not isinstance(self.off_policy_estimation_episodes, int) or self.off_policy_estimation_episodes < 1:
-            problems.append(f"off_policy_estimation_episodes must be an int >= 1, got {self.off_policy_estimation_episodes!r}")
-        for key in ("env_task_fn", "custom_evaluation_function"):
-            if getattr(self, key) is not None and not callable(getattr(self, key)) and not isinstance(getattr(self, key), str):
-                problems.append(f"{key} must be a function, got {getattr(self, key)!r}")
-        if not isinstance(self.exploration_config, dict):
-            problems.append(f"exploration_config must be a dict like {{'type': 'EpsilonGreedy', ...}}, "
-                            f"got {self.exploration_config!r}")
+        problems += estimation_problems(self)
+        problems += function_problems(self)
+        problems += exploration_problems(self)
         return problems
 
     def _evaluation_problems(self) -> list[str]:
-        problems = []
-        interval = self.evaluation_interval
-        if interval is not None and (not is_int(interval) or interval < 0):
-            problems.append(f"evaluation_interval must be None or an int >= 0, got {interval!r}")
-        duration = self.evaluation_duration
-        if duration == "auto":
-            if not self.evaluation_parallel_to_training:
-                problems.append("evaluation_duration='auto' needs evaluation_parallel_to_training=True (it ends "
-                                "evaluation when the parallel training step ends); give a number of episodes or "
-                                "timesteps instead")
-        elif not is_int(duration) or duration < 1:
-            problems.append(f"evaluation_duration must be an int >= 1 or 'auto', got {duration!r}")
-        if not is_int(self.evaluation_num_env_runners) or self.evaluation_num_env_runners < 0:
-            problems.append(f"evaluation_num_env_runners must be an int >= 0, got {self.evaluation_num_env_runners!r}")
-        if not is_number(self.evaluation_sample_timeout_s) or self.evaluation_sample_timeout_s <= 0:
-            problems.append(f"evaluation_sample_timeout_s must be a number > 0, got {self.evaluation_sample_timeout_s!r}")
+        problems = evaluation_problems(self)
         ec = self.evaluation_config
         if ec is not None and not isinstance(ec, (dict, AlgorithmConfig)):
             problems.append(f"evaluation_config must be a dict (AlgorithmConfig.overrides(...)) or a config, "
@@ -619,9 +465,7 @@ class AlgorithmConfig:
         return problems
 
     def learner_settings(self) -> LearnerSettings:
-        return LearnerSettings(lr=self.lr, grad_clip=self.grad_clip, grad_clip_by=self.grad_clip_by, seed=self.seed,
-                               model_config=self.model_config, module_kwargs=self.module_kwargs(),
-                               callbacks=self.callbacks_spec())
+        return learner_settings(self)
 
     def module_kwargs(self) -> dict[str, Any]:
         """Options of the algorithm's module class beyond ``model_config`` (DQN: dueling, atoms...)."""
@@ -634,20 +478,10 @@ class AlgorithmConfig:
     def exploration_settings(self) -> dict[str, Any]:
         """What runners use: ``exploration_config`` with a ``type`` replaces the algorithm's default; without
         one its keys update the default's arguments."""
-        user = dict(self.exploration_config or {})
-        if "type" in user:
-            return user
-        default = self.default_exploration()
-        if user.keys() & {"initial_epsilon", "final_epsilon", "epsilon_timesteps"}:
-            default.pop("epsilon_schedule", None)  # RLlib's three numbers replace the schedule they describe
-        return {**default, **user}
+        return exploration_settings(self)
 
     def get_rollout_fragment_length(self) -> int:
-        if self.rollout_fragment_length != "auto":
-            return int(self.rollout_fragment_length)
-        envs = max(1, self.num_env_runners) * self.num_envs_per_env_runner
-        learners = max(1, self.num_learners)
-        return max(1, -(-self.train_batch_size_per_learner * learners // envs))
+        return rollout_fragment_length(self)
 
     def build(self, **kwargs: Any):
         """Validate and build the algorithm this config belongs to."""
@@ -659,99 +493,3 @@ class AlgorithmConfig:
         return algo_class(self.copy(), **kwargs)
 
     build_algo = build
-
-
-def builder_of(name: str) -> str:
-    """The builder method that sets a runnel setting (algorithm settings: ``training``)."""
-    if name in OWN_BUILDERS:
-        return OWN_BUILDERS[name]
-    return next((group for group, keys in GROUPS.items() if name in keys), "training")
-
-
-def model_config_problems(model_config: dict) -> list[str]:
-    """``model_config`` keys the default modules do not read (RLlib's old ``model`` keys are named as such)."""
-    from actors.modules import ModelConfig
-
-    try:
-        ModelConfig.from_dict(model_config)
-    except (TypeError, ValueError) as err:
-        return [f"model_config: {err}"]
-    return []
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def check_schedule(name: str, value: Any) -> list[str]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return [] if value >= 0 else [f"{name} must be >= 0, got {value!r}"]
-    ok = isinstance(value, (list, tuple)) and value and all(
-        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p) for p in value)
-    return [] if ok else [f"{name} must be a number or a schedule [[timestep, value], ...], got {value!r}"]
-
-
-def import_path(obj: Any) -> str:
-    return f"{obj.__module__}:{obj.__qualname__}"
-
-
-def resolve_import_path(path: str, what: str) -> Any:
-    """``"package.module:Name"`` -> the object, with an error that says what was looked for."""
-    module_name, _, qualname = path.partition(":")
-    if not module_name or not qualname:
-        raise ConfigError(f"{what} {path!r} is not an import path; write it as 'package.module:Name'")
-    try:
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            # a module beside the user's script ("mycallbacks:MyCallbacks" run without PYTHONPATH=.)
-            if err.name != module_name.split(".")[0] or os.getcwd() in sys.path:
-                raise
-            sys.path.append(os.getcwd())
-            obj = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"cannot import {what} {path!r}: {err}") from err
-    return obj
-
-
-def _code_to_plain(value: Any, name: str) -> Any:
-    """Functions in ``CODE_SETTINGS`` that have no import path are left out of saved configs (with a warning)."""
-    if isinstance(value, dict):
-        return {k: _code_to_plain(v, name) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_code_to_plain(v, name) for v in value]
-    if callable(value) and ("<lambda>" in getattr(value, "__qualname__", "<lambda>") or "<locals>" in value.__qualname__):
-        log.warning("config setting %s holds %r, which has no import path: it is not saved with the config (define "
-                    "it at module level to keep it in checkpoints)", name, value)
-        return None
-    return value
-
-
-def _to_plain(value: Any, name: str) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _to_plain(v, name) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(v, name) for v in value]
-    if dataclasses.is_dataclass(value):
-        return _to_plain(dataclasses.asdict(value), name)
-    if callable(value):
-        if "<lambda>" in getattr(value, "__qualname__", "<lambda>") or "<locals>" in value.__qualname__:
-            raise ConfigError(
-                f"config setting {name!r} holds {value!r}, which cannot be referenced by import path; "
-                f"define it at module level, or register it with pipeline.register_env(name, creator) and use the name"
-            )
-        return import_path(value)
-    from protocols.spaces import space_to_dict
-
-    try:
-        return {"__space__": space_to_dict(value)}
-    except Exception:  # noqa: BLE001 - not a space either
-        raise ConfigError(f"config setting {name!r}={value!r} cannot be stored as plain data") from None

@@ -1,0 +1,62 @@
+"""The ``training``, ``learners`` and ``rl_module`` groups: what the learners are built with.
+
+Checks of the shared training settings and of ``model_config``, and the two things built from these
+groups: the learners' ``LearnerSettings`` and the module's ``ModuleSpec``. An algorithm config's own
+training settings are checked by its ``_problems``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from actors.learner import LearnerSettings
+from pipeline.config.checks import ConfigError, check_schedule, is_number
+
+
+def training_problems(config: Any) -> list[str]:
+    problems = []
+    if not is_number(config.gamma) or not 0.0 <= config.gamma <= 1.0:
+        problems.append(f"gamma must be in [0, 1], got {config.gamma!r}")
+    problems += check_schedule("lr", config.lr)
+    if config.grad_clip is not None and (not is_number(config.grad_clip) or config.grad_clip <= 0):
+        problems.append(f"grad_clip must be > 0 or None, got {config.grad_clip!r}")
+    return problems
+
+
+def rl_module_problems(config: Any) -> list[str]:
+    if not isinstance(config.model_config, dict):
+        return [f"model_config must be a dict, got {type(config.model_config).__name__}"]
+    return model_config_problems(config.model_config)
+
+
+def model_config_problems(model_config: dict) -> list[str]:
+    """``model_config`` keys the default modules do not read (RLlib's old ``model`` keys are named as such)."""
+    from actors.modules import ModelConfig
+
+    try:
+        ModelConfig.from_dict(model_config)
+    except (TypeError, ValueError) as err:
+        return [f"model_config: {err}"]
+    return []
+
+
+def learner_settings(config: Any) -> LearnerSettings:
+    return LearnerSettings(lr=config.lr, grad_clip=config.grad_clip, grad_clip_by=config.grad_clip_by, seed=config.seed,
+                           model_config=config.model_config, module_kwargs=config.module_kwargs(),
+                           callbacks=config.callbacks_spec())
+
+
+def module_spec(config: Any, env: Any = None, spaces: Any = None) -> Any:
+    """A module spec for the config's module on ``env``'s spaces (or ``spaces=(obs, act)``, or the
+    config's own spaces)."""
+    from actors.modules import ModuleSpec
+
+    if env is not None:
+        obs_space, act_space = env.observation_space, env.action_space
+    elif spaces is not None:
+        obs_space, act_space = spaces
+    else:
+        obs_space, act_space = config.observation_space, config.action_space
+    if obs_space is None or act_space is None:
+        raise ConfigError("get_multi_rl_module_spec needs spaces: pass env=gym.make(...) or spaces=(obs, act)")
+    return ModuleSpec(obs_space, act_space, config.model_config, config.get_default_learner_class().module_class,
+                      config.module_kwargs())
