@@ -54,7 +54,7 @@ class CheckpointKeeper:
     def _score(self, result: dict | None) -> float | None:
         if self.score_attribute is None or result is None:
             return None
-        from pipeline.algorithm import lookup
+        from pipeline.algorithm_results import lookup
 
         value = lookup(result, self.score_attribute)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):

@@ -350,7 +350,7 @@ def resume_spec(args: argparse.Namespace, run_dir: str) -> TrainSpec:
 
 
 def stop_reason(result: dict, stop: dict[str, float]) -> str | None:
-    from pipeline.algorithm import lookup
+    from pipeline.algorithm_results import lookup
 
     for key, threshold in stop.items():
         value = lookup(result, key)
@@ -377,7 +377,7 @@ def _suggest_keys(key: str, flat_keys: list[str]) -> list[str]:
 
 def check_stop_keys(result: dict, stop: dict[str, float]) -> list[str]:
     """Warnings for stop keys that the (first) result lacks or that name a section, with close matches."""
-    from pipeline.algorithm import lookup
+    from pipeline.algorithm_results import lookup
     from pipeline.results import flatten_result
 
     flat_keys = list(flatten_result(result))

@@ -54,7 +54,8 @@ def run_with_tune(spec: TrainSpec, config: Any, algo_cls: Any) -> int:
     import ray
     from ray import tune
 
-    from pipeline.algorithm import init_ray_if_needed, lookup
+    from pipeline.algorithm_results import lookup
+    from pipeline.algorithm_setup import init_ray_if_needed
 
     ray_was_up = ray.is_initialized()
     init_ray_if_needed(config)

@@ -134,7 +134,7 @@ def worker_runnel(a: argparse.Namespace) -> None:
     import yaml
 
     from pipeline import get_algorithm
-    from pipeline.algorithm import lookup
+    from pipeline.algorithm_results import lookup
 
     spec = yaml.safe_load(Path(a.tuned).read_text())
     t0 = time.perf_counter()

@@ -1,0 +1,85 @@
+"""Computing actions in the driver: ``algo.compute_single_action(obs)`` and ``algo.compute_actions(obs)``.
+
+The driver keeps its own copy of the policy module, refreshed from the learner only when the
+weights have moved on; it is separate from ``Algorithm`` because none of training needs it (it
+serves users, ``runnel evaluate``, native-model export and off-policy estimates).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from actors.env.actions import EnvActions
+from actors.env.exploration import make_exploration
+from actors.modules import ModuleSpec, RLModule, to_torch
+from pipeline.config.base import AlgorithmConfig, ConfigError
+from pipeline.groups.learner_group import LearnerGroup
+from protocols import nested
+
+
+class DriverPolicy:
+    """The driver's copy of the module (``algo.module``), its exploration and the env-action mapping."""
+
+    def __init__(self, module: RLModule, exploration: Any, env_actions: EnvActions, observation_space: Any) -> None:
+        self.module = module
+        self.exploration = exploration
+        self.env_actions = env_actions
+        self.observation_space = observation_space
+        self.module_version = -1  # weights version self.module holds (refreshed by current_module)
+
+    @classmethod
+    def build(cls, module_spec: ModuleSpec, config: AlgorithmConfig, observation_space: Any,
+              action_space: Any) -> "DriverPolicy":
+        """The module ``module_spec`` describes, with the env-action mapping and exploration ``config``
+        asks for; what they reject is a ConfigError, raised here in the driver with the space named,
+        not later inside an actor."""
+        try:
+            module = module_spec.build()
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        env_actions = EnvActions(action_space, config.normalize_actions, config.clip_actions)
+        try:
+            exploration = make_exploration(config.exploration_settings(), module.dist_spec)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        return cls(module, exploration, env_actions, observation_space)
+
+    def current_module(self, learner_group: LearnerGroup) -> RLModule:
+        """The module with the learner's latest weights (fetched only when their version moved on)."""
+        if self.module_version != learner_group.weights_version:
+            self.module.set_state(learner_group.get_weights())
+            self.module_version = learner_group.weights_version
+        return self.module
+
+    def compute_actions(self, learner_group: LearnerGroup, obs: Any, explore: bool, timestep: int) -> np.ndarray:
+        """A batch of observations -> a batch of env actions; ``timestep`` drives exploration schedules."""
+        module = self.current_module(learner_group)
+        with torch.inference_mode():
+            t_obs = to_torch(as_arrays(obs, self.observation_space))
+            dist = module.action_dist(module.forward_inference(t_obs)["action_dist_inputs"])
+            actions = self.exploration.actions(dist, explore, timestep)
+        return self.env_actions(actions.numpy())
+
+
+def batch_of_one(obs: Any, space: Any) -> Any:
+    """One observation (no batch dim) as a batch of one."""
+    return nested.map_structure(lambda a: a[None], as_arrays(obs, space))
+
+
+def single_action(actions: np.ndarray) -> Any:
+    """The one action of a batch of one, as a python scalar where it is one."""
+    action = actions[0]
+    return action.item() if np.ndim(action) == 0 else action
+
+
+def as_arrays(obs: Any, space: Any) -> Any:
+    """``obs`` as numpy arrays nested like ``space`` (Dict/Tuple); anything else, lists included
+    (``[0.0, 0.1, ...]`` for a Box), becomes one array."""
+    if isinstance(space, gym.spaces.Dict) and isinstance(obs, dict):
+        return {k: as_arrays(obs[k], space[k]) if k in space.spaces else np.asarray(obs[k]) for k in obs}
+    if isinstance(space, gym.spaces.Tuple) and isinstance(obs, (list, tuple)):
+        return tuple(as_arrays(o, s) for o, s in zip(obs, space.spaces))
+    return np.asarray(obs)

@@ -1,0 +1,94 @@
+"""What ``Algorithm.setup`` derives from a config before it builds any stage.
+
+The config itself (in whatever form the constructor or Tune gave it), the Ray cluster to join or
+start, the policy's spaces, the env runners' fault tolerance and frame compression, settings that
+hold functions: each a plain function of the config, kept apart from ``Algorithm`` so that the
+class reads as the order things are built in.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import numpy as np
+import ray
+
+from actors.manager import FaultToleranceSettings
+from pipeline.config.base import AlgorithmConfig, ConfigError, resolve_import_path
+from pipeline.config.offline import recorded_spaces
+from pipeline.envs import probe_spaces
+from protocols.spaces import space_to_dict
+from protocols.transport import compress_by_default
+
+
+def algorithm_config(algo_cls: Any, config: AlgorithmConfig | dict | None, env: Any = None) -> AlgorithmConfig:
+    """What ``algo_cls`` was given (its config, a dict of settings, or None) as a config of its own
+    ``config_class``: a copy, never the caller's object; ``env``, if given, set on it."""
+    if config is None:
+        config = algo_cls.config_class()
+    elif isinstance(config, dict):  # RLlib's dict configs, and Tune's trial configs
+        config = algo_cls.config_class.from_dict(config)
+    elif not isinstance(config, AlgorithmConfig):
+        raise ConfigError(f"{algo_cls.__name__}(config=...) takes a {algo_cls.config_class.__name__} or a dict of "
+                          f"its settings, got {type(config).__name__}")
+    elif not isinstance(config, algo_cls.config_class):
+        raise ConfigError(f"{algo_cls.__name__} was given a {type(config).__name__}; build it from a "
+                          f"{algo_cls.config_class.__name__} (or call config.build())")
+    else:
+        config = config.copy()
+    if env is not None:
+        config.environment(env)
+    return config
+
+
+def init_ray_if_needed(config: AlgorithmConfig) -> None:
+    """Join the cluster named by ``RAY_ADDRESS`` (as ``ray job submit`` sets it), or else start an
+    embedded local Ray with room for every actor the config asks for."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level=logging.WARNING)
+        return
+    needed = ((config.num_env_runners + config.evaluation_num_env_runners) * config.num_cpus_per_env_runner
+              + config.num_learners * config.num_cpus_per_learner)
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(np.ceil(needed))), include_dashboard=False,
+             logging_level=logging.WARNING, log_to_driver=True)
+
+
+def policy_spaces(config: AlgorithmConfig, env_creator: Callable | None, readers_in_slots: bool) -> tuple[Any, Any]:
+    """(observation space, action space): as configured, else as recorded (when the runner slots only
+    read recordings), else probed from the env."""
+    obs_space, act_space = config.observation_space, config.action_space
+    if (obs_space is None or act_space is None) and readers_in_slots:
+        recorded = recorded_spaces(config)
+        obs_space, act_space = obs_space or recorded[0], act_space or recorded[1]
+    if obs_space is None or act_space is None:
+        probed = probe_spaces(env_creator, config.env_config)
+        obs_space, act_space = obs_space or probed[0], act_space or probed[1]
+    return obs_space, act_space
+
+
+def runner_fault_tolerance(c: AlgorithmConfig) -> FaultToleranceSettings:
+    """What an env runner group does about failed runners, from ``c``'s fault-tolerance settings."""
+    return FaultToleranceSettings(
+        restart_failed=c.restart_failed_env_runners, ignore_failures=c.ignore_env_runner_failures,
+        max_restarts=c.max_num_env_runner_restarts, restart_delay_s=c.delay_between_env_runner_restarts_s,
+        probe_timeout_s=c.env_runner_health_probe_timeout_s,
+        max_requests_in_flight=getattr(c, "max_requests_in_flight_per_env_runner", 2))
+
+
+def frame_compression(config: AlgorithmConfig, observation_space: Any) -> bool:
+    """LZ4 for chunk frames: as configured (``stream_compress`` where an algorithm has it), or
+    by the observations' dtype ("auto")."""
+    setting = getattr(config, "stream_compress", "auto")
+    if setting != "auto":
+        return bool(setting)
+    return compress_by_default(space_to_dict(observation_space))
+
+
+def function_setting(value: Any, name: str) -> Callable | None:
+    """A setting that holds a function, or its import path (configs read back from a checkpoint)."""
+    if isinstance(value, str):
+        return resolve_import_path(value, name)
+    return value
