@@ -46,7 +46,8 @@ import zmq
 from actors.external.journal import CommitJournal, Key
 from actors.core import EnvRunnerRole
 from actors.env.actions import EnvActions
-from actors.env.env_runner import EnvRunnerSettings, set_log_level
+from actors.env.process import set_log_level
+from actors.env.settings import EnvRunnerSettings
 from actors.env.exploration import make_exploration
 from actors.external.security import ServerSecurity
 from actors.metrics import MetricsLogger
