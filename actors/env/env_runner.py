@@ -1,11 +1,10 @@
 """EnvRunner: steps a vector of environments with an inference-only module and emits episode chunks.
 
-The per-step path does one batched forward pass, one exploration call and one vector-env step;
-nothing per sub-env except the env's own ``step``. Steps go into time-major buffers
-(``[T, num_envs]``) that are cut into one chunk per episode segment at the end of each run.
-This module is the stage: what it is asked to do and what it reports; its pieces live beside it
-(``sampling``: the per-step loop; ``episode_slots``: episode bookkeeping and chunk cutting;
-``settings``, ``streaming``, ``exploration``, ``episode_hooks``, ``vector_env``).
+The per-step path (``sampling.FragmentSampler``) does one batched forward pass, one exploration
+call and one vector-env step; nothing per sub-env except the env's own ``step``. Steps go into
+time-major buffers (``[T, num_envs]``) that are cut into one chunk per episode segment at the end
+of each run (``episode_slots.EpisodeSlots``). This class is the stage around those pieces: what it
+is asked to do (sample, weights, state, streaming, curriculum) and what it reports.
 
 The same class runs in the driver process (``num_env_runners=0``) or as a Ray actor; a stage
 group talks to it through the same methods either way (``sample_encoded``, ``set_weights``,
@@ -164,13 +163,13 @@ class EnvRunner(EnvRunnerRole):
                        explore: bool | None = None, force_reset: bool = False) -> dict[str, Any]:
         """Sample like ``sample`` but return only what evaluation needs: the metrics
         (``get_metrics()``), the returns and lengths of the episodes that ended, and the step count."""
-        self._ended_log = []
+        self.slots.ended_log = []
         try:
             chunks = self.sample(num_timesteps=num_timesteps, num_episodes=num_episodes, explore=explore,
                                  force_reset=force_reset)
-            ended = self._ended_log
+            ended = self.slots.ended_log
         finally:
-            self._ended_log = None
+            self.slots.ended_log = None
         return {"metrics": self.get_metrics(), "episode_returns": [r for r, _ in ended],
                 "episode_lengths": [n for _, n in ended], "num_env_steps": sum(len(c) for c in chunks)}
 
@@ -200,7 +199,7 @@ class EnvRunner(EnvRunnerRole):
             self.sampler.obs = None  # unfinished episodes are dropped; the next sample() starts fresh ones
         return done
 
-    @torch.inference_mode()
+    @torch.inference_mode()  # over the loop and the cut: postprocessing hooks run in it too
     def _run(self, steps: int, explore: bool, hold_back: bool) -> list[EpisodeChunk]:
         fragment = self.sampler.run(steps, explore, self.timestep)
         self.num_env_steps_sampled_lifetime += steps * self.s.num_envs
