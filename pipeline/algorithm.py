@@ -28,7 +28,7 @@ from ray.tune import Trainable
 
 from actors.callbacks import build_callbacks, call_hook
 from actors.env import EnvRunnerSettings
-from actors.env.env_runner import set_log_level
+from actors.env.process import set_log_level
 from actors.learner import Learner
 from actors.manager import FaultToleranceSettings
 from actors.metrics import MetricsLogger

@@ -46,7 +46,8 @@ import torch
 import zmq
 
 from actors.core import EnvRunnerRole
-from actors.env.env_runner import EnvRunnerSettings, set_log_level
+from actors.env.process import set_log_level
+from actors.env.settings import EnvRunnerSettings
 from actors.external.acts import ActBatcher
 from actors.external.chunks import ChunkIntake
 from actors.external.endpoint import Conn, ServerEndpoint

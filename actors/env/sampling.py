@@ -1,0 +1,112 @@
+"""FragmentSampler: an env runner's per-step loop, and the observations the next step starts from.
+
+Each step is one batched forward pass, one exploration call and one vector-env step, written into
+time-major buffers (a ``Fragment``, ``[T, num_envs]``); nothing runs per sub-env except the env's
+own ``step`` (and episode hooks, when callbacks asked for them). Cutting the buffers into chunks
+happens once per fragment, in ``EpisodeSlots.cut``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from actors.env.actions import EnvActions
+from actors.env.episode_hooks import EpisodeHooks
+from actors.env.episode_slots import EpisodeSlots, Fragment
+from actors.env.exploration import Exploration
+from actors.env.vector_env import AsyncVectorEnv, SyncVectorEnv
+from actors.modules import RLModule
+from protocols import nested
+
+
+class FragmentSampler:
+    """Steps every sub-env with the module. ``obs`` is None until the first reset (and again after
+    ``sample(num_episodes=n)``, whose unfinished episodes are dropped)."""
+
+    def __init__(self, env: SyncVectorEnv | AsyncVectorEnv, module: RLModule, exploration: Exploration,
+                 env_actions: EnvActions, slots: EpisodeSlots, hooks: EpisodeHooks | None, with_infos: bool) -> None:
+        self.env, self.module, self.exploration, self.env_actions = env, module, exploration, env_actions
+        self.slots, self.hooks = slots, hooks
+        self.num_envs = slots.num_envs
+        self.with_infos = with_infos
+        """Keep each step's infos for the chunks (a recording that writes them)."""
+        self.obs: Any = None
+        self.obs_infos: list[dict] | None = None  # the info of each sub-env's current observation
+
+    def reset(self) -> None:
+        """Reset every sub-env; each starts a fresh episode."""
+        self.slots.clear_next()
+        self.obs = self.env.reset()
+        if not self.env.supports_hooks:
+            for j in range(self.num_envs):
+                self.slots.begin(j)
+        self.slots.start_all()
+        if self.with_infos:
+            reset_infos = getattr(self.env, "reset_infos", None) or [{}] * self.num_envs
+            self.obs_infos = [_plain(i) for i in reset_infos]
+        if self.hooks is not None:
+            infos = getattr(self.env, "reset_infos", None) or [{}] * self.num_envs
+            for j in range(self.num_envs):
+                self.hooks.started(j, nested.map_structure(lambda a: a[j], self.obs), infos[j])
+
+    def run(self, steps: int, explore: bool, t0: int) -> Fragment:
+        """``steps`` steps of every sub-env from ``obs``; ``t0`` is the timestep exploration
+        schedules start from. The caller runs this under ``torch.inference_mode``."""
+        n = self.num_envs
+        obs_rows, act_rows, logp_rows, dist_rows = [], [], [], []
+        rewards = np.zeros((steps, n), np.float32)
+        terminated = np.zeros((steps, n), bool)
+        truncated = np.zeros((steps, n), bool)
+        final_obs: dict[tuple[int, int], Any] = {}
+        info_rows: list[list[dict]] | None = [self.obs_infos or [{}] * n] if self.with_infos else None
+        final_infos: dict[tuple[int, int], dict] = {}
+        obs = self.obs
+        module, spec, exploration = self.module, self.module.dist_spec, self.exploration
+        forward = module.forward_exploration if explore else module.forward_inference
+        for t in range(steps):
+            obs_rows.append(obs)
+            dist_inputs = forward(nested.map_structure(torch.from_numpy, obs))["action_dist_inputs"]
+            dist = spec.build(dist_inputs)
+            actions = exploration.actions(dist, explore, t0 + t * n)
+            act_np = actions.numpy()
+            act_rows.append(act_np)
+            logp_rows.append(dist.logp(actions).numpy())
+            dist_rows.append(dist_inputs.numpy())
+            res = self.env.step(self.env_actions(act_np))
+            rewards[t], terminated[t], truncated[t] = res.rewards, res.terminated, res.truncated
+            for i, o in res.final_obs.items():
+                final_obs[(t, i)] = o
+                if not self.env.supports_hooks:
+                    self.slots.begin(i)
+            if self.hooks is not None:
+                self.hooks.step_all(act_np, res.rewards, res.obs, res)
+            if info_rows is not None:
+                step_infos = [_plain(i) for i in (res.infos or [{}] * n)]
+                reset_infos = res.reset_infos or {}
+                for i in res.final_obs:
+                    final_infos[(t, i)] = step_infos[i]
+                info_rows.append([_plain(reset_infos.get(i, {})) if i in res.final_obs else step_infos[i]
+                                  for i in range(n)])
+            obs = res.obs
+        self.obs = obs
+        obs_rows.append(obs)
+        if info_rows is not None:
+            self.obs_infos = info_rows[-1]
+        return Fragment(obs_rows, act_rows, logp_rows, dist_rows, rewards, terminated, truncated, final_obs,
+                        info_rows, final_infos)
+
+
+def _plain(info: Any) -> dict:
+    """An env info as plain data the codec carries (numpy scalars to Python numbers, arrays kept)."""
+    if not isinstance(info, dict):
+        return {}
+    out = {}
+    for k, v in info.items():
+        if isinstance(v, np.generic):
+            v = v.item()
+        elif isinstance(v, dict):
+            v = _plain(v)
+        out[str(k)] = v
+    return out

@@ -1,0 +1,57 @@
+"""EnvRunnerSettings: everything an env runner is built from, as one plain dataclass.
+
+Apart from the runner itself so the driver (and the policy server, which shares these settings)
+can fill it in without reading the sampling code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import gymnasium as gym
+
+from actors.callbacks import CallbacksSpec
+from actors.env.vector_env import EnvContext
+from actors.modules import ActorCriticModule, RLModule
+from actors.offline.recorder import RecordingSettings
+
+
+@dataclass
+class EnvRunnerSettings:
+    """What an env runner needs to know; filled in by the driver from the algorithm config."""
+
+    env_creator: Callable[[EnvContext], gym.Env]
+    env_config: dict = field(default_factory=dict)
+    num_envs: int = 1
+    vectorize_mode: str = "sync"
+    rollout_fragment_length: int = 200
+    batch_mode: str = "truncate_episodes"
+    explore: bool = True
+    module_class: type[RLModule] = ActorCriticModule
+    model_config: dict = field(default_factory=dict)
+    module_kwargs: dict = field(default_factory=dict)
+    observation_space: gym.Space | None = None
+    action_space: gym.Space | None = None
+    exploration_config: dict = field(default_factory=dict)
+    clip_rewards: bool | float | None = None
+    normalize_actions: bool = True
+    clip_actions: bool = False
+    seed: int | None = None
+    num_env_runners: int = 0
+    restart_failed_sub_environments: bool = False
+    torch_threads: int = 1
+    metrics_window: int = 100
+    """Episodes the runner's own episode statistics are averaged over."""
+    callbacks: CallbacksSpec | None = None
+    """The user's callbacks; this runner builds its own instance and runs the runner hooks."""
+    in_evaluation: bool = False
+    """An evaluator (its envs see ``EnvContext.in_evaluation``; callbacks see ``env_runner.config.in_evaluation``)."""
+    log_level: str = "WARN"
+    """Level of runnel's loggers in this runner's process."""
+    log_sys_usage: bool = False
+    """Report this process's CPU and resident memory under ``perf/env_runner_<index>/``."""
+    recording: RecordingSettings | None = None
+    """Record every chunk this runner returns (``config.offline_data(output=...)``); None: off."""
+    niceness: int = 0
+    """Raise this runner's OS niceness by this much (a remote runner only): evaluators running beside
+    training take the CPU time training leaves idle instead of slowing it down."""
