@@ -2,6 +2,7 @@
 #               make evaluate CHECKPOINT=<dir>   (play 10 episodes with a checkpoint 'make train' printed;
 #                              ARGS='--episodes 3 --render' passes more flags to runnel evaluate)
 #               make test    (set up, then run the test suite; .ci/run calls this)
+#               make test-fast   (the edit loop: unit, property and protocol tests, no learning or slow runs; ~2 min)
 #               make help    (this text)
 # Any other runnel command in a fresh shell: .venv/bin/runnel ..., or '. .venv/bin/activate' first.
 PYTHON ?= python3
@@ -9,7 +10,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.runnel-installed
 
-.PHONY: setup train evaluate test bench clean help c-client-deps c-client
+.PHONY: setup train evaluate test test-fast bench clean help c-client-deps c-client
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,9 @@ evaluate: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m 'not learning and not slow' tests
 
 bench: setup
 	$(BIN)/python tests/benchmarks/codec.py

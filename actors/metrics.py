@@ -163,6 +163,17 @@ class MetricsLogger:
             for number in numbers:
                 stat.add(number)
 
+    def log_episodes(self, returns: list[float], lengths: list[int], window: int | None = None) -> None:
+        """The episode statistics every acting stage reports: return mean/min/max and length over
+        ``window`` episodes, and how many episodes ended (this period and lifetime)."""
+        if returns:
+            self.log_values("episode_return_mean", returns, window=window)
+            self.log_values("episode_return_min", returns, reduce="min", window=window)
+            self.log_values("episode_return_max", returns, reduce="max", window=window)
+            self.log_values("episode_len_mean", lengths, window=window)
+        self.log_value("num_episodes", len(returns), reduce="sum")
+        self.log_value("num_episodes_lifetime", len(returns), reduce="lifetime_sum")
+
     def log_dict(
         self, values: dict[str, Any], *, prefix: str = "", reduce: str = "mean", window: int | None = None
     ) -> None:

@@ -15,7 +15,8 @@ import numpy as np
 import ray
 
 from actors.manager import FaultToleranceSettings
-from pipeline.config.base import AlgorithmConfig, ConfigError, resolve_import_path
+from pipeline.config.base import AlgorithmConfig, ConfigError
+from pipeline.config.plain import resolve_import_path
 from pipeline.config.offline import recorded_spaces
 from pipeline.envs import probe_spaces
 from protocols.spaces import space_to_dict

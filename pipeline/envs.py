@@ -16,7 +16,8 @@ from typing import Any, Callable
 import gymnasium as gym
 
 from actors.env import EnvContext
-from pipeline.config.base import ConfigError, resolve_import_path
+from pipeline.config.base import ConfigError
+from pipeline.config.plain import resolve_import_path
 
 _REGISTRY: dict[str, Callable[[EnvContext], gym.Env]] = {}
 

@@ -49,7 +49,6 @@ import msgpack
 import numpy as np
 
 from protocols.codec_arrays import ALIGN, MAX_DESCRIPTOR_LEN, ArrayPacker, array_hook
-from protocols.codec_values import CHUNK_FIELDS as _CHUNK_FIELDS  # noqa: F401 -- tests index the wire order here
 from protocols.codec_values import check_keys, check_plain, chunk_from_list, chunk_to_list
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError

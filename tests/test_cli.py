@@ -141,6 +141,7 @@ def test_evaluate_json(checkpoint, capsys):
     assert out["episode_return_mean"] == pytest.approx(sum(out["episode_returns"]) / 2)
 
 
+@pytest.mark.slow
 def test_evaluate_with_evaluator_actors(checkpoint, capsys):
     """--num-env-runners: the same evaluators as evaluation during training, as Ray actors (Ray is
     started for the command and shut down after it)."""

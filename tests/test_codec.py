@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 from protocols import EpisodeBuilder, EpisodeChunk, Limits, ProtocolError, decode, encode
 from protocols import codec
+from protocols.codec_values import CHUNK_FIELDS
 
 try:
     from test_spaces import nested_spaces
@@ -439,7 +440,7 @@ def chunk_meta():
 
 def setf(meta, **fields):
     for name, value in fields.items():
-        meta[1][codec._CHUNK_FIELDS.index(name)] = value
+        meta[1][CHUNK_FIELDS.index(name)] = value
 
 
 @pytest.mark.parametrize("change, message", [

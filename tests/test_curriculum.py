@@ -45,6 +45,7 @@ def tasks(algo):
                                    local_env_runner=False)
 
 
+@pytest.mark.slow
 def test_curriculum_reaches_every_sub_env_survives_restarts_and_checkpoints(tmp_path):
     config = PPOConfig.from_dict({"env": CurriculumEnv, "env_task_fn": curriculum_fn, "num_env_runners": 2,
                                   "num_envs_per_env_runner": 2, "train_batch_size_per_learner": 100,
@@ -70,6 +71,7 @@ def test_curriculum_reaches_every_sub_env_survives_restarts_and_checkpoints(tmp_
         restored.stop()
 
 
+@pytest.mark.slow
 def test_global_counter_example_counts_every_env_step():
     from examples.global_counter import Counter, main
 
@@ -82,6 +84,7 @@ def test_global_counter_example_counts_every_env_step():
         ray.kill(counter)
 
 
+@pytest.mark.slow
 def test_global_counter_reaches_the_driver_count():
     """Every step of every runner reaches the counter: wait (bounded) until the fire-and-forget
     increments have all arrived."""
@@ -101,6 +104,7 @@ def test_global_counter_reaches_the_driver_count():
         ray.kill(counter)
 
 
+@pytest.mark.slow
 def test_exploration_schedule_log_level_and_sys_usage_reach_remote_runners(tmp_path):
     config = (DQNConfig().environment("CartPole-v1")
               .env_runners(num_env_runners=1, num_envs_per_env_runner=1, rollout_fragment_length=50)

@@ -89,6 +89,7 @@ def test_missing_class_names_the_attribute(env_dir):
         env_creator("myenv_mod:Nope")
 
 
+@pytest.mark.slow
 def test_cli_trains_on_env_from_current_directory_with_a_ray_runner(env_dir):
     """`runnel train --env myenv_mod:MyEnv` from the env's directory, no PYTHONPATH, 1 Ray env runner."""
     config = '{"train_batch_size_per_learner": 64, "minibatch_size": 32, "num_epochs": 1, "num_envs_per_env_runner": 1}'

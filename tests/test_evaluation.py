@@ -138,6 +138,7 @@ def test_durations_split_among_evaluators_and_hooks_run_in_the_runners():
         algo.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hang", [False, True], ids=["crash", "hang"])
 def test_a_crashing_or_hanging_evaluator_is_survived_and_reported(hang):
     algo = (ppo(EvalFaultEnv, eval_fail_on=[1], hang=hang)

@@ -87,6 +87,7 @@ def small_ppo(address: str, journal: str, **runners):
             .debugging(seed=0))
 
 
+@pytest.mark.slow
 def test_server_killed_with_sigkill_mid_run(ray_cluster, tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"
     algo = small_ppo(address, str(tmp_path), num_env_runners=1).build()

@@ -7,7 +7,8 @@ from actors.manager import ActorGroupError
 from pipeline import Callbacks, PPOConfig
 from tests.envs import FlakyEnv
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+# every test here kills or hangs Ray actors and waits for their recovery: a few seconds each
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.slow]
 
 RECREATED: list = []
 

@@ -296,12 +296,14 @@ def check_cartpole(results, streaming):
     assert "learner_update" in last["timers"]
 
 
+@pytest.mark.learning
 def test_impala_cartpole_reaches_450(impala_run):
     results, streaming, _, _ = impala_run
     check_cartpole(results, streaming)
     assert results[-1]["num_env_steps_trained_lifetime"] <= results[-1]["num_env_steps_sampled_lifetime"]
 
 
+@pytest.mark.learning
 def test_appo_cartpole_reaches_450(appo_run):
     results, streaming, _, _ = appo_run
     check_cartpole(results, streaming)
@@ -312,6 +314,7 @@ def test_appo_cartpole_reaches_450(appo_run):
     assert last["num_env_steps_trained_lifetime"] > last["num_env_steps_sampled_lifetime"]
 
 
+@pytest.mark.slow
 def test_appo_checkpoint_restores_learner_target_and_streams_again(appo_run):
     _, _, path, saved = appo_run
     algo = Algorithm.from_checkpoint(path)
@@ -357,6 +360,7 @@ class GILHangEnv(FlakyEnv):
 
 @pytest.mark.parametrize("env_cls,hang", [(FlakyEnv, False), (FlakyEnv, True), (GILHangEnv, False)],
                          ids=["raises", "hangs", "hangs-holding-the-gil"])
+@pytest.mark.slow
 def test_failed_streaming_runner_is_recreated_and_streams_again(ray_cluster, env_cls, hang):
     env_config = {"fail_on_runners": [1], "fail_at_steps": [1500], "hang": hang}
     algo = (IMPALAConfig().environment(env_cls, env_config=env_config).env_runners(num_env_runners=2)
@@ -420,6 +424,7 @@ def test_stream_compression_auto_follows_the_observation_dtype():
         IMPALAConfig(env="CartPole-v1", stream_compress="yes").validate()
 
 
+@pytest.mark.slow
 def test_killed_streaming_runner_is_recreated_and_counted(ray_cluster):
     algo = (IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2)
             .fault_tolerance(delay_between_env_runner_restarts_s=0.2, env_runner_health_probe_timeout_s=3.0)
@@ -443,6 +448,7 @@ def test_killed_streaming_runner_is_recreated_and_counted(ray_cluster):
     assert runnel_threads() == []
 
 
+@pytest.mark.slow
 def test_streaming_fatal_mode_raises_naming_the_runner_and_cause(ray_cluster):
     from actors.manager import ActorGroupError
 

@@ -149,6 +149,7 @@ def ray_up():
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_a_runner_restart_records_every_trained_chunk_exactly_once(tmp_path, ray_up):
     out = str(tmp_path / "rec")
     COLLECTED.clear()

@@ -18,7 +18,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 EXPERT = os.path.join(DATA, "cartpole_expert")
 RANDOM = os.path.join(DATA, "cartpole_random")
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.learning
 
 
 def train(config, iterations: int) -> float:

@@ -196,6 +196,7 @@ def test_readers_at_different_indices_read_disjoint_shards(ray2, split):
     assert ids[0] | ids[1] == {c.episode_id for c in _local_chunks(_shards(split))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_env_runners", [0, 1, 2])
 def test_bc_trains_with_the_ray_data_reader(ray2, num_env_runners):
     # 2: the two reader actors hold both CPUs; their Ray Data tasks ask for none, so they still run

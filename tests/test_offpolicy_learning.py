@@ -19,6 +19,7 @@ def tuned(path, seed):
     return config, stop["env_runners/episode_return_mean"], stop["num_env_steps_sampled_lifetime"]
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_dqn_reaches_450_on_cartpole_within_200k_steps(seed):
     config, target, budget = tuned("tuned/cartpole-dqn.yaml", seed)
@@ -33,6 +34,7 @@ def test_dqn_reaches_450_on_cartpole_within_200k_steps(seed):
     assert result["replay"]["samples_per_insert"] > 0 and result["learners"]["default_policy"]["num_target_updates"] > 0
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sac_reaches_minus_250_on_pendulum_within_20k_steps(seed):
     config, target, budget = tuned("tuned/pendulum-sac.yaml", seed)
@@ -48,6 +50,7 @@ def test_sac_reaches_minus_250_on_pendulum_within_20k_steps(seed):
     assert np.isfinite(stats["qf_loss"]) and 0 < stats["alpha_value"] < 1  # the temperature was tuned down
 
 
+@pytest.mark.slow
 def test_remote_replay_fed_by_streams_survives_its_own_death(ray_cluster):
     config = (DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)
               .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 20_000,
@@ -79,6 +82,7 @@ def test_remote_replay_fed_by_streams_survives_its_own_death(ray_cluster):
         algo.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo_config", ["dqn", "sac"])
 def test_two_remote_learners_split_replayed_batches_and_stay_identical(ray_cluster, algo_config):
     # Each replayed batch is split by rows over the learners; gradients are averaged, so both hold

@@ -45,6 +45,7 @@ def cartpole_run(tmp_path_factory):
     return best, result, path, saved
 
 
+@pytest.mark.learning
 def test_cartpole_defaults_reach_450(cartpole_run):
     best, result, _, _ = cartpole_run
     assert best >= 450, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
@@ -59,6 +60,7 @@ def test_cartpole_defaults_reach_450(cartpole_run):
     assert "env_runner_sampling_timer" in result["timers"]
 
 
+@pytest.mark.learning
 def test_checkpoint_restores_weights_counters_optimizer_and_continues(cartpole_run):
     _, _, path, saved = cartpole_run
     restored = Algorithm.from_checkpoint(path)
@@ -84,6 +86,7 @@ def test_checkpoint_restores_weights_counters_optimizer_and_continues(cartpole_r
         restored.stop()
 
 
+@pytest.mark.learning
 def test_restored_policy_evaluates_at_450_or_more(cartpole_run):
     _, _, path, _ = cartpole_run
     algo = Algorithm.from_checkpoint(path, num_env_runners=0)
@@ -94,6 +97,7 @@ def test_restored_policy_evaluates_at_450_or_more(cartpole_run):
         algo.stop()
 
 
+@pytest.mark.learning
 def test_runnel_evaluate_on_the_checkpoint_reports_450_or_more(cartpole_run, capsys):
     import json
 
@@ -115,6 +119,7 @@ def test_local_env_runner_trains():
         algo.stop()
 
 
+@pytest.mark.slow
 def test_two_learners_hold_identical_weights_after_every_update():
     algo = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=1, num_envs_per_env_runner=8)
             .learners(num_learners=2).training(train_batch_size_per_learner=500, minibatch_size=250)
@@ -156,6 +161,7 @@ def test_bad_env_in_remote_runner_config_fails_at_build():
         PPOConfig().environment("NoSuchEnv-v0").build()
 
 
+@pytest.mark.learning
 def test_pendulum_box_actions_improve():
     algo = (PPOConfig().environment("Pendulum-v1").env_runners(num_env_runners=0, num_envs_per_env_runner=8)
             .training(gamma=0.95, lr=1e-3, train_batch_size_per_learner=4000, num_epochs=10)

@@ -58,6 +58,7 @@ def test_train_writes_a_results_directory_and_save_uses_it(tmp_path, monkeypatch
         off.stop()
 
 
+@pytest.mark.slow
 def test_two_processes_saving_at_once_never_collide(tmp_path):
     """Both start their run directory in the same second: each gets its own."""
     code = ("import sys; from pipeline import PPO\n"
@@ -108,7 +109,7 @@ def test_restore_with_another_number_of_sub_envs_starts_fresh_episodes(tmp_path)
 
 def test_import_paths_find_modules_in_the_current_directory(tmp_path, monkeypatch):
     """``callbacks_class="mycallbacks:MyCallbacks"`` beside the user's script, without PYTHONPATH."""
-    from pipeline.config.base import resolve_import_path
+    from pipeline.config.plain import resolve_import_path
 
     (tmp_path / "runnel_cwd_callbacks.py").write_text("from pipeline import Callbacks\n\n\nclass Mine(Callbacks):\n    pass\n")
     monkeypatch.chdir(tmp_path)

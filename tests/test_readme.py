@@ -50,6 +50,7 @@ def test_parser_finds_blocks_and_their_lines():
     assert BLOCKS, "README.md has no ```python block"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
 def test_readme_python_block_runs(line, code, tmp_path):
     first = code.lstrip().splitlines()[0] if code.strip() else ""

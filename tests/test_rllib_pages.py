@@ -74,6 +74,7 @@ def test_python_api_train_loop_and_save(ray_cluster):
     assert os.path.isfile(os.path.join(checkpoint_dir, "manifest.json")) or os.listdir(checkpoint_dir)
 
 
+@pytest.mark.slow
 def test_tune_grid_search_sweep_without_env_names_the_fix(ray_cluster, tmp_path):
     """Page 000, "Using the Python API", the Tune sweep. The page's config names no env (RLlib
     fails too): every trial fails with runnel's message saying how to set one."""
@@ -101,6 +102,7 @@ def test_tune_grid_search_sweep_without_env_names_the_fix(ray_cluster, tmp_path)
         assert "no environment: call .environment(" in str(error)
 
 
+@pytest.mark.slow
 def test_tuner_custom_log_dir_and_best_checkpoint(ray_cluster, tmp_path):
     """Page 000, "Tuner.fit() allows setting a custom log directory": the best trial's checkpoint,
     which the next example restores with ``Algorithm.from_checkpoint``."""
@@ -518,6 +520,7 @@ def test_key_concepts_build_and_train(ray_cluster):
     assert result["training_iteration"] == 1
 
 
+@pytest.mark.slow
 def test_key_concepts_train_through_tune(ray_cluster, tmp_path):
     """Page 003: "Train through Ray Tune" with the config object and a lifetime-steps stop."""
     from ray import tune

@@ -251,13 +251,18 @@ def test_runner_streams_applies_weights_between_fragments_and_stops():
         assert r.is_streaming()
         assert rec.get_batch(timeout=20) is not None
         r.set_weights(weights, 5)  # while streaming: applied before the next fragment
-        # every batch is one fragment of one weights version: soon they are all version 5
+        # every batch is one fragment of one weights version: soon they are all version 5. The
+        # episode statistics are read below, so wait for a chunk that ends an episode too: a runner
+        # logs an episode before its last chunk leaves (on a busy machine the version-5 batch can
+        # come before any 25-step episode has ended)
         deadline = time.monotonic() + 20
-        while True:
+        seen_new_weights = seen_an_end = False
+        while not (seen_new_weights and seen_an_end):
             b = rec.get_batch(timeout=5)
-            if b is not None and all(c.weights_version == 5 for c in b):
-                break
-            assert time.monotonic() < deadline, "new weights never reached the chunks"
+            if b is not None:
+                seen_new_weights |= all(c.weights_version == 5 for c in b)
+                seen_an_end |= any(c.is_done for c in b)
+            assert time.monotonic() < deadline, "new weights or an episode's end never reached the chunks"
         m = r.get_metrics()
         assert m["weights_version"]["value"] == 5 and m["num_weight_updates_applied"]["value"] == 1
         assert m["stream/runner_num_frames_sent"]["value"] >= 2 and m["num_env_steps_sampled_lifetime"]["value"] >= 40

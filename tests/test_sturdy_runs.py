@@ -60,6 +60,7 @@ def _summary_steps(text):
     return int(m.group(1).replace(",", ""))
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_after_the_iteration_and_resume_continues(tmp_path, capsys):
     out_dir = tmp_path / "results"
     proc = _start(out_dir)
@@ -90,6 +91,7 @@ def test_sigterm_checkpoints_after_the_iteration_and_resume_continues(tmp_path, 
     assert len(rows) == 1 + last + 2  # header + one row per iteration, none twice
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_the_stdout_pipe_closed_still_checkpoints(tmp_path):
     out_dir = tmp_path / "results"
     proc = _start(out_dir)
@@ -107,6 +109,7 @@ def test_ctrl_c_with_the_stdout_pipe_closed_still_checkpoints(tmp_path):
     assert counters["num_env_steps_sampled_lifetime"] == results[-1]["num_env_steps_sampled_lifetime"]
 
 
+@pytest.mark.slow
 def test_two_sigterms_stop_at_once_and_the_checkpoint_matches_the_summary(tmp_path):
     out_dir = tmp_path / "results"
     proc = _start(out_dir)
@@ -181,6 +184,7 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
     assert "cannot change it" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_printed_follow_up_commands_work_in_a_fresh_shell(tmp_path):
     """`make train` runs .venv/bin/runnel with the venv not activated: the commands it prints at the
     end (evaluate, resume) must run as printed in a shell whose PATH has no runnel."""

@@ -26,6 +26,7 @@ def small_config(num_env_runners: int = 1) -> PPOConfig:
             .debugging(seed=0))
 
 
+@pytest.mark.slow
 def test_grid_search_by_class_and_config_object_restores_best_checkpoint(ray2, tmp_path):
     config = small_config().training(lr=tune.grid_search([1e-3, 3e-4]), gamma=tune.grid_search([0.98, 0.99]))
     tuner = tune.Tuner(PPO, param_space=config, run_config=tune.RunConfig(
@@ -58,6 +59,7 @@ def test_registered_name_with_a_dict_param_space(ray2, tmp_path):
     assert results[0].metrics["training_iteration"] == 1
 
 
+@pytest.mark.slow
 def test_pbt_perturbs_lr_of_a_running_trial(ray2, tmp_path):
     config = small_config(num_env_runners=0).training(lr=tune.grid_search([1e-4, 1e-3]))
     pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=1, synch=True,
@@ -100,6 +102,7 @@ def test_cli_grid_search_in_a_tuned_file_runs_through_tune(ray2, tmp_path, capsy
         algo.stop()
 
 
+@pytest.mark.slow
 def test_a_second_algorithm_fails_fast_naming_the_one_holding_the_cpus(ray2, tmp_path):
     """On a 2-CPU Ray, restoring while the first algorithm's two runners still run cannot place its
     runners: say so at once (naming the holder), instead of waiting for a start-up timeout."""

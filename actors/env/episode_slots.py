@@ -98,15 +98,6 @@ class EpisodeSlots:
         """Every sub-env was reset: each runs the episode it drew an id for."""
         self.running = [Slot(*self.next_ids[j].popleft()) for j in range(self.num_envs)]
 
-    def _log_episodes(self, returns: list[float], lengths: list[int]) -> None:
-        m, w = self.metrics, self.metrics_window
-        m.log_values("episode_return_mean", returns, window=w)
-        m.log_values("episode_return_min", returns, reduce="min", window=w)
-        m.log_values("episode_return_max", returns, reduce="max", window=w)
-        m.log_values("episode_len_mean", lengths, window=w)
-        m.log_value("num_episodes", len(returns), reduce="sum")
-        m.log_value("num_episodes_lifetime", len(returns), reduce="lifetime_sum")
-
     def _clip(self, rewards: np.ndarray) -> np.ndarray:
         c = self.clip_rewards
         if c is None or c is False:
@@ -172,7 +163,7 @@ class EpisodeSlots:
                     slot = self.running[j] = Slot(*self.next_ids[j].popleft())
                 start = t + 1
         if ended_returns:  # logged before the chunks leave, so whoever receives them finds them counted
-            self._log_episodes(ended_returns, ended_lengths)
+            self.metrics.log_episodes(ended_returns, ended_lengths, self.metrics_window)
             if self.ended_log is not None:
                 self.ended_log.extend(zip(ended_returns, ended_lengths))
         if self.hooks is not None:

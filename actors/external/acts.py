@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.env.env_runner import EnvRunnerSettings
+from actors.env.settings import EnvRunnerSettings
 from actors.external.endpoint import Conn, ServerEndpoint
 from actors.external.inference import ServerPolicy
 from actors.external.settings import ExternalSettings

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from actors.env.actions import EnvActions
-from actors.env.env_runner import EnvRunnerSettings
+from actors.env.settings import EnvRunnerSettings
 from actors.env.exploration import make_exploration
 from actors.modules import to_torch
 from protocols.numpy_policy import NumpyPolicy

@@ -166,6 +166,7 @@ class PolicyServer(EnvRunnerRole):
             self.recorder.record(chunks)
             self.recorder.flush()
         return chunks
+
     def _log_chunks(self, chunks: list[EpisodeChunk]) -> None:
         m, w = self.metrics, self.s.metrics_window
         steps = sum(len(c) for c in chunks)
@@ -182,13 +183,7 @@ class PolicyServer(EnvRunnerRole):
                 lengths.append(length)
         while len(self._returns) > 100_000:  # episodes their clients abandoned
             self._returns.popitem(last=False)
-        if returns:
-            m.log_values("episode_return_mean", returns, window=w)
-            m.log_values("episode_return_min", returns, reduce="min", window=w)
-            m.log_values("episode_return_max", returns, reduce="max", window=w)
-            m.log_values("episode_len_mean", lengths, window=w)
-        m.log_value("num_episodes", len(returns), reduce="sum")
-        m.log_value("num_episodes_lifetime", len(returns), reduce="lifetime_sum")
+        m.log_episodes(returns, lengths, w)
 
     def sample_encoded(self, num_timesteps: int | None = None, explore: bool | None = None,
                        compress: bool = False) -> tuple[bytes, dict[str, Any]]:

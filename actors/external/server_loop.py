@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from actors.env.env_runner import EnvRunnerSettings
+from actors.env.settings import EnvRunnerSettings
 from actors.external.acts import ActBatcher
 from actors.external.chunks import ChunkIntake
 from actors.external.endpoint import EVENTS, POLLIN, Conn, ServerEndpoint

@@ -32,7 +32,8 @@ from pipeline.algorithm import Algorithm
 from pipeline.algorithms.returns import adapt_kl_coeff
 from pipeline.algorithms.vtrace import VTraceSettings, sgd_epochs, value_pass, vtrace_targets
 from pipeline.plans.asynchronous import AsyncPlan, AsyncPlanSettings, TakeBatch
-from pipeline.config.base import AlgorithmConfig, is_int, is_number
+from pipeline.config.base import AlgorithmConfig
+from pipeline.config.checks import is_int, is_number
 from pipeline.registry import register_algorithm
 from protocols.episode import EpisodeChunk
 

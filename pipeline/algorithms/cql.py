@@ -29,7 +29,7 @@ from actors.learner import Optimizer
 from actors.modules import SACModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.sac import SACConfig, SACLearner, sac_actor_loss, sac_alpha_loss, sac_critic_loss
-from pipeline.config.base import is_number
+from pipeline.config.checks import is_number
 from pipeline.config.offline import input_required_problems
 from pipeline.plans.offpolicy import OffPolicyPlan, polyak, to_tensors
 from pipeline.registry import register_algorithm

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from actors.learner import Learner
 from actors.modules import QModule
 from pipeline.algorithm import Algorithm
-from pipeline.config.base import AlgorithmConfig, check_schedule, is_int, is_number
+from pipeline.config.base import AlgorithmConfig
+from pipeline.config.checks import check_schedule, is_int, is_number
 from pipeline.plans.offpolicy import OffPolicyPlan, OffPolicySettings, polyak, to_tensors
 from pipeline.registry import register_algorithm
 from protocols import nested

@@ -21,7 +21,8 @@ from actors.learner import Learner, as_batch
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.returns import gae
-from pipeline.config.base import AlgorithmConfig, is_number
+from pipeline.config.base import AlgorithmConfig
+from pipeline.config.checks import is_number
 from pipeline.config.offline import input_required_problems
 from pipeline.registry import register_algorithm
 from protocols.episode import EpisodeChunk

@@ -19,7 +19,8 @@ import torch
 from actors.learner import Learner, Optimizer
 from actors.modules import SACModule
 from pipeline.algorithm import Algorithm
-from pipeline.config.base import AlgorithmConfig, check_schedule, is_number
+from pipeline.config.base import AlgorithmConfig
+from pipeline.config.checks import check_schedule, is_number
 from pipeline.plans.offpolicy import OffPolicyPlan, OffPolicySettings, polyak, to_tensors
 from pipeline.registry import register_algorithm
 

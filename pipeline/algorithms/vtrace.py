@@ -9,7 +9,7 @@ import torch
 
 from actors.learner import Batch, Learner, as_batch, step_rows
 from pipeline.algorithms.returns import vtrace
-from pipeline.config.base import check_schedule, is_int, is_number
+from pipeline.config.checks import check_schedule, is_int, is_number
 from protocols.episode import EpisodeChunk
 
 

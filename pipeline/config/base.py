@@ -24,15 +24,12 @@ from actors.callbacks import HOOKS, CallbacksSpec
 from actors.learner import LearnerSettings
 from pipeline.config.callbacks import callbacks_spec
 from pipeline.config.checks import ConfigError, range_problems
-# is_int, is_number, check_schedule: algorithm configs and plans import them from here
-from pipeline.config.checks import check_schedule, is_int, is_number  # noqa: F401
 from pipeline.config.compat import (ACCEPTED, ACCEPTED_KIND, BUILDERS, IGNORED_KIND, NAMES, UNSUPPORTED_KIND,
                                     is_harmless)
 from pipeline.config.evaluation import estimation_problems, evaluation_problems
 from pipeline.config.exploration import exploration_problems, exploration_settings
 from pipeline.config.keys import group_keys, ignore_setting, read_setting, setting_names, unknown_problem
-# resolve_import_path: the algorithm, env creation and tests import it from here
-from pipeline.config.plain import from_plain, function_problems, plain_settings, resolve_import_path  # noqa: F401
+from pipeline.config.plain import from_plain, function_problems, plain_settings
 from pipeline.config.sampling import env_runner_problems, environment_problems, rollout_fragment_length
 from pipeline.config.training import learner_settings, module_spec, rl_module_problems, training_problems
 

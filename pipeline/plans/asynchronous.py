@@ -28,7 +28,7 @@ import torch
 from actors.learner import ChunkBatch
 from actors.learner.loader import ChunkReceiver
 from actors.metrics import MetricsLogger
-from pipeline.config.base import is_int, is_number
+from pipeline.config.checks import is_int, is_number
 from pipeline.groups.env_runner_group import EnvRunnerGroup
 from pipeline.groups.learner_group import LearnerGroup
 

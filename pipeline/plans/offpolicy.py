@@ -24,7 +24,7 @@ from torch import nn
 from actors.metrics import MetricsLogger
 from actors.offline.reader import SAMPLER
 from actors.replay import ReplayBuffer, ReplaySettings
-from pipeline.config.base import is_int, is_number
+from pipeline.config.checks import is_int, is_number
 from pipeline.groups.env_runner_group import EnvRunnerGroup
 from pipeline.groups.learner_group import LearnerGroup
 from pipeline.config.offline import mixes_sampler

@@ -28,8 +28,13 @@ def resource_request(config: Any) -> PlacementGroupFactory:
                                  strategy="PACK")
 
 
+# name -> algorithm class, registered again in every Ray session (see below)
+_TRAINABLES: dict[str, type] = {}
+
+
 def register_with_tune(name: str, algo_cls: type) -> None:
     """Make ``algo_cls`` a Tune trainable under ``name``, and its config class a valid ``param_space``."""
+    _TRAINABLES[name] = algo_cls
     ray.tune.register_trainable(name, algo_cls, warn=False)
     # Tune turns a ``param_space`` into a dict only for subclasses of its (private) config base class,
     # an ABC: registering ours as a virtual subclass is the one hook it offers.
@@ -38,3 +43,16 @@ def register_with_tune(name: str, algo_cls: type) -> None:
         config_base.register(algo_cls.config_class)
     else:  # a Ray version without it: dicts (config.to_dict()) still work
         log.debug("ray.tune has no config base class here; pass param_space=config.to_dict()")
+
+
+def _register_in_this_session() -> None:
+    # Tune keeps names registered before ray.init() and writes them into the first Ray session only:
+    # after ray.shutdown() and a new ray.init() in the same process, tune.Tuner("PPO") would find no
+    # "PPO". Ray runs these hooks after every ray.init() in the driver.
+    for name, algo_cls in _TRAINABLES.items():
+        ray.tune.register_trainable(name, algo_cls, warn=False)
+
+
+_hooks = getattr(getattr(ray, "_private", None), "worker", None)
+if _hooks is not None and isinstance(getattr(_hooks, "_post_init_hooks", None), list):
+    _hooks._post_init_hooks.append(_register_in_this_session)
