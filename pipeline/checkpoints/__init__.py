@@ -1,1 +1,2 @@
-"""Checkpoint directories (atomic writes, no pickle) and which of a run's checkpoints to keep."""
+"""Checkpoints: the directory format (``directory.py``: atomic writes, no pickle), saving and
+restoring an algorithm (``save_restore.py``), and which of a run's checkpoints to keep (``keeper.py``)."""
