@@ -1,6 +1,6 @@
 """APPO: asynchronous PPO with V-trace and a target network (IMPACT, Luo et al., 2020), as in RLlib.
 
-The loop is IMPALA's (``pipeline.async_plan.AsyncPlan``); APPO changes what a learner does with a
+The loop is IMPALA's (``pipeline.plans.asynchronous.AsyncPlan``); APPO changes what a learner does with a
 batch and where batches come from:
 
 * **Target network**: a frozen copy of the policy, refreshed every ``target_network_update_freq``

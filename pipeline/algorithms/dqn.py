@@ -5,7 +5,7 @@ actions as branches.
 Each training step: env runners sample with epsilon-greedy exploration, the chunks go into the
 replay stage, and the learner trains on replayed batches as often as the replay ratio
 (``training_intensity``) allows; the target network follows every ``target_network_update_freq``
-env steps (``tau`` < 1: Polyak averaging). The loop is ``pipeline.offpolicy_plan.OffPolicyPlan``.
+env steps (``tau`` < 1: Polyak averaging). The loop is ``pipeline.plans.offpolicy.OffPolicyPlan``.
 Here: ``DQNConfig``, ``dqn_loss`` (a pure function of module, target, batch and config),
 ``DQNLearner`` and ``DQN``.
 """

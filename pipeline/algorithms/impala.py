@@ -2,7 +2,7 @@
 
 Runners stream fragments, the learner trains on whatever arrives and corrects the policy lag with
 V-trace (the ratio of the learner's and the behaviour policy's action probabilities); the loop is
-``pipeline.async_plan.AsyncPlan``. Here: ``IMPALAConfig``, ``impala_loss`` (a pure function of
+``pipeline.plans.asynchronous.AsyncPlan``. Here: ``IMPALAConfig``, ``impala_loss`` (a pure function of
 module, batch and config), ``IMPALALearner`` and ``IMPALA``. Only ``num_learners=0`` (the learner
 in the driver, beside the loader thread) is supported.
 """

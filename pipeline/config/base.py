@@ -36,7 +36,7 @@ from pipeline.config.training import learner_settings, module_spec, rl_module_pr
 log = logging.getLogger("runnel")
 
 RENAMED = ACCEPTED
-"""RLlib's older names of the same settings -> runnel's (the accepted entries of ``pipeline.compat.NAMES``)."""
+"""RLlib's older names of the same settings -> runnel's (the accepted entries of ``pipeline.config.compat.NAMES``)."""
 
 
 _MISSING = object()
@@ -269,13 +269,13 @@ class AlgorithmConfig:
 
     def external_clients(self, **kwargs: Any) -> "AlgorithmConfig":
         """Train on experience from remote clients (``protocols.client.PolicyClient``): each env runner
-        slot hosts a policy server; keys are ``actors.policy_server.ExternalSettings``'s fields."""
+        slot hosts a policy server; keys are ``actors.external.settings.ExternalSettings``'s fields."""
         self.external_clients_config = {**(self.external_clients_config or {}), **kwargs}
         return self
 
     def offline_data(self, **kwargs: Any) -> "AlgorithmConfig":
         """``output="DIR"``: record every chunk the runners sample; ``input_="DIR"``: train from a
-        recording (readers take the env runners' place). Keys: ``pipeline.offline_config.KEYS``."""
+        recording (readers take the env runners' place). Keys: ``pipeline.config.offline.KEYS``."""
         self.offline_data_config = {**(self.offline_data_config or {}), **kwargs}
         return self
 

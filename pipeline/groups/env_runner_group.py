@@ -40,7 +40,7 @@ class EnvRunnerGroup:
                  fault_tolerance: FaultToleranceSettings, *, compress_frames: bool = False,
                  on_recreated: Callable[[list[int]], None] | None = None, external: Any = None,
                  offline: Any = None) -> None:
-        """``external`` (``actors.policy_server.ExternalSettings``): the slots host policy servers for
+        """``external`` (``actors.external.settings.ExternalSettings``): the slots host policy servers for
         remote clients instead of env runners."""
         self.settings = settings
         self.compress_frames = compress_frames

@@ -8,7 +8,7 @@
   logits start near zero, so it acts close to uniformly at random), about as many steps as the
   expert recording, so a 50/50 mix of the two has half of its steps from each.
 
-Made with ``pipeline.record.record_policy``, the same path as ``runnel record``: shard files and a
+Made with ``pipeline.offline.record.record_policy``, the same path as ``runnel record``: shard files and a
 manifest, nothing pickled. The recordings are small (well under 1 MB) and double as a check that
 recordings made by an earlier runnel version still read.
 """

@@ -7,7 +7,7 @@ of tuned/pendulum-sac.yaml, until its mean return over 5 episodes reached -200 o
 from random early episodes to good late ones, like D4RL's "medium-replay" datasets.
 ``pendulum_sac/final/``: 25 episodes of the final policy with sampled actions.
 Both are made by runnel's own recording path (``offline_data(output=...)`` and
-``pipeline.record.record_policy``).
+``pipeline.offline.record.record_policy``).
 """
 from __future__ import annotations
 
