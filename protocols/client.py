@@ -23,6 +23,11 @@ the server drops the copies it already has. So nothing a client sent is lost or 
 whichever side restarts. A background thread keeps the connection alive (pings, resends, weight
 pulls) between calls. See ``protocols/EXTERNAL.md`` for the wire protocol.
 
+Observations and actions are checked against the server's spaces before anything is recorded or
+sent (``protocols.space_checks``): a value the server would refuse -- NaN, an action out of range --
+raises ``BadValue`` (a ValueError) and leaves the episode as it was, so one bad value cannot get a
+whole chunk refused.
+
 The client keeps the episodes and the background thread; its parts live beside it: the socket and
 its requests in ``protocols.client_connection``, the spool in ``protocols.client_spool``, remote
 and local inference in ``protocols.client_inference``.
@@ -46,6 +51,7 @@ from protocols.client_connection import Connection, curve_options
 from protocols.client_inference import Inference
 from protocols.client_spool import ChunkSpool
 from protocols.episode import EpisodeBuilder, EpisodeChunk
+from protocols.space_checks import BadValue, check_values, value_spec
 
 log = logging.getLogger("runnel.client")
 
@@ -109,6 +115,8 @@ class PolicyClient:
                                 timeout_s=self.timeout_s, spin_s=self.spin_s, hello=self._hello_fields,
                                 on_welcome=self._welcomed, restart_episodes=self._restart_episodes,
                                 on_chunks=self._on_chunks)
+        self._obs_values = self._act_values = None  # the server's spaces (from its welcome) as value checks
+        self._finite_obs = True
         self._inference = Inference(self._conn, rng)
         self._spool = ChunkSpool(self._conn, self._lock, spool_dir, self.resend_after_s)
         if spool_dir is not None:
@@ -160,6 +168,8 @@ class PolicyClient:
         if len(episode_ids) != len(observations):
             raise ValueError(f"{len(episode_ids)} episode ids for {len(observations)} observations")
         eps = [self._episode(eid) for eid in episode_ids]
+        for eid, o in zip(episode_ids, observations):  # all of them before any is recorded
+            self._check_value(eid, "obs", o)
         obs = [self._observed(ep, o) for ep, o in zip(eps, observations)]
         if self.inference_mode == "remote":
             rows = self._inference.act_remote_batch(list(episode_ids), obs)
@@ -174,6 +184,7 @@ class PolicyClient:
         ep = self._episodes.get(episode_id) or self._episode(episode_id)
         if ep.in_flight is not None:
             raise ValueError(f"episode {episode_id!r} already waits for an action: call receive_action() first")
+        self._check_value(episode_id, "obs", observation)
         obs = self._observed(ep, observation)
         if not self._remote:
             ep.in_flight = (0, 0, None, None, self._inference.act_local(obs, None))
@@ -212,6 +223,7 @@ class PolicyClient:
         if ep.in_flight is not None:
             raise ValueError(f"episode {episode_id!r} waits for the action send_action() asked for: call "
                              f"receive_action() first (the final observation follows the last action taken)")
+        self._check_value(episode_id, "obs", observation)
         with self._lock:
             if ep.builder is not None and ep.prev_action is not None:
                 self._add_step(ep, observation, terminated=not truncated, truncated=truncated)
@@ -275,6 +287,15 @@ class PolicyClient:
                              f"{list(self._episodes)[:5]})")
         return ep
 
+    def _check_value(self, eid: str, field: str, value: Any) -> None:
+        """Refuse a value the server would refuse (``bad_value``; in a chunk, ``bad_chunk``) before it is
+        recorded: a NaN observation kept in an episode would get its whole chunk refused."""
+        spec, finite = (self._obs_values, self._finite_obs) if field == "obs" else (self._act_values, True)
+        try:
+            check_values(field, spec, value, finite)
+        except BadValue as err:
+            raise BadValue(err.field, f"episode {eid!r}: {err}") from None
+
     def _observed(self, ep: _Episode, obs: Any) -> Any:
         """Record a new observation in the episode (closing its previous step); returns it as arrays."""
         # copies: an env may reuse its observation buffer, and the chunk keeps every row
@@ -291,6 +312,9 @@ class PolicyClient:
         ep = self._episodes.get(eid) or self._episode(eid)
         if ep.in_flight is not None:
             raise ValueError(f"episode {eid!r} waits for the action send_action() asked for: call receive_action()")
+        self._check_value(eid, "obs", obs)
+        if given is not None:
+            self._check_value(eid, "action", given)
         obs = self._observed(ep, obs)
         if self._remote:
             return self._took(ep, *self._inference.act_remote(eid, obs, given, ep.builder is not None))
@@ -338,6 +362,9 @@ class PolicyClient:
         """A server's welcome, after every (re)connect: it may be a new server, which knows no episode."""
         new_server = welcome.get("server_id") != self.server_id
         self.welcome, self.server_id = welcome, welcome.get("server_id")
+        self._obs_values = value_spec(welcome.get("observation_space"))
+        self._act_values = value_spec(welcome.get("action_space"), actions=True)
+        self._finite_obs = not welcome.get("allow_nonfinite_observations", False)
         self._inference.welcomed(welcome)
         self._remote = welcome["inference_mode"] == "remote"
         for ep in self._episodes.values():  # the server forgot them (or it is another server)

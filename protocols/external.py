@@ -58,6 +58,8 @@ UNKNOWN_EPISODE = "unknown_episode"  # act/end for an episode this connection di
 TOO_MANY_EPISODES = "too_many_episodes"
 TOO_MANY_REQUESTS = "too_many_requests"
 BAD_OBSERVATION = "bad_observation"  # observation does not fit the observation space
+BAD_VALUE = "bad_value"              # an act's observation or action has the right shape but a value its
+                                     # space does not hold (NaN, out of range); the reply names episode_id and field
 BAD_CHUNK = "bad_chunk"              # a chunk failed its checks (the others in the message may be fine)
 BUSY = "busy"                        # the server holds as much unconsumed experience as it may: resend later
 NOT_SUPPORTED = "not_supported"      # e.g. weights for local inference of a policy that cannot be exported

@@ -2,8 +2,9 @@
 
 Built from plain space descriptions (``protocols.spaces``), so a receiver -- a learner's loader, a
 replay stage, a policy server -- can check chunks from untrusted peers without gymnasium objects.
-Structure (Dict keys, Tuple lengths), per-row shapes and numeric dtypes are checked; values are not
-(a Box bound is the environment's business, not the wire's).
+Structure (Dict keys, Tuple lengths), per-row shapes and numeric dtypes are checked by ``check``;
+values -- integer spaces in range, floats finite -- by ``check_values`` (``protocols.space_checks``:
+a Box bound is the environment's business, not the wire's).
 """
 from __future__ import annotations
 
@@ -13,16 +14,19 @@ import numpy as np
 
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
+from protocols.space_checks import check_finite, check_values, value_spec
 
 _NUMERIC = frozenset("biuf")
 
 
 class _Leaf:
-    __slots__ = ("shape", "dtype", "size")
+    __slots__ = ("shape", "dtype", "size", "whole")
 
-    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: str, whole: bool = False) -> None:
+        """``whole``: an integer space (Discrete, MultiDiscrete, MultiBinary), whose values are whole numbers."""
         self.shape, self.dtype = shape, np.dtype(dtype)
         self.size = int(np.prod(shape))
+        self.whole = whole
 
 
 def _spec(desc: dict) -> Any:
@@ -32,12 +36,12 @@ def _spec(desc: dict) -> Any:
     if kind == "Tuple":
         return [_spec(s) for s in desc["spaces"]]
     if kind in ("Box", "MultiDiscrete"):
-        return _Leaf(tuple(int(d) for d in desc["shape"]), desc.get("dtype", "float32"))
+        return _Leaf(tuple(int(d) for d in desc["shape"]), desc.get("dtype", "float32"), kind == "MultiDiscrete")
     if kind == "Discrete":
-        return _Leaf((), desc.get("dtype", "int64"))
+        return _Leaf((), desc.get("dtype", "int64"), True)
     if kind == "MultiBinary":
         n = desc["n"]
-        return _Leaf((int(n),) if isinstance(n, int) else tuple(int(d) for d in n), "int8")
+        return _Leaf((int(n),) if isinstance(n, int) else tuple(int(d) for d in n), "int8", True)
     raise ProtocolError(f"cannot check chunks against a space of type {kind!r}")
 
 
@@ -51,6 +55,7 @@ class ChunkSchema:
                  required_extra: tuple[str, ...] = ()) -> None:
         self.obs_spec = None if observation is None else _spec(observation)
         self.act_spec = None if action is None else _spec(action)
+        self.obs_values, self.act_values = value_spec(observation), value_spec(action, actions=True)
         self.required_extra = tuple(required_extra)
 
     @classmethod
@@ -75,6 +80,23 @@ class ChunkSchema:
                 got = "nothing" if value is None else f"{getattr(value, 'shape', type(value).__name__)}"
                 raise ProtocolError(f"extra[{key!r}] must be a float array of shape ({steps},), got {got}")
 
+    def check_values(self, chunk: EpisodeChunk, finite_obs: bool = True) -> None:
+        """The numbers of a chunk ``check`` passed: observations and actions in their spaces, rewards
+        and the required extras finite (``finite_obs=False``: Box observations may hold infinities
+        and NaN); raise ``space_checks.BadValue`` naming the first that is not."""
+        check_values("obs", self.obs_values, chunk.obs, finite_obs)
+        check_values("actions", self.act_values, chunk.actions)
+        check_finite("rewards", chunk.rewards)
+        for key in self.required_extra:
+            check_finite(f"extra[{key!r}]", chunk.extra[key])
+
+    def check_observation_values(self, obs: Any, finite: bool = True) -> None:
+        """One observation's numbers (after ``observation_from_plain``); raise BadValue (field ``obs``)."""
+        check_values("obs", self.obs_values, obs, finite)
+
+    def check_action_values(self, action: Any) -> None:
+        """One action's numbers (after ``action_from_plain``); raise BadValue (field ``action``)."""
+        check_values("action", self.act_values, action)
 
     def check_observation(self, obs: Any) -> None:
         """One observation (no time dimension); raise ProtocolError naming the first mismatch."""
@@ -115,7 +137,15 @@ def _from_plain(where: str, spec: Any, value: Any) -> Any:
         if isinstance(value, (str, bytes, dict)) or value is None:
             raise ProtocolError(f"{where}: expected numbers, got {type(value).__name__}")
         try:
-            arr = np.asarray(value, dtype=spec.dtype)
+            arr = None
+            if spec.whole and type(value) is not int:
+                # casting to the space's integer dtype would truncate a fraction (and fail on NaN):
+                # such numbers stay floats, for check_*_values to refuse as bad values
+                raw = np.asarray(value)
+                if raw.dtype.kind == "f" and not (np.isfinite(raw) & (raw == np.trunc(raw))).all():
+                    arr = raw
+            if arr is None:
+                arr = np.asarray(value, dtype=spec.dtype)
         except (TypeError, ValueError, OverflowError) as err:
             raise ProtocolError(f"{where}: not numbers of dtype {spec.dtype}: {err}") from None
     if arr.shape != spec.shape:

@@ -52,3 +52,27 @@ def test_the_c_client_plays_and_uploads_episodes(tmp_path):
         assert server.get_metrics()["external/num_bad_chunks"]["value"] == 0
     finally:
         server.stop()
+
+
+def test_the_c_client_cuts_episodes_at_the_fragment_length(tmp_path):
+    """The server refuses chunks longer than the fragment_length its welcome announced: the C client
+    cuts each episode into chunks of at most that many steps, which share their boundary rows."""
+    command = build(str(tmp_path / "cartpole_client"))
+    server = make_server(tmp_path, fragment_length=4)
+    try:
+        run = subprocess.run(command + [server.address, "3"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        steps = sum(int(line.split()[-2]) for line in run.stdout.splitlines() if line.startswith("episode "))
+        got = []
+        while sum(len(c) for c in got) < steps:
+            got += server.sample(1)
+        assert all(len(c) <= 4 for c in got) and len(got) > 3
+        for eid in {c.episode_id for c in got}:
+            chunks = sorted((c for c in got if c.episode_id == eid), key=lambda c: c.chunk_index)
+            assert [c.chunk_index for c in chunks] == list(range(len(chunks))) and chunks[-1].is_done
+            assert not any(c.is_done for c in chunks[:-1])
+            for a, b in zip(chunks, chunks[1:]):
+                assert (a.obs[-1] == b.obs[0]).all() and b.t_started == a.t_started + len(a)
+        assert server.get_metrics()["external/num_bad_chunks"]["value"] == 0
+    finally:
+        server.stop()

@@ -20,6 +20,7 @@ from protocols import nested
 from protocols.codec import Limits, decode
 from protocols.errors import ProtocolError
 from protocols.schema import ChunkSchema
+from protocols.space_checks import BadValue
 
 _NO_ACTION = [None]  # the one row of an act request without a client-chosen action (read only)
 
@@ -41,6 +42,7 @@ class ActBatcher:
         """``conns`` and ``counts``: the server thread's connections and counters, shared with its loop."""
         self.s, self.x = settings, external
         self.policy, self.schema = policy, schema
+        self._finite = not external.allow_nonfinite_observations
         self._send = endpoint.send
         self._conns = conns
         self._counts = counts
@@ -59,12 +61,22 @@ class ActBatcher:
             return False
         try:
             row = self.schema.observation_from_plain(h["obs"])
+            self.schema.check_observation_values(row, self._finite)  # one vectorized pass over the row
+        except BadValue as err:
+            self._refuse_value(route, rid, eid, err)
+            return True
         except ProtocolError as err:
             self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
             return True
         conn.last_seen = time.monotonic()
         self._queue(conn, _Act(route, rid, [row], _NO_ACTION, bool(h.get("explore", self.s.explore)), False))
         return True
+
+    def _refuse_value(self, route: bytes, rid: int, eid: str, err: BadValue) -> None:
+        """The ``bad_value`` reply to an act: which episode, which field, what was wrong."""
+        self._counts["num_bad_values"] += 1
+        self._send(route, {**wire.error(rid, wire.BAD_VALUE, f"episode {eid!r}: {err}"), "episode_id": eid,
+                           "field": err.field})
 
     def _queue(self, conn: Conn, act: _Act) -> None:
         """An act request waits for the next forward pass."""
@@ -104,11 +116,20 @@ class ActBatcher:
             return
         try:
             rows = [self.schema.observation_from_plain(o) for o in obs]
-            given = [None if g is None else self.policy.to_module_action(self.schema.action_from_plain(g))
-                     for g in given]
+            given = [None if g is None else self.schema.action_from_plain(g) for g in given]
         except ProtocolError as err:
             self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
             return
+        schema = self.schema
+        for eid, row, action in zip(eids, rows, given):
+            try:  # an action outside the space would fail the forward pass (and with it the server thread)
+                schema.check_observation_values(row, self._finite)
+                if action is not None:
+                    schema.check_action_values(action)
+            except BadValue as err:
+                self._refuse_value(route, rid, eid, err)
+                return
+        given = [None if g is None else self.policy.to_module_action(g) for g in given]
         self._queue(conn, _Act(route, rid, rows, given, bool(h.get("explore", self.s.explore)), batched))
 
     def infer(self) -> None:

@@ -21,6 +21,7 @@ from protocols.codec import Limits, decode
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
 from protocols.schema import ChunkSchema
+from protocols.space_checks import check_finite
 
 
 class ChunkIntake:
@@ -81,7 +82,7 @@ class ChunkIntake:
                     continue
                 else:
                     problem = self._check_chunk(chunk)
-                    if problem:
+                    if problem is not None:  # refused for good: never acknowledged, never handed on
                         bad.append((key, problem))
                         self._pass_gate(gate, key)  # the client drops it: the episode goes on without it
                         continue
@@ -104,7 +105,10 @@ class ChunkIntake:
                                             f"not yet trained on; resend later"), "ids": busy})
         for key, problem in bad:
             self._counts["num_bad_chunks"] += 1
-            self._send(route, {**wire.error(rid, wire.BAD_CHUNK, problem), "ids": [list(key)]})
+            reply = {**wire.error(rid, wire.BAD_CHUNK, f"chunk {key[0]!r} #{key[1]}: {problem}"), "ids": [list(key)]}
+            if hasattr(problem, "field"):  # a value its space does not hold (space_checks.BadValue)
+                reply["field"] = problem.field
+            self._send(route, reply)
 
     def _pass_gate(self, gate: list[int] | None, key: Key) -> None:
         """Chunk ``key`` is through (taken, or known): its episode's next chunk may come -- the next
@@ -120,18 +124,25 @@ class ChunkIntake:
     def _holds(self, key: Key) -> bool:
         return key in self._pending_keys or key in self._delivered_keys or key in self.journal
 
-    def _check_chunk(self, chunk: EpisodeChunk) -> str | None:
+    def _check_chunk(self, chunk: EpisodeChunk) -> ProtocolError | None:
+        """What is wrong with a chunk (a ``space_checks.BadValue`` names the field), or None."""
         try:
             chunk.validate()
             if len(chunk) == 0 or len(chunk) > self.x.max_chunk_steps:
                 raise ProtocolError(f"a chunk must have 1 to {self.x.max_chunk_steps} steps, got {len(chunk)}")
+            if len(chunk) > self.x.fragment_length:
+                raise ProtocolError(f"a chunk must have at most fragment_length = {self.x.fragment_length} steps "
+                                    f"(the server's welcome), got {len(chunk)}")
             self.schema.check(chunk)
             dists = chunk.extra.get("action_dist_inputs")
             if not isinstance(dists, np.ndarray) or dists.shape != (len(chunk), self.dist_dim) or dists.dtype.kind != "f":
                 raise ProtocolError(f"extra['action_dist_inputs'] must be a float array of shape "
                                     f"({len(chunk)}, {self.dist_dim}), got {getattr(dists, 'shape', type(dists).__name__)}")
+            # values last, each a vectorized pass: an action outside the space would crash a learner
+            self.schema.check_values(chunk, finite_obs=not self.x.allow_nonfinite_observations)
+            check_finite("extra['action_dist_inputs']", dists)
         except ProtocolError as err:
-            return str(err)
+            return err
         return None
 
     def take_outbox(self) -> list[tuple[bytes, dict]]:

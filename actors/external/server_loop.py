@@ -188,7 +188,7 @@ class ServerLoop:
             "version": wire.VERSION, "inference_mode": mode, **self.spaces,
             "fragment_length": self.x.fragment_length, "explore": self.s.explore,
             "weights_version": self.policy.weights_version, "action_mapping": self.policy.action_mapping(),
-            "required_extra": list(REQUIRED_EXTRA),
+            "required_extra": list(REQUIRED_EXTRA), "allow_nonfinite_observations": self.x.allow_nonfinite_observations,
             "limits": {"max_frame_bytes": self.x.max_frame_bytes, "max_open_episodes": self.x.max_open_episodes,
                        "max_requests_in_flight": self.x.max_requests_in_flight,
                        "max_chunk_steps": self.x.max_chunk_steps}})

@@ -55,7 +55,12 @@ class ExternalSettings:
     journal_dir: str | None = None
     """Where the commit journal lives (default: the temp dir's ``runnel-journal``); "" disables it."""
     fragment_length: int = 200
-    """Steps per chunk a client cuts (from ``rollout_fragment_length``)."""
+    """Steps per chunk a client cuts (from ``rollout_fragment_length``); a longer chunk is refused."""
+    allow_nonfinite_observations: bool = False
+    """Accept NaN and infinities in Box observations (acts and chunks), for a module that handles
+    them itself; by default they are refused (``bad_value``/``bad_chunk``): one NaN observation in a
+    train batch turns every weight into NaN. The learners are told too (they refuse such batches
+    otherwise). Integer spaces are always checked to be in range."""
 
     def address_for(self, slot: int) -> str:
         """The address of runner slot ``slot`` (0 = the in-driver server, like slot 1)."""

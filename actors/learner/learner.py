@@ -19,6 +19,7 @@ GPU -- clipping, optimizer step), minibatch epochs, and a complete ``get_state``
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -31,10 +32,13 @@ from torch import nn
 
 from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import LearnerRole
+from actors.learner.batch_checks import BatchCheck
 from actors.modules import ActorCriticModule, RLModule
 from actors.schedules import piecewise
 from protocols import nested
 from protocols.codec import decode
+
+log = logging.getLogger("runnel")
 
 
 @dataclass
@@ -55,6 +59,9 @@ class LearnerSettings:
     """Options of the algorithm's module class beyond the model config (e.g. DQN's ``dueling``)."""
     callbacks: CallbacksSpec | None = None
     """The user's callbacks; the learner runs ``on_learn_on_batch`` before each update."""
+    allow_nonfinite_observations: bool = False
+    """Train on batches whose Box observations hold NaN or infinities (a module that handles them);
+    by default such a batch is refused, like one with an action outside the action space."""
 
 
 @dataclass
@@ -103,6 +110,8 @@ class Learner(LearnerRole):
         """Per-row outputs of the latest update (e.g. TD errors for prioritized replay)."""
         self.callbacks = build_callbacks(settings.callbacks)
         self._learn_hook = overrides(self.callbacks, "on_learn_on_batch")
+        self.batch_check = BatchCheck(observation_space, action_space, settings.allow_nonfinite_observations)
+        self.num_batches_refused = 0
 
     # --- what an algorithm provides ---------------------------------------------------------
     def build_module(self) -> nn.Module:
@@ -143,6 +152,9 @@ class Learner(LearnerRole):
         (how it crosses to a remote learner)."""
         if isinstance(batch, (bytes, bytearray, memoryview)):
             batch = decode(batch)
+        refused = self._refuse(batch)
+        if refused is not None:
+            return refused
         self.timestep = timestep
         rates = {}
         for name, slot in self.optimizers.items():
@@ -156,6 +168,22 @@ class Learner(LearnerRole):
                       train_batch=batch, result=extra)
         return self.train_on_batch(batch, timestep) | rates | extra
 
+    def _refuse(self, batch: Any) -> dict[str, float] | None:
+        """The statistics of a refused update, or None to train on ``batch``. A batch with a value its
+        spaces do not hold (``BatchCheck``: an action out of range, a NaN) is dropped, counted and
+        logged rather than trained on: a bug anywhere upstream must not kill a long job, neither by
+        an exception in the loss nor by NaN weights. One check per batch, vectorized."""
+        problem = self.batch_check.problem(batch)
+        if self.world_size > 1:  # learners meet at every gradient all-reduce: all drop the batch, or none
+            if self.allreduce_mean(np.array([problem is not None], np.float64))[0] > 0 and problem is None:
+                problem = "another learner refused its shard of this batch"
+        if problem is None:
+            return None
+        self.num_batches_refused += 1
+        self.last_outputs = {}
+        log.warning("learner %d refused a train batch (%d so far) and goes on with the next: %s", self.rank,
+                    self.num_batches_refused, problem)
+        return {"num_batches_refused": 1.0}
 
     def update_with_outputs(self, batch: Any, timestep: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """``update`` and the per-row outputs it left in ``last_outputs``, in one call."""

@@ -1,5 +1,6 @@
 /* A runnel external client in C, written from protocols/EXTERNAL.md: plays CartPole-like episodes
- * against a running policy server (remote inference) and uploads each episode as one chunk.
+ * against a running policy server (remote inference) and uploads each episode as chunks of at most
+ * fragment_length steps (the server's welcome says how many; it refuses longer chunks).
  *
  *   cc -O2 -o cartpole_client cartpole_client.c -lzmq        (libzmq-dev from the distribution)
  *   ./cartpole_client tcp://127.0.0.1:9900 [episodes]
@@ -184,10 +185,13 @@ int main(int argc, char **argv) {
     mp_str(&h, "protocol"); mp_str(&h, "runnel-external"); mp_str(&h, "version"); mp_int(&h, 1);
     mp_str(&h, "inference_mode"); mp_str(&h, "remote");
     if (request(sock, &h, NULL, id) != 0 || !is_op(reply, reply_len, "welcome")) { fprintf(stderr, "no welcome\n"); return 1; }
+    rd_t fl;
+    int fragment = find(reply, reply_len, "fragment_length", &fl) ? (int)number(&fl) : MAX_STEPS;
+    if (fragment < 1) fragment = 1;
 
     static float obs[(MAX_STEPS + 1) * 4], rewards[MAX_STEPS], logps[MAX_STEPS], dists[MAX_STEPS * 2];
     static int64_t actions[MAX_STEPS];
-    int received = 0;
+    int received = 0, sent = 0;
     srand(7);
     for (int e = 0; e < episodes; e++) {
         char eid[32]; snprintf(eid, sizeof eid, "c-client-%d-%d", (int)(time(NULL) % 100000), e);
@@ -218,36 +222,42 @@ int main(int argc, char **argv) {
         float *o = obs + 4 * t;
         o[0] = (float)c.x; o[1] = (float)c.x_dot; o[2] = (float)c.theta; o[3] = (float)c.theta_dot;
 
-        /* the episode as one chunk: the 15 fields of EXTERNAL.md section 3 */
-        buf_t meta = {0}, region = {0};
-        uint64_t s_obs[2] = {(uint64_t)t + 1, 4}, s_t[1] = {(uint64_t)t}, s_dist[2] = {(uint64_t)t, 2};
-        mp_array(&meta, 2); mp_str(&meta, "chunks"); mp_array(&meta, 1); mp_array(&meta, 15);
-        mp_str(&meta, eid); mp_int(&meta, 0);
-        mp_array_ext(&meta, &region, obs, sizeof(float) * 4 * (t + 1), s_obs, 2, "<f4");
-        mp_array_ext(&meta, &region, actions, sizeof(int64_t) * t, s_t, 1, "<i8");
-        mp_array_ext(&meta, &region, rewards, sizeof(float) * t, s_t, 1, "<f4");
-        mp_bool(&meta, terminated); mp_bool(&meta, !terminated);   /* a time limit otherwise */
-        mp_map(&meta, 2);
-        mp_str(&meta, "action_logp"); mp_array_ext(&meta, &region, logps, sizeof(float) * t, s_t, 1, "<f4");
-        mp_str(&meta, "action_dist_inputs"); mp_array_ext(&meta, &region, dists, sizeof(float) * 2 * t, s_dist, 2, "<f4");
-        mp_array(&meta, 0); mp_int(&meta, 0); mp_int(&meta, version); mp_int(&meta, 0); mp_int(&meta, 0);
-        mp_nil(&meta); mp_nil(&meta);
-        buf_t body = frame(&meta, &region);
-        h.n = 0; id = next_id++;
-        mp_map(&h, 3); mp_str(&h, "op"); mp_str(&h, "chunks"); mp_str(&h, "id"); mp_int(&h, id);
-        mp_str(&h, "ids"); mp_array(&h, 1); mp_array(&h, 2); mp_str(&h, eid); mp_int(&h, 0);
-        if (request(sock, &h, &body, id) != 0 || !is_op(reply, reply_len, "received")) { fprintf(stderr, "chunk refused\n"); return 1; }
-        received++;
+        /* the episode as chunks of at most `fragment` steps, each the 15 fields of EXTERNAL.md section 3;
+         * chunk k holds steps [b, e) and observations [b, e] (neighbours share the boundary row) */
+        for (int b = 0, k = 0; b < t; b += fragment, k++) {
+            int e = b + fragment < t ? b + fragment : t, n = e - b, last = e == t;
+            buf_t meta = {0}, region = {0};
+            uint64_t s_obs[2] = {(uint64_t)n + 1, 4}, s_t[1] = {(uint64_t)n}, s_dist[2] = {(uint64_t)n, 2};
+            mp_array(&meta, 2); mp_str(&meta, "chunks"); mp_array(&meta, 1); mp_array(&meta, 15);
+            mp_str(&meta, eid); mp_int(&meta, k);
+            mp_array_ext(&meta, &region, obs + 4 * b, sizeof(float) * 4 * (n + 1), s_obs, 2, "<f4");
+            mp_array_ext(&meta, &region, actions + b, sizeof(int64_t) * n, s_t, 1, "<i8");
+            mp_array_ext(&meta, &region, rewards + b, sizeof(float) * n, s_t, 1, "<f4");
+            mp_bool(&meta, last && terminated); mp_bool(&meta, last && !terminated);   /* a time limit otherwise */
+            mp_map(&meta, 2);
+            mp_str(&meta, "action_logp"); mp_array_ext(&meta, &region, logps + b, sizeof(float) * n, s_t, 1, "<f4");
+            mp_str(&meta, "action_dist_inputs");
+            mp_array_ext(&meta, &region, dists + 2 * b, sizeof(float) * 2 * n, s_dist, 2, "<f4");
+            mp_array(&meta, 0); mp_int(&meta, b); mp_int(&meta, version); mp_int(&meta, 0); mp_int(&meta, 0);
+            mp_nil(&meta); mp_nil(&meta);
+            buf_t body = frame(&meta, &region);
+            h.n = 0; id = next_id++;
+            mp_map(&h, 3); mp_str(&h, "op"); mp_str(&h, "chunks"); mp_str(&h, "id"); mp_int(&h, id);
+            mp_str(&h, "ids"); mp_array(&h, 1); mp_array(&h, 2); mp_str(&h, eid); mp_int(&h, k);
+            sent++;
+            if (request(sock, &h, &body, id) != 0 || !is_op(reply, reply_len, "received")) { fprintf(stderr, "chunk refused\n"); return 1; }
+            received++;
+            free(meta.p); free(region.p); free(body.p);
+        }
         h.n = 0;
         mp_map(&h, 3); mp_str(&h, "op"); mp_str(&h, "end"); mp_str(&h, "id"); mp_int(&h, 0);
         mp_str(&h, "episode_id"); mp_str(&h, eid);
         zmq_send(sock, h.p, h.n, 0);
         printf("episode %s: %d steps\n", eid, t);
-        free(meta.p); free(region.p); free(body.p);
     }
     printf("%d chunks received by the server\n", received);
     zmq_close(sock);
     zmq_ctx_term(ctx);
     free(h.p);
-    return received == episodes ? 0 : 1;
+    return received == sent ? 0 : 1;
 }

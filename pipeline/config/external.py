@@ -70,6 +70,9 @@ def external_problems(config: Any) -> list[str]:
         value = getattr(x, key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             problems.append(f"external_clients {key} must be a number >= 0, got {value!r}")
+    if not isinstance(x.allow_nonfinite_observations, bool):
+        problems.append(f"external_clients allow_nonfinite_observations must be True or False, "
+                        f"got {x.allow_nonfinite_observations!r}")
     if x.server_secret_key is None and not problems:
         try:  # the plaintext rule, checked here so the error comes before anything starts
             if not is_loopback(x.address) and not x.allow_plaintext:

@@ -83,7 +83,7 @@ class LearnerGroup:
         """One update on ``batch`` -- a list of chunks, or a replayed batch of transitions -- sharded
         across learners; ``timestep`` drives the schedules. Returns the learners' mean statistics
         (also logged into ``metrics``) and, ``with_outputs``, their per-row outputs in batch order
-        (e.g. TD errors for prioritized replay)."""
+        (e.g. TD errors for prioritized replay; none when the learners refused the batch)."""
         ids = self.manager.healthy_ids()
         transitions = isinstance(batch, dict)
         if len(ids) == 1:
@@ -105,6 +105,10 @@ class LearnerGroup:
             stats = {k: float(v) for k, v in all_stats[0].items()}
         else:
             stats = {k: float(np.mean([s[k] for s in all_stats])) for k in all_stats[0]}
+        if "num_batches_refused" in stats:  # the learners dropped the batch (``Learner._refuse``): nothing trained
+            if metrics is not None:
+                metrics.log_value("learners/default_policy/num_batches_refused", 1, reduce="lifetime_sum")
+            return stats, outputs
         self.weights_version += 1
         if metrics is not None:
             steps = batch_steps(batch)

@@ -251,7 +251,7 @@ class OffPolicyPlan:
             while self.replay.can_sample(batch_size):
                 batch = self.replay.sample(batch_size)
                 _, outputs = self.learners.update(batch, timestep, m, with_outputs=self.prioritized)
-                if self.prioritized:
+                if self.prioritized and outputs:  # none: the learners refused the batch
                     self.replay.update_priorities(batch["indices"], outputs["td_error"])
         with m.log_time("timers/synch_weights"):
             weights = self.learners.get_weights(inference_only=True)

@@ -104,7 +104,7 @@ class StreamingReplay:
         timestep = m.peek("env_runners/num_env_steps_sampled_lifetime", 0)
         with m.log_time("timers/learner_update_timer", reduce="sum"):
             _, outputs = self.learners.update(batch, timestep, m, with_outputs=self.prioritized)
-        if self.prioritized:
+        if self.prioritized and outputs:  # none: the learners refused the batch
             self.group.submit("update_priorities", batch["indices"], outputs["td_error"], tag="priorities")
         if self.learners.weights_version % self.config.broadcast_interval == 0:
             weights = self.learners.get_weights(inference_only=True)
