@@ -75,7 +75,7 @@ class PolicyClient:
                  timeout_s: float = 60.0, spool_chunks: int = 1024, resend_after_s: float = 10.0,
                  heartbeat_s: float = 1.0, name: str | None = None, observation_space: Any = None,
                  action_space: Any = None, seed: int | None = None, spool_dir: str | None = None,
-                 spin_s: float = 0.0) -> None:
+                 spin_s: float = 0.0, throttle: bool = True) -> None:
         """``address``: the server's ``tcp://host:port``. ``inference_mode``: "remote", "local" or None
         (the server's default). ``server_public_key`` (z85, or the path of the server's ``.key`` file)
         turns on CURVE encryption; ``client_key`` is then this client's key pair (the path of a
@@ -88,7 +88,12 @@ class PolicyClient:
         directory sends them (one directory per client process). ``spin_s``: while waiting for a
         reply, poll this long without sleeping before blocking -- on a machine whose idle cores sleep,
         waking costs more than a remote-inference round trip, so a simulator that acts in a tight loop
-        trades a busy core for latency (pair it with the server's ``spin_s``; 0: always block)."""
+        trades a busy core for latency (pair it with the server's ``spin_s``; 0: always block).
+        ``throttle``: stop collecting (the call that cuts a chunk waits) while the server has not
+        committed ``welcome.limits.max_unacked_steps`` env steps this client sent -- so a fast simulator
+        collects what training can use, as an env runner would. ``False`` for a simulator that must
+        never wait (the server then drops what it cannot use: ``stale``). In local inference the
+        client fetches new weights as soon as a reply announces them, throttled or not."""
         if inference_mode not in (None, "remote", "local"):
             raise ValueError(f"inference_mode={inference_mode!r}; use 'remote', 'local' or None (the server's choice)")
         self.address = address
@@ -102,6 +107,7 @@ class PolicyClient:
         if not 0.0 <= float(spin_s) <= 1.0:
             raise ValueError(f"spin_s={spin_s!r}; use 0 (block while waiting) up to 1.0 seconds (typically 0.001)")
         self.spin_s = float(spin_s)
+        self.throttle = bool(throttle)
         self.name = name or f"client-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._spaces = {k: _space_dict(v) for k, v in (("observation_space", observation_space),
                                                         ("action_space", action_space)) if v is not None}
@@ -318,7 +324,19 @@ class PolicyClient:
         obs = self._observed(ep, obs)
         if self._remote:
             return self._took(ep, *self._inference.act_remote(eid, obs, given, ep.builder is not None))
+        if self._spool.server_version > self._inference.weights_version:
+            self._pull_announced_weights()
         return self._took(ep, *self._inference.act_local(obs, given))
+
+    def _pull_announced_weights(self) -> None:
+        """The server said it has newer weights: fetch them before acting (local inference)."""
+        with self._lock:
+            try:
+                self._inference.pull_weights()
+            except (TimeoutError, wire.ServerError) as err:  # act with what we have; the background thread retries
+                log.warning("could not pull the new weights: %s", err)
+            if self._inference.weights_version < self._spool.server_version:  # e.g. not exportable: ask no more
+                self._spool.server_version = self._inference.weights_version
 
     def _took(self, ep: _Episode, action: Any, module_action: Any, extra: dict, version: int) -> Any:
         """The episode acted: keep what its next step records; returns the env's action."""
@@ -343,15 +361,29 @@ class PolicyClient:
 
     # --- experience ---------------------------------------------------------------------------
     def _spool_chunk(self, chunk: EpisodeChunk) -> None:
-        """Keep the chunk until the server commits it (waits while the spool is full); send it now."""
-        deadline = time.monotonic() + self.timeout_s
-        while len(self._spool) >= self.spool_limit:
+        """Keep the chunk until the server commits it (waits while the spool is full, or while the server
+        has not committed the most steps it wants in flight, ``throttle``); send it now."""
+        spool = self._spool
+        steps_limit = (self.welcome.get("limits") or {}).get("max_unacked_steps") if self.throttle else None
+        if type(steps_limit) is not int or steps_limit < 1:
+            steps_limit = None
+        deadline, held = time.monotonic() + self.timeout_s, len(spool)
+        while len(spool) >= self.spool_limit or (steps_limit and spool and self._unacked_steps() + len(chunk) > steps_limit):
+            if len(spool) < held:  # progress: training is running, however slowly
+                deadline, held = time.monotonic() + self.timeout_s, len(spool)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the spool of {self.spool_limit} unacknowledged chunks is full and "
-                                   f"{self.address} committed none for {self.timeout_s:.0f} s; is training running?")
+                raise TimeoutError(f"{len(spool)} chunk(s) ({spool.steps} env steps) wait for {self.address} to "
+                                   f"commit them, and it committed none for {self.timeout_s:.0f} s; is training "
+                                   f"running?")
             self._conn.pump(0.05)
             self._maintain()
-        self._spool.add(chunk)
+        spool.add(chunk)
+
+    def _unacked_steps(self) -> int:
+        """What ``max_unacked_steps`` counts: spooled steps acted on by the newest weights the server
+        announced or newer -- older ones are taken already or will be dropped as stale, and must not
+        keep the client from collecting what the next update wants."""
+        return self._spool.steps_from(max(self._spool.server_version, self._inference.weights_version))
 
     # --- what the connection leaves to the client ---------------------------------------------
     def _hello_fields(self) -> dict[str, Any]:

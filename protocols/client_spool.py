@@ -32,6 +32,7 @@ BUSY_RETRY_S = 0.5
 class Spooled:
     frame: bytes
     steps: int
+    version: int = -1  # the weights version that acted (-1: unknown, loaded from a spool directory)
     sent_at: float = 0.0  # 0: not sent since the last (re)connect
     received: bool = False
 
@@ -48,6 +49,9 @@ class ChunkSpool:
         self.resend_after_s = resend_after_s
         self.rejected: list[tuple[tuple[str, int], str]] = []
         self.committed: list[tuple[str, int]] = []
+        self.num_stale = 0  # chunks the server dropped as acted on by weights too old to train on
+        self.steps = 0  # env steps in the spool (chunks loaded from a spool directory count 0)
+        self.server_version = -1  # the newest weights version replies about chunks announced
 
     def __len__(self) -> int:
         return len(self._spool)
@@ -58,11 +62,16 @@ class ChunkSpool:
     def add(self, chunk: EpisodeChunk) -> None:
         """Keep the chunk until the server commits it, and send it now (room is the caller's business)."""
         key = (chunk.episode_id, chunk.chunk_index)
-        entry = Spooled(encode([chunk], compress=True), len(chunk))
+        entry = Spooled(encode([chunk], compress=True), len(chunk), int(chunk.weights_version))
         self._spool[key] = entry
+        self.steps += entry.steps
         if self.spool_dir is not None:
             _write_atomically(self._spool_path(key), entry.frame)
         self._send_chunk(key, entry)
+
+    def steps_from(self, version: int) -> int:
+        """Env steps of spooled chunks acted on by weights ``version`` or newer."""
+        return sum(e.steps for e in self._spool.values() if e.version >= version)
 
     def _spool_path(self, key: tuple[str, int]) -> str:
         return os.path.join(self.spool_dir, f"{key[0].encode('ascii').hex()}_{key[1]}.chunk")
@@ -101,6 +110,9 @@ class ChunkSpool:
     def on_message(self, header: dict) -> None:
         """What the server said about chunks: received, committed, refused or too busy to take."""
         op = header["op"]
+        version = header.get("weights_version")
+        if type(version) is int and version > self.server_version:
+            self.server_version = version
         if op == wire.COMMITTED:
             self._on_committed(header.get("ids"))
         elif op == wire.RECEIVED:
@@ -113,11 +125,11 @@ class ChunkSpool:
             code = header.get("code")
             for item in header["ids"]:
                 key = tuple(item) if isinstance(item, list) else None
-                if code == wire.BAD_CHUNK and self._spool.pop(key, None) is not None:
+                if code == wire.BAD_CHUNK and self._drop(key):
                     self.rejected.append((key, str(header.get("message"))))
-                    if self.spool_dir is not None:
-                        os.unlink(self._spool_path(key))
                     log.error("the server refused chunk %s: %s", key, header.get("message"))
+                elif code == wire.STALE and self._drop(key):  # not a bug: this client ran ahead of training
+                    self.num_stale += 1
                 elif code == wire.HELLO_FIRST:
                     self._conn.rehello()
                     return
@@ -129,14 +141,22 @@ class ChunkSpool:
     def _on_committed(self, ids: Any) -> None:
         for item in ids if isinstance(ids, list) else ():
             key = (item[0], item[1]) if isinstance(item, list) and len(item) == 2 else None
-            if key is not None and self._spool.pop(key, None) is not None:
+            if key is not None and self._drop(key):
                 self.committed.append(key)
-                if self.spool_dir is not None:
-                    try:
-                        os.unlink(self._spool_path(key))
-                    except FileNotFoundError:
-                        pass
+
+    def _drop(self, key: Any) -> bool:
+        """Forget a chunk (committed, or refused for good); False if the spool did not hold it."""
+        entry = self._spool.pop(key, None)
+        if entry is None:
+            return False
+        self.steps -= entry.steps
+        if self.spool_dir is not None:
+            try:
+                os.unlink(self._spool_path(key))
+            except FileNotFoundError:
+                pass
         self._spool_freed.notify_all()
+        return True
 
 
 def _write_atomically(path: str, data: bytes) -> None:

@@ -62,6 +62,7 @@ BAD_VALUE = "bad_value"              # an act's observation or action has the ri
                                      # space does not hold (NaN, out of range); the reply names episode_id and field
 BAD_CHUNK = "bad_chunk"              # a chunk failed its checks (the others in the message may be fine)
 BUSY = "busy"                        # the server holds as much unconsumed experience as it may: resend later
+STALE = "stale"                      # a chunk acted on by weights older than the server's max_policy_lag: drop it
 NOT_SUPPORTED = "not_supported"      # e.g. weights for local inference of a policy that cannot be exported
 SERVER_FULL = "server_full"          # too many connections (fatal)
 BANNED = "banned"                    # too many protocol errors: further messages are ignored (fatal)

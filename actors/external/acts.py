@@ -2,7 +2,9 @@
 from one forward pass.
 
 Separate from the server loop, which only says when to run a batch (``max_batch`` rows queued, or
-``batch_wait_s`` passed); everything here runs on the server thread.
+``batch_wait_s`` passed); everything here runs on the server thread, apart from ``hold``/``release``,
+which the driver's thread calls (``hold_acts_while_training``: acts wait while the driver trains on
+the batch it took, and are answered with the weights trained on it).
 """
 from __future__ import annotations
 
@@ -51,6 +53,25 @@ class ActBatcher:
         self.requests: list[_Act] = []
         self.rows = 0  # observations in self.requests
         self.first_act_at = 0.0
+        self.held_until = 0.0  # monotonic time; set by the driver's thread (a float store is atomic)
+        self._wake = endpoint.wake
+
+    # --- the driver's thread ------------------------------------------------------------------
+    def hold(self) -> None:
+        """Answer no act for now: the driver trains on what it took (at most ``max_act_hold_s``)."""
+        self.held_until = time.monotonic() + self.x.max_act_hold_s
+
+    def release(self) -> None:
+        """New weights arrived: answer the waiting acts with them."""
+        if self.held_until:
+            self.held_until = 0.0
+            self._wake()
+
+    # --- the server thread --------------------------------------------------------------------
+    def held(self) -> float:
+        """Seconds acts are still held for (0: answer them)."""
+        until = self.held_until
+        return max(0.0, until - time.monotonic()) if until else 0.0
 
     def act_one(self, route: bytes, conn: Conn, rid: int, h: dict) -> bool:
         """The common request -- one started episode, its observation in the header -- taken without
@@ -133,8 +154,18 @@ class ActBatcher:
         self._queue(conn, _Act(route, rid, rows, given, bool(h.get("explore", self.s.explore)), batched))
 
     def infer(self) -> None:
-        acts, self.requests = self.requests, []
-        self.rows = 0
+        """One forward pass over the queued requests, ``max_batch`` rows at most (held ones are a backlog)."""
+        if self.rows <= self.x.max_batch:
+            acts, self.requests = self.requests, []
+            self.rows = 0
+        else:
+            rows = count = 0
+            for a in self.requests:
+                if count and rows + len(a.obs) > self.x.max_batch:
+                    break
+                rows, count = rows + len(a.obs), count + 1
+            acts, self.requests = self.requests[:count], self.requests[count:]
+            self.rows -= rows
         if len(acts) == 1 and len(acts[0].obs) == 1:  # one client acting alone: no gathering, no stacking
             rows = acts[0].obs
             obs = rows[0][None] if isinstance(rows[0], np.ndarray) else nested.stack(rows)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
@@ -24,17 +25,49 @@ from protocols.schema import ChunkSchema
 from protocols.space_checks import check_finite
 
 
+class EpisodeTally:
+    """Episode returns and lengths from the chunks clients send, summed as they arrive -- including
+    chunks dropped as stale, which were played all the same -- so what the server reports is what
+    clients' episodes scored, however much of them training used. An episode counts only from all
+    its chunks in order (one refused as bad leaves it unreported rather than shorter and worse)."""
+
+    def __init__(self, max_open: int = 100_000) -> None:
+        self._open: OrderedDict[str, list] = OrderedDict()  # episode id -> [return, length, next chunk index]
+        self._max_open = max_open
+        self.finished: list[tuple[float, int]] = []
+
+    def add(self, chunk: EpisodeChunk) -> None:
+        acc = self._open.pop(chunk.episode_id, None) if chunk.chunk_index else [0.0, 0, 0]
+        if acc is None or acc[2] != chunk.chunk_index:
+            return
+        acc[0] += chunk.ret
+        acc[1] += len(chunk)
+        acc[2] += 1
+        if chunk.is_done:
+            self.finished.append((acc[0], acc[1]))
+        else:
+            self._open[chunk.episode_id] = acc  # to the end: the oldest open ones are the abandoned ones
+            if len(self._open) > self._max_open:
+                self._open.popitem(last=False)
+
+    def take_finished(self) -> list[tuple[float, int]]:
+        out, self.finished = self.finished, []
+        return out
+
+
 class ChunkIntake:
     def __init__(self, lock: threading.Condition, endpoint: ServerEndpoint, journal: CommitJournal,
                  metrics: MetricsLogger, counts: dict[str, int], external: ExternalSettings, schema: ChunkSchema,
-                 dist_dim: int, worker_index: int) -> None:
+                 dist_dim: int, worker_index: int, weights_version: Callable[[], int]) -> None:
         """``lock``: the server's lock, which the caller holds around ``commit`` and ``take``;
-        ``counts``: the server thread's counters."""
+        ``counts``: the server thread's counters; ``weights_version``: the version the server acts with
+        now (chunks lagging it by more than ``max_policy_lag`` are stale)."""
         self.x, self.schema, self.dist_dim, self.worker_index = external, schema, dist_dim, worker_index
         self.journal, self.metrics = journal, metrics
         self._lock = lock
         self._send, self._wake = endpoint.send, endpoint.wake
         self._counts = counts
+        self._version = weights_version
         self.chunk_limits = Limits(max_frame_bytes=self.x.max_frame_bytes, max_decoded_bytes=4 * self.x.max_frame_bytes,
                                    max_buffer_size=min(self.x.max_frame_bytes, 64 << 20))
         self._pending: list[tuple[Key, EpisodeChunk]] = []
@@ -47,6 +80,7 @@ class ChunkIntake:
         self._delivered: list[Key] = []  # handed on by the last sample call, not yet confirmed
         self._delivered_keys: set[Key] = set()
         self._outbox: list[tuple[bytes, dict]] = []  # messages other threads ask the server thread to send
+        self.episodes = EpisodeTally()  # under the lock, like the rest
 
     # --- the server thread ----------------------------------------------------------------------
     def on_chunks(self, route: bytes, rid: int, h: dict, body: bytes) -> None:
@@ -56,7 +90,7 @@ class ChunkIntake:
             chunks = [chunks]
         if not isinstance(chunks, list) or len(chunks) != len(ids) or not all(isinstance(c, EpisodeChunk) for c in chunks):
             raise ProtocolError(f"a chunks body must be a list of {len(ids)} episode chunks, one per id")
-        accepted, committed, busy, bad = [], [], [], []
+        accepted, committed, busy, bad, stale = [], [], [], [], []
         with self._lock:
             for key, chunk in zip(ids, chunks):
                 gate = self._gates.get(key[0])
@@ -68,6 +102,10 @@ class ChunkIntake:
                     self._owner[key] = route  # acknowledge to the connection that sent it last
                     accepted.append(list(key))
                     self._counts["num_duplicate_chunks"] += 1
+                elif self._is_stale(chunk):  # before busy: a chunk too old to train on is not worth a resend
+                    if self._check_chunk(chunk) is None:  # played all the same: its rewards count
+                        self.episodes.add(chunk)
+                    stale.append(list(key))
                 elif self.pending_steps >= self.x.max_pending_steps or (gate is not None and key[1] > gate[0]):
                     # Busy. An episode with a refused chunk hands in the rest in order, room or not: taken
                     # out of order, its chunks would reach the replay as separate pieces (n-step returns stop
@@ -87,6 +125,7 @@ class ChunkIntake:
                         self._pass_gate(gate, key)  # the client drops it: the episode goes on without it
                         continue
                     chunk.env_runner_index = self.worker_index
+                    self.episodes.add(chunk)
                     self._pending.append((key, chunk))
                     self._pending_keys.add(key)
                     self.pending_steps += len(chunk)
@@ -97,12 +136,18 @@ class ChunkIntake:
             self._counts["num_duplicate_chunks"] += len(committed)
             if accepted:
                 self._lock.notify_all()
+        version = self._version()  # in every reply about chunks: a local-inference client sees new weights
         if accepted or committed:
-            self._send(route, {"op": wire.RECEIVED, "id": rid, "ids": accepted, "committed": committed})
+            self._send(route, {"op": wire.RECEIVED, "id": rid, "ids": accepted, "committed": committed,
+                               "weights_version": version})
         if busy:
             self._counts["num_busy_replies"] += 1
             self._send(route, {**wire.error(rid, wire.BUSY, f"the server holds {self.pending_steps} env steps "
-                                            f"not yet trained on; resend later"), "ids": busy})
+                                            f"not yet trained on; resend later"), "ids": busy,
+                               "weights_version": version})
+        if stale:
+            self._counts["num_stale_chunks"] += len(stale)
+            self._send(route, self._stale_reply(rid, stale, version))
         for key, problem in bad:
             self._counts["num_bad_chunks"] += 1
             reply = {**wire.error(rid, wire.BAD_CHUNK, f"chunk {key[0]!r} #{key[1]}: {problem}"), "ids": [list(key)]}
@@ -120,6 +165,15 @@ class ChunkIntake:
             gate[0] += 1
         if gate[0] > gate[1]:
             del self._gates[key[0]]
+
+    def _is_stale(self, chunk: EpisodeChunk) -> bool:
+        lag = self.x.max_policy_lag
+        return lag is not None and self._version() - chunk.weights_version > lag
+
+    def _stale_reply(self, rid: int, ids: list, version: int) -> dict:
+        return {**wire.error(rid, wire.STALE, f"acted on by weights more than {self.x.max_policy_lag} version(s) "
+                                              f"older than the server's {version}: not trained on; drop these and "
+                                              f"act with newer weights"), "ids": ids, "weights_version": version}
 
     def _holds(self, key: Key) -> bool:
         return key in self._pending_keys or key in self._delivered_keys or key in self.journal
@@ -152,21 +206,54 @@ class ChunkIntake:
         return out
 
     # --- the driver's side (the caller holds the lock) ----------------------------------------------
-    def take(self, want: int) -> list[EpisodeChunk]:
-        """Pending chunks to hand on; they count as delivered until the next ``commit_delivered``."""
-        # whole chunks in arrival order until the request is covered (like a runner's round: a replay
-        # ratio or a train batch sized for it stays right); the rest waits for the next call
+    def fresh_steps(self) -> int:
+        """Env steps of pending chunks acted on by the current weights."""
+        version = self._version()
+        return sum(len(c) for _, c in self._pending if c.weights_version >= version)
+
+    def take(self, want: int, freshest_first: bool = False) -> list[EpisodeChunk]:
+        """Pending chunks to hand on; they count as delivered until the next ``commit_delivered``.
+        ``freshest_first``: those of the newest weights first (on-policy training), else in arrival order."""
+        # whole chunks until the request is covered (like a runner's round: a replay ratio or a train
+        # batch sized for it stays right); the rest waits for the next call
+        self._drop_stale()
+        order = self._pending
+        if freshest_first:  # stable: arrival order within a version
+            order = sorted(order, key=lambda item: -item[1].weights_version)
         count = steps = 0
-        for _, chunk in self._pending:
+        for _, chunk in order:
             if steps >= want:
                 break
             count, steps = count + 1, steps + len(chunk)
-        taken, self._pending = self._pending[:count], self._pending[count:]
+        taken = order[:count]
+        self._pending = order[count:]
         self._pending_keys.difference_update(key for key, _ in taken)
         self.pending_steps -= steps
         self._delivered = [key for key, _ in taken]
         self._delivered_keys = set(self._delivered)
         return [c for _, c in taken]
+
+    def _drop_stale(self) -> None:
+        """Pending chunks that new weights made stale are dropped and their senders told (unasked)."""
+        if self.x.max_policy_lag is None or not self._pending:
+            return
+        keep, by_route, dropped = [], {}, 0
+        for key, chunk in self._pending:
+            if self._is_stale(chunk):
+                self._pending_keys.discard(key)
+                self.pending_steps -= len(chunk)
+                route = self._owner.pop(key, None)
+                if route is not None:
+                    by_route.setdefault(route, []).append(list(key))
+                dropped += 1
+            else:
+                keep.append((key, chunk))
+        if dropped:
+            self._pending = keep
+            self.metrics.log_value("external/num_stale_chunks", dropped, reduce="lifetime_sum")
+            version = self._version()
+            self._outbox.extend((route, self._stale_reply(0, ids, version)) for route, ids in by_route.items())
+            self._wake()
 
     def commit_delivered(self) -> None:
         """What the last ``take`` handed on arrived: commit it."""
@@ -184,6 +271,8 @@ class ChunkIntake:
             route = self._owner.pop(key, None)
             if route is not None:
                 by_route.setdefault(route, []).append(list(key))
-        self._outbox.extend((route, {"op": wire.COMMITTED, "id": 0, "ids": ids}) for route, ids in by_route.items())
+        version = self._version()
+        self._outbox.extend((route, {"op": wire.COMMITTED, "id": 0, "ids": ids, "weights_version": version})
+                            for route, ids in by_route.items())
         self.metrics.log_value("external/num_chunks_committed", len(keys), reduce="lifetime_sum")
         self._wake()

@@ -38,7 +38,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -69,7 +68,7 @@ QUIET_LOG_S = 30.0
 """How often a server that receives no experience says so."""
 COUNTS = ("num_actions_served", "num_inference_batches", "num_connects", "num_protocol_errors", "num_bad_chunks",
           "num_busy_replies", "num_duplicate_chunks", "num_chunks_received", "num_replies_dropped", "num_banned",
-          "num_bad_values")
+          "num_bad_values", "num_stale_chunks")
 """Counters the server thread keeps; ``get_metrics`` reports them under ``external/``."""
 
 
@@ -94,7 +93,6 @@ class PolicyServer(EnvRunnerRole):
         self._lock = threading.Condition()  # pending chunks, delivered/committed ids, metrics
         self._counts: dict[str, int] = dict.fromkeys(COUNTS, 0)  # the server thread's counters
         self._counts_reported: dict[str, int] = dict.fromkeys(COUNTS, 0)
-        self._returns: OrderedDict[str, list] = OrderedDict()  # episode id -> [return, length] so far
         self.policy.refresh_export()
         journal_dir = self.x.journal_dir if self.x.journal_dir is not None else os.path.join(
             tempfile.gettempdir(), "runnel-journal")
@@ -107,10 +105,11 @@ class PolicyServer(EnvRunnerRole):
         self.endpoint = ServerEndpoint(self._ctx, self.address, self.x, self.security, self._counts)
         self._stopping = threading.Event()
         self.chunks = ChunkIntake(self._lock, self.endpoint, self.journal, self.metrics, self._counts, self.x,
-                                  self.schema, self.module.dist_spec.input_dim, worker_index)
+                                  self.schema, self.module.dist_spec.input_dim, worker_index,
+                                  weights_version=lambda: self.policy.weights_version)
         conns: dict[bytes, Conn] = {}
-        acts = ActBatcher(self.endpoint, conns, self._counts, self.policy, self.schema, settings, self.x)
-        self.loop = ServerLoop(self.endpoint, acts, self.chunks, self.policy, conns=conns, counts=self._counts,
+        self.acts = ActBatcher(self.endpoint, conns, self._counts, self.policy, self.schema, settings, self.x)
+        self.loop = ServerLoop(self.endpoint, self.acts, self.chunks, self.policy, conns=conns, counts=self._counts,
                                stopping=self._stopping, settings=settings, external=self.x, server_id=self.server_id,
                                spaces=self.spaces, worker_index=worker_index)
         self.loop.start()
@@ -149,14 +148,20 @@ class PolicyServer(EnvRunnerRole):
             raise RuntimeError(f"policy server thread failed: {self.error!r}")
         want = num_timesteps or 1
         deadline = time.monotonic() + self.x.sample_wait_s
+        # with a lag limit (on-policy training), wait for experience from the current weights: a fast
+        # client's backlog from the weights before would be taken first otherwise (it arrived first)
+        fresh = self.x.max_policy_lag is not None
         with self._lock:
             self.chunks.commit_delivered()
-            while self.chunks.pending_steps < want and not self._stopping.is_set():
+            while (self.chunks.fresh_steps() if fresh else self.chunks.pending_steps) < want \
+                    and not self._stopping.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._lock.wait(left)
-            chunks = self.chunks.take(want)
+            chunks = self.chunks.take(want, freshest_first=fresh)
+            if chunks and self.x.hold_acts_while_training:  # until set_weights brings what they train
+                self.acts.hold()
             if not chunks and time.monotonic() - self._quiet_logged > QUIET_LOG_S:
                 self._quiet_logged = time.monotonic()
                 log.warning("policy server %s at %s: no experience arrived for %.0f s (%d client(s) connected); "
@@ -173,18 +178,8 @@ class PolicyServer(EnvRunnerRole):
         steps = sum(len(c) for c in chunks)
         m.log_value("num_env_steps_sampled", steps, reduce="sum")
         m.log_value("num_env_steps_sampled_lifetime", steps, reduce="lifetime_sum")
-        returns, lengths = [], []
-        for c in chunks:
-            acc = self._returns.setdefault(c.episode_id, [0.0, 0])
-            acc[0] += c.ret
-            acc[1] += len(c)
-            if c.is_done:
-                ret, length = self._returns.pop(c.episode_id)
-                returns.append(ret)
-                lengths.append(length)
-        while len(self._returns) > 100_000:  # episodes their clients abandoned
-            self._returns.popitem(last=False)
-        m.log_episodes(returns, lengths, w)
+        finished = self.chunks.episodes.take_finished()
+        m.log_episodes([r for r, _ in finished], [n for _, n in finished], w)
 
     def sample_encoded(self, num_timesteps: int | None = None, explore: bool | None = None,
                        compress: bool = False) -> tuple[bytes, dict[str, Any]]:
@@ -193,6 +188,7 @@ class PolicyServer(EnvRunnerRole):
 
     def set_weights(self, weights: dict[str, Any], weights_version: int = 0, timestep: int | None = None) -> None:
         self.policy.set_weights(weights, weights_version, timestep)
+        self.acts.release()
         self.metrics.log_value("weights_version", weights_version, reduce="max")
 
     def get_weights(self) -> dict[str, Any]:

@@ -63,8 +63,10 @@ class ServerLoop:
         try:
             while not self._stopping.is_set():
                 timeout = 100
+                held = acts.held()
                 if acts.requests:
-                    timeout = max(0, int((acts.first_act_at + self.x.batch_wait_s - time.monotonic()) * 1000))
+                    timeout = (min(100, int(held * 1000) + 1) if held else
+                               max(0, int((acts.first_act_at + self.x.batch_wait_s - time.monotonic()) * 1000)))
                 parts = endpoint.spin() if self.x.spin_s > 0 and not acts.requests else None
                 if parts is None:
                     events = dict(poller.poll(timeout))
@@ -79,10 +81,13 @@ class ServerLoop:
                     if not sock.getsockopt(EVENTS) & POLLIN:
                         break
                     self._on_message(recv())
-                    if acts.rows >= self.x.max_batch:
+                    if acts.rows >= self.x.max_batch and not held:
                         acts.infer()
-                if acts.requests and time.monotonic() >= acts.first_act_at + self.x.batch_wait_s:
-                    acts.infer()
+                if acts.requests and not acts.held():
+                    if time.monotonic() >= acts.first_act_at + self.x.batch_wait_s:
+                        acts.infer()
+                    while acts.rows >= self.x.max_batch:  # a backlog left by a hold, max_batch rows a pass
+                        acts.infer()
                 self._flush_outbox()
                 if time.monotonic() - last_sweep > 1.0:
                     last_sweep = time.monotonic()
@@ -191,7 +196,12 @@ class ServerLoop:
             "required_extra": list(REQUIRED_EXTRA), "allow_nonfinite_observations": self.x.allow_nonfinite_observations,
             "limits": {"max_frame_bytes": self.x.max_frame_bytes, "max_open_episodes": self.x.max_open_episodes,
                        "max_requests_in_flight": self.x.max_requests_in_flight,
-                       "max_chunk_steps": self.x.max_chunk_steps}})
+                       "max_chunk_steps": self.x.max_chunk_steps, "max_batch": self.x.max_batch,
+                       "max_pending_steps": self.x.max_pending_steps, "max_unacked_steps": self.x.max_unacked_steps,
+                       "max_policy_lag": self.x.max_policy_lag,
+                       "max_decoded_bytes": self.chunks.chunk_limits.max_decoded_bytes,
+                       "max_act_body_bytes": self.acts.act_limits.max_frame_bytes,
+                       "hold_acts_while_training": bool(self.x.hold_acts_while_training)}})
         self._counts["num_connects"] += 1
 
     def _same_space(self, desc: Any, key: str) -> bool:

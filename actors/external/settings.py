@@ -32,6 +32,24 @@ class ExternalSettings:
     """How long one ``sample`` call waits for clients' chunks before returning what it has."""
     max_pending_steps: int = 200_000
     """Env steps of received, not yet handed-on chunks the server holds; beyond it clients are told "busy"."""
+    max_unacked_steps: int | None = None
+    """Env steps one client should have sent and not yet seen committed before it stops collecting
+    (``welcome.limits``; the reference client waits there). None: the algorithm's train batch per
+    server plus one fragment for synchronous on-policy algorithms (a client then collects about one
+    batch per update, as an env runner does), ``max_pending_steps`` otherwise."""
+    max_policy_lag: int | None = None
+    """Refuse as ``stale`` a chunk acted on by weights more than this many versions older than the
+    server's (and drop such chunks still waiting when the driver samples): an on-policy update on
+    experience from long-gone weights undoes learning. None: 1 for synchronous on-policy algorithms
+    (PPO), no limit otherwise (replay and V-trace correct for lag)."""
+    hold_acts_while_training: bool | None = None
+    """Answer no act from the moment the driver takes a train batch until it sends the weights
+    trained on it (at most ``max_act_hold_s``), so remote-inference clients act only with fresh
+    weights, as env runners do in a synchronous plan. Turn it off for simulators that cannot wait
+    (real time). None: on for synchronous on-policy algorithms (PPO), off otherwise."""
+    max_act_hold_s: float = 10.0
+    """The longest an act waits under ``hold_acts_while_training`` (a driver that stopped training
+    -- evaluating, checkpointing -- must not stall its clients for good)."""
     server_secret_key: str | None = None
     """Path of the server's ``.key_secret`` (``runnel keys server``): turns on CURVE encryption."""
     allowed_client_keys: Any = None

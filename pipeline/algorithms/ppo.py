@@ -29,6 +29,7 @@ from protocols.episode import EpisodeChunk
 @dataclass
 class PPOConfig(AlgorithmConfig):
     algo_name = "PPO"
+    trains_on_policy = True
 
     gamma: float = 0.995
     """Discount factor. 0.995 (a ~200-step horizon) rather than 0.99: on CartPole-v1 it reached a mean

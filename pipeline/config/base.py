@@ -51,6 +51,9 @@ class AlgorithmConfig:
     algo_name: ClassVar[str] = "Algorithm"
     synchronous_sampling: ClassVar[bool] = True
     """The algorithm asks its env runners for batches (PPO, DQN, SAC) rather than streaming from them."""
+    trains_on_policy: ClassVar[bool] = False
+    """Each update wants experience from the weights it updates (PPO): what policy servers hold
+    clients to by default (``actors.external.settings``: lag, act holds, unacknowledged steps)."""
 
     # environment
     env: Any = None

@@ -28,7 +28,21 @@ def external_settings(config: Any) -> ExternalSettings | None:
     if "fragment_length" not in d:
         rfl = config.rollout_fragment_length
         d["fragment_length"] = int(rfl) if rfl != "auto" else 200
-    return ExternalSettings(**d)
+    x = ExternalSettings(**d)
+    fresh = config.synchronous_sampling and config.trains_on_policy  # PPO: experience from the current weights
+    if x.hold_acts_while_training is None:
+        x.hold_acts_while_training = fresh
+    if x.max_policy_lag is None and fresh:
+        x.max_policy_lag = 1
+    if x.max_unacked_steps is None:
+        x.max_unacked_steps = x.max_pending_steps
+        try:  # bad values of these are reported by the config's own checks
+            if fresh:
+                batch = int(config.train_batch_size_per_learner) * max(1, int(config.num_learners or 0))
+                x.max_unacked_steps = -(-batch // max(1, int(config.num_env_runners or 0))) + int(x.fragment_length)
+        except (TypeError, ValueError):
+            pass
+    return x
 
 
 def external_problems(config: Any) -> list[str]:
@@ -62,11 +76,18 @@ def external_problems(config: Any) -> list[str]:
     if x.inference_mode not in ("remote", "local"):
         problems.append(f"external_clients inference_mode={x.inference_mode!r} is not one of ['remote', 'local']")
     for key in ("max_batch", "max_pending_steps", "max_clients", "max_open_episodes", "max_requests_in_flight",
-                "max_frame_bytes", "max_chunk_steps", "fragment_length"):
+                "max_frame_bytes", "max_chunk_steps", "fragment_length", "max_unacked_steps"):
         value = getattr(x, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             problems.append(f"external_clients {key} must be an int >= 1, got {value!r}")
-    for key in ("batch_wait_s", "sample_wait_s", "idle_timeout_s"):
+    if x.max_policy_lag is not None and (not isinstance(x.max_policy_lag, int) or isinstance(x.max_policy_lag, bool)
+                                         or x.max_policy_lag < 0):
+        problems.append(f"external_clients max_policy_lag must be None (no limit) or an int >= 0, "
+                        f"got {x.max_policy_lag!r}")
+    if not isinstance(x.hold_acts_while_training, bool):
+        problems.append(f"external_clients hold_acts_while_training must be None (the algorithm's choice), True or "
+                        f"False, got {x.hold_acts_while_training!r}")
+    for key in ("batch_wait_s", "sample_wait_s", "idle_timeout_s", "max_act_hold_s"):
         value = getattr(x, key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             problems.append(f"external_clients {key} must be a number >= 0, got {value!r}")
