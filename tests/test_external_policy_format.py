@@ -28,7 +28,7 @@ DICT = S.Dict({"speed": S.Box(-2.0, 2.0, (2,), np.float32), "gear": S.Discrete(3
                "Zeta": S.MultiBinary(2), "ä": S.Box(-1.0, 1.0, (2, 2), np.float64),
                "𝒳": S.Box(0, 9, (3,), np.int32), "ﬀ": S.Discrete(2)})
 TUPLE = S.Tuple((S.MultiDiscrete([3, 2]), S.Box(-1.0, 1.0, (2, 3), np.float32)))
-IMAGE = S.Box(0, 255, (36, 36, 3), np.uint8)  # the default (Nature-DQN) filters fit 36 x 36
+IMAGE = S.Box(0, 255, (44, 44, 3), np.uint8)  # the default (Nature-DQN) filters leave 2 x 2 x 64 of it
 SMALL_IMAGE = S.Box(-1.0, 1.0, (16, 17, 2), np.float32)
 CARTPOLE = S.Box(-4.0, 4.0, (4,), np.float32)
 GAUSS = S.Box(-2.0, 2.0, (3,), np.float32)
