@@ -2,10 +2,10 @@
 
 A policy server sends the description to clients in local inference mode, and evaluates it
 itself for small remote-inference batches, where numpy beats torch's per-call overhead. The
-format is specified in ``actors/modules/export.py``, which writes it. The description arrives over
-a network, so it is checked completely before use: a wrong format or version, an unknown op, an
-array that is not float32 of the right shape, or layers whose sizes do not chain raise
-``ProtocolError``, and nothing in it is ever executed or unpickled.
+format is specified in ``protocols/EXTERNAL.md`` section 9; ``actors/modules/export.py`` writes
+it. The description arrives over a network, so it is checked completely before use: a wrong
+format or version, an unknown op, an array that is not float32 of the right shape, or layers
+whose sizes do not chain raise ``ProtocolError``, and nothing in it is ever executed or unpickled.
 """
 from __future__ import annotations
 

@@ -1,68 +1,17 @@
 """Export a module's acting path as plain data that numpy -- or a client in any language -- evaluates.
 
 A policy server sends this description to clients in local inference mode (the ``policy`` body of
-a ``weights`` reply, EXTERNAL.md section 6); ``protocols.numpy_policy.NumpyPolicy`` evaluates it.
-It is plain data (maps with str keys, lists, str, int, float, float32 arrays), sent with runnel's
-msgpack codec, never pickled. Format, version 1::
+a ``weights`` reply); ``protocols.numpy_policy.NumpyPolicy`` evaluates it. It is plain data (maps
+with str keys, lists, str, int, float, float32 arrays), sent with runnel's msgpack codec, never
+pickled. The format -- keys, observation encoding, every op's math and weight layout, the
+distributions, log-probabilities and exploration rules -- is specified in
+``protocols/EXTERNAL.md`` section 9; a change to what this module writes changes that section
+(and the format's version, if the math changes), and ``tests/test_external_policy_format.py``
+checks an evaluator written from the section against what is exported here. In short::
 
     {"format": "runnel-numpy-policy", "version": 1,
      "encoder": [leaf, ...], "layers": [op, ...],
      "dist": {"kind": ..., "dim": D, "nvec": [...]}, "exploration": {"type": ..., ...}}
-
-``encoder``: one leaf per observation leaf, visiting dicts in sorted-key order and tuples in order.
-Each observation carries a leading batch dimension; per row:
-
-    {"kind": "box", "size": n}    the leaf's n numbers, flattened in C order, as float32
-                                  (Box and MultiBinary spaces)
-    {"kind": "onehot", "nvec": [n_0, ...], "start": s}
-                                  the leaf holds len(nvec) integers x_i (Discrete: one); each becomes
-                                  a one-hot vector of length n_i, hot at min(max(x_i - s, 0), n_i - 1)
-    {"kind": "image", "shape": [H, W, C], "scale": f}
-                                  the only leaf when present: an H x W x C image (channels last)
-                                  times f (1/255 for uint8 images), kept as an H x W x C tensor
-
-Vector leaves are concatenated in order into one float32 vector, the input of ``layers``.
-
-``layers``: applied in order; shapes must chain (an image tensor until ``flatten``, then a vector):
-
-    {"op": "linear", "weight": float32 [out, in], "bias": float32 [out]}      y = W x + b
-    {"op": "conv2d", "weight": float32 [out, in, kh, kw], "bias": float32 [out], "stride": [sh, sw]}
-        unpadded cross-correlation of an H x W x in tensor into an H' x W' x out one,
-        H' = (H - kh) // sh + 1, W' = (W - kw) // sw + 1:
-        y[i, j, o] = b[o] + sum over c, u, v of W[o, c, u, v] * x[i*sh + u, j*sw + v, c]
-    {"op": "flatten"}    H x W x C tensor -> vector of C*H*W, channel-major: x[i, j, c] at c*H*W + i*W + j
-    {"op": "tanh" | "relu" | "elu" | "silu" | "identity"}    elementwise: relu max(x, 0);
-        elu x if x > 0 else exp(x) - 1; silu x * sigmoid(x) (model_config "swish" too);
-        identity leaves x (model_config "linear")
-    {"op": "dueling", "branches": [n_0, ...], "advantage": [op, ...], "value": [op, ...]}
-        a Q-value head; both op lists (linear and elementwise ops only) read the same input vector;
-        "value" gives one number v, "advantage" sum(n_i) numbers, split in order into branches a_i;
-        output: the concatenation over branches of v + a_i - mean(a_i)
-
-The last op outputs the D distribution inputs (chunks record them as ``action_dist_inputs``).
-
-``dist``: what the D numbers mean, and the actions (module units; clients map them onto the env's
-space by the welcome's ``action_mapping``):
-
-    "categorical"        nvec [D]: logits; an action is one integer in [0, D)
-    "multi_categorical"  nvec [n_0, ...] summing to D: logits per component, split in order;
-                         an action is one integer per component (MultiDiscrete, MultiBinary)
-    "gaussian"           nvec []: D = 2A, mean = the first A, log_std = the last A clipped to
-                         [-20, 2]; an action is A floats
-
-An action's log-probability (chunks record it as ``action_logp``): for logits, log_softmax(logits)[a]
-summed over components; for a gaussian, the sum over components of
--((a - mean) / exp(log_std))^2 / 2 - log_std - log(2 pi) / 2.
-
-``exploration``: how to act when exploring; not exploring is always greedy (argmax per component,
-or the mean):
-
-    {"type": "sample"}                         sample the distribution
-    {"type": "random"}                         uniformly random (gaussian: uniform in [-1, 1] per component)
-    {"type": "epsilon_greedy", "epsilon": e}   per row, random with probability e, else greedy
-    {"type": "softmax", "temperature": t}      (logits only) sample softmax(logits / t) per component
-
-Readers ignore keys they do not know, and reject anything else that departs from this.
 
 Exported: ``ActorCriticModule`` (encoder, policy trunk, policy head; the value head stays behind)
 and ``QModule`` without distributional atoms (dueling or not, Discrete or MultiDiscrete), on the
