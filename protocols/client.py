@@ -51,6 +51,7 @@ from protocols.client_connection import Connection, curve_options
 from protocols.client_inference import Inference
 from protocols.client_spool import ChunkSpool
 from protocols.episode import EpisodeBuilder, EpisodeChunk
+from protocols.errors import ProtocolError
 from protocols.space_checks import BadValue, check_values, value_spec
 
 log = logging.getLogger("runnel.client")
@@ -333,7 +334,7 @@ class PolicyClient:
         with self._lock:
             try:
                 self._inference.pull_weights()
-            except (TimeoutError, wire.ServerError) as err:  # act with what we have; the background thread retries
+            except (TimeoutError, wire.ServerError, ProtocolError) as err:  # act with what we have (EXTERNAL.md 9.1)
                 log.warning("could not pull the new weights: %s", err)
             if self._inference.weights_version < self._spool.server_version:  # e.g. not exportable: ask no more
                 self._spool.server_version = self._inference.weights_version

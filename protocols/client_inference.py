@@ -155,7 +155,7 @@ class Inference:
                 and now - self._last_pull > update_interval):
             try:
                 self.pull_weights()
-            except (TimeoutError, ServerError) as err:  # keep acting with the weights we have
+            except (TimeoutError, ServerError, ProtocolError) as err:  # keep acting with the weights we have (9.1)
                 self._last_pull = now
                 log.warning("could not pull new weights: %s", err)
 
