@@ -129,7 +129,11 @@ class PolicyClient:
         if spool_dir is not None:
             self._spool.load(spool_dir)
         with self._lock:
-            self._conn.hello()
+            try:
+                self._conn.hello()
+            except BaseException:  # refused, unreachable: no socket left reconnecting in the background
+                self._conn.close()
+                raise
         self._thread = threading.Thread(target=self._background, name="runnel-client", daemon=True)
         self._thread.start()
 

@@ -25,6 +25,8 @@ log = logging.getLogger("runnel.client")
 
 _NOBLOCK, _EVENTS, _POLLIN, _RCVMORE = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 """Plain ints: pyzmq's enum flags cost a conversion on every call of the hot path."""
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class Connection:
@@ -64,10 +66,27 @@ class Connection:
             sock.setsockopt(opt, value)
         for opt, value in self._curve:
             sock.setsockopt(opt, value)
+        # with CURVE, a refused key looks like a dead server (nothing reaches the server's socket);
+        # the socket monitor tells the two apart, so hello can say which it is
+        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED) if self._curve else None
         sock.connect(self.address)
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         return sock
+
+    def _refused(self) -> str | None:
+        """Why the server refused the CURVE handshake, if it did (read from the socket monitor)."""
+        monitor = self._monitor
+        while monitor is not None and monitor.poll(0):
+            from zmq.utils.monitor import recv_monitor_message
+
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return ("the policy server refused this client's CURVE key: its allowed_client_keys do not list "
+                        "this client's public key (copy NAME.key from `runnel keys NAME` into the server's list)")
+            return ("the CURVE handshake with the policy server failed: is server_public_key the server's public key, "
+                    "and does the server use CURVE?")
+        return None
 
     def hello(self) -> None:
         self._in_hello = True
@@ -153,6 +172,10 @@ class Connection:
             if self._epoch != epoch and what != wire.HELLO:
                 return None
             now = time.monotonic()
+            if what == wire.HELLO and self._monitor is not None:
+                refused = self._refused()
+                if refused is not None:
+                    raise ConnectionRefusedError(f"{self.address}: {refused}")
             if now > deadline:
                 raise TimeoutError(f"no answer to {what!r} from the policy server at {self.address} within "
                                    f"{self.timeout_s:.0f} s; is it running, and is the address (and CURVE key) right?")
@@ -209,6 +232,9 @@ class Connection:
             self._sock.send(wire.pack({"op": wire.BYE, "id": 0}), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close(linger=100)
 
 
