@@ -32,6 +32,8 @@ decompressed payload (or into the input buffer for uncompressed frames) -- copy 
 ``np.array(a)`` to modify it or to let the frame's memory go. Frame size, declared and actual
 decompressed size, msgpack sizes, nesting depth, array descriptors, dtypes and the EpisodeChunk
 schema are all checked; every problem raises :class:`protocols.errors.ProtocolError`.
+``decode_chunks`` reads a frame of chunks one chunk at a time, so a receiver refuses the broken
+chunks alone and still knows which they were.
 
 This module is the framing (header, LZ4, checksum, bounds); the array descriptors live in
 ``protocols.codec_arrays`` and what the meta may hold (plain messages, the chunk's wire order)
@@ -172,15 +174,63 @@ def decode(data: bytes | bytearray | memoryview, *, limits: Limits | None = None
     Returns an EpisodeChunk, a list of them, or the plain message. Arrays are read-only
     zero-copy views into the frame's (decompressed) buffer.
     """
+    limits = limits or DEFAULT_LIMITS
+    tag, body = _bounded(_decode_meta, data, limits)
+    return _bounded(_from_meta, tag, body, limits)
+
+
+def decode_chunks(data: bytes | bytearray | memoryview, *,
+                  limits: Limits | None = None) -> list[EpisodeChunk | ProtocolError]:
+    """A frame of episode chunks with each chunk decoded on its own: per chunk, the EpisodeChunk or
+    the ProtocolError saying what is wrong with it -- so a receiver refuses just the broken ones.
+
+    Raises ProtocolError when the frame as a whole cannot be read (corrupt, truncated, over the
+    limits) or holds no chunks (a plain message).
+    """
+    limits = limits or DEFAULT_LIMITS
+    tag, body = _bounded(_decode_meta, data, limits)
+    if tag == "chunk":
+        items = [body]
+    elif tag == "chunks" and type(body) is list:
+        items = body
+    else:
+        got = f"a {type(body).__name__}" if tag == "chunks" else f"type tag {tag[:40]!r}"
+        raise ProtocolError(f"expected a frame of episode chunks (type tag 'chunks' with a list), got {got}")
+    return [_one_chunk(item, limits.max_depth) for item in items]
+
+
+def _one_chunk(item: Any, max_depth: int) -> EpisodeChunk | ProtocolError:
     try:
-        return _decode(data, limits or DEFAULT_LIMITS)
+        return _bounded(chunk_from_list, item, max_depth)
+    except ProtocolError as err:
+        return err
+
+
+def _bounded(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with whatever a bad frame makes it raise turned into ProtocolError."""
+    try:
+        return fn(*args)
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack, lz4, numpy, unicode, recursion ... all mean a bad frame
         raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from exc
 
 
-def _decode(data: Any, limits: Limits) -> Any:
+def _from_meta(tag: str, body: Any, limits: Limits) -> Any:
+    if tag == "msg":
+        check_plain(body, 0, limits.max_depth, "message")
+        return body
+    if tag == "chunk":
+        return chunk_from_list(body, limits.max_depth)
+    if tag == "chunks":
+        if type(body) is not list:
+            raise ProtocolError(f"'chunks' body must be a list, got {type(body).__name__}")
+        return [chunk_from_list(c, limits.max_depth) for c in body]
+    raise ProtocolError(f"unknown message type tag {tag[:40]!r}; expected 'msg', 'chunk' or 'chunks'")
+
+
+def _decode_meta(data: Any, limits: Limits) -> tuple[str, Any]:
+    """The frame's checks, inflation and msgpack meta: ``(type tag, body)``, arrays bound to the buffer."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"decode expects bytes, bytearray or memoryview, got {type(data).__name__}")
     if isinstance(data, memoryview) and (data.ndim != 1 or data.format != "B"):
@@ -235,17 +285,7 @@ def _decode(data: Any, limits: Limits) -> Any:
     )
     if type(meta) is not list or len(meta) != 2 or type(meta[0]) is not str:
         raise ProtocolError("bad frame meta: expected [type tag, body]")
-    tag, body = meta
-    if tag == "msg":
-        check_plain(body, 0, limits.max_depth, "message")
-        return body
-    if tag == "chunk":
-        return chunk_from_list(body, limits.max_depth)
-    if tag == "chunks":
-        if type(body) is not list:
-            raise ProtocolError(f"'chunks' body must be a list, got {type(body).__name__}")
-        return [chunk_from_list(c, limits.max_depth) for c in body]
-    raise ProtocolError(f"unknown message type tag {tag[:40]!r}; expected 'msg', 'chunk' or 'chunks'")
+    return meta[0], meta[1]
 
 
 def _inflate(body: memoryview, raw_len: int) -> Any:

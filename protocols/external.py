@@ -5,16 +5,19 @@ is a ZeroMQ multipart message of one or two parts:
 
 * part 0, the **header**: a msgpack map with str keys, at most ``MAX_HEADER_BYTES``; it always
   has ``"op"`` (str) and ``"id"`` (int: the client's request id, echoed by the reply; 0 for
-  messages the server sends unasked);
+  messages the server sends unasked, and taken as 0 when a request leaves it out);
 * part 1 (some ops only), the **body**: one codec frame (``protocols.codec``) holding arrays --
   an observation, an action and its extras, episode chunks, exported policy weights.
 
 Nothing here trusts its input: headers are unpacked with small msgpack bounds and checked for
-their required fields; every problem raises ``ProtocolError``, which the server turns into an
-``error`` reply (errors are data, never a dropped connection without a word).
+their fields; every problem raises ``ProtocolError``, which the server turns into an ``error``
+reply (errors are data, never a dropped connection without a word). ``ERRORS`` is the one table
+of error codes -- whether each is fatal, what it means, what a client should do -- that the
+server's replies take ``fatal`` from and EXTERNAL.md renders (``errors_markdown``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -38,34 +41,119 @@ CLIENT_OPS = frozenset({HELLO, START, ACT, END, CHUNKS, WEIGHTS, PING, BYE})
 REQUIRED_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     HELLO: {"protocol": (str,), "version": (int,), "inference_mode": (str,)},
     START: {"episode_id": (str,)},
-    ACT: {},  # "episode_id" (str), or "episode_ids" (list) for a batched request
+    ACT: {},  # one of "episode_id" (str) and "episode_ids" (list: a batched request), see OPTIONAL_FIELDS
     END: {"episode_id": (str,)},
     CHUNKS: {"ids": (list,)},
     WEIGHTS: {"have": (int,)},
     PING: {}, BYE: {},
 }
 """Fields each client op must carry, with their msgpack types (an op may carry more)."""
+OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    HELLO: {"name": (str,), "observation_space": (dict,), "action_space": (dict,)},
+    ACT: {"episode_id": (str,), "episode_ids": (list,), "explore": (bool,)},
+}
+"""Fields an op may carry, with their types: one of another type is refused (``bad_message``); fields
+named nowhere are ignored."""
+MAX_CHUNK_IDS = 4096
+"""Most chunks in one ``chunks`` message."""
 BODY_OPS = frozenset({CHUNKS})
 """Client ops that come with a body part (``act`` has one only when its observation is not in the header)."""
 
-# error codes (``{"op": "error", "id": ..., "code": ..., "message": ..., "fatal": bool}``)
-BAD_MESSAGE = "bad_message"          # unparsable header/body, missing or mistyped field, unknown op
-HELLO_FIRST = "hello_first"          # this connection has not said hello (new connection, server restarted)
-VERSION_MISMATCH = "version"         # protocol name/version not spoken here (fatal)
-SPACES_MISMATCH = "spaces"           # the client's spaces differ from the server's (fatal)
-BAD_MODE = "inference_mode"          # inference mode not offered (fatal)
-UNKNOWN_EPISODE = "unknown_episode"  # act/end for an episode this connection did not start
+# error codes: every ``error`` reply is ``{"op": "error", "id", "code", "message", "fatal"}`` (``error``
+# below), ``fatal`` taken from ERRORS; errors about chunks add ``ids``
+BAD_MESSAGE = "bad_message"
+HELLO_FIRST = "hello_first"
+PROTOCOL_MISMATCH = "protocol"
+VERSION_MISMATCH = "version"
+BAD_MODE = "inference_mode"
+SPACES_MISMATCH = "spaces"
+SERVER_FULL = "server_full"
+BANNED = "banned"
+UNKNOWN_EPISODE = "unknown_episode"
 TOO_MANY_EPISODES = "too_many_episodes"
 TOO_MANY_REQUESTS = "too_many_requests"
-BAD_OBSERVATION = "bad_observation"  # observation does not fit the observation space
-BAD_VALUE = "bad_value"              # an act's observation or action has the right shape but a value its
-                                     # space does not hold (NaN, out of range); the reply names episode_id and field
-BAD_CHUNK = "bad_chunk"              # a chunk failed its checks (the others in the message may be fine)
-BUSY = "busy"                        # the server holds as much unconsumed experience as it may: resend later
-STALE = "stale"                      # a chunk acted on by weights older than the server's max_policy_lag: drop it
-NOT_SUPPORTED = "not_supported"      # e.g. weights for local inference of a policy that cannot be exported
-SERVER_FULL = "server_full"          # too many connections (fatal)
-BANNED = "banned"                    # too many protocol errors: further messages are ignored (fatal)
+BATCH_TOO_LARGE = "batch_too_large"
+BAD_OBSERVATION = "bad_observation"
+BAD_VALUE = "bad_value"
+BAD_CHUNK = "bad_chunk"
+BUSY = "busy"
+STALE = "stale"
+NOT_SUPPORTED = "not_supported"
+
+
+@dataclass(frozen=True)
+class ErrorCode:
+    """One error code: whether it refuses the connection, what it means, what a client should do."""
+
+    fatal: bool
+    """The connection is refused: retrying without changing something gets the same error."""
+    means: str
+    then: str
+    """What a client should do on receiving it."""
+
+
+ERRORS: dict[str, ErrorCode] = {
+    BAD_MESSAGE: ErrorCode(False, "the message breaks the wire rules: a header that cannot be read -- no msgpack map "
+                           "of at most 64 KiB, `op` no str, `id` no int in [0, 2^63) (the reply then has `id` 0 and "
+                           "`unparsed: true`) -- an unknown op, a field missing or of the wrong type, a wrong number "
+                           "of parts, an `act` body that is no frame of a map with `obs`, a `chunks` message "
+                           "without usable `ids`",
+                           "fix the sender: nothing was done, and the same message gets the same reply"),
+    HELLO_FIRST: ErrorCode(False, "the connection has not said hello (it is new, reconnected, or the server "
+                           "restarted); a `chunks` request's reply has its `ids`",
+                           "say hello, then send the request again and every chunk not yet committed"),
+    PROTOCOL_MISMATCH: ErrorCode(True, "the hello's `protocol` is not \"runnel-external\"",
+                                 "check the client: this server speaks the runnel external-client protocol"),
+    VERSION_MISMATCH: ErrorCode(True, "the hello's `version` is not the one this server speaks (the message names it)",
+                                "use a client of the server's protocol version"),
+    BAD_MODE: ErrorCode(True, "the hello's `inference_mode` is not \"remote\", \"local\" or \"\"",
+                        "ask for \"remote\", \"local\" or \"\" (the server's choice)"),
+    SPACES_MISMATCH: ErrorCode(True, "the hello's `observation_space` or `action_space` is not the server's",
+                               "connect to the server trained for this environment, or send its spaces"),
+    SERVER_FULL: ErrorCode(True, "the server serves as many connections as it may",
+                           "connect later, or to another server"),
+    BANNED: ErrorCode(True, "the connection sent more than `max_protocol_errors` malformed messages; the server "
+                      "ignores it from now on",
+                      "fix the client; only a new connection is heard again"),
+    UNKNOWN_EPISODE: ErrorCode(False, "an `act` for an episode not started on this connection (or forgotten: "
+                               "ended, the connection said hello again, the server restarted)",
+                               "send `start` for it, then the `act` again"),
+    TOO_MANY_EPISODES: ErrorCode(False, "a `start` beyond `limits.max_open_episodes` episodes open on the connection",
+                                 "`end` episodes before starting more"),
+    TOO_MANY_REQUESTS: ErrorCode(False, "an `act` beyond `limits.max_requests_in_flight` unanswered ones",
+                                 "wait for replies before sending more"),
+    BATCH_TOO_LARGE: ErrorCode(False, "a batched `act` with more `episode_ids` than `limits.max_batch` (the reply's "
+                               "`limit`); nothing was computed",
+                               "send the episodes in requests of at most `max_batch` ids"),
+    BAD_OBSERVATION: ErrorCode(False, "an `act`'s observation or action of the wrong structure, shape or type; "
+                               "nothing was computed",
+                               "send it in the form of the welcome's spaces"),
+    BAD_VALUE: ErrorCode(False, "an `act`'s observation or action holds a value its space does not (`episode_id`, "
+                         "`field` say which); nothing was computed, the episode stays open",
+                         "fix the value and send the `act` again, or `end` the episode"),
+    BAD_CHUNK: ErrorCode(False, "the chunks of `ids` are refused for good: a body that cannot be decoded (all of "
+                         "the message's ids), or a chunk that breaks the rules of section 3 or does not fit the "
+                         "spaces or values of section 4 (`field` names a refused value)",
+                         "drop those chunks from the spool, never send them again, report a bug"),
+    BUSY: ErrorCode(False, "the server holds as much untrained experience as it may; the chunks of `ids` were "
+                    "not taken", "send those chunks again later, in the order they were cut"),
+    STALE: ErrorCode(False, "the chunks of `ids` were acted on by weights more than `limits.max_policy_lag` versions "
+                     "older than the server's `weights_version` (in the reply): they will never be trained on; also "
+                     "sent unasked (`id` 0) for held chunks that new weights made too old",
+                     "drop those chunks from the spool (not a bug: the client ran ahead of training) and act with "
+                     "newer weights (local inference: fetch them now)"),
+    NOT_SUPPORTED: ErrorCode(False, "`weights` for a policy that cannot run in the client",
+                             "use remote inference"),
+}
+"""Every error code the server sends; ``error`` takes ``fatal`` from here, and EXTERNAL.md's table is
+``errors_markdown()``."""
+
+
+def errors_markdown() -> str:
+    """The error table of EXTERNAL.md, rendered from ``ERRORS``."""
+    rows = ["| code | fatal | means | a client should |", "|---|---|---|---|"]
+    rows += [f"| `{code}` | {'yes' if e.fatal else 'no'} | {e.means} | {e.then} |" for code, e in ERRORS.items()]
+    return "\n".join(rows)
 
 
 def pack(header: dict[str, Any]) -> bytes:
@@ -98,18 +186,21 @@ def unpack_header(raw: bytes) -> dict[str, Any]:
 
 
 def check_request(header: dict[str, Any], parts: int) -> None:
-    """A client request's op, required fields and part count (server side)."""
+    """A client request's op, fields and part count (server side); ProtocolError names the first problem."""
     op = header["op"]
     fields = REQUIRED_FIELDS.get(op)
     if fields is None:
-        raise ProtocolError(f"unknown op {op!r}; client ops: {sorted(CLIENT_OPS)}")
+        raise ProtocolError(f"unknown op {op[:40]!r}; client ops: {sorted(CLIENT_OPS)}")
     for name, types in fields.items():
-        value = header.get(name)
-        if not isinstance(value, types) or isinstance(value, bool):
-            raise ProtocolError(f"{op!r} needs {name!r} of type {'/'.join(t.__name__ for t in types)}, "
-                                f"got {type(value).__name__}")
-    if op == ACT and not isinstance(header.get("episode_id", header.get("episode_ids")), (str, list)):
-        raise ProtocolError("'act' needs 'episode_id' (str) or 'episode_ids' (list of str)")
+        if name not in header:
+            raise ProtocolError(f"{op!r} needs field {name!r} ({_names(types)}); it is missing")
+        _check_type(op, name, header[name], types)
+    for name, types in OPTIONAL_FIELDS.get(op, {}).items():
+        if name in header:
+            _check_type(op, name, header[name], types)
+    if op == ACT and ("episode_id" in header) == ("episode_ids" in header):
+        raise ProtocolError("'act' needs either 'episode_id' (str) or 'episode_ids' (a list of str for a batched "
+                            "request), " + ("not both" if "episode_id" in header else "got neither"))
     want = 2 if op in BODY_OPS or (op == ACT and "obs" not in header) else 1
     if parts != want:
         raise ProtocolError(f"{op!r} is a message of {want} part(s) here, got {parts}"
@@ -119,16 +210,28 @@ def check_request(header: dict[str, Any], parts: int) -> None:
         check_episode_id(eid)
 
 
+def _names(types: tuple[type, ...]) -> str:
+    return "/".join(t.__name__ for t in types)
+
+
+def _check_type(op: str, name: str, value: Any, types: tuple[type, ...]) -> None:
+    # msgpack has bools apart from ints: True is no version and 1 is no explore flag
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ProtocolError(f"{op!r} field {name!r} must be {_names(types)}, got {type(value).__name__} "
+                            f"{value!r:.60}")
+
+
 def check_episode_id(eid: Any) -> str:
     if not isinstance(eid, str) or not 0 < len(eid) <= MAX_ID_LEN or not eid.isascii() or not eid.isprintable():
         raise ProtocolError(f"episode id must be 1 to {MAX_ID_LEN} printable ASCII characters, got {eid!r:.80}")
     return eid
 
 
-def chunk_ids(raw: Any, limit: int) -> list[tuple[str, int]]:
+def chunk_ids(raw: Any, limit: int = MAX_CHUNK_IDS) -> list[tuple[str, int]]:
     """The ``ids`` of a ``chunks`` message: ``[[episode_id, chunk_index], ...]``."""
     if not isinstance(raw, list) or not 0 < len(raw) <= limit:
-        raise ProtocolError(f"'ids' must list 1 to {limit} [episode_id, chunk_index] pairs")
+        got = f"{len(raw)} items" if isinstance(raw, list) else type(raw).__name__
+        raise ProtocolError(f"'ids' must list 1 to {limit} [episode_id, chunk_index] pairs, got {got}")
     out = []
     for item in raw:
         if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], int)
@@ -138,8 +241,9 @@ def chunk_ids(raw: Any, limit: int) -> list[tuple[str, int]]:
     return out
 
 
-def error(rid: int, code: str, message: str, fatal: bool = False) -> dict[str, Any]:
-    return {"op": ERROR, "id": rid, "code": code, "message": message, "fatal": fatal}
+def error(rid: int, code: str, message: str, **fields: Any) -> dict[str, Any]:
+    """An ``error`` reply; ``fatal`` is the code's (``ERRORS``), ``fields`` add what the code promises (``ids``...)."""
+    return {"op": ERROR, "id": rid, "code": code, "message": message, "fatal": ERRORS[code].fatal, **fields}
 
 
 class ServerError(RuntimeError):

@@ -137,15 +137,20 @@ def _from_plain(where: str, spec: Any, value: Any) -> Any:
         if isinstance(value, (str, bytes, dict)) or value is None:
             raise ProtocolError(f"{where}: expected numbers, got {type(value).__name__}")
         try:
-            arr = None
-            if spec.whole and type(value) is not int:
+            raw = np.asarray(value)
+        except (TypeError, ValueError, OverflowError) as err:  # ragged nesting
+            raise ProtocolError(f"{where}: not numbers of dtype {spec.dtype}: {err}") from None
+        if raw.dtype.kind not in _NUMERIC:  # strings ("1" would be cast to 1.0), nil, maps among the numbers
+            raise ProtocolError(f"{where}: expected numbers, got {_elements(value)}")
+        try:
+            if not spec.whole:
+                arr = raw.astype(spec.dtype, copy=False)
+            elif raw.dtype.kind == "f" and not (np.isfinite(raw) & (raw == np.trunc(raw))).all():
                 # casting to the space's integer dtype would truncate a fraction (and fail on NaN):
                 # such numbers stay floats, for check_*_values to refuse as bad values
-                raw = np.asarray(value)
-                if raw.dtype.kind == "f" and not (np.isfinite(raw) & (raw == np.trunc(raw))).all():
-                    arr = raw
-            if arr is None:
-                arr = np.asarray(value, dtype=spec.dtype)
+                arr = raw
+            else:
+                arr = np.asarray(value, dtype=spec.dtype)  # raises for a whole number the dtype cannot hold
         except (TypeError, ValueError, OverflowError) as err:
             raise ProtocolError(f"{where}: not numbers of dtype {spec.dtype}: {err}") from None
     if arr.shape != spec.shape:
@@ -153,6 +158,19 @@ def _from_plain(where: str, spec: Any, value: Any) -> Any:
     if arr.dtype.kind not in _NUMERIC:
         raise ProtocolError(f"{where} has dtype {arr.dtype}; expected a bool, int or float dtype")
     return arr
+
+
+def _elements(value: Any) -> str:
+    """The types of a plain list's leaves, for an error message."""
+    kinds: set[str] = set()
+    stack = [value]
+    while stack and len(kinds) < 4:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item[:64])
+        else:
+            kinds.add(type(item).__name__)
+    return "items of type " + "/".join(sorted(kinds))
 
 
 def _check(where: str, spec: Any, value: Any, rows: int | None) -> None:

@@ -25,7 +25,10 @@ class Clients:
     """Client threads playing CartPole through their own PolicyClient until stopped."""
 
     def __init__(self, address: str, n: int) -> None:
-        self.clients = [PolicyClient(address, "remote", timeout_s=120, resend_after_s=1.0, seed=i) for i in range(n)]
+        # unthrottled: a throttled client waits for commits, and none come once the test stops training
+        # (tests/test_external_flow.py covers throttling); the server's stale and busy rules still apply
+        self.clients = [PolicyClient(address, "remote", timeout_s=120, resend_after_s=1.0, seed=i, throttle=False)
+                        for i in range(n)]
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._play, args=(c, i)) for i, c in enumerate(self.clients)]

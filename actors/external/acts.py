@@ -37,6 +37,10 @@ class _Act:
     batched: bool  # reply with lists
 
 
+def _length(value: object) -> str:
+    return str(len(value)) if isinstance(value, list) else f"a {type(value).__name__}"
+
+
 class ActBatcher:
     def __init__(self, endpoint: ServerEndpoint, conns: dict[bytes, Conn], counts: dict[str, int],
                  policy: ServerPolicy, schema: ChunkSchema, settings: EnvRunnerSettings,
@@ -78,7 +82,8 @@ class ActBatcher:
         the general checks (an id in ``conn.episodes`` passed them at 'start'); False: not that request."""
         eid = h.get("episode_id")
         if (type(eid) is not str or eid not in conn.episodes or "action" in h or "obs" not in h
-                or conn.in_flight >= self.x.max_requests_in_flight):
+                or conn.in_flight >= self.x.max_requests_in_flight or "episode_ids" in h
+                or type(h.get("explore", False)) is not bool):  # the general path names what is wrong
             return False
         try:
             row = self.schema.observation_from_plain(h["obs"])
@@ -117,12 +122,18 @@ class ActBatcher:
         batched = "episode_ids" in h
         if batched:  # several episodes' observations in one request (a vectorized client)
             eids, obs, given = h["episode_ids"], msg["obs"], msg.get("action")
-            if (not isinstance(eids, list) or not 0 < len(eids) <= self.x.max_batch or not isinstance(obs, list)
-                    or len(obs) != len(eids) or not (given is None or isinstance(given, list) and len(given) == len(eids))):
-                raise ProtocolError(f"a batched act needs 'episode_ids' (1 to {self.x.max_batch}) and as many 'obs' "
-                                    f"(and 'action', if given)")
+            if (not eids or not isinstance(obs, list) or len(obs) != len(eids)
+                    or not (given is None or isinstance(given, list) and len(given) == len(eids))):
+                raise ProtocolError(f"a batched act needs 1 or more 'episode_ids' and a list of as many 'obs' (and "
+                                    f"'action', if given): got {len(eids)} ids, 'obs' {_length(obs)}"
+                                    + ("" if given is None else f", 'action' {_length(given)}"))
             for eid in eids:
                 wire.check_episode_id(eid)
+            if len(eids) > self.x.max_batch:
+                self._send(route, wire.error(rid, wire.BATCH_TOO_LARGE, f"a batched act of {len(eids)} episode_ids; "
+                                             f"max_batch = {self.x.max_batch} (the welcome's limits): send them in "
+                                             f"smaller requests", limit=self.x.max_batch))
+                return
             given = given or [None] * len(eids)
         else:
             eids, obs, given = [h["episode_id"]], [msg["obs"]], [msg.get("action")]

@@ -18,7 +18,7 @@ from actors.external.journal import CommitJournal, Key
 from actors.external.settings import ExternalSettings
 from actors.metrics import MetricsLogger
 from protocols import external as wire
-from protocols.codec import Limits, decode
+from protocols.codec import Limits, decode_chunks
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
 from protocols.schema import ChunkSchema
@@ -83,19 +83,32 @@ class ChunkIntake:
         self.episodes = EpisodeTally()  # under the lock, like the rest
 
     # --- the server thread ----------------------------------------------------------------------
-    def on_chunks(self, route: bytes, rid: int, h: dict, body: bytes) -> None:
-        ids = wire.chunk_ids(h["ids"], limit=4096)
-        chunks = decode(body, limits=self.chunk_limits)
-        if isinstance(chunks, EpisodeChunk):
-            chunks = [chunks]
-        if not isinstance(chunks, list) or len(chunks) != len(ids) or not all(isinstance(c, EpisodeChunk) for c in chunks):
-            raise ProtocolError(f"a chunks body must be a list of {len(ids)} episode chunks, one per id")
+    def on_chunks(self, route: bytes, rid: int, ids: list[Key], bodies: list[bytes]) -> bool:
+        """A ``chunks`` message whose ``ids`` parsed; ``bodies``: its parts after the header (one frame,
+        unless the message is broken). Every id gets its answer: ``received`` (with ``committed``),
+        ``busy``, or ``bad_chunk`` -- one reply with all the ids when the body cannot be decoded as one
+        chunk per id, else one per refused chunk. Returns whether the message broke the wire rules (a
+        body or a chunk that cannot be decoded, a chunk under another id): that counts toward a ban."""
+        whole: ProtocolError | None = None
+        try:
+            if len(bodies) != 1:
+                raise ProtocolError(f"a chunks message has 2 parts, the header and one frame of the chunks; got "
+                                    f"{1 + len(bodies)}")
+            chunks: list = decode_chunks(bodies[0], limits=self.chunk_limits)
+            if len(chunks) != len(ids):
+                raise ProtocolError(f"the body holds {len(chunks)} chunk(s) for {len(ids)} id(s): one per id, in order")
+        except ProtocolError as err:
+            whole, chunks = err, [err] * len(ids)
         accepted, committed, busy, bad, stale = [], [], [], [], []
+        malformed = whole is not None
         with self._lock:
             for key, chunk in zip(ids, chunks):
                 gate = self._gates.get(key[0])
-                if (chunk.episode_id, chunk.chunk_index) != key:
-                    bad.append((key, f"chunk {(chunk.episode_id, chunk.chunk_index)} sent under id {key}"))
+                # refused before anything else: the client drops it, so it passes its episode's gate
+                if isinstance(chunk, ProtocolError) or (chunk.episode_id, chunk.chunk_index) != key:
+                    malformed = True
+                    bad.append((key, chunk if isinstance(chunk, ProtocolError) else
+                                f"chunk {(chunk.episode_id, chunk.chunk_index)} sent under id {key}"))
                 elif key in self.journal:
                     committed.append(list(key))
                 elif key in self._pending_keys or key in self._delivered_keys:
@@ -148,12 +161,17 @@ class ChunkIntake:
         if stale:
             self._counts["num_stale_chunks"] += len(stale)
             self._send(route, self._stale_reply(rid, stale, version))
+        self._counts["num_bad_chunks"] += len(bad)
+        if whole is not None:
+            self._send(route, wire.error(rid, wire.BAD_CHUNK, f"the body of chunk(s) {[list(k) for k in ids]!r:.200} "
+                                         f"cannot be decoded: {whole}", ids=[list(k) for k in ids]))
+            return True
         for key, problem in bad:
-            self._counts["num_bad_chunks"] += 1
-            reply = {**wire.error(rid, wire.BAD_CHUNK, f"chunk {key[0]!r} #{key[1]}: {problem}"), "ids": [list(key)]}
+            reply = wire.error(rid, wire.BAD_CHUNK, f"chunk {key[0]!r} #{key[1]}: {problem}", ids=[list(key)])
             if hasattr(problem, "field"):  # a value its space does not hold (space_checks.BadValue)
                 reply["field"] = problem.field
             self._send(route, reply)
+        return malformed
 
     def _pass_gate(self, gate: list[int] | None, key: Key) -> None:
         """Chunk ``key`` is through (taken, or known): its episode's next chunk may come -- the next

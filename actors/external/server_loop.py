@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import zmq
@@ -26,6 +27,8 @@ from protocols.spaces import space_from_dict
 
 log = logging.getLogger("runnel")
 
+MAX_STRANGERS = 10_000
+"""Connections that never said hello whose malformed messages are counted (the oldest are forgotten)."""
 REQUIRED_EXTRA = ("action_logp", "action_dist_inputs")
 """What every chunk carries besides obs/actions/rewards: the behaviour policy's outputs."""
 
@@ -44,6 +47,7 @@ class ServerLoop:
         self._stopping = stopping
         self._send = endpoint.send
         self._banned: set[bytes] = set()
+        self._stranger_errors: OrderedDict[bytes, int] = OrderedDict()  # malformed messages of connections without hello
         self._export: tuple[int, bytes] | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name=f"runnel-policy-server-{worker_index}", daemon=True)
@@ -111,29 +115,30 @@ class ServerLoop:
         if route in self._banned:
             return
         conn = self.conns.get(route)
-        rid = 0
         try:
-            if len(parts) < 2:
-                raise ProtocolError("a message needs a header part")
-            header = wire.unpack_header(parts[1])
-            rid = header.get("id", 0)
-            op = header["op"]
+            header = wire.unpack_header(parts[1] if len(parts) > 1 else b"")
+        except ProtocolError as err:  # no id to answer to: id 0, marked so the client can tell
+            self._send(route, wire.error(0, wire.BAD_MESSAGE, str(err), unparsed=True))
+            self._count_error(route, conn, 0, unparsed=True)
+            return
+        rid = header.get("id", 0)
+        op = header["op"]
+        try:
             if op == wire.ACT and conn is not None and len(parts) == 2 and self.acts.act_one(route, conn, rid, header):
+                return
+            if op == wire.CHUNKS:
+                self._on_chunks(route, conn, rid, header, parts[2:])
                 return
             wire.check_request(header, len(parts) - 1)
             if conn is None:
                 if op == wire.HELLO:
                     self._hello(route, rid, header)
                 elif op != wire.BYE:
-                    self._send(route, {**wire.error(rid, wire.HELLO_FIRST, "say hello first: this connection is new "
-                                                    "to the server (it may have restarted)"),
-                                       **({"ids": header["ids"]} if op == wire.CHUNKS else {})})
+                    self._send(route, self._hello_first(rid))
                 return
             conn.last_seen = time.monotonic()
             if op == wire.ACT:
                 self.acts.on_act(route, conn, rid, header, parts[2] if len(parts) > 2 else None)
-            elif op == wire.CHUNKS:
-                self.chunks.on_chunks(route, rid, header, parts[2])
             elif op == wire.START:
                 self._on_start(route, conn, rid, header["episode_id"])
             elif op == wire.END:
@@ -147,47 +152,75 @@ class ServerLoop:
             elif op == wire.BYE:
                 self.conns.pop(route, None)
         except ProtocolError as err:
-            self._protocol_error(route, conn, rid, str(err))
+            self._send(route, wire.error(rid, wire.BAD_MESSAGE, str(err)))
+            self._count_error(route, conn, rid)
 
-    def _protocol_error(self, route: bytes, conn: Conn | None, rid: int, message: str) -> None:
-        self._counts["num_protocol_errors"] += 1
-        errors = 1 if conn is None else conn.errors + 1
-        if conn is not None:
-            conn.errors = errors
-        if conn is not None and errors > self.x.max_protocol_errors:
-            self._banned.add(route)
-            self._counts["num_banned"] += 1
-            if len(self._banned) > 100_000:  # routing ids are per connection: old ones never return
-                self._banned.pop()
-            self.conns.pop(route, None)
-            self._send(route, wire.error(rid, wire.BANNED, f"more than {self.x.max_protocol_errors} malformed "
-                                         f"messages; this connection is ignored from now on", fatal=True))
-            log.warning("policy server banned connection %s (%s) after %d malformed messages", route.hex(),
-                        conn.name, errors)
+    @staticmethod
+    def _hello_first(rid: int, **fields: object) -> dict:
+        return wire.error(rid, wire.HELLO_FIRST, "say hello first: this connection is new to the server (it may "
+                          "have restarted)", **fields)
+
+    def _on_chunks(self, route: bytes, conn: Conn | None, rid: int, header: dict, bodies: list[bytes]) -> None:
+        """Chunks: without usable ``ids`` a ``bad_message``; with them, every id gets its answer."""
+        keys = wire.chunk_ids(header.get("ids"))
+        if conn is None:
+            self._send(route, self._hello_first(rid, ids=[list(k) for k in keys]))
             return
-        self._send(route, wire.error(rid, wire.BAD_MESSAGE, message))
+        conn.last_seen = time.monotonic()
+        if self.chunks.on_chunks(route, rid, keys, bodies):
+            self._count_error(route, conn, rid)
+
+    def _count_error(self, route: bytes, conn: Conn | None, rid: int, unparsed: bool = False) -> None:
+        """A malformed message (its reply sent): past ``max_protocol_errors`` of them the connection is
+        banned -- one that never said hello too, counted by its routing id, so a flood of garbage stops."""
+        self._counts["num_protocol_errors"] += 1
+        if conn is not None:
+            conn.errors += 1
+            errors = conn.errors
+        else:
+            errors = self._stranger_errors.pop(route, 0) + 1
+            self._stranger_errors[route] = errors
+            if len(self._stranger_errors) > MAX_STRANGERS:  # routing ids are per connection: old ones never return
+                self._stranger_errors.popitem(last=False)
+        if errors <= self.x.max_protocol_errors:
+            return
+        self._banned.add(route)
+        self._counts["num_banned"] += 1
+        if len(self._banned) > 100_000:
+            self._banned.pop()
+        self.conns.pop(route, None)
+        self._stranger_errors.pop(route, None)
+        self._send(route, wire.error(rid, wire.BANNED, f"more than max_protocol_errors = {self.x.max_protocol_errors} "
+                                     f"malformed messages; this connection is ignored from now on",
+                                     **({"unparsed": True} if unparsed else {})))
+        log.warning("policy server banned connection %s (%s) after %d malformed messages", route.hex(),
+                    conn.name if conn is not None else "no hello", errors)
 
     def _hello(self, route: bytes, rid: int, h: dict) -> None:
-        if h["protocol"] != wire.PROTOCOL or h["version"] != wire.VERSION:
-            self._send(route, wire.error(rid, wire.VERSION_MISMATCH, f"this server speaks {wire.PROTOCOL} version "
-                                         f"{wire.VERSION}, not {h['protocol']!r} version {h['version']}", fatal=True))
+        if h["protocol"] != wire.PROTOCOL:
+            self._send(route, wire.error(rid, wire.PROTOCOL_MISMATCH, f"protocol {h['protocol']!r:.80}: this server "
+                                         f"speaks {wire.PROTOCOL!r}"))
+            return
+        if h["version"] != wire.VERSION:
+            self._send(route, wire.error(rid, wire.VERSION_MISMATCH, f"version {h['version']}: this server speaks "
+                                         f"{wire.PROTOCOL} version {wire.VERSION}"))
             return
         mode = h["inference_mode"] or self.x.inference_mode
         if mode not in ("remote", "local"):
-            self._send(route, wire.error(rid, wire.BAD_MODE, f"inference_mode {mode!r}: use 'remote' or 'local'",
-                                         fatal=True))
+            self._send(route, wire.error(rid, wire.BAD_MODE, f"inference_mode {mode!r:.80}: use 'remote', 'local' "
+                                         f"or '' (the server's choice)"))
             return
         for key in ("observation_space", "action_space"):
             if key in h and not self._same_space(h[key], key):
                 self._send(route, wire.error(rid, wire.SPACES_MISMATCH, f"the client's {key} {h[key]!r:.300} is not "
-                                             f"the server's {self.spaces[key]!r:.300}", fatal=True))
+                                             f"the server's {self.spaces[key]!r:.300}"))
                 return
         if route not in self.conns and len(self.conns) >= self.x.max_clients:
-            self._send(route, wire.error(rid, wire.SERVER_FULL, f"{self.x.max_clients} clients are connected; "
-                                         f"try another server or later", fatal=True))
+            self._send(route, wire.error(rid, wire.SERVER_FULL, f"max_clients = {self.x.max_clients} clients are "
+                                         f"connected; try another server or later"))
             return
-        name = h.get("name") if isinstance(h.get("name"), str) else ""
-        self.conns[route] = Conn(name[:64], mode, time.monotonic())
+        errors = self.conns[route].errors if route in self.conns else self._stranger_errors.pop(route, 0)
+        self.conns[route] = Conn(h.get("name", "")[:64], mode, time.monotonic(), errors=errors)
         self._send(route, {
             "op": wire.WELCOME, "id": rid, "server_id": self.server_id, "protocol": wire.PROTOCOL,
             "version": wire.VERSION, "inference_mode": mode, **self.spaces,
