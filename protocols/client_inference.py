@@ -81,6 +81,14 @@ class Inference:
         return (env_action if action.ndim == 0 else action.copy()), module_action, extra, version
 
     def act_remote_batch(self, eids: list[str], obs: list[Any]) -> list[Acted]:
+        """Actions for many episodes, in requests of at most the server's ``max_batch`` episodes."""
+        limit = (self._welcome or {}).get("limits", {}).get("max_batch")
+        if type(limit) is int and 0 < limit < len(eids):
+            return [row for i in range(0, len(eids), limit)
+                    for row in self._act_remote_batch(eids[i:i + limit], obs[i:i + limit])]
+        return self._act_remote_batch(eids, obs)
+
+    def _act_remote_batch(self, eids: list[str], obs: list[Any]) -> list[Acted]:
         reply, _ = self._conn.request({"op": wire.ACT, "episode_ids": eids, "obs": [_plain(o) for o in obs]},
                                       retry_unknown_episode=eids)
         version = int(reply.get("weights_version", 0))

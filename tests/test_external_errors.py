@@ -203,3 +203,11 @@ def test_a_nan_in_a_chunk_is_a_value_not_a_malformed_message(server, spec):  # n
     assert reply["code"] == wire.BAD_CHUNK and reply["field"] == "rewards" and reply["ids"] == [["v", 0]]
     assert spec.request({"op": "ping"})[0]["op"] == "pong"  # the count (if any) is done by now
     assert server.get_metrics()["external/num_protocol_errors"]["value"] == 0  # refused, but no step toward a ban
+
+
+def test_the_spec_holds_the_servers_error_table():
+    """EXTERNAL.md's table is rendered from the same table the server takes ``fatal`` from."""
+    from pathlib import Path
+
+    spec = (Path(__file__).resolve().parents[1] / "protocols" / "EXTERNAL.md").read_text()
+    assert wire.errors_markdown() in spec

@@ -49,6 +49,22 @@ def test_welcome_announces_every_limit_a_client_needs(tmp_path):
         server.stop()
 
 
+def test_the_reference_client_splits_batches_larger_than_max_batch(tmp_path):
+    server = make_server(tmp_path, max_batch=4)
+    try:
+        with PolicyClient(server.address, "remote", timeout_s=20) as client:
+            eids = [client.start_episode(training_enabled=False) for _ in range(10)]
+            actions = client.get_actions(eids, [np.zeros(4, np.float32)] * 10)
+            assert len(actions) == 10 and all(a in (0, 1) for a in actions)
+            for eid in eids:
+                client.end_episode(eid, np.zeros(4, np.float32))
+        metrics = server.get_metrics()
+        assert metrics["external/num_actions_served"]["value"] == 10
+        assert metrics["external/num_protocol_errors"]["value"] == 0
+    finally:
+        server.stop()
+
+
 def test_ppo_holds_clients_to_fresh_experience_by_default():
     ppo = PPOConfig().environment(**SPACES).env_runners(num_env_runners=0).training(
         train_batch_size_per_learner=1000).external_clients()
