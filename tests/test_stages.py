@@ -154,8 +154,8 @@ def test_results_are_reduced_from_the_metrics_logger_with_no_private_keys(config
         num_env_runners=0, num_envs_per_env_runner=4).debugging(seed=0)
     if config_cls == "PPO":
         config.training(train_batch_size_per_learner=256, minibatch_size=128, num_epochs=1)
-    else:
-        config.reporting(min_time_s_per_iteration=0.2)
+    else:  # an iteration ends on time, and a loaded machine may deliver no batch in 0.2 s: ask for steps too
+        config.reporting(min_time_s_per_iteration=0.2, min_train_timesteps_per_iteration=1)
     algo = config.build()
     try:
         results = [algo.train() for _ in range(2)]
