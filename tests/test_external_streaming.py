@@ -72,7 +72,7 @@ def test_a_streaming_server_pushes_what_clients_send_and_commits_it_once_pushed(
     try:
         server.start_streaming(puller.address, compress=False)
         server.start_streaming(puller.address, compress=False)  # the same receiver: kept as it is
-        assert server.is_streaming() and stream_threads().count("runnel-server-stream-0") == 1
+        assert server.is_streaming() and stream_threads().count("runnel-stream-0") == 1
         returns = run_env(client, gym.make("CartPole-v1"), num_episodes=3, seed=0)
         acknowledged_all(client)
         received = receive_until(puller, lambda got: set(ids(got)) >= set(client.committed))
@@ -88,7 +88,7 @@ def test_a_streaming_server_pushes_what_clients_send_and_commits_it_once_pushed(
             server.sample(1)  # one taker at a time
 
         assert server.stop_streaming() and not server.is_streaming()
-        assert "runnel-server-stream-0" not in stream_threads()
+        assert "runnel-stream-0" not in stream_threads()
         server.start_streaming(puller.address, compress=False)  # again, as a group restarts a stream
         run_env(client, gym.make("CartPole-v1"), num_episodes=2, seed=10)
         acknowledged_all(client)
@@ -98,7 +98,7 @@ def test_a_streaming_server_pushes_what_clients_send_and_commits_it_once_pushed(
         client.close(flush=False)
         server.stop()
         puller.close()
-    assert not server.is_streaming() and "runnel-server-stream-0" not in stream_threads()
+    assert not server.is_streaming() and "runnel-stream-0" not in stream_threads()
 
 
 def test_a_receiver_that_falls_behind_blocks_the_stream_and_clients_hear_busy(tmp_path):
@@ -148,7 +148,7 @@ def test_a_receiver_that_falls_behind_blocks_the_stream_and_clients_hear_busy(tm
         client.close(flush=False)
         server.stop()
         puller.close()
-    assert "runnel-server-stream-0" not in stream_threads()
+    assert "runnel-stream-0" not in stream_threads()
 
 
 def test_a_frame_the_stream_could_not_push_goes_back_first_in_line_uncommitted(tmp_path):
@@ -195,6 +195,15 @@ def record_received(algo) -> list:
 
     puller.receive = recording
     return received
+
+
+def train_until(algo, done, max_iterations: int) -> dict:
+    """``algo.train()`` until ``done(result)`` or ``max_iterations`` results; the last result."""
+    for _ in range(max_iterations):
+        result = algo.train()
+        if done(result):
+            break
+    return result
 
 
 def test_appo_trains_from_a_client_of_the_in_driver_server(ray_cluster, tmp_path):
@@ -258,18 +267,12 @@ def test_a_killed_server_actor_is_recreated_and_streams_again(ray_cluster, tmp_p
         sampled = algo.train()["num_env_steps_sampled_lifetime"]
         pid = algo.env_runner_group.foreach_env_runner(lambda server: os.getpid())[0]
         os.kill(pid, signal.SIGKILL)
-        result = None
-        for _ in range(60):
-            result = algo.train()
-            if result["fault_tolerance"]["num_remote_worker_restarts"] >= 1:
-                break
+        result = train_until(algo, lambda r: r["fault_tolerance"]["num_remote_worker_restarts"] >= 1, 60)
         assert result["fault_tolerance"]["num_remote_worker_restarts"] == 1
         sampled = result["num_env_steps_sampled_lifetime"]
         version = algo.weights_version
-        for _ in range(120):  # the clients find the new server (reconnect, hello, resend) and go on
-            result = algo.train()
-            if result["num_env_steps_sampled_lifetime"] > sampled:
-                break
+        # the clients find the new server (reconnect, hello, resend) and go on
+        result = train_until(algo, lambda r: r["num_env_steps_sampled_lifetime"] > sampled, 120)
         assert result["num_env_steps_sampled_lifetime"] > sampled
         assert algo.env_runner_group.foreach_env_runner(lambda server: server.is_streaming()) == [True]
         assert algo.env_runner_group.foreach_env_runner(lambda server: server.weights_version)[0] >= version
@@ -287,11 +290,7 @@ def test_dqn_with_the_replay_actor_trains_from_a_client(ray_cluster, tmp_path):
     algo = external(config, address, str(tmp_path)).build()
     clients = Clients(address, 1)
     try:
-        result = None
-        for _ in range(20):
-            result = algo.train()
-            if result["num_learner_updates"] > 0:
-                break
+        result = train_until(algo, lambda r: r["num_learner_updates"] > 0, 20)
         assert algo.env_runner_group.local.is_streaming()
         assert result["num_learner_updates"] > 0
         assert result["num_env_steps_sampled_lifetime"] >= 200  # counted as the replay actor inserts them

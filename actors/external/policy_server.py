@@ -253,11 +253,9 @@ class PolicyServer(EnvRunnerRole):
         (``actors.external.stream``), as a streaming env runner pushes its fragments; each frame's
         chunks are committed once ZeroMQ took it. ``stall_timeout_s`` is unused: a server waiting for
         clients is not stalled."""
-        stream = self._stream
-        if stream is not None and stream.alive():
-            if stream.address == address:
-                return
-            self.stop_streaming()
+        if self.is_streaming() and self._stream.address == address:
+            return
+        self.stop_streaming()
         with self._lock:
             self.chunks.commit_delivered()  # what a sample call handed on before
         self._last_pushed_at = time.monotonic()
@@ -267,17 +265,12 @@ class PolicyServer(EnvRunnerRole):
     def stop_streaming(self, timeout_s: float = 10.0) -> bool:
         """Stop the stream thread (a send blocked by back-pressure gives up and its chunks wait here
         again). True if it ended."""
-        stream = self._stream
-        if stream is None:
-            return True
-        stopped = stream.stop(timeout_s)
-        if stopped:
+        if self._stream is not None and self._stream.stop(timeout_s):
             self._stream = None
-        return stopped
+        return self._stream is None
 
     def is_streaming(self) -> bool:
-        stream = self._stream
-        return stream is not None and stream.alive()
+        return self._stream is not None and self._stream.alive()
 
     def wake_stream(self) -> None:
         """Wake the stream thread if it waits for chunks (it is being stopped)."""
