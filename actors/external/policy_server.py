@@ -19,6 +19,9 @@ is when the previous chunks are *committed*: their ids are written to the commit
 (``actors.external.journal``) and acknowledged to the clients, which then drop them from their
 spools. A recreated server is told by its group which chunks its predecessor handed on last
 (``confirm_delivered``), so a kill between hand-off and acknowledgement duplicates nothing.
+Streaming plans (IMPALA, APPO, the replay as a Ray actor) call ``start_streaming`` instead: a
+thread (``actors.external.stream``) pushes the chunks to their receiver as an env runner's stream
+does, and commits each frame once ZeroMQ took it.
 
 Hostile or broken clients get error replies (see ``protocols.external``) and never reach the
 algorithm: frames over ``max_frame_bytes`` make ZeroMQ drop the connection, every body is decoded
