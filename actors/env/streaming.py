@@ -56,21 +56,12 @@ class RunnerStream:
         self._status = (state, time.monotonic())  # never a new state with the old time (see check_health)
 
     def _loop(self) -> None:
-        runner = self.runner
         try:
             torch.set_num_threads(self._torch_threads)
             self._sender = ChunkSender(self.address, self.sender_id, hwm=self.hwm, compress=self.compress,
                                        sndbuf=self.sndbuf)
-            while not self._stop.is_set():
-                runner.apply_pending_weights()
-                self._set_state("sampling")
-                chunks = runner.sample()
-                if not chunks:
-                    continue
-                runner.flush_recording()
-                self._set_state("sending")
-                if not self._sender.send(chunks, self._stop):
-                    break
+            while not self._stop.is_set() and self._step(self._sender):
+                pass
             self._set_state("stopped")
         except BaseException as err:  # noqa: BLE001 - reported through check_health, which the driver polls
             self.error = f"{type(err).__name__}: {err}"
@@ -81,6 +72,19 @@ class RunnerStream:
             if self._sender is not None:
                 self.log_counters()
                 self._sender.close()
+
+    def _step(self, sender: ChunkSender) -> bool:
+        """One fragment: sample it, record it, push it. False if stopped while the send waited
+        (the policy server's stream, ``actors.external.stream``, pushes its clients' chunks instead)."""
+        runner = self.runner
+        runner.apply_pending_weights()
+        self._set_state("sampling")
+        chunks = runner.sample()
+        if not chunks:
+            return True
+        runner.flush_recording()
+        self._set_state("sending")
+        return sender.send(chunks, self._stop)
 
     def log_counters(self) -> None:
         """The sender's counters into the runner's logger, as deltas (the logger sums them up).

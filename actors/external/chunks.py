@@ -294,3 +294,12 @@ class ChunkIntake:
                             for route, ids in by_route.items())
         self.metrics.log_value("external/num_chunks_committed", len(keys), reduce="lifetime_sum")
         self._wake()
+
+    def untake(self, chunks: list[EpisodeChunk]) -> None:
+        """The last ``take``'s ``chunks`` were not handed on after all (a stream stopped before the
+        receiver had room): pending again, first in line, and not committed."""
+        taken = list(zip(self._delivered, chunks))
+        self._pending[:0] = taken
+        self._pending_keys.update(key for key, _ in taken)
+        self.pending_steps += sum(len(c) for _, c in taken)
+        self._delivered, self._delivered_keys = [], set()

@@ -19,6 +19,9 @@ is when the previous chunks are *committed*: their ids are written to the commit
 (``actors.external.journal``) and acknowledged to the clients, which then drop them from their
 spools. A recreated server is told by its group which chunks its predecessor handed on last
 (``confirm_delivered``), so a kill between hand-off and acknowledgement duplicates nothing.
+Streaming plans (IMPALA, APPO, the replay as a Ray actor) call ``start_streaming`` instead: a
+thread (``actors.external.stream``) pushes the chunks to their receiver as an env runner's stream
+does, and commits each frame once ZeroMQ took it.
 
 Hostile or broken clients get error replies (see ``protocols.external``) and never reach the
 algorithm: frames over ``max_frame_bytes`` make ZeroMQ drop the connection, every body is decoded
@@ -55,6 +58,7 @@ from actors.external.journal import CommitJournal
 from actors.external.security import ServerSecurity
 from actors.external.server_loop import ServerLoop
 from actors.external.settings import ExternalSettings
+from actors.external.stream import ServerStream
 from actors.metrics import MetricsLogger
 from actors.offline.recorder import Recorder
 from protocols.codec import encode
@@ -99,6 +103,8 @@ class PolicyServer(EnvRunnerRole):
         port = urlsplit(self.address).port
         self.journal = CommitJournal(os.path.join(journal_dir, f"policy-server-{port}.journal") if journal_dir else None)
         self._quiet_logged = 0.0
+        self._stream: ServerStream | None = None
+        self._last_pushed_at = time.monotonic()  # the stream's last frame (the quiet warning while streaming)
         self._ctx = zmq.Context()
         self.security = ServerSecurity(self._ctx, self.address, self.x.server_secret_key, self.x.allowed_client_keys,
                                        self.x.allow_plaintext)
@@ -146,6 +152,9 @@ class PolicyServer(EnvRunnerRole):
         passes first; at most one chunk more than needed), committing what the previous call handed on."""
         if self.error is not None:
             raise RuntimeError(f"policy server thread failed: {self.error!r}")
+        if self.is_streaming():
+            raise RuntimeError(f"policy server {self.worker_index} streams its chunks (start_streaming): "
+                               f"call stop_streaming() before sampling from it")
         want = num_timesteps or 1
         deadline = time.monotonic() + self.x.sample_wait_s
         # with a lag limit (on-policy training), wait for experience from the current weights: a fast
@@ -162,16 +171,20 @@ class PolicyServer(EnvRunnerRole):
             chunks = self.chunks.take(want, freshest_first=fresh)
             if chunks and self.x.hold_acts_while_training:  # until set_weights brings what they train
                 self.acts.hold()
-            if not chunks and time.monotonic() - self._quiet_logged > QUIET_LOG_S:
-                self._quiet_logged = time.monotonic()
-                log.warning("policy server %s at %s: no experience arrived for %.0f s (%d client(s) connected); "
-                            "training waits for clients", self.server_id, self.address, self.x.sample_wait_s,
-                            len(self.loop.conns))
+            if not chunks:
+                self._warn_quiet(self.x.sample_wait_s)
             self._log_chunks(chunks)
         if self.recorder is not None:  # written before the driver has them: a later crash cannot lose them
             self.recorder.record(chunks)
             self.recorder.flush()
         return chunks
+
+    def _warn_quiet(self, quiet_s: float) -> None:
+        """Say, at most every ``QUIET_LOG_S``, that training waits for clients (the caller holds the lock)."""
+        if time.monotonic() - self._quiet_logged > QUIET_LOG_S:
+            self._quiet_logged = time.monotonic()
+            log.warning("policy server %s at %s: no experience arrived for %.0f s (%d client(s) connected); "
+                        "training waits for clients", self.server_id, self.address, quiet_s, len(self.loop.conns))
 
     def _log_chunks(self, chunks: list[EpisodeChunk]) -> None:
         m, w = self.metrics, self.s.metrics_window
@@ -197,6 +210,9 @@ class PolicyServer(EnvRunnerRole):
     def get_metrics(self) -> dict[str, Any]:
         if self.error is not None:
             raise RuntimeError(f"policy server thread failed: {self.error!r}")
+        if self._stream is not None:
+            self._stream.check_health()
+            self._stream.log_counters()
         m = self.metrics
         counts = dict(self._counts)  # a snapshot: the server thread keeps counting
         delta = {k: counts[k] - self._counts_reported[k] for k in COUNTS}
@@ -229,21 +245,76 @@ class PolicyServer(EnvRunnerRole):
     def apply(self, fn: Callable[["PolicyServer"], Any]) -> Any:
         return fn(self)
 
+    # --- streaming (IMPALA, APPO, the replay as a Ray actor) -----------------------------------
     def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
                         stall_timeout_s: float = 60.0) -> None:
-        raise RuntimeError("policy servers feed synchronous plans (PPO; DQN/SAC with the in-process replay); "
-                           "streaming plans (IMPALA, APPO, remote replay) cannot use external clients yet")
+        """Push the chunks clients send to the receiver at ``address`` from a thread of their own
+        (``actors.external.stream``), as a streaming env runner pushes its fragments; each frame's
+        chunks are committed once ZeroMQ took it. ``stall_timeout_s`` is unused: a server waiting for
+        clients is not stalled."""
+        if self.is_streaming() and self._stream.address == address:
+            return
+        self.stop_streaming()
+        with self._lock:
+            self.chunks.commit_delivered()  # what a sample call handed on before
+        self._last_pushed_at = time.monotonic()
+        self._stream = ServerStream(self, address, hwm=hwm, compress=compress, sndbuf=sndbuf)
+        self._stream.start()
 
     def stop_streaming(self, timeout_s: float = 10.0) -> bool:
-        return True
+        """Stop the stream thread (a send blocked by back-pressure gives up and its chunks wait here
+        again). True if it ended."""
+        if self._stream is not None and self._stream.stop(timeout_s):
+            self._stream = None
+        return self._stream is None
 
     def is_streaming(self) -> bool:
-        return False
+        return self._stream is not None and self._stream.alive()
+
+    def wake_stream(self) -> None:
+        """Wake the stream thread if it waits for chunks (it is being stopped)."""
+        with self._lock:
+            self._lock.notify_all()
+
+    def take_for_stream(self, stop: threading.Event) -> list[EpisodeChunk]:
+        """The chunks of the stream's next frame: those pending, up to a runner's fragment
+        (``fragment_length`` x ``num_envs_per_env_runner`` steps; the rest go in the next frames),
+        waiting up to ``sample_wait_s`` for the first. Empty if none came or ``stop`` was set."""
+        if self.error is not None:
+            raise RuntimeError(f"policy server thread failed: {self.error!r}")
+        with self._lock:
+            if not self.chunks.pending_steps and not stop.is_set() and not self._stopping.is_set():
+                self._lock.wait(self.x.sample_wait_s)
+            if stop.is_set() or self._stopping.is_set():
+                return []
+            chunks = self.chunks.take(self.x.fragment_length * max(1, self.s.num_envs))
+            quiet = time.monotonic() - self._last_pushed_at
+            if not chunks and quiet >= self.x.sample_wait_s:
+                self._warn_quiet(quiet)
+        return chunks
+
+    def pushed(self, chunks: list[EpisodeChunk]) -> None:
+        """The stream handed ``chunks`` (the last ``take_for_stream``) on: count and record them, then
+        commit them (journal, acknowledgements to their clients)."""
+        self._last_pushed_at = time.monotonic()
+        if self.recorder is not None:  # recorded before clients drop them: a crash cannot lose them
+            self.recorder.record(chunks)
+            self.recorder.flush()
+        with self._lock:
+            self._log_chunks(chunks)
+            self.chunks.commit_delivered()
+
+    def not_pushed(self, chunks: list[EpisodeChunk]) -> None:
+        """The stream stopped before it could hand ``chunks`` (the last ``take_for_stream``) on: they
+        wait for the next stream, or sample call, first in line."""
+        with self._lock:
+            self.chunks.untake(chunks)
 
     def stop(self) -> None:
         """Acknowledge what the driver already has, then close the socket."""
         if self._stopping.is_set():
             return
+        self.stop_streaming()
         with self._lock:
             self.chunks.commit_delivered()
             self._stopping.set()

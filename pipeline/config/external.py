@@ -105,9 +105,6 @@ def external_problems(config: Any) -> list[str]:
     if config.observation_space is None or config.action_space is None:
         problems.append("external clients need the spaces they act in: .environment(observation_space=..., "
                         "action_space=...) (gymnasium spaces)")
-    if not config.synchronous_sampling:
-        problems.append(f"{config.algo_name} samples by streaming, which policy servers do not do yet: external "
-                        f"clients train PPO, or DQN/SAC with the in-process replay buffer")
     if config.evaluation_interval and config.env is None:
         problems.append("evaluation runs an env in evaluators, and this config has none: set .environment(env=...) "
                         "or turn evaluation_interval off")

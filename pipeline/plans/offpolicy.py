@@ -98,12 +98,10 @@ class OffPolicySettings:
                 problems.append(f"unknown replay_buffer_config key {key!r}; {hint}")
         if c.get("remote", False) not in (True, False):
             problems.append(f"replay_buffer_config remote={c.get('remote')!r} must be True or False")
-        if c.get("remote", False) and self.num_env_runners == 0:
+        if c.get("remote", False) and self.num_env_runners == 0 and self.external_clients_config is None:
             problems.append("replay_buffer_config remote=True needs num_env_runners >= 1: the runners stream to the "
-                            "replay actor (with num_env_runners=0 use the in-process replay stage, remote=False)")
-        if c.get("remote", False) and self.external_clients_config is not None:
-            problems.append("replay_buffer_config remote=True streams from env runners, which policy servers do not "
-                            "do yet: with external clients use the in-process replay stage (remote=False)")
+                            "replay actor (with num_env_runners=0 use the in-process replay stage, remote=False; an "
+                            "in-driver policy server for external clients may stream to it)")
         if c.get("prefill_from") is not None:
             problems += _prefill_problems(c)
             if c.get("remote", False):
