@@ -4,6 +4,7 @@ and an unthrottled local-inference client training PPO as well as a throttled on
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 
 import gymnasium as gym
@@ -151,6 +152,27 @@ def test_acts_wait_while_the_driver_trains_and_get_the_new_weights(tmp_path):
         server.set_weights(server.get_weights(), weights_version=3)
         action = recv_reply(spec, 99)
         assert action["op"] == "action" and action["weights_version"] == 3
+    finally:
+        spec.close()
+        server.stop()
+
+
+def test_the_driver_asking_again_before_new_weights_releases_held_acts(tmp_path):
+    """A round that took too little asks again before training: clients must act for it."""
+    server = make_server(tmp_path, hold_acts_while_training=True, max_act_hold_s=600.0)
+    spec = SpecClient(server.address)
+    try:
+        spec.hello()
+        spec.request({"op": "start", "episode_id": "e"})
+        spec.request({"op": "chunks", "ids": [["c", 0]]}, _chunk_frame("c", 0))
+        assert ids(server.sample(1)) == [("c", 0)]  # acts held from here
+        spec.sock.send_multipart([msgpack.packb({"op": "act", "id": 7, "episode_id": "e", "obs": [0.0] * 4})])
+        wait_until(lambda: len(server.acts.requests) == 1, what="the act to be queued")
+        asking = threading.Thread(target=server.sample, args=(1,))
+        asking.start()
+        reply = recv_reply(spec, 7)  # answered while the second call waits, long before max_act_hold_s
+        assert reply["op"] == "action" and reply["weights_version"] == 0
+        asking.join()
     finally:
         spec.close()
         server.stop()

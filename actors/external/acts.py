@@ -192,6 +192,10 @@ class ActBatcher:
         module_actions, logp, dists, version = policy.forward(obs, explore, given)
         env_list, logp_list, dist_list = policy.env_actions(module_actions).tolist(), logp.tolist(), dists.tolist()
         raw_list = module_actions.tolist() if policy.box_actions else None
+        # counted before the replies go out: a client that saw its action may read the counters at once
+        policy.num_env_steps_served += n
+        self._counts["num_actions_served"] += n
+        self._counts["num_inference_batches"] += 1
         conns, send, i = self._conns, self._send, 0
         for a in acts:
             k = len(a.obs)
@@ -210,6 +214,3 @@ class ActBatcher:
             conn = conns.get(a.route)
             if conn is not None:
                 conn.in_flight -= 1
-        policy.num_env_steps_served += n
-        self._counts["num_actions_served"] += n
-        self._counts["num_inference_batches"] += 1

@@ -160,6 +160,7 @@ class PolicyServer(EnvRunnerRole):
         # with a lag limit (on-policy training), wait for experience from the current weights: a fast
         # client's backlog from the weights before would be taken first otherwise (it arrived first)
         fresh = self.x.max_policy_lag is not None
+        self.acts.release()  # the driver asks again before new weights: it wants more experience, now
         with self._lock:
             self.chunks.commit_delivered()
             while (self.chunks.fresh_steps() if fresh else self.chunks.pending_steps) < want \

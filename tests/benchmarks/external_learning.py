@@ -74,7 +74,7 @@ def client(address: str, mode: str, index: int, seed: int, stop: mp.Event, updat
     from protocols.client import PolicyClient, run_env
 
     env = gym.make("CartPole-v1")
-    # a small spool keeps a fast local-inference client from running far ahead of training
+    # the server's max_unacked_steps (welcome) keeps a fast client from running far ahead of training
     c = PolicyClient(address, mode, update_interval=update_interval, spool_chunks=spool_chunks, timeout_s=600, seed=seed * 100 + index)
     episode = 0
     while not stop.is_set():
@@ -83,7 +83,7 @@ def client(address: str, mode: str, index: int, seed: int, stop: mp.Event, updat
     c.close(flush=False)
 
 
-def run(algo: str, seed: int, clients: bool, max_steps: int, update_interval: float = 0.5, spool_chunks: int = 8) -> dict:
+def run(algo: str, seed: int, clients: bool, max_steps: int, update_interval: float = 0.5, spool_chunks: int = 1024) -> dict:
     ctx = mp.get_context("spawn")
     address = f"tcp://127.0.0.1:{free_port()}" if clients else None
     with tempfile.TemporaryDirectory() as journal:
@@ -120,7 +120,8 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--max-steps", type=int, default=300_000)
     p.add_argument("--update-interval", type=float, default=0.5, help="local-inference clients pull weights this often (s)")
-    p.add_argument("--spool-chunks", type=int, default=8, help="chunks a client may hold unacknowledged")
+    p.add_argument("--spool-chunks", type=int, default=1024, help="chunks a client may hold unacknowledged (the "
+                   "client's default; the server's max_unacked_steps throttles it)")
     args = p.parse_args()
     import torch
 
