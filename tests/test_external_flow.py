@@ -3,6 +3,7 @@ experience refused, acts held while the driver trains, the reference client thro
 and an unthrottled local-inference client training PPO as well as a throttled one."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 import time
@@ -135,61 +136,54 @@ def recv_reply(spec: SpecClient, rid: int, timeout_ms: int = 10_000) -> dict:
             return reply
 
 
-def test_acts_wait_while_the_driver_trains_and_get_the_new_weights(tmp_path):
-    server = make_server(tmp_path, hold_acts_while_training=True, max_act_hold_s=60.0)
+@contextlib.contextmanager
+def training_server(tmp_path, max_act_hold_s: float):
+    """A holding server whose driver just took a batch (acts are held from here), and a spec
+    client with episode "e" started."""
+    server = make_server(tmp_path, hold_acts_while_training=True, max_act_hold_s=max_act_hold_s)
     spec = SpecClient(server.address)
     try:
         spec.hello()
         spec.request({"op": "start", "episode_id": "e"})
-        assert spec.act("e", [0.0, 0.0, 0.0, 0.0])[3] == 0  # answered at once: nothing is being trained
+        assert spec.act("e", [0.0] * 4)[3] == 0  # answered at once: nothing is being trained yet
         reply, _ = spec.request({"op": "chunks", "ids": [["c", 0]]}, _chunk_frame("c", 0))
         assert reply["op"] == "received"
-        assert ids(server.sample(1)) == [("c", 0)]  # the driver took a batch: acts wait for its weights
-        spec.sock.send_multipart([msgpack.packb({"op": "act", "id": 99, "episode_id": "e",
-                                                    "obs": [0.1, 0.0, 0.0, 0.0]})])
-        wait_until(lambda: len(server.acts.requests) == 1, what="the act to be queued")
-        assert not spec.sock.poll(0)  # held: no reply while the request waits in the queue
-        server.set_weights(server.get_weights(), weights_version=3)
-        action = recv_reply(spec, 99)
-        assert action["op"] == "action" and action["weights_version"] == 3
+        assert ids(server.sample(1)) == [("c", 0)]
+        yield server, spec
     finally:
         spec.close()
         server.stop()
 
 
+def send_held_act(server, spec: SpecClient, rid: int) -> None:
+    """An act the server queues and holds (no reply while it waits in the queue)."""
+    spec.sock.send_multipart([msgpack.packb({"op": "act", "id": rid, "episode_id": "e", "obs": [0.1, 0.0, 0.0, 0.0]})])
+    wait_until(lambda: len(server.acts.requests) == 1, what="the act to be queued")
+    assert not spec.sock.poll(0)
+
+
+def test_acts_wait_while_the_driver_trains_and_get_the_new_weights(tmp_path):
+    with training_server(tmp_path, max_act_hold_s=600.0) as (server, spec):
+        send_held_act(server, spec, 99)
+        server.set_weights(server.get_weights(), weights_version=3)
+        action = recv_reply(spec, 99)
+        assert action["op"] == "action" and action["weights_version"] == 3
+
+
 def test_the_driver_asking_again_before_new_weights_releases_held_acts(tmp_path):
     """A round that took too little asks again before training: clients must act for it."""
-    server = make_server(tmp_path, hold_acts_while_training=True, max_act_hold_s=600.0)
-    spec = SpecClient(server.address)
-    try:
-        spec.hello()
-        spec.request({"op": "start", "episode_id": "e"})
-        spec.request({"op": "chunks", "ids": [["c", 0]]}, _chunk_frame("c", 0))
-        assert ids(server.sample(1)) == [("c", 0)]  # acts held from here
-        spec.sock.send_multipart([msgpack.packb({"op": "act", "id": 7, "episode_id": "e", "obs": [0.0] * 4})])
-        wait_until(lambda: len(server.acts.requests) == 1, what="the act to be queued")
+    with training_server(tmp_path, max_act_hold_s=600.0) as (server, spec):
+        send_held_act(server, spec, 7)
         asking = threading.Thread(target=server.sample, args=(1,))
         asking.start()
         reply = recv_reply(spec, 7)  # answered while the second call waits, long before max_act_hold_s
         assert reply["op"] == "action" and reply["weights_version"] == 0
         asking.join()
-    finally:
-        spec.close()
-        server.stop()
 
 
 def test_held_acts_are_answered_after_max_act_hold_s_without_new_weights(tmp_path):
-    server = make_server(tmp_path, hold_acts_while_training=True, max_act_hold_s=0.2)
-    spec = SpecClient(server.address)
-    try:
-        spec.hello()
-        spec.request({"op": "start", "episode_id": "e"})
-        spec.request({"op": "chunks", "ids": [["c", 0]]}, _chunk_frame("c", 0))
-        assert ids(server.sample(1)) == [("c", 0)]
-        assert spec.act("e", [0.0, 0.0, 0.0, 0.0])[3] == 0  # a driver that stopped training stalls no one
-    finally:
-        spec.close()
-        server.stop()
+    with training_server(tmp_path, max_act_hold_s=0.2) as (_, spec):
+        assert spec.act("e", [0.0] * 4)[3] == 0  # a driver that stopped training stalls no one
 
 
 def test_the_reference_client_stops_collecting_past_max_unacked_steps(tmp_path):
