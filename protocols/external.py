@@ -79,6 +79,7 @@ BAD_CHUNK = "bad_chunk"
 BUSY = "busy"
 STALE = "stale"
 NOT_SUPPORTED = "not_supported"
+SERVER_ERROR = "server_error"
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,9 @@ ERRORS: dict[str, ErrorCode] = {
                      "sent unasked (`id` 0) for held chunks that new weights made too old",
                      "drop those chunks from the spool (not a bug: the client ran ahead of training) and act with "
                      "newer weights (local inference: fetch them now)"),
+    SERVER_ERROR: ErrorCode(False, "the server failed to compute this request (a bug, logged on the server); nothing "
+                            "was computed, and the server serves on",
+                            "send the request again later; if it keeps failing, report it"),
     NOT_SUPPORTED: ErrorCode(False, "`weights` for a policy that cannot run in the client",
                              "use remote inference"),
 }

@@ -211,3 +211,31 @@ def test_the_spec_holds_the_servers_error_table():
 
     spec = (Path(__file__).resolve().parents[1] / "protocols" / "EXTERNAL.md").read_text()
     assert wire.errors_markdown() in spec
+
+
+def test_a_failing_forward_pass_gets_server_error_and_serving_goes_on(tmp_path):
+    """Defence in depth: whatever makes inference raise, the batch's requests are answered with
+    ``server_error`` and the server thread serves on."""
+    server = make_server(tmp_path)
+    spec = SpecClient(server.address)
+    forward, calls = server.policy.forward, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise FloatingPointError("a forward pass that breaks")
+        return forward(*args, **kwargs)
+
+    server.policy.forward = failing_once
+    try:
+        spec.hello()
+        spec.request({"op": "start", "episode_id": "e"})
+        reply, _ = spec.request({"op": "act", "episode_id": "e", "obs": [0.0] * 4})
+        assert reply["op"] == "error" and reply["code"] == wire.SERVER_ERROR and not reply["fatal"]
+        assert "FloatingPointError" in reply["message"]
+        assert spec.act("e", [0.0] * 4)[0] in (0, 1)  # the same episode, served again
+        assert server.error is None
+        assert server.get_metrics()["external/num_server_errors"]["value"] == 1
+    finally:
+        spec.close()
+        server.stop()

@@ -8,6 +8,7 @@ the batch it took, and are answered with the weights trained on it).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from protocols.errors import ProtocolError
 from protocols.schema import ChunkSchema
 from protocols.space_checks import BadValue
 
+log = logging.getLogger("runnel")
+
 _NO_ACTION = [None]  # the one row of an act request without a client-chosen action (read only)
 
 
@@ -39,6 +42,17 @@ class _Act:
 
 def _length(value: object) -> str:
     return str(len(value)) if isinstance(value, list) else f"a {type(value).__name__}"
+
+
+@dataclass
+class _Answers:
+    """A forward pass's results for its rows, as plain lists (what the replies carry)."""
+    rows: int
+    version: int
+    actions: list  # the environment's actions
+    logp: list
+    dist: list
+    raw: list | None  # the module's raw actions (Box action spaces)
 
 
 class ActBatcher:
@@ -177,23 +191,15 @@ class ActBatcher:
                 rows, count = rows + len(a.obs), count + 1
             acts, self.requests = self.requests[:count], self.requests[count:]
             self.rows -= rows
-        if len(acts) == 1 and len(acts[0].obs) == 1:  # one client acting alone: no gathering, no stacking
-            rows = acts[0].obs
-            obs = rows[0][None] if isinstance(rows[0], np.ndarray) else nested.stack(rows)
-            explore = [acts[0].explore]
-            given = {} if acts[0].given[0] is None else {0: acts[0].given[0]}
-        else:
-            rows = [o for a in acts for o in a.obs]
-            obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
-            explore = [a.explore for a in acts for _ in a.obs]
-            given = {i: g for i, g in enumerate(g for a in acts for g in a.given) if g is not None}
-        n = len(rows)
-        policy = self.policy
-        module_actions, logp, dists, version = policy.forward(obs, explore, given)
-        env_list, logp_list, dist_list = policy.env_actions(module_actions).tolist(), logp.tolist(), dists.tolist()
-        raw_list = module_actions.tolist() if policy.box_actions else None
+        try:
+            out = self._forward(acts)
+        except Exception as err:  # noqa: BLE001 - a bug here must not stop serving every client
+            self._failed(acts, err)
+            return
+        n, version, env_list, logp_list, dist_list, raw_list = (out.rows, out.version, out.actions, out.logp,
+                                                                out.dist, out.raw)
         # counted before the replies go out: a client that saw its action may read the counters at once
-        policy.num_env_steps_served += n
+        self.policy.num_env_steps_served += n
         self._counts["num_actions_served"] += n
         self._counts["num_inference_batches"] += 1
         conns, send, i = self._conns, self._send, 0
@@ -212,5 +218,35 @@ class ActBatcher:
             send(a.route, reply)
             i += k
             conn = conns.get(a.route)
+            if conn is not None:
+                conn.in_flight -= 1
+
+    def _forward(self, acts: list[_Act]) -> _Answers:
+        """One forward pass for ``acts``."""
+        if len(acts) == 1 and len(acts[0].obs) == 1:  # one client acting alone: no gathering, no stacking
+            rows = acts[0].obs
+            obs = rows[0][None] if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+            explore = [acts[0].explore]
+            given = {} if acts[0].given[0] is None else {0: acts[0].given[0]}
+        else:
+            rows = [o for a in acts for o in a.obs]
+            obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+            explore = [a.explore for a in acts for _ in a.obs]
+            given = {i: g for i, g in enumerate(g for a in acts for g in a.given) if g is not None}
+        n = len(rows)
+        policy = self.policy
+        module_actions, logp, dists, version = policy.forward(obs, explore, given)
+        env_list, logp_list, dist_list = policy.env_actions(module_actions).tolist(), logp.tolist(), dists.tolist()
+        raw_list = module_actions.tolist() if policy.box_actions else None
+        return _Answers(n, version, env_list, logp_list, dist_list, raw_list)
+
+    def _failed(self, acts: list[_Act], err: Exception) -> None:
+        """The forward pass raised: every request of the batch gets ``server_error``; serving goes on."""
+        self._counts["num_server_errors"] += 1
+        log.exception("policy server: a forward pass over %d act request(s) failed; they get server_error", len(acts))
+        for a in acts:
+            self._send(a.route, wire.error(a.rid, wire.SERVER_ERROR, f"the server could not compute this action "
+                                           f"({type(err).__name__}: {err}); nothing was computed"))
+            conn = self._conns.get(a.route)
             if conn is not None:
                 conn.in_flight -= 1

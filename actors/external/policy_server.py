@@ -72,7 +72,7 @@ QUIET_LOG_S = 30.0
 """How often a server that receives no experience says so."""
 COUNTS = ("num_actions_served", "num_inference_batches", "num_connects", "num_protocol_errors", "num_bad_chunks",
           "num_busy_replies", "num_duplicate_chunks", "num_chunks_received", "num_replies_dropped", "num_banned",
-          "num_bad_values", "num_stale_chunks")
+          "num_bad_values", "num_stale_chunks", "num_server_errors")
 """Counters the server thread keeps; ``get_metrics`` reports them under ``external/``."""
 
 
