@@ -133,6 +133,9 @@ def _from_plain(where: str, spec: Any, value: Any) -> Any:
         raise ProtocolError(f"{where}: no space to read it with")
     if isinstance(value, np.ndarray):
         arr = value
+    elif (not spec.whole and type(value) is list and len(value) <= 64
+          and all(type(v) is float or type(v) is int for v in value)):
+        arr = np.array(value, dtype=spec.dtype)  # the common act: a flat list of numbers, one numpy call
     else:
         if isinstance(value, (str, bytes, dict)) or value is None:
             raise ProtocolError(f"{where}: expected numbers, got {type(value).__name__}")
