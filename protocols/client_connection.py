@@ -23,7 +23,7 @@ from protocols.external import ServerError
 
 log = logging.getLogger("runnel.client")
 
-_NOBLOCK, _EVENTS, _POLLIN, _RCVMORE = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 """Plain ints: pyzmq's enum flags cost a conversion on every call of the hot path."""
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -198,9 +198,11 @@ class Connection:
                 return
         # asking the socket before each read: a raised zmq.Again costs more than a small reply's handling
         while sock.getsockopt(_EVENTS) & _POLLIN:
-            parts = [sock.recv(_NOBLOCK)]
-            while sock.getsockopt(_RCVMORE):
-                parts.append(sock.recv(_NOBLOCK))
+            frame = sock.recv(_NOBLOCK, copy=False)  # a frame knows if more parts follow (no RCVMORE call)
+            parts = [frame.bytes]
+            while frame.more:
+                frame = sock.recv(_NOBLOCK, copy=False)
+                parts.append(frame.bytes)
             self._last_heard = time.monotonic()
             try:
                 header = wire.unpack_header(parts[0])

@@ -86,6 +86,19 @@ class LeafValues:
             _fail(field, arr, bad, f"is not in {self.name}", (low, self.high))
 
 
+def box_rows_pass(spec: Any, values: list, finite: bool = True) -> bool:
+    """True when ``values`` -- many observations of the one Box leaf ``spec`` describes, as float
+    arrays -- all hold finite numbers, found in one numpy pass; False when the caller must check
+    them one by one (another space, another type, or a bad value it will name)."""
+    if not (isinstance(spec, LeafValues) and spec.low is None):
+        return False
+    if not finite:
+        return True  # a Box allowed to hold anything: nothing to check
+    if not values or not all(type(v) is np.ndarray and v.dtype.kind == "f" for v in values):
+        return False
+    return bool(np.isfinite(np.concatenate([v.ravel() for v in values])).all())
+
+
 def check_finite(field: str, value: Any) -> None:
     """A float array (rewards, an extra) holds finite numbers only; other dtypes pass."""
     if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not np.isfinite(value).all():

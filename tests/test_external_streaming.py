@@ -380,7 +380,8 @@ def train_to(algo, clients: ClientProcesses, target: float, max_steps: int) -> d
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("config_cls", [APPOConfig, IMPALAConfig], ids=["APPO", "IMPALA"])
+@pytest.mark.parametrize("config_cls", [APPOConfig, pytest.param(IMPALAConfig, marks=pytest.mark.seeds)],
+                         ids=["APPO", "IMPALA"])
 def test_cartpole_reaches_450_from_4_client_processes(ray_cluster, tmp_path, config_cls):
     address = f"tcp://127.0.0.1:{free_port()}"
     algo = external(config_cls().env_runners(num_env_runners=1), address, str(tmp_path)).build()

@@ -21,8 +21,9 @@ from protocols import external as wire
 from protocols.client import PolicyClient
 from protocols.codec import encode
 from protocols.episode import EpisodeBuilder, EpisodeChunk
+from protocols.errors import ProtocolError
 from protocols.schema import ChunkSchema
-from protocols.space_checks import BadValue, check_values, value_spec
+from protocols.space_checks import BadValue, box_rows_pass, check_values, value_spec
 from protocols.spaces import space_to_dict
 from tests.spec_client import Array, SpecClient, frame
 from tests.test_external import ids, make_server, server  # noqa: F401 - the server fixture
@@ -67,6 +68,31 @@ def test_non_finite_observations_pass_when_allowed_and_plain_fractions_are_not_t
     with pytest.raises(BadValue, match="action = 0.5"):  # once cast to int64 it read 0: a wrong action, silently
         schema.check_action_values(schema.action_from_plain(0.5))
 
+
+@pytest.mark.parametrize("value", [
+    [0.5, -1, 2, 0], [True, False, 1, 0.25],  # taken by the shortcut
+    [0, 0, 0, math.nan], [math.inf, -math.inf, 0, 0], [1e39, 0, 0, 0], [1e308, 1e308, 0, 0],  # bad values
+    ["1", 0, 0, 0], [None, 0, 0, 0], [[1], 0, 0, 0], [1, 2, 3], {"a": 1}, 3.0,  # not an observation
+])
+def test_the_act_paths_observation_shortcut_answers_as_the_general_checks_do(value):
+    """``observation_row`` (one call on the act path) refuses and converts exactly as
+    ``observation_from_plain`` followed by ``check_observation_values`` do."""
+    schema = ChunkSchema.for_spaces(S.Box(-1, 1, (4,)), S.Discrete(2))
+
+    def outcome(convert):
+        try:
+            row = convert()
+        except BadValue as err:
+            return "BadValue", str(err), err.field
+        except ProtocolError as err:
+            return "ProtocolError", str(err)
+        return row.dtype, row.tolist()
+
+    def general():
+        row = schema.observation_from_plain(value)
+        schema.check_observation_values(row)
+        return row
+    assert outcome(lambda: schema.observation_row(value)) == outcome(general)
 
 def play(client: PolicyClient, steps: int = 3) -> str:
     """A short well-behaved episode through ``client``; returns its id."""
@@ -300,3 +326,17 @@ def test_a_dqn_learner_refuses_a_replayed_batch_out_of_range_and_leaves_no_prior
     assert learner.update_with_outputs(nan, 0) == ({"num_batches_refused": 1.0}, {})
     stats, outputs = learner.update_with_outputs(batch, 0)
     assert "num_batches_refused" not in stats and outputs["td_error"].shape == (8,)
+
+
+def test_a_batched_act_is_checked_in_one_pass_and_a_bad_row_is_still_named():
+    schema = ChunkSchema.for_spaces(S.Box(-1, 1, (4,)), S.Discrete(2))
+    rows = schema.observation_rows([[0.5, -1, 2, 0], [True, False, 1, 0.25]])
+    assert rows.dtype == np.float32 and rows.tolist() == [[0.5, -1, 2, 0], [1, 0, 1, 0.25]]
+    for bad in ([[0, 0, 0, math.nan]], [[1e39, 0, 0, 0]], [["1", 0, 0, 0]], [[0, 0, 0]], [[[1], 0, 0, 0]], [None]):
+        assert schema.observation_rows([[0.0] * 4] + bad) is None  # declined: checked row by row, which names it
+    assert ChunkSchema.for_spaces(S.Discrete(3), S.Discrete(2)).observation_rows([1, 2]) is None
+    spec = value_spec(space_to_dict(S.Box(-1, 1, (2,))))
+    ok = [np.zeros(2, np.float32), np.ones(2)]
+    assert box_rows_pass(spec, ok) and not box_rows_pass(spec, ok + [np.array([0.0, np.inf])])
+    assert box_rows_pass(spec, ok + [np.array([0.0, np.inf])], finite=False)
+    assert not box_rows_pass(spec, [[0.0, 1.0]]) and not box_rows_pass(value_spec(space_to_dict(S.Discrete(2))), [])

@@ -34,7 +34,7 @@ _NO_ACTION = [None]  # the one row of an act request without a client-chosen act
 class _Act:
     route: bytes
     rid: int
-    obs: list  # one observation per row (a batched request has several)
+    obs: list | np.ndarray  # one observation per row (a batched request has several); or a flat Box's rows stacked
     given: list  # per row: the action the client took (log_action), or None
     explore: bool
     batched: bool  # reply with lists
@@ -100,8 +100,7 @@ class ActBatcher:
                 or type(h.get("explore", False)) is not bool):  # the general path names what is wrong
             return False
         try:
-            row = self.schema.observation_from_plain(h["obs"])
-            self.schema.check_observation_values(row, self._finite)  # one vectorized pass over the row
+            row = self.schema.observation_row(h["obs"], self._finite)
         except BadValue as err:
             self._refuse_value(route, rid, eid, err)
             return True
@@ -160,16 +159,18 @@ class ActBatcher:
             self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
                                          f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
             return
+        schema = self.schema
+        block = schema.observation_rows(obs, self._finite) if batched else None  # checked already
         try:
-            rows = [self.schema.observation_from_plain(o) for o in obs]
-            given = [None if g is None else self.schema.action_from_plain(g) for g in given]
+            rows = block if block is not None else [schema.observation_from_plain(o) for o in obs]
+            given = [None if g is None else schema.action_from_plain(g) for g in given]
         except ProtocolError as err:
             self._send(route, wire.error(rid, wire.BAD_OBSERVATION, str(err)))
             return
-        schema = self.schema
-        for eid, row, action in zip(eids, rows, given):
+        for i, (eid, action) in enumerate(zip(eids, given)):
             try:  # an action outside the space would fail the forward pass (and with it the server thread)
-                schema.check_observation_values(row, self._finite)
+                if block is None:
+                    schema.check_observation_values(rows[i], self._finite)
                 if action is not None:
                     schema.check_action_values(action)
             except BadValue as err:
@@ -223,17 +224,21 @@ class ActBatcher:
 
     def _forward(self, acts: list[_Act]) -> _Answers:
         """One forward pass for ``acts``."""
-        if len(acts) == 1 and len(acts[0].obs) == 1:  # one client acting alone: no gathering, no stacking
-            rows = acts[0].obs
+        blocks = [a.obs for a in acts]
+        if len(acts) == 1 and len(blocks[0]) == 1:  # one client acting alone: no gathering, no stacking
+            rows = blocks[0]
             obs = rows[0][None] if isinstance(rows[0], np.ndarray) else nested.stack(rows)
             explore = [acts[0].explore]
             given = {} if acts[0].given[0] is None else {0: acts[0].given[0]}
         else:
-            rows = [o for a in acts for o in a.obs]
-            obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
-            explore = [a.explore for a in acts for _ in a.obs]
+            if all(type(b) is np.ndarray for b in blocks):  # batched requests' rows, stacked at intake
+                obs = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+            else:
+                rows = [o for b in blocks for o in b]
+                obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+            explore = [a.explore for a in acts for _ in range(len(a.obs))]
             given = {i: g for i, g in enumerate(g for a in acts for g in a.given) if g is not None}
-        n = len(rows)
+        n = len(explore)
         policy = self.policy
         module_actions, logp, dists, version = policy.forward(obs, explore, given)
         env_list, logp_list, dist_list = policy.env_actions(module_actions).tolist(), logp.tolist(), dists.tolist()
