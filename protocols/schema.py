@@ -8,6 +8,7 @@ a Box bound is the environment's business, not the wire's).
 """
 from __future__ import annotations
 
+from itertools import chain
 from math import fsum, isfinite
 from typing import Any
 
@@ -138,6 +139,17 @@ class ChunkSchema:
         flat = self._flat_obs
         if not finite or flat is None or type(values) is not list:
             return None
+        if len(values) <= 16:  # a few rows: the checks of ``observation_row`` over all of them at once
+            size = flat[1]
+            if not all(type(v) is list and len(v) == size for v in values):
+                return None
+            try:
+                total = fsum(chain.from_iterable(values))  # TypeError unless all numbers; NaN or inf when one is
+            except (TypeError, ValueError, OverflowError):
+                return None
+            if not (isfinite(total) and max(map(max, values)) <= flat[2] and min(map(min, values)) >= -flat[2]):
+                return None
+            return np.array(values, dtype=flat[0])
         try:
             raw = np.array(values)  # a string, nil or map among the numbers shows in the dtype
         except (TypeError, ValueError, OverflowError):

@@ -23,6 +23,7 @@ The rules, per leaf space:
 """
 from __future__ import annotations
 
+from itertools import chain
 from math import isfinite
 from typing import Any
 
@@ -87,15 +88,21 @@ class LeafValues:
 
 
 def box_rows_pass(spec: Any, values: list, finite: bool = True) -> bool:
-    """True when ``values`` -- many observations of the one Box leaf ``spec`` describes, as float
-    arrays -- all hold finite numbers, found in one numpy pass; False when the caller must check
-    them one by one (another space, another type, or a bad value it will name)."""
+    """True when ``values`` -- many observations of the one Box leaf ``spec`` describes, as numeric
+    arrays -- all hold finite numbers, found in one loop without the per-value dispatch of
+    ``check_values``; False when the caller must check them one by one (another space, another
+    type, or a bad value, which that check names)."""
     if not (isinstance(spec, LeafValues) and spec.low is None):
         return False
-    if not finite:
-        return True  # a Box allowed to hold anything: nothing to check
-    if not values or not all(type(v) is np.ndarray and v.dtype.kind == "f" for v in values):
-        return False
+    size = 0
+    for v in values:
+        if type(v) is not np.ndarray or v.dtype.kind not in "biuf":
+            return False
+        size += v.size
+    if not finite or not values:
+        return True
+    if size <= 256:  # a few small rows: plain Python beats numpy's per-call overhead
+        return all(map(isfinite, chain.from_iterable(v.ravel().tolist() for v in values)))
     return bool(np.isfinite(np.concatenate([v.ravel() for v in values])).all())
 
 
