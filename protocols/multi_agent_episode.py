@@ -1,0 +1,392 @@
+"""MultiAgentEpisode: one multi-agent env episode, recorded as per-agent episode chunks.
+
+A multi-agent env speaks in dicts keyed by agent id (RLlib's new-stack ``MultiAgentEnv``):
+``reset()`` gives observations for the agents that act first, ``step(actions)`` gives
+observations, rewards, terminateds, truncateds and infos, with ``"__all__"`` in the two flag
+dicts. Only agents with an observation act next, so agents may act together, in turns, join
+late or finish early. This recorder turns that stream into what every stage already handles:
+one ``EpisodeBuilder`` per agent, cut into ``EpisodeChunk``s tagged with ``agent_id`` (as a str,
+the wire's type) and ``module_id``, handed out grouped per module so a learner batches per
+module. A single-agent run is the case of one agent mapped to ``default_policy``.
+
+Each agent goes round a cycle: it *observes* (``agents_to_act()`` lists it), it *acts*
+(``add_actions``), and its step completes when its next observation arrives, possibly several
+env steps later. How the awkward cases go, as RLlib's ``MultiAgentEpisode`` does them:
+
+- Rewards an agent receives between its action and its next observation add up onto that step's
+  reward (RLlib keeps them as "hanging" rewards until the next observation). Rewards for an agent
+  before its first observation belong to no step; they are kept in ``rewards_before_first_obs``
+  and count in no return (RLlib drops them too).
+- ``policy_mapping_fn(agent_id, episode)`` is called once per agent per episode, at its first
+  observation (or on the first ``module_for`` call); the module stays for the whole episode.
+- An agent terminated or truncated before ``"__all__"`` is closed at once: its last chunk is
+  ready while the others play on. An agent that receives its first observation already done
+  never acted and leaves no trace.
+- An agent that is done without a final observation (the env omitted it, or ``"__all__"`` ended
+  the episode while the agent waited for its turn) gets its last observation repeated as the
+  final row. RLlib raises for the truncated case (the bug behind mobile-env PR#68); here a
+  truncated agent is recorded ``truncated=True`` on the repeated observation, so bootstrapping
+  uses the value of the last state the agent saw instead of crashing the run.
+- Terminated and truncated at once: terminated wins, as in the single-agent runner.
+
+Per-agent chunks have their own episode ids, ``"<episode id>.<n>"`` for the n-th agent to join,
+so that everything keyed by ``(episode_id, chunk_index)`` (replay, recorder, resend dedup) keeps
+each agent's chunks apart.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from protocols.episode import EpisodeBuilder, EpisodeChunk, new_episode_id
+
+AgentID = Hashable  # str or int, as the env names its agents
+DEFAULT_MODULE_ID = "default_policy"
+ALL = "__all__"
+
+
+def map_to_default_module(agent_id: AgentID, episode: "MultiAgentEpisode") -> str:
+    """The mapping when none is given: every agent acts with ``default_policy``."""
+    return DEFAULT_MODULE_ID
+
+
+@dataclass
+class AgentRecord:
+    """One agent's part of an episode: its builder and where it stands in the observe/act cycle."""
+
+    agent_id: AgentID
+    module_id: str
+    builder: EpisodeBuilder
+    last_obs: Any
+    last_info: dict
+    ready: bool = True
+    """It holds an observation it has not acted on yet."""
+    done: bool = False
+    action: Any = None
+    """The action waiting for its next observation (when neither ready nor done)."""
+    extra: dict[str, Any] | None = None
+    pending_reward: float = 0.0
+    """Rewards since that action, credited to its step when the next observation arrives."""
+    ret: float = 0.0
+    """Its rewards in this episode so far (its return)."""
+    extra_keys: frozenset[str] | None = None
+
+
+class MultiAgentEpisode:
+    """Records one episode of one multi-agent env and cuts it into per-agent chunks.
+
+    Usage (an env runner's loop)::
+
+        ep = MultiAgentEpisode(policy_mapping_fn, module_ids={"p0", "p1"})
+        ep.add_reset(*env.reset())
+        while not ep.is_done:
+            obs_by_module = ep.observations_to_act()      # one forward pass per module
+            ep.add_actions(actions, extras)               # {agent: action}, {agent: {"action_logp": ...}}
+            ep.add_step(*env.step(actions))
+            if fragment_full:
+                ep.cut()                                  # close every agent's open steps
+            send(ep.take_chunks())                        # {module_id: [EpisodeChunk, ...]}
+    """
+
+    def __init__(self, policy_mapping_fn: Callable[[AgentID, "MultiAgentEpisode"], str] | None = None, *,
+                 module_ids: Collection[str] | None = None, episode_id: str | None = None,
+                 env_runner_index: int = 0, env_index: int = 0, weights_version: int = 0,
+                 record_infos: bool = False) -> None:
+        self.id_ = episode_id or new_episode_id()
+        self.policy_mapping_fn = policy_mapping_fn or map_to_default_module
+        self.module_ids = frozenset(module_ids) if module_ids is not None else None
+        """The modules that exist; a mapping to any other id raises (None: any str is accepted)."""
+        # what every agent's chunks carry besides their own ids
+        self.env_runner_index, self.env_index, self.record_infos = env_runner_index, env_index, record_infos
+        self.weights_version = weights_version
+        """Stamped on the chunks cut from now on; the runner sets it when new weights arrive."""
+        self.is_terminated = self.is_truncated = False
+        self.custom_data: dict[str, Any] = {}
+        """Free room for callbacks (RLlib's ``episode.custom_data``)."""
+        self.rewards_before_first_obs: dict[AgentID, float] = {}
+        """Rewards of agents that had not observed yet: no step to credit them to (RLlib drops them too)."""
+        self._agents: dict[AgentID, AgentRecord] = {}
+        self._modules: dict[AgentID, str] = {}  # mapped once per agent per episode
+        self._wire_ids: dict[str, AgentID] = {}  # str(agent id) -> agent id: two ids must not print alike
+        self._chunks: list[EpisodeChunk] = []  # cut and not yet taken
+        self._started = False
+        self._env_steps = 0
+        self._agent_steps = 0
+        self._module_steps: dict[str, int] = {}
+
+    # --- what the episode is and holds ------------------------------------------------------
+    @property
+    def is_done(self) -> bool:
+        return self.is_terminated or self.is_truncated
+
+    @property
+    def agent_ids(self) -> list[AgentID]:
+        """Agents that joined, in the order they did."""
+        return list(self._agents)
+
+    @property
+    def agent_episode_ids(self) -> dict[AgentID, str]:
+        """The episode id each agent's chunks carry."""
+        return {aid: a.builder.episode_id for aid, a in self._agents.items()}
+
+    def module_for(self, agent_id: AgentID) -> str:
+        """The module ``agent_id`` acts with: ``policy_mapping_fn`` asked once, then remembered."""
+        module_id = self._modules.get(agent_id)
+        if module_id is None:
+            module_id = self.policy_mapping_fn(agent_id, self)
+            if not isinstance(module_id, str) or not module_id:
+                raise ValueError(f"policy_mapping_fn mapped agent {agent_id!r} to {module_id!r}; "
+                                 "it must return a module id (a non-empty str)")
+            if self.module_ids is not None and module_id not in self.module_ids:
+                raise ValueError(f"policy_mapping_fn mapped agent {agent_id!r} to module {module_id!r}, which "
+                                 f"does not exist; modules: {sorted(self.module_ids)}. Add it to "
+                                 "`.multi_agent(policies=...)` or fix the mapping")
+            self._modules[agent_id] = module_id
+        return module_id
+
+    def agents_to_act(self) -> list[AgentID]:
+        """Agents holding an observation they have not acted on (in the order they got it)."""
+        return [aid for aid, a in self._agents.items() if a.ready]
+
+    get_agents_to_act = agents_to_act  # RLlib's name, for callbacks written against it
+
+    def observations_to_act(self) -> dict[str, dict[AgentID, Any]]:
+        """The observations waiting for an action, grouped by module: one forward pass each."""
+        out: dict[str, dict[AgentID, Any]] = {}
+        for aid, a in self._agents.items():
+            if a.ready:
+                out.setdefault(a.module_id, {})[aid] = a.last_obs
+        return out
+
+    def env_steps(self) -> int:
+        """``step()`` calls recorded (RLlib's ``episode.env_steps()``)."""
+        return self._env_steps
+
+    def agent_steps(self) -> int:
+        """Actions taken, by all agents together (RLlib's ``episode.agent_steps()``)."""
+        return self._agent_steps
+
+    def __len__(self) -> int:
+        return self._env_steps
+
+    @property
+    def module_steps(self) -> dict[str, int]:
+        """Actions taken per module."""
+        return dict(self._module_steps)
+
+    @property
+    def agent_returns(self) -> dict[AgentID, float]:
+        """Each agent's rewards so far (those awaiting its next observation included)."""
+        return {aid: a.ret for aid, a in self._agents.items()}
+
+    @property
+    def module_returns(self) -> dict[str, float]:
+        """The returns of the agents mapped to each module, summed per module."""
+        out: dict[str, float] = {}
+        for a in self._agents.values():
+            out[a.module_id] = out.get(a.module_id, 0.0) + a.ret
+        return out
+
+    def get_return(self) -> float:
+        """The episode's return: every agent's rewards summed."""
+        return sum(a.ret for a in self._agents.values())
+
+    def return_metrics(self) -> dict[str, float]:
+        """This episode's per-agent and per-module returns under RLlib's result keys (less the
+        ``env_runners/`` prefix), to be averaged over episodes; the episode return and length go
+        through the usual episode statistics."""
+        out = {f"agent_episode_returns_mean/{aid}": a.ret for aid, a in self._agents.items()}
+        out.update({f"module_episode_returns_mean/{m}": r for m, r in self.module_returns.items()})
+        return out
+
+    # --- recording --------------------------------------------------------------------------
+    def add_reset(self, obs: Mapping[AgentID, Any], infos: Mapping[AgentID, dict] | None = None) -> None:
+        """The env's ``reset()``: every agent with an observation joins and is to act."""
+        if self._started:
+            raise ValueError(f"add_reset called twice on episode {self.id_}: an episode starts once; "
+                             "record the next reset in a new MultiAgentEpisode")
+        if not obs:
+            raise ValueError("reset gave no observation for any agent: at least one agent must observe to act")
+        self._check_joining(list(obs))
+        self._started = True
+        infos = infos or {}
+        for aid, o in obs.items():
+            self._join(aid, o, infos.get(aid))
+
+    def add_actions(self, actions: Mapping[AgentID, Any],
+                    extras: Mapping[AgentID, Mapping[str, Any]] | None = None) -> None:
+        """Actions (and the policy outputs per agent: ``action_logp``, ``action_dist_inputs``,
+        ``vf_preds``...) for agents in ``agents_to_act()``; may come in parts, e.g. one per module."""
+        self._check_running("add_actions")
+        extras = extras or {}
+        for aid in extras:
+            if aid not in actions:
+                raise ValueError(f"extras for agent {aid!r}, which is given no action: "
+                                 "pass an agent's extras with its action")
+        for aid in actions:  # check everything before changing anything
+            a = self._agents.get(aid)
+            if a is None or not a.ready:
+                raise ValueError(self._not_ready(aid))
+            keys = frozenset(extras.get(aid, ()))
+            if a.extra_keys is not None and keys != a.extra_keys:
+                raise ValueError(f"agent {aid!r}: extra keys changed mid-episode, {sorted(a.extra_keys)} -> "
+                                 f"{sorted(keys)}; give an agent the same policy outputs at every step")
+        for aid, action in actions.items():
+            a = self._agents[aid]
+            a.action, a.extra = action, dict(extras.get(aid, {}))
+            a.extra_keys = frozenset(a.extra)
+            a.ready = False
+            self._agent_steps += 1
+            self._module_steps[a.module_id] = self._module_steps.get(a.module_id, 0) + 1
+
+    def add_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
+                 terminateds: Mapping[AgentID, bool], truncateds: Mapping[AgentID, bool],
+                 infos: Mapping[AgentID, dict] | None = None) -> None:
+        """The env's ``step()`` result. Agents that got an observation complete their step (or join);
+        agents done without one are closed on their last observation."""
+        self._check_running("add_step")
+        idle = self.agents_to_act()
+        if idle:
+            raise ValueError(f"add_step while agents {idle} have not acted on their observations: give every "
+                             "agent in agents_to_act() an action (add_actions) before stepping the env")
+        all_term = bool(terminateds.get(ALL, False))
+        all_trunc = bool(truncateds.get(ALL, False)) and not all_term
+
+        def flags(aid: AgentID) -> tuple[bool, bool]:
+            term = bool(terminateds.get(aid, False)) or all_term
+            return term, (bool(truncateds.get(aid, False)) or all_trunc) and not term
+
+        self._check_step(obs, rewards, [aid for aid in obs if aid not in self._agents and not any(flags(aid))])
+        infos = infos or {}
+        self._env_steps += 1
+        for aid, r in rewards.items():
+            a = self._agents.get(aid)
+            if a is None:
+                self.rewards_before_first_obs[aid] = self.rewards_before_first_obs.get(aid, 0.0) + float(r)
+            elif not a.done:
+                a.pending_reward += float(r)
+                a.ret += float(r)
+        for aid, o in obs.items():
+            term, trunc = flags(aid)
+            a = self._agents.get(aid)
+            if a is not None:
+                self._complete(a, o, infos.get(aid), term, trunc)
+            elif not (term or trunc):  # joined and done at once: never acted, nothing to record
+                self._join(aid, o, infos.get(aid))
+        for aid, a in self._agents.items():
+            if a.done or aid in obs:
+                continue
+            term, trunc = flags(aid)
+            if term or trunc:  # done without a final observation: repeat the last one
+                self._complete(a, a.last_obs, infos.get(aid, a.last_info), term, trunc)
+        if all_term or all_trunc:
+            self.is_terminated, self.is_truncated = all_term, all_trunc
+        elif self._agents and all(a.done for a in self._agents.values()):
+            # every agent finished though the env did not say "__all__": nobody is left to act
+            self.is_truncated = all(a.builder.truncated for a in self._agents.values())
+            self.is_terminated = not self.is_truncated
+
+    def cut(self) -> None:
+        """Close every running agent's steps since the last cut into a chunk (a fragment ends).
+
+        An agent's next chunk starts from the last observation of this one and continues its
+        ``chunk_index``; an action still waiting for its next observation goes into that chunk.
+        """
+        for a in self._agents.values():
+            if not a.done:
+                self._emit(a)
+
+    def take_chunks(self) -> dict[str, list[EpisodeChunk]]:
+        """The chunks cut so far (by ``cut``, by agents finishing), grouped per module, and forget them."""
+        out: dict[str, list[EpisodeChunk]] = {}
+        for chunk in self._chunks:
+            out.setdefault(chunk.module_id or DEFAULT_MODULE_ID, []).append(chunk)
+        self._chunks = []
+        return out
+
+    # --- internals --------------------------------------------------------------------------
+    def _check_running(self, what: str) -> None:
+        if not self._started:
+            raise ValueError(f"{what} before add_reset: give episode {self.id_} the reset observations first")
+        if self.is_done:
+            raise ValueError(f"{what} on episode {self.id_}, which is already done; record the next episode "
+                             "in a new MultiAgentEpisode")
+
+    def _check_joining(self, joining: list[AgentID]) -> None:
+        """Agents about to join: valid ids, distinct on the wire, each mapped to a module."""
+        wire_ids = dict(self._wire_ids)
+        for aid in joining:
+            if aid == ALL:
+                raise ValueError(f"observation under {ALL!r}, which is not an agent id: it is the key of the "
+                                 "episode-wide flags in terminateds/truncateds only")
+            if not isinstance(aid, (str, int)) or isinstance(aid, bool):
+                raise ValueError(f"agent id {aid!r} is a {type(aid).__name__}; agent ids must be str or int")
+            other = wire_ids.setdefault(str(aid), aid)
+            if other != aid or type(other) is not type(aid):
+                raise ValueError(f"agents {other!r} and {aid!r} have the same str() and would be one agent on "
+                                 "the wire: give them distinct ids")
+            self.module_for(aid)
+
+    def _check_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
+                    joining: list[AgentID]) -> None:
+        """Refuse a step that cannot be recorded, before anything of it is."""
+        for aid in obs:
+            a = self._agents.get(aid)
+            if a is not None and a.done:
+                raise ValueError(f"observation for agent {aid!r}, which finished earlier in episode {self.id_}: "
+                                 "a done agent must not come back in the same episode")
+        for aid, r in rewards.items():
+            if isinstance(r, (str, bytes)) or not _is_number(r):
+                raise ValueError(f"reward {r!r:.40} for agent {aid!r} is not a number; rewards must be floats")
+            a = self._agents.get(aid)
+            if a is not None and a.done and float(r) != 0.0:
+                raise ValueError(f"reward {r!r} for agent {aid!r}, which finished earlier in episode {self.id_}: "
+                                 "give an agent its rewards up to the step that ends it")
+        self._check_joining(joining)
+
+    def _not_ready(self, aid: AgentID) -> str:
+        a = self._agents.get(aid)
+        if a is None:
+            why = "it has had no observation in this episode"
+        elif a.done:
+            why = "it is done"
+        else:
+            why = "it already acted and has had no new observation since"
+        return f"action for agent {aid!r}, but {why}; agents that may act now: {self.agents_to_act()}"
+
+    def _join(self, aid: AgentID, obs: Any, info: dict | None) -> None:
+        builder = EpisodeBuilder(f"{self.id_}.{len(self._agents)}", env_runner_index=self.env_runner_index,
+                                 env_index=self.env_index, weights_version=self.weights_version,
+                                 record_infos=self.record_infos)
+        builder.add_reset(obs, info)
+        self._wire_ids[str(aid)] = aid
+        self._agents[aid] = AgentRecord(aid, self.module_for(aid), builder, obs, info or {})
+
+    def _complete(self, a: AgentRecord, obs: Any, info: dict | None, term: bool, trunc: bool) -> None:
+        """The agent's pending action gets its next observation: one step for its builder."""
+        a.builder.add_step(a.action, a.pending_reward, obs, terminated=term, truncated=trunc, info=info,
+                           extra=a.extra)
+        a.action, a.extra, a.pending_reward = None, None, 0.0
+        a.last_obs, a.last_info = obs, info or {}
+        if term or trunc:
+            a.done = True
+            self._emit(a)
+        else:
+            a.ready = True
+
+    def _emit(self, a: AgentRecord) -> None:
+        if not len(a.builder):
+            return
+        a.builder.weights_version = self.weights_version
+        chunk = a.builder.cut()
+        chunk.agent_id, chunk.module_id = str(a.agent_id), a.module_id
+        self._chunks.append(chunk)
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
