@@ -8,6 +8,8 @@ from pipeline.algorithms.impala import IMPALA, IMPALAConfig
 from pipeline.algorithms.marwil import MARWIL, MARWILConfig
 from pipeline.algorithms.ppo import PPO, PPOConfig
 from pipeline.algorithms.sac import SAC, SACConfig
+from actors.env.multi_agent_env import MultiAgentEnv, make_multi_agent
+from actors.env.pettingzoo_env import ParallelPettingZooEnv, PettingZooEnv
 from actors.env.task_settable import TaskSettableEnv
 from actors.env.vector_env import EnvContext
 from pipeline.callbacks import (CallbackError, Callbacks, DefaultCallbacks, MemoryTrackingCallbacks, RLlibCallback,
@@ -21,6 +23,7 @@ from pipeline.groups.evaluation import collect_episodes, summarize_episodes
 from pipeline.registry import get_algorithm, register_algorithm
 
 __all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "BC", "BCConfig", "CQL", "CQLConfig", "MARWIL", "MARWILConfig", "CallbackError", "Callbacks", "CheckpointError",
-           "ConfigError", "DQN", "DefaultModelConfig", "DQNConfig", "DefaultCallbacks", "EnvContext", "IMPALA", "IMPALAConfig", "MemoryTrackingCallbacks", "PPO",
+           "ConfigError", "DQN", "DefaultModelConfig", "DQNConfig", "DefaultCallbacks", "EnvContext", "IMPALA", "IMPALAConfig", "MemoryTrackingCallbacks", "MultiAgentEnv",
+           "ParallelPettingZooEnv", "PettingZooEnv", "PPO",
            "PPOConfig", "RLlibCallback", "SAC", "SingleAgentEnvRunner", "SACConfig", "TaskSettableEnv", "collect_episodes", "get_algorithm",
-           "make_multi_callbacks", "register_algorithm", "register_env", "summarize_episodes"]
+           "make_multi_agent", "make_multi_callbacks", "register_algorithm", "register_env", "summarize_episodes"]
