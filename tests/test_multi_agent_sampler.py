@@ -113,8 +113,10 @@ class TurnBased(DictAPI):
         return obs, rewards, flags(done), flags(), {}
 
 
-class EarlyFinisher(DictAPI):
-    """Agent "a" is terminated after 2 steps (reward 1 each), "b" plays 5 (reward 2 each)."""
+class AgentsAB(DictAPI):
+    """Agents "a" and "b", observing a Box and picking one of 2; ``first`` observe at reset."""
+
+    first = ("a", "b")
 
     def __init__(self) -> None:
         self.observation_spaces = {"a": BOX2, "b": BOX2}
@@ -122,7 +124,11 @@ class EarlyFinisher(DictAPI):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
         self.t = 0
-        return {"a": ob(0, 0), "b": ob(1, 0)}, {}
+        return {agent: ob("ab".index(agent), 0) for agent in self.first}, {}
+
+
+class EarlyFinisher(AgentsAB):
+    """Agent "a" is terminated after 2 steps (reward 1 each), "b" plays 5 (reward 2 each)."""
 
     def step(self, actions: dict) -> tuple:
         self.check(actions, ["a", "b"] if self.t < 2 else ["b"])
@@ -135,16 +141,10 @@ class EarlyFinisher(DictAPI):
         return obs, rewards, terms, flags(), {}
 
 
-class LateJoiner(DictAPI):
+class LateJoiner(AgentsAB):
     """Agent "a" plays 6 steps; "b" gets its first observation after step 3 and acts from then on."""
 
-    def __init__(self) -> None:
-        self.observation_spaces = {"a": BOX2, "b": BOX2}
-        self.action_spaces = {"a": gym.spaces.Discrete(2), "b": gym.spaces.Discrete(2)}
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
-        self.t = 0
-        return {"a": ob(0, 0)}, {}
+    first = ("a",)
 
     def step(self, actions: dict) -> tuple:
         self.check(actions, ["a"] if self.t < 3 else ["a", "b"])
