@@ -373,6 +373,32 @@ def test_late_joiner():
     assert b.rewards.tolist() == [10.0] * 3 and sample.episode_returns == [36.0]
 
 
+class Listener:
+    def __init__(self) -> None:
+        self.heard: list[tuple[str, int, str, int]] = []
+
+    def note(self, what: str, env_index: int, episode: Any) -> None:
+        self.heard.append((what, env_index, episode.id_, episode.env_steps()))
+
+    def episode_started(self, env_index: int, episode: Any) -> None:
+        self.note("start", env_index, episode)
+
+    def episode_stepped(self, env_index: int, episode: Any) -> None:
+        self.note("step", env_index, episode)
+
+    def episode_ended(self, env_index: int, episode: Any) -> None:
+        self.note("end", env_index, episode)
+
+
+def test_listener_hears_each_episode_start_step_and_end():
+    listener = Listener()
+    s = sampler([EarlyFinisher()], {"m": (BOX2, gym.spaces.Discrete(2))}, lambda a, e: "m", listener=listener)
+    sample = s.run(num_env_steps=6)
+    first, second = sample.episodes[0].id_, s.episodes[0].id_
+    assert listener.heard == ([("start", 0, first, 0)] + [("step", 0, first, t) for t in range(1, 5)]
+                              + [("end", 0, first, 5), ("start", 0, second, 0), ("step", 0, second, 1)])
+
+
 # --- counting ---------------------------------------------------------------------------------
 def test_env_steps_and_agent_steps_are_counted_apart():
     s = sampler([EarlyFinisher(), EarlyFinisher()], {"m": (BOX2, gym.spaces.Discrete(2))}, lambda a, e: "m")
@@ -436,8 +462,8 @@ def test_chunks_survive_the_codec():
     assert len(decoded) == len(chunks)
     for a, b in zip(chunks, decoded):
         assert isinstance(b, EpisodeChunk)
-        assert (b.episode_id, b.chunk_index, b.agent_id, b.module_id) == (a.episode_id, a.chunk_index, a.agent_id,
-                                                                          a.module_id)
+        ids = lambda c: (c.episode_id, c.chunk_index, c.agent_id, c.module_id)  # noqa: E731
+        assert ids(b) == ids(a)
         assert np.array_equal(a.obs, b.obs) and np.array_equal(a.actions, b.actions)
         assert np.array_equal(a.extra["action_dist_inputs"], b.extra["action_dist_inputs"])
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import gymnasium as gym
 import numpy as np
@@ -39,6 +39,17 @@ from protocols.episode import EpisodeChunk
 from protocols.multi_agent_episode import AgentID, MultiAgentEpisode
 
 PolicyMappingFn = Callable[[AgentID, MultiAgentEpisode], str]
+
+
+class EpisodeListener(Protocol):
+    """What the env runner hears of each episode (its ``on_episode_*`` callbacks): called after the
+    reset, after every step of a running episode, and once when it ended."""
+
+    def episode_started(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
+
+    def episode_stepped(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
+
+    def episode_ended(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
 @dataclass
 class MultiAgentSample:
@@ -81,13 +92,14 @@ class MultiAgentSampler:
     ``modules``, ``explorations`` and ``env_actions`` are keyed by module id (the same ids);
     ``policy_mapping_fn(agent_id, episode)`` picks an agent's module, once per agent per episode.
     Env ``i`` is reset at once, with ``seed + i`` when ``seed`` is given (later resets continue
-    each env's own generator, as gymnasium's vector envs do).
+    each env's own generator, as gymnasium's vector envs do). ``listener`` (optional) hears of every
+    episode's start, steps and end, where the runner's ``on_episode_*`` callbacks hook in.
     """
 
     def __init__(self, envs: Sequence[Any], modules: Mapping[str, RLModule], explorations: Mapping[str, Exploration],
                  env_actions: Mapping[str, EnvActions], policy_mapping_fn: PolicyMappingFn, *,
                  env_runner_index: int = 0, seed: int | None = None, record_infos: bool = False,
-                 weights_version: int = 0) -> None:
+                 weights_version: int = 0, listener: EpisodeListener | None = None) -> None:
         if not envs:
             raise ValueError("MultiAgentSampler needs at least one env, got none")
         if not modules:
@@ -106,7 +118,7 @@ class MultiAgentSampler:
         self.record_infos = record_infos
         """Keep each agent's infos in its chunks (a recording that writes them)."""
         self._weights_version = weights_version
-        self._obs_dtypes = {mid: _space_dtypes(getattr(m, "observation_space", None)) for mid, m in modules.items()}
+        self.listener = listener
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
         self.reset(seed)
@@ -136,6 +148,8 @@ class MultiAgentSampler:
         ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
                                env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
         ep.add_reset(obs, self._infos(infos))
+        if self.listener is not None:
+            self.listener.episode_started(index, ep)
         return ep
 
     def _infos(self, infos: Any) -> Any:
@@ -190,7 +204,11 @@ class MultiAgentSampler:
                 if ep.is_done:
                     _add(chunks, ep.take_chunks())
                     ended.append(ep)
+                    if self.listener is not None:
+                        self.listener.episode_ended(i, ep)
                     self.episodes[i] = self._start(i, None)
+                elif self.listener is not None:
+                    self.listener.episode_stepped(i, ep)
             env_steps += n
         for ep in self.episodes:
             ep.cut()
@@ -202,7 +220,7 @@ class MultiAgentSampler:
         """One module's batch: its actions, the env's form of them, and the extras' columns."""
         module = self.modules[mid]
         batch = nested.stack(obs)
-        dtypes = self._obs_dtypes[mid]
+        dtypes = _space_dtypes(getattr(module, "observation_space", None))
         if dtypes is not None:
             try:
                 batch = nested.map_structure(_cast, batch, dtypes)
