@@ -45,7 +45,7 @@ class FragmentSampler:
         self.slots.start_all()
         if self.with_infos:
             reset_infos = getattr(self.env, "reset_infos", None) or [{}] * self.num_envs
-            self.obs_infos = [_plain(i) for i in reset_infos]
+            self.obs_infos = [plain_info(i) for i in reset_infos]
         if self.hooks is not None:
             infos = getattr(self.env, "reset_infos", None) or [{}] * self.num_envs
             for j in range(self.num_envs):
@@ -83,11 +83,11 @@ class FragmentSampler:
             if self.hooks is not None:
                 self.hooks.step_all(act_np, res.rewards, res.obs, res)
             if info_rows is not None:
-                step_infos = [_plain(i) for i in (res.infos or [{}] * n)]
+                step_infos = [plain_info(i) for i in (res.infos or [{}] * n)]
                 reset_infos = res.reset_infos or {}
                 for i in res.final_obs:
                     final_infos[(t, i)] = step_infos[i]
-                info_rows.append([_plain(reset_infos.get(i, {})) if i in res.final_obs else step_infos[i]
+                info_rows.append([plain_info(reset_infos.get(i, {})) if i in res.final_obs else step_infos[i]
                                   for i in range(n)])
             obs = res.obs
         self.obs = obs
@@ -98,7 +98,7 @@ class FragmentSampler:
                         info_rows, final_infos)
 
 
-def _plain(info: Any) -> dict:
+def plain_info(info: Any) -> dict:
     """An env info as plain data the codec carries (numpy scalars to Python numbers, arrays kept)."""
     if not isinstance(info, dict):
         return {}
@@ -107,6 +107,6 @@ def _plain(info: Any) -> dict:
         if isinstance(v, np.generic):
             v = v.item()
         elif isinstance(v, dict):
-            v = _plain(v)
+            v = plain_info(v)
         out[str(k)] = v
     return out

@@ -1,0 +1,274 @@
+"""MultiAgentSampler: an env runner's per-step loop for multi-agent envs, one module per policy.
+
+The multi-agent counterpart of ``sampling.FragmentSampler``. A multi-agent env (RLlib's new-stack
+``MultiAgentEnv`` API, duck-typed: ``reset(seed=)`` -> ``(obs, infos)``, ``step(actions)`` -> ``(obs,
+rewards, terminateds, truncateds, infos)`` with ``"__all__"``, all dicts keyed by agent id) has
+agents that act together, in turns, join late or finish early. Each env's episode is recorded by a
+``protocols.multi_agent_episode.MultiAgentEpisode``, which knows which agents hold an observation
+to act on and which module each is mapped to.
+
+Each step gathers the waiting observations of every env, grouped by module, and runs **one batched
+forward pass per module** over all agents of all envs mapped to it, one exploration call on that
+batch, and one action conversion (``EnvActions``) for it; then every env steps once. What an action
+carries into its chunk is what the single-agent loop records, so the learners read both alike: the
+module's action (before the env conversion), ``action_logp``, ``action_dist_inputs``, and
+``vf_preds`` when the module's acting forward pass gives them. The per-agent Python that is left
+is what the dict API forces: scattering each batch's rows back to agents and envs.
+
+A finished episode is replaced by a fresh one (the env is reset) and reported in the sample; the
+running ones are cut at the end of each ``run`` and continue there in the next (their chunk
+indices go on). Env errors propagate: recreating a failed env is the env runner's business.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from actors.env.actions import EnvActions
+from actors.env.exploration import Exploration
+from actors.env.sampling import plain_info
+from actors.metrics import MetricsLogger
+from actors.modules import RLModule
+from protocols import nested
+from protocols.episode import EpisodeChunk
+from protocols.multi_agent_episode import AgentID, MultiAgentEpisode
+
+PolicyMappingFn = Callable[[AgentID, MultiAgentEpisode], str]
+
+
+class EpisodeListener(Protocol):
+    """What the env runner hears of each episode (its ``on_episode_*`` callbacks): called after the
+    reset, after every step of a running episode, and once when it ended."""
+
+    def episode_started(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
+
+    def episode_stepped(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
+
+    def episode_ended(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
+
+@dataclass
+class MultiAgentSample:
+    """One ``run``: the chunks cut, grouped by module, what was counted, and the episodes that ended."""
+
+    chunks: dict[str, list[EpisodeChunk]]
+    """Per module id, the per-agent chunks (tagged with ``agent_id`` and ``module_id``)."""
+    env_steps: int
+    """``step()`` calls, over all envs."""
+    agent_steps: int
+    """Actions taken, by all agents of all envs."""
+    module_steps: dict[str, int] = field(default_factory=dict)
+    """Actions taken per module (modules that did not act are absent)."""
+    episodes: list[MultiAgentEpisode] = field(default_factory=list)
+    """The episodes that ended during this run, in the order they did."""
+
+    @property
+    def episode_returns(self) -> list[float]:
+        """Each ended episode's return: every agent's rewards summed."""
+        return [ep.get_return() for ep in self.episodes]
+
+    @property
+    def episode_lens(self) -> list[int]:
+        """Each ended episode's length in env steps."""
+        return [ep.env_steps() for ep in self.episodes]
+
+    def log_episodes(self, metrics: MetricsLogger, window: int | None = None) -> None:
+        """The ended episodes' statistics under RLlib's keys (less ``env_runners/``): the usual
+        return/length statistics with returns summed over agents, and the per-agent and per-module
+        returns (``agent_episode_returns_mean/<agent>``, ``module_episode_returns_mean/<module>``)."""
+        metrics.log_episodes(self.episode_returns, self.episode_lens, window)
+        for ep in self.episodes:
+            for key, value in ep.return_metrics().items():
+                metrics.log_value(key, value, window=window)
+
+
+class MultiAgentSampler:
+    """Steps every env, each with its running ``MultiAgentEpisode``; ``run`` returns a ``MultiAgentSample``.
+
+    ``modules``, ``explorations`` and ``env_actions`` are keyed by module id (the same ids);
+    ``policy_mapping_fn(agent_id, episode)`` picks an agent's module, once per agent per episode.
+    Env ``i`` is reset at once, with ``seed + i`` when ``seed`` is given (later resets continue
+    each env's own generator, as gymnasium's vector envs do). ``listener`` (optional) hears of every
+    episode's start, steps and end, where the runner's ``on_episode_*`` callbacks hook in.
+    """
+
+    def __init__(self, envs: Sequence[Any], modules: Mapping[str, RLModule], explorations: Mapping[str, Exploration],
+                 env_actions: Mapping[str, EnvActions], policy_mapping_fn: PolicyMappingFn, *,
+                 env_runner_index: int = 0, seed: int | None = None, record_infos: bool = False,
+                 weights_version: int = 0, listener: EpisodeListener | None = None) -> None:
+        if not envs:
+            raise ValueError("MultiAgentSampler needs at least one env, got none")
+        if not modules:
+            raise ValueError("MultiAgentSampler needs at least one module, got none")
+        for name, pieces in (("explorations", explorations), ("env_actions", env_actions)):
+            if set(pieces) != set(modules):
+                raise ValueError(f"{name} are given for modules {sorted(pieces)}, the modules are {sorted(modules)}: "
+                                 f"give one per module id")
+        if not callable(policy_mapping_fn):
+            raise ValueError(f"policy_mapping_fn must be callable (agent_id, episode) -> module id, "
+                             f"got {policy_mapping_fn!r}")
+        self.envs = list(envs)
+        self.modules, self.explorations, self.env_actions = dict(modules), dict(explorations), dict(env_actions)
+        self.policy_mapping_fn = policy_mapping_fn
+        self.env_runner_index = env_runner_index
+        self.record_infos = record_infos
+        """Keep each agent's infos in its chunks (a recording that writes them)."""
+        self._weights_version = weights_version
+        self.listener = listener
+        self.episodes: list[MultiAgentEpisode] = []
+        """The episode running in each env."""
+        self.reset(seed)
+
+    @property
+    def weights_version(self) -> int:
+        """The version of the weights acting now; stamped on every chunk cut from here on."""
+        return self._weights_version
+
+    @weights_version.setter
+    def weights_version(self, version: int) -> None:
+        self._weights_version = version
+        for ep in self.episodes:
+            ep.weights_version = version
+
+    def reset(self, seed: int | None = None) -> None:
+        """Reset every env (env ``i`` with ``seed + i`` when a seed is given); each starts a fresh
+        episode, and the running ones are dropped with whatever they had not handed out."""
+        self.episodes = [self._start(i, None if seed is None else seed + i) for i in range(len(self.envs))]
+
+    def _start(self, index: int, seed: int | None) -> MultiAgentEpisode:
+        result = self.envs[index].reset(seed=seed)
+        if not isinstance(result, tuple) or len(result) != 2:  # a bare obs dict would unpack into two agent ids
+            raise ValueError(f"env {index}'s reset() returned {_short(result)}; a multi-agent env's reset returns "
+                             "(observations, infos), two dicts keyed by agent id")
+        obs, infos = result
+        ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
+                               env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
+        ep.add_reset(obs, self._infos(infos))
+        if self.listener is not None:
+            self.listener.episode_started(index, ep)
+        return ep
+
+    def _infos(self, infos: Any) -> Any:
+        if not self.record_infos or not isinstance(infos, Mapping):
+            return infos
+        return {aid: plain_info(info) for aid, info in infos.items()}
+
+    @torch.inference_mode()
+    def run(self, num_env_steps: int | None = None, num_agent_steps: int | None = None, *, explore: bool = True,
+            t0: int = 0) -> MultiAgentSample:
+        """Step every env until ``num_env_steps`` env steps or ``num_agent_steps`` actions are taken
+        (give one). Every env steps once per round, so the count may overshoot by less than one
+        round. ``t0`` is where exploration schedules stand, in the unit the run counts; each round's
+        exploration call gets ``t0`` plus what this run counted before it."""
+        if (num_env_steps is None) == (num_agent_steps is None):
+            raise ValueError(f"give run() one of num_env_steps and num_agent_steps, got num_env_steps={num_env_steps}, "
+                             f"num_agent_steps={num_agent_steps}")
+        target = num_agent_steps if num_env_steps is None else num_env_steps
+        if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or target < 1:
+            raise ValueError(f"run() needs a number of steps >= 1, got {target!r}")
+        by_agents = num_env_steps is None
+        forwards = {mid: m.forward_exploration if explore else m.forward_inference for mid, m in self.modules.items()}
+        chunks: dict[str, list[EpisodeChunk]] = {}
+        ended: list[MultiAgentEpisode] = []
+        module_steps: dict[str, int] = {}
+        env_steps = agent_steps = 0
+        n = len(self.envs)
+        while (agent_steps if by_agents else env_steps) < target:
+            timestep = t0 + (agent_steps if by_agents else env_steps)
+            # every waiting observation of every env, grouped by module: (env index, agent), observation
+            waiting: dict[str, tuple[list[tuple[int, AgentID]], list[Any]]] = {}
+            for i, ep in enumerate(self.episodes):
+                for mid, by_agent in ep.observations_to_act().items():
+                    who, obs = waiting.setdefault(mid, ([], []))
+                    who.extend((i, aid) for aid in by_agent)
+                    obs.extend(by_agent.values())
+            actions: list[dict[AgentID, Any]] = [{} for _ in range(n)]
+            extras: list[dict[AgentID, dict[str, Any]]] = [{} for _ in range(n)]
+            to_env: list[dict[AgentID, Any]] = [{} for _ in range(n)]
+            for mid, (who, obs) in waiting.items():
+                acts, env_acts, columns = self._act(mid, who, obs, forwards[mid], explore, timestep)
+                keys = list(columns)
+                for k, (i, aid) in enumerate(who):
+                    actions[i][aid] = acts[k]
+                    to_env[i][aid] = env_acts[k]
+                    extras[i][aid] = {key: columns[key][k] for key in keys}
+                module_steps[mid] = module_steps.get(mid, 0) + len(who)
+                agent_steps += len(who)
+            for i, ep in enumerate(self.episodes):
+                ep.add_actions(actions[i], extras[i])
+                ep.add_step(*self._step(i, to_env[i]))
+                if ep.is_done:
+                    _add(chunks, ep.take_chunks())
+                    ended.append(ep)
+                    if self.listener is not None:
+                        self.listener.episode_ended(i, ep)
+                    self.episodes[i] = self._start(i, None)
+                elif self.listener is not None:
+                    self.listener.episode_stepped(i, ep)
+            env_steps += n
+        for ep in self.episodes:
+            ep.cut()
+            _add(chunks, ep.take_chunks())
+        return MultiAgentSample(chunks, env_steps, agent_steps, module_steps, ended)
+
+    def _act(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], forward: Callable[[Any], dict],
+             explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
+        """One module's batch: its actions, the env's form of them, and the extras' columns."""
+        module = self.modules[mid]
+        batch = nested.stack(obs)
+        dtypes = _space_dtypes(getattr(module, "observation_space", None))
+        if dtypes is not None:
+            try:
+                batch = nested.map_structure(_cast, batch, dtypes)
+            except (KeyError, ValueError, TypeError) as err:
+                raise ValueError(f"observations of agents {sorted({str(a) for _, a in who})} (module {mid!r}) do not "
+                                 f"fit the module's observation space {module.observation_space}: {err}. Map these "
+                                 "agents to a module built for their observation space") from None
+        out = forward(nested.map_structure(torch.from_numpy, batch))
+        dist_inputs = out["action_dist_inputs"]
+        dist = module.dist_spec.build(dist_inputs)
+        chosen = self.explorations[mid].actions(dist, explore, timestep)
+        acts = chosen.numpy()
+        columns = {"action_logp": dist.logp(chosen).numpy(), "action_dist_inputs": dist_inputs.numpy()}
+        if "vf_preds" in out:
+            columns["vf_preds"] = out["vf_preds"].numpy()
+        env_acts = self.env_actions[mid](acts)
+        # Discrete actions as Python ints: every env accepts them, and gymnasium checks them fastest
+        return acts, env_acts.tolist() if env_acts.ndim == 1 else list(env_acts), columns
+
+    def _step(self, index: int, actions: dict[AgentID, Any]) -> tuple:
+        result = self.envs[index].step(actions)
+        if not isinstance(result, tuple) or len(result) != 5:
+            raise ValueError(f"env {index}'s step() returned {_short(result)}; a multi-agent env's step returns "
+                             "(observations, rewards, terminateds, truncateds, infos), dicts keyed by agent id "
+                             "with '__all__' in terminateds and truncateds")
+        obs, rewards, terminateds, truncateds, infos = result
+        return obs, rewards, terminateds, truncateds, self._infos(infos)
+
+
+def _add(into: dict[str, list[EpisodeChunk]], chunks: dict[str, list[EpisodeChunk]]) -> None:
+    for mid, cs in chunks.items():
+        into.setdefault(mid, []).extend(cs)
+
+
+def _space_dtypes(space: gym.Space | None) -> Any:
+    """The dtypes of a space's leaves, shaped like its observations (None: nothing to cast to)."""
+    if isinstance(space, gym.spaces.Dict):
+        return {k: _space_dtypes(s) for k, s in space.spaces.items()}
+    if isinstance(space, gym.spaces.Tuple):
+        return tuple(_space_dtypes(s) for s in space.spaces)
+    return getattr(space, "dtype", None)
+
+
+def _cast(leaf: np.ndarray, dtype: Any) -> np.ndarray:
+    # an env that gives Python floats or float64 for a float32 space still feeds the module what it was built for
+    return leaf if dtype is None or leaf.dtype == dtype else leaf.astype(dtype)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
