@@ -318,3 +318,11 @@ def test_a_lambda_mapping_fn_is_left_out_of_a_saved_config_with_a_warning(caplog
     cfg = ma(policies={"p0"}, policy_mapping_fn=lambda aid, ep, **kw: "p0")
     assert cfg.to_dict()["policy_mapping_fn"] is None
     assert "policy_mapping_fn" in caplog.text
+
+
+def test_rllibs_other_multi_agent_settings_go_through_the_table():
+    cfg = ma(policies={"p0"}, policy_map_capacity=200, policy_states_are_swappable=True)
+    cfg.validate()  # ignored: runnel has no policy cache
+    assert "wrapper of the MultiAgentEnv" in problems(ma(observation_fn=per_agent))
+    assert "PolicySpec(config=PPOConfig.overrides" in problems(
+        PPOConfig().environment("CartPole-v1").rl_module(algorithm_config_overrides_per_module={"p0": {"lr": 1}}))
