@@ -10,6 +10,7 @@ from actors.modules import ActorCriticModule, QModule, to_torch
 from pipeline import (ConfigError, DQNConfig, MultiRLModuleSpec, PolicySpec, PPOConfig, RLModuleSpec,
                       multi_agent_plan)
 from pipeline.config.multi_agent import mapping_function
+from protocols.multi_agent_episode import MultiAgentEpisode
 
 OBS4 = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
 OBS3 = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
@@ -188,6 +189,8 @@ def test_both_agents_to_one_shared_module():
     assert plan.module_ids == ["shared"] and plan.agent_modules == {0: "shared", 1: "shared"}
     assert plan.module_specs["shared"].observation_space == OBS4 and plan.count_steps_by == "agent_steps"
     assert plan.is_multi_agent and plan.is_trainable("shared")
+    episode = MultiAgentEpisode(plan.policy_mapping_fn, module_ids=plan.module_ids)  # what runners will do
+    assert episode.module_for(0) == episode.module_for(1) == "shared"
 
 
 def test_one_module_per_agent_with_their_own_spaces_from_either_env_form():

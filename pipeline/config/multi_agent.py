@@ -21,6 +21,7 @@ from typing import Any
 from actors.modules.rl_module import RLModule
 from actors.modules.rl_module_spec import DEFAULT_MODULE_ID, MultiRLModuleSpec, RLModuleSpec, spec_problems
 from pipeline.config.plain import from_plain, resolve_import_path
+from protocols.multi_agent_episode import map_to_default_module
 
 COUNT_STEPS_BY = ("env_steps", "agent_steps")
 BAD_ID_CHARS = ("/", ".")
@@ -148,7 +149,7 @@ def mapping_function(fn: Any) -> Callable[[Any, Any], str]:
     """The mapping fn as ``(agent_id, episode) -> module_id``, however it was written (an import path, two
     arguments, RLlib's ``**kwargs``, or the old stack's ``worker`` argument, which gets None)."""
     if fn is None:
-        return lambda agent_id, episode: DEFAULT_MODULE_ID
+        return map_to_default_module
     if isinstance(fn, str):
         fn = resolve_import_path(fn, "policy_mapping_fn")
     try:

@@ -21,7 +21,7 @@ from typing import Any
 import gymnasium as gym
 
 from actors.modules import ModuleSpec
-from actors.modules.rl_module_spec import DEFAULT_MODULE_ID, MultiRLModuleSpec, RLModuleSpec
+from actors.modules.rl_module_spec import MultiRLModuleSpec, RLModuleSpec
 from pipeline.config.checks import ConfigError
 from pipeline.config.multi_agent import (PolicySpec, as_rl_module_spec, is_multi_agent, mapping_function, module_ids,
                                          normalize_policies)
@@ -81,7 +81,7 @@ def multi_agent_plan(config: Any, env: Any) -> MultiAgentPlan:
                           f"multi_agent(policies=...) out")
     else:
         agent_modules = {}
-        single = (config.observation_space or env.observation_space, config.action_space or env.action_space)
+        single = (_given(config.observation_space, env.observation_space), _given(config.action_space, env.action_space))
     specs, overrides = {}, {}
     for mid in ids:
         pspec = policies.get(mid) or PolicySpec()
@@ -89,8 +89,8 @@ def multi_agent_plan(config: Any, env: Any) -> MultiAgentPlan:
         if agent_modules or is_multi_agent_env(env):
             spaces = _module_spaces(mid, pspec, mspec, agent_modules, agent_spaces)
         else:
-            spaces = (mspec.observation_space or pspec.observation_space or single[0],
-                      mspec.action_space or pspec.action_space or single[1])
+            spaces = (_given(mspec.observation_space, pspec.observation_space, single[0]),
+                      _given(mspec.action_space, pspec.action_space, single[1]))
         specs[mid] = _module_spec(config, mid, spaces, pspec, mspec)
         overrides[mid] = {k: v for k, v in (pspec.config or {}).items() if k != "model_config"}
     to_train = config.policies_to_train
@@ -160,7 +160,7 @@ def _rl_module_spec_for(rl_spec: Any, module_id: str) -> RLModuleSpec:
 def _module_spaces(module_id: str, pspec: PolicySpec, mspec: RLModuleSpec, agent_modules: dict[Any, str],
                    agent_spaces: dict[Any, tuple]) -> tuple[gym.Space, gym.Space]:
     """The spec's spaces where given, else those of the agents mapped to the module (which must agree)."""
-    given = (mspec.observation_space or pspec.observation_space, mspec.action_space or pspec.action_space)
+    given = (_given(mspec.observation_space, pspec.observation_space), _given(mspec.action_space, pspec.action_space))
     if given[0] is not None and given[1] is not None:
         return given
     mine = [aid for aid, mid in agent_modules.items() if mid == module_id]
@@ -181,12 +181,17 @@ def _module_spaces(module_id: str, pspec: PolicySpec, mspec: RLModuleSpec, agent
                               f"its spaces are unknown: give them, RLModuleSpec(observation_space=..., "
                               f"action_space=...) or PolicySpec(observation_space=..., action_space=...)")
         found = next(iter(distinct.values()))
-    return (given[0] if given[0] is not None else found[0], given[1] if given[1] is not None else found[1])
+    return _given(given[0], found[0]), _given(given[1], found[1])
+
+
+def _given(*values: Any) -> Any:
+    """The first value that is not None (a space may be falsy: an empty Dict or Tuple space)."""
+    return next((v for v in values if v is not None), None)
 
 
 def _module_spec(config: Any, module_id: str, spaces: tuple, pspec: PolicySpec, mspec: RLModuleSpec) -> ModuleSpec:
     default_class = config.get_default_learner_class().module_class
-    cls = mspec.module_class or pspec.policy_class or default_class
+    cls = _given(mspec.module_class, pspec.policy_class, default_class)
     if isinstance(cls, str):
         cls = resolve_import_path(cls, f"module class of {module_id!r}")
     model_config = {**config.model_config, **((pspec.config or {}).get("model_config") or {}),
