@@ -16,6 +16,9 @@ from pipeline.callbacks import (CallbackError, Callbacks, DefaultCallbacks, Memo
                                 make_multi_callbacks)
 from pipeline.checkpoints.directory import CheckpointError
 from pipeline.config.base import AlgorithmConfig, ConfigError
+from pipeline.config.multi_agent import PolicySpec
+from pipeline.config.multi_agent_plan import MultiAgentPlan, multi_agent_plan
+from actors.modules.rl_module_spec import MultiRLModuleSpec, RLModuleSpec
 from actors.modules import ModelConfig as DefaultModelConfig
 from pipeline.groups.env_runners import SingleAgentEnvRunner
 from pipeline.envs import register_env
@@ -24,6 +27,6 @@ from pipeline.registry import get_algorithm, register_algorithm
 
 __all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "BC", "BCConfig", "CQL", "CQLConfig", "MARWIL", "MARWILConfig", "CallbackError", "Callbacks", "CheckpointError",
            "ConfigError", "DQN", "DefaultModelConfig", "DQNConfig", "DefaultCallbacks", "EnvContext", "IMPALA", "IMPALAConfig", "MemoryTrackingCallbacks", "MultiAgentEnv",
-           "ParallelPettingZooEnv", "PettingZooEnv", "PPO",
+           "MultiAgentPlan", "MultiRLModuleSpec", "ParallelPettingZooEnv", "PettingZooEnv", "PPO", "PolicySpec", "RLModuleSpec", "multi_agent_plan",
            "PPOConfig", "RLlibCallback", "SAC", "SingleAgentEnvRunner", "SACConfig", "TaskSettableEnv", "collect_episodes", "get_algorithm",
            "make_multi_agent", "make_multi_callbacks", "register_algorithm", "register_env", "summarize_episodes"]

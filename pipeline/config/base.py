@@ -28,6 +28,9 @@ from pipeline.config.compat import (ACCEPTED, ACCEPTED_KIND, BUILDERS, IGNORED_K
                                     is_harmless)
 from pipeline.config.evaluation import estimation_problems, evaluation_problems
 from pipeline.config.exploration import exploration_problems, exploration_settings
+from pipeline.config.multi_agent import (MultiAgentFlag, is_multi_agent, multi_agent_problems, normalize_policies,
+                                         restore_plain)
+from pipeline.config.multi_agent import settings_used as multi_agent_settings_used
 from pipeline.config.keys import group_keys, ignore_setting, read_setting, setting_names, unknown_problem
 from pipeline.config.plain import from_plain, function_problems, plain_settings
 from pipeline.config.sampling import env_runner_problems, environment_problems, rollout_fragment_length
@@ -119,6 +122,20 @@ class AlgorithmConfig:
     # rl_module
     model_config: dict = field(default_factory=dict)
     """Default module settings (see ``actors.modules.ModelConfig``: fcnet_hiddens, fcnet_activation, ...)."""
+    rl_module_spec: Any = None
+    """``RLModuleSpec(...)`` or ``MultiRLModuleSpec(rl_module_specs={module_id: RLModuleSpec(...)})``: per-module
+    class, spaces and model config (None: the algorithm's module on the env's spaces)."""
+
+    # multi_agent
+    policies: Any = None
+    """The module ids (a set or list), or ``{module_id: PolicySpec(...) or None}``; None: one module,
+    ``default_policy``."""
+    policy_mapping_fn: Any = None
+    """``fn(agent_id, episode, **kwargs) -> module_id`` (or its import path); None: every agent to ``default_policy``."""
+    policies_to_train: Any = None
+    """The module ids learners update, or ``fn(module_id, batch) -> bool``; None: every module."""
+    count_steps_by: str = "env_steps"
+    """env_steps: a multi-agent env step counts once; agent_steps: each agent's step counts once."""
 
     # resources
     num_cpus_for_main_process: float = 1
@@ -296,6 +313,21 @@ class AlgorithmConfig:
             kwargs["model_config"] = dataclasses.asdict(kwargs["model_config"])
         return self._set("rl_module", kwargs)
 
+    def multi_agent(self, **kwargs: Any) -> "AlgorithmConfig":
+        """RLlib's multi-agent settings: ``policies``, ``policy_mapping_fn``, ``policies_to_train``,
+        ``count_steps_by`` (see ``pipeline.config.multi_agent``)."""
+        if "policies" in kwargs:
+            kwargs["policies"] = normalize_policies(kwargs["policies"])
+        if isinstance(kwargs.get("policies_to_train"), (set, frozenset)):  # a list keeps to_dict() plain
+            kwargs["policies_to_train"] = sorted(kwargs["policies_to_train"], key=str)
+        return self._set("multi_agent", kwargs)
+
+    @property
+    def is_multi_agent(self) -> MultiAgentFlag:
+        """More than one module, or one not named ``default_policy`` (``config.is_multi_agent`` or, as in
+        RLlib 2.40 and later, ``config.is_multi_agent()``)."""
+        return MultiAgentFlag(is_multi_agent(self))
+
     def get_default_learner_class(self) -> type:
         """The learner class of this config's algorithm (RLlib's name)."""
         algo_class = ALGORITHM_OF.get(type(self))
@@ -406,6 +438,7 @@ class AlgorithmConfig:
                 setattr(cfg, key, value)
             else:
                 cfg._set_other(key, value, "config", valid)
+        restore_plain(cfg)
         return cfg
 
     def update_from_dict(self, d: dict[str, Any]) -> "AlgorithmConfig":
@@ -441,6 +474,7 @@ class AlgorithmConfig:
         problems += training_problems(self)
         problems += environment_problems(self)
         problems += rl_module_problems(self)
+        problems += multi_agent_problems(self)
         problems += self._evaluation_problems()
         from pipeline.config.external import external_problems
 
@@ -490,6 +524,12 @@ class AlgorithmConfig:
             raise ConfigError(f"{type(self).__name__} belongs to no algorithm; use an algorithm's config "
                               f"(PPOConfig, IMPALAConfig, APPOConfig...)")
         self.validate()
+        if multi_agent_settings_used(self):
+            raise NotImplementedError(
+                "multi-agent training (issue 27) is not wired yet: the config is valid, and "
+                "pipeline.config.multi_agent_plan(config, env) resolves its modules, but env runners and learners do "
+                "not read .multi_agent(...) or rl_module(rl_module_spec=...) yet; leave them out to train the one "
+                "module 'default_policy'")
         return algo_class(self.copy(), **kwargs)
 
     build_algo = build

@@ -167,6 +167,15 @@ def _entries() -> list[Name]:
         Name("input_evaluation", R, "off_policy_estimation_methods",
              ".evaluation(off_policy_estimation_methods={{'is': {{'type': 'ImportanceSampling'}}, "
              "'wis': {{'type': 'WeightedImportanceSampling'}}}})"),
+        # --- multi-agent ------------------------------------------------------------------------
+        Name("policy_map_capacity", I, how="runnel keeps every module in memory: there is no policy cache"),
+        Name("policy_states_are_swappable", I, how="runnel keeps every module in memory: there is no policy cache",
+             reads_as=False),
+        Name("observation_fn", U, how="put what each agent should see into the env's own observations "
+                                      "(a wrapper of the MultiAgentEnv)"),
+        Name("algorithm_config_overrides_per_module", U,
+             how="give a module its own settings in its PolicySpec: .multi_agent(policies={'p0': "
+                 "PolicySpec(config=PPOConfig.overrides(lr=...))})"),
         # --- one framework, one API stack: ignored ----------------------------------------------
         Name("framework", I, how="runnel runs on PyTorch only ('torch' is the one value accepted)", reads_as="torch"),
         Name("eager_tracing", I, how="a TensorFlow setting", reads_as=False),

@@ -18,7 +18,8 @@ from pipeline.config.checks import ConfigError
 
 log = logging.getLogger("runnel")
 
-CODE_SETTINGS = ("callbacks_functions", "env_task_fn", "custom_evaluation_function")
+CODE_SETTINGS = ("callbacks_functions", "env_task_fn", "custom_evaluation_function", "policy_mapping_fn",
+                 "policies_to_train")
 """Settings that hold functions: a checkpoint keeps their import paths, or leaves out one that has none
 (a lambda, a nested function) with a warning, instead of failing the save."""
 
