@@ -3,12 +3,16 @@
 The fast tests train PPO learners on chunks a ``MultiAgentSampler`` cut from two-agent CartPole:
 only trainable modules step, weights reach a runner's ``MultiRLModule``, state round trips (whole,
 through ``torch.save``, and one module into another learner's module), modules come and go, and
-every misuse names the module ids. The learning test trains two policies, and one shared policy,
+every misuse names the module ids; two data-parallel ranks (spawned processes) agree on the
+modules they step or both refuse. The learning test trains two policies, and one shared policy,
 on two-agent CartPole in this process.
 """
 from __future__ import annotations
 
+import hashlib
 import io
+import multiprocessing
+import socket
 from typing import Any
 
 import numpy as np
@@ -31,10 +35,10 @@ own = lambda agent, episode: f"p{agent}"  # noqa: E731
 shared = lambda agent, episode: "shared"  # noqa: E731
 
 
-def ppo(seed: int = 0, **training: Any) -> PPOLearner:
+def ppo(seed: int = 0, rank: int = 0, world_size: int = 1, **training: Any) -> PPOLearner:
     settings = {"model_config": {"fcnet_hiddens": [16]}, "train_batch_size_per_learner": 64, "minibatch_size": 32,
                 "num_epochs": 2} | training
-    return PPOLearner(PPOConfig(seed=seed, **settings), OBS, ACT)
+    return PPOLearner(PPOConfig(seed=seed, **settings), OBS, ACT, rank=rank, world_size=world_size)
 
 
 def two_policies(seed: int = 0, trainable: set[str] | None = None, **training: Any) -> MultiLearner:
@@ -254,6 +258,49 @@ def test_errors_name_the_module_ids(chunks):
     with pytest.raises(ValueError, match="module 'p1': its learner is rank 1 of 2"):
         MultiLearner({"p0": ppo(), "p1": PPOLearner(PPOConfig(seed=0), OBS, ACT, rank=1, world_size=2)})
     assert ml.module_ids == ["p0", "p1"] and ml.trainable == {"p0", "p1"}  # nothing changed by the failures
+
+
+# --- data-parallel ranks --------------------------------------------------------------------------
+def _rank(rank: int, port: int, results: Any) -> None:
+    """One of two data-parallel ranks (a spawned process): an update with both modules' shards on both
+    ranks, then one where rank 1 has no batch for "p1". Reports a digest of its weights, then the error."""
+    ml = MultiLearner({mid: ppo(seed=i, rank=rank, world_size=2) for i, mid in enumerate(("p0", "p1"))})
+    ml.setup_distributed("127.0.0.1", port)
+    try:
+        shard = make_sampler(runner_modules(ml), own, num_envs=2, seed=rank).run(num_env_steps=32).chunks
+        ml.update(shard, timestep=64)
+        results.put((rank, "weights", hashlib.sha256(b"".join(
+            np.ascontiguousarray(v).tobytes() for _, v in sorted(ml.get_weights().items()))).hexdigest()))
+        try:
+            ml.update(shard if rank == 0 else {"p0": shard["p0"]}, timestep=128)
+            results.put((rank, "error", "none"))
+        except RuntimeError as err:
+            results.put((rank, "error", str(err)))
+    finally:
+        ml.stop()
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_step_the_same_modules_or_all_refuse():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_rank, args=(rank, port, results), daemon=True) for rank in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        got = {(rank, kind): value for rank, kind, value in (results.get(timeout=120) for _ in range(4))}
+    finally:
+        for p in ranks:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got[0, "weights"] == got[1, "weights"]  # gradients averaged: the same weights on both ranks
+    for rank, trains in ((0, "['p0', 'p1']"), (1, "['p0']")):
+        assert got[rank, "error"].startswith(f"learner rank {rank}: the data-parallel learners got batches for "
+                                             f"different modules (['p1'] on some ranks only; this rank trains {trains})")
 
 
 # --- learning -------------------------------------------------------------------------------------
