@@ -19,6 +19,7 @@ GPU -- clipping, optimizer step), minibatch epochs, and a complete ``get_state``
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass, field
@@ -285,7 +286,9 @@ class Learner(LearnerRole):
         return {
             "module": tensors(self.module),
             "targets": {name: tensors(t) for name, t in self.targets.items()},
-            "optimizers": {name: slot.optimizer.state_dict() for name, slot in self.optimizers.items()},
+            # copies: a torch optimizer's state_dict holds its live moment tensors, and load_state_dict
+            # keeps the tensors it is given, so without them two learners would share their moments
+            "optimizers": {name: copy.deepcopy(slot.optimizer.state_dict()) for name, slot in self.optimizers.items()},
             "fields": {name: getattr(self, name) for name in self.state_fields},
             "num_updates": self.num_updates,
             "rng": self.rng.bit_generator.state,
@@ -297,7 +300,7 @@ class Learner(LearnerRole):
         for name, target in self.targets.items():
             target.load_state_dict(state["targets"][name])
         for name, slot in self.optimizers.items():
-            slot.optimizer.load_state_dict(state["optimizers"][name])
+            slot.optimizer.load_state_dict(copy.deepcopy(state["optimizers"][name]))
         for name in self.state_fields:
             setattr(self, name, state["fields"][name])
         self.num_updates = int(state.get("num_updates", 0))
