@@ -1,0 +1,395 @@
+"""MultiAgentEnvRunner: the env-runner stage for multi-agent envs, one inference-only module per policy.
+
+The multi-agent counterpart of ``env_runner.EnvRunner``, implementing the same ``EnvRunnerRole`` so a
+stage group hosts it in-process or as a Ray actor alike. The stepping and recording are the
+``MultiAgentSampler``'s (one batched forward pass per module per step); this class is the stage
+around it: building the envs (each behind a ``MultiAgentStepChecker`` unless ``check_env`` is off,
+RLlib's ``disable_env_checking``) and the modules, what it is asked to do (sample by steps or by
+episodes, weights, state, modules added and removed, a new mapping) and what it reports.
+
+It takes the plan's pieces (``module_specs``, ``policy_mapping_fn``, ``count_steps_by``), not the
+plan: actors never import ``pipeline``. Weights are the flat ``{"<module_id>/<param>": array}`` dict
+of ``MultiRLModule`` and ``MultiLearner.get_weights(inference_only=True)``; modules absent from a
+weights dict keep theirs (frozen opponents). ``sample()`` returns one flat list of per-agent chunks,
+each tagged with ``agent_id`` and ``module_id``; ``chunks_by_module`` groups them for a learner.
+
+Steps are counted in ``count_steps_by`` units ("env_steps": ``step()`` calls of all envs;
+"agent_steps": actions taken) for ``num_timesteps``, for ``timestep`` in ``set_weights`` and for the
+exploration schedules; both counters are kept and reported whatever the unit.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from actors.callbacks import build_callbacks, call_hook, overrides
+from actors.core import EnvRunnerRole
+from actors.env.actions import EnvActions
+from actors.env.exploration import Exploration, make_exploration
+from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks, RunnerListener
+from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler, PolicyMappingFn
+from actors.env.process import lower_priority, set_log_level
+from actors.env.settings import EnvRunnerSettings
+from actors.env.vector_env import EnvContext
+from actors.metrics import MetricsLogger
+from actors.modules import ModuleSpec, RLModule
+from actors.modules.multi import SEP, MultiRLModule
+from actors.sys_usage import SysUsage
+from protocols.codec import encode
+from protocols.episode import EpisodeChunk
+
+COUNT_UNITS = ("env_steps", "agent_steps")
+STREAMING = ("streaming chunks from a multi-agent env runner is not built yet (issue 27: the asynchronous "
+             "algorithms' multi-agent path); sample with sample()/sample_encoded()")
+
+
+def chunks_by_module(chunks: Iterable[EpisodeChunk]) -> dict[str, list[EpisodeChunk]]:
+    """A flat chunk list grouped by ``module_id``, in order: what ``MultiLearner.update`` takes."""
+    out: dict[str, list[EpisodeChunk]] = {}
+    for chunk in chunks:
+        out.setdefault(chunk.module_id, []).append(chunk)
+    return out
+
+
+class MultiAgentEnvRunner(EnvRunnerRole):
+    def __init__(self, settings: EnvRunnerSettings, module_specs: dict[str, ModuleSpec],
+                 policy_mapping_fn: PolicyMappingFn, worker_index: int = 0, recreated: bool = False,
+                 count_steps_by: str = "env_steps", check_env: bool = True) -> None:
+        if count_steps_by not in COUNT_UNITS:
+            raise ValueError(f"count_steps_by={count_steps_by!r}; use one of {COUNT_UNITS}")
+        if not module_specs:
+            raise ValueError("MultiAgentEnvRunner needs at least one module spec, got none")
+        if settings.recording is not None:
+            raise NotImplementedError("recording multi-agent episodes (offline_data(output=...)) is not built yet "
+                                      "(issue 27); leave output unset for multi-agent runs")
+        self.s = settings
+        self.worker_index = worker_index
+        self.count_steps_by = count_steps_by
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed + 7919 * worker_index)
+        if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
+            torch.set_num_threads(settings.torch_threads)
+            set_log_level(settings.log_level)
+            if settings.niceness:
+                lower_priority(settings.niceness)
+        self.where = f"{'evaluation ' if settings.in_evaluation else ''}multi-agent env runner {worker_index}"
+        self.metrics = MetricsLogger()
+        self.callback_metrics = MetricsLogger()
+        """What callbacks log (``metrics_logger`` of the runner hooks); reported under ``env_runners/``."""
+        self.callbacks = build_callbacks(settings.callbacks)
+        self.envs = [self._make_env(i, recreated, check_env) for i in range(settings.num_envs)]
+        self.module_specs: dict[str, ModuleSpec] = {}
+        self.module = MultiRLModule({})
+        self.explorations: dict[str, Exploration] = {}
+        self.env_actions: dict[str, EnvActions] = {}
+        for mid, spec in module_specs.items():
+            self._build_module(mid, spec)
+        self.weights_version = 0
+        self.num_env_steps_sampled_lifetime = 0
+        self.num_agent_steps_sampled_lifetime = 0
+        self._timestep_offset = 0  # the run's steps minus this runner's, as of the last weights
+        self.held = HeldChunks()
+        self.listener = RunnerListener(self, self.callbacks, self.where, self.metrics, self.callback_metrics,
+                                       [getattr(e, "env", e) for e in self.envs])
+        self._fresh_episodes = False  # after num_episodes sampling: the next sample() starts new episodes
+        self._sys = SysUsage() if settings.log_sys_usage else None
+        self._sample_end = overrides(self.callbacks, "on_sample_end")
+        seed = None if settings.seed is None else settings.seed + 10_000 * worker_index
+        # the sampler resets every env at once (env i with seed + i)
+        self.sampler = MultiAgentSampler(self.envs, self.module.members, self.explorations, self.env_actions,
+                                         policy_mapping_fn, env_runner_index=worker_index, seed=seed,
+                                         listener=self.listener)
+
+    def _make_env(self, index: int, recreated: bool, check_env: bool) -> Any:
+        s = self.s
+        env = s.env_creator(EnvContext(s.env_config, self.worker_index, index, s.num_env_runners, recreated,
+                                       s.in_evaluation))
+        if not (hasattr(env, "possible_agents") and hasattr(env, "get_observation_space")):
+            raise TypeError(f"the env creator made a {type(env).__name__}, which is not a multi-agent env (it lacks "
+                            f"possible_agents or get_observation_space): give a MultiAgentEnv, e.g. "
+                            f"make_multi_agent(...), or use the single-agent EnvRunner")
+        return CheckedMultiAgentEnv(env) if check_env else env
+
+    def _build_module(self, module_id: str, spec: ModuleSpec) -> RLModule:
+        module = spec.build(inference_only=True)
+        module.eval()
+        self.module.members[module_id] = module  # the ModuleDict checks nothing: ids were checked by the caller
+        self.module_specs[module_id] = spec
+        self.explorations[module_id] = make_exploration(self.s.exploration_config, module.dist_spec)
+        self.env_actions[module_id] = EnvActions(spec.action_space, self.s.normalize_actions, self.s.clip_actions)
+        return module
+
+    @property
+    def config(self) -> EnvRunnerSettings:
+        """This runner's settings (``env_runner.config.in_evaluation``, as RLlib's callbacks check it)."""
+        return self.s
+
+    @property
+    def module_ids(self) -> list[str]:
+        return list(self.module_specs)
+
+    # --- sampling ---------------------------------------------------------------------------
+    def sample(self, num_timesteps: int | None = None, num_episodes: int | None = None,
+               explore: bool | None = None, force_reset: bool = False) -> list[EpisodeChunk]:
+        """Step every env and return the per-agent chunks collected, one flat list.
+
+        ``num_timesteps`` (default ``rollout_fragment_length * num_envs``, in ``count_steps_by`` units)
+        continues running episodes across calls (``truncate_episodes``) or returns only whole episodes
+        (``complete_episodes``: the chunks of episodes still running wait here for their end).
+        ``num_episodes`` starts fresh episodes and returns exactly that many whole ones: the first to
+        start, whatever their length. ``force_reset`` drops running episodes and starts fresh ones.
+        """
+        explore = self.s.explore if explore is None else explore
+        if num_episodes is not None:
+            out = self._sample_episodes(num_episodes, explore)
+        else:
+            out = self._sample_steps(num_timesteps, explore, force_reset)
+        if self._sample_end:
+            call_hook(self.callbacks, "on_sample_end", self.where, self.metrics, env_runner=self, worker=self,
+                      samples=out, metrics_logger=self.callback_metrics)
+        return out
+
+    def _sample_steps(self, num_timesteps: int | None, explore: bool, force_reset: bool) -> list[EpisodeChunk]:
+        if num_timesteps is None:
+            num_timesteps = self.s.rollout_fragment_length * self.s.num_envs
+        if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, (int, np.integer)) or num_timesteps < 1:
+            raise ValueError(f"num_timesteps={num_timesteps!r}: give a whole number >= 1 ({self.count_steps_by})")
+        if force_reset or self._fresh_episodes:
+            self._reset()
+        complete = self.s.batch_mode == "complete_episodes"
+        by_agents = self.count_steps_by == "agent_steps"
+        out: list[EpisodeChunk] = []
+        collected = 0
+        while collected < num_timesteps:
+            sample = self._run(num_timesteps - collected, explore)
+            chunks = _flat(sample)
+            if complete:
+                self.held.add(chunks)
+                chunks = [c for ep in sample.episodes for c in self.held.take(ep)]
+                collected += sum(ep.agent_steps() if by_agents else ep.env_steps() for ep in sample.episodes)
+            else:
+                collected += sample.agent_steps if by_agents else sample.env_steps
+            out.extend(chunks)
+            sample.log_episodes(self.metrics, self.s.metrics_window)
+        return out
+
+    def _sample_episodes(self, num_episodes: int, explore: bool) -> list[EpisodeChunk]:
+        if isinstance(num_episodes, bool) or not isinstance(num_episodes, (int, np.integer)) or num_episodes < 1:
+            raise ValueError(f"num_episodes={num_episodes!r}: give a whole number >= 1")
+        self.listener.order = {}
+        done: list = []
+        out: list[EpisodeChunk] = []
+        try:
+            self._reset()
+            order = self.listener.order
+            while len(done) < num_episodes:
+                sample = self._run(self.s.rollout_fragment_length * len(self.envs), explore, unit="env_steps")
+                self.held.add(_flat(sample))
+                for ep in sample.episodes:
+                    chunks = self.held.take(ep)
+                    if order[ep.id_] < num_episodes:  # later starters are dropped: short episodes are not favoured
+                        done.append(ep)
+                        out.extend(chunks)
+        finally:
+            self.listener.order = None
+            self.held.clear()
+            self._fresh_episodes = True  # unfinished episodes are dropped; the next sample() starts fresh ones
+        MultiAgentSample({}, 0, 0, episodes=done).log_episodes(self.metrics, self.s.metrics_window)
+        return out
+
+    def _reset(self) -> None:
+        self.held.clear()
+        self.sampler.reset()
+        self._fresh_episodes = False
+
+    def _run(self, steps: int, explore: bool, unit: str | None = None) -> MultiAgentSample:
+        unit = unit or self.count_steps_by
+        counts = {"num_env_steps" if unit == "env_steps" else "num_agent_steps": int(steps)}
+        sample = self.sampler.run(**counts, explore=explore, t0=self.timestep)
+        self.num_env_steps_sampled_lifetime += sample.env_steps
+        self.num_agent_steps_sampled_lifetime += sample.agent_steps
+        m = self.metrics
+        m.log_value("num_env_steps_sampled", sample.env_steps, reduce="sum")
+        m.log_value("num_env_steps_sampled_lifetime", sample.env_steps, reduce="lifetime_sum")
+        m.log_value("num_agent_steps_sampled", sample.agent_steps, reduce="sum")
+        m.log_value("num_agent_steps_sampled_lifetime", sample.agent_steps, reduce="lifetime_sum")
+        for mid, n in sample.module_steps.items():
+            m.log_value(f"num_module_steps_sampled/{mid}", n, reduce="sum")
+            m.log_value(f"num_module_steps_sampled_lifetime/{mid}", n, reduce="lifetime_sum")
+        return sample
+
+    def sample_encoded(self, num_timesteps: int | None = None, explore: bool | None = None,
+                       compress: bool = False) -> tuple[bytes, dict[str, Any]]:
+        """``sample()`` as one codec frame, plus ``get_metrics()``: chunks cross every process boundary
+        as codec frames (``protocols.codec.decode_chunks`` reads them back, module ids included)."""
+        return encode(self.sample(num_timesteps=num_timesteps, explore=explore), compress=compress), self.get_metrics()
+
+    @property
+    def _own_steps(self) -> int:
+        if self.count_steps_by == "agent_steps":
+            return self.num_agent_steps_sampled_lifetime
+        return self.num_env_steps_sampled_lifetime
+
+    @property
+    def timestep(self) -> int:
+        """The run's steps (``count_steps_by`` units) as this runner knows them: what exploration follows."""
+        return self._own_steps + self._timestep_offset
+
+    # --- weights, modules, mapping ----------------------------------------------------------
+    def set_weights(self, weights: dict[str, Any], weights_version: int = 0, timestep: int | None = None) -> None:
+        """Load ``{"<module_id>/<param>": array}`` into the modules it names; the others keep their
+        weights (frozen modules need not be sent). ``timestep``: the run's steps so far, in
+        ``count_steps_by`` units, which drives exploration schedules."""
+        by_module: dict[str, dict[str, Any]] = {}
+        for key, value in weights.items():
+            mid, sep, param = key.partition(SEP)
+            if not sep or not param:
+                raise ValueError(f"weights key {key!r} names no module: a multi-agent runner takes "
+                                 f"'<module_id>{SEP}<param>' keys (MultiLearner.get_weights(inference_only=True))")
+            by_module.setdefault(mid, {})[param] = value
+        unknown = sorted(set(by_module) - set(self.module_specs))
+        if unknown:
+            raise ValueError(f"weights for modules {unknown}, which this runner does not hold; it holds "
+                             f"{self.module_ids}: add_module() them first")
+        for mid, state in by_module.items():
+            try:
+                self.module[mid].set_state(state)
+            except ValueError as err:
+                raise ValueError(f"weights for module {mid!r}: {err}") from None
+        self.weights_version = weights_version
+        self.sampler.weights_version = weights_version
+        if timestep is not None:
+            self._timestep_offset = max(0, timestep - self._own_steps)
+        self.metrics.log_value("weights_version", weights_version, reduce="max")
+
+    def get_weights(self, module_ids: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """The flat weights of every module (or of ``module_ids``)."""
+        ids = self.module_ids if module_ids is None else list(module_ids)
+        unknown = sorted(set(ids) - set(self.module_specs))
+        if unknown:
+            raise KeyError(f"no modules {unknown}; this runner holds {self.module_ids}")
+        return {f"{mid}{SEP}{k}": v for mid in ids for k, v in self.module[mid].get_state().items()}
+
+    def add_module(self, module_id: str, spec: ModuleSpec, weights: dict[str, Any] | None = None) -> None:
+        """A new module (self-play: a snapshot of the learning policy); ``weights`` are its own, without
+        the module prefix. Episodes that start from now on may be mapped to it."""
+        if not isinstance(module_id, str) or not module_id or SEP in module_id or "." in module_id:
+            raise ValueError(f"module id {module_id!r}: give a non-empty str without '{SEP}' or '.'")
+        if module_id in self.module_specs:
+            raise ValueError(f"module {module_id!r} exists already (modules: {self.module_ids}); remove_module() "
+                             f"it first or pick another id")
+        module = self._build_module(module_id, spec)
+        if weights is not None:
+            module.set_state(weights)
+        self._share_with_sampler()
+
+    def remove_module(self, module_id: str, policy_mapping_fn: PolicyMappingFn | None = None) -> None:
+        """Drop a module (and, given, switch to a mapping that no longer names it). Running episodes
+        with an agent mapped to it are dropped and their envs reset, since nothing could act for it."""
+        if module_id not in self.module_specs:
+            raise KeyError(f"no module {module_id!r} to remove; this runner holds {self.module_ids}")
+        if len(self.module_specs) == 1:
+            raise ValueError(f"module {module_id!r} is this runner's last module; add_module() another first")
+        if policy_mapping_fn is not None:
+            self.set_policy_mapping_fn(policy_mapping_fn)
+        uses_it = any(module_id in ep.module_returns for ep in self.sampler.episodes)
+        for pieces in (self.module_specs, self.explorations, self.env_actions):
+            del pieces[module_id]
+        del self.module.members[module_id]
+        self._share_with_sampler()
+        if uses_it:
+            self._reset()
+
+    def _share_with_sampler(self) -> None:
+        # the sampler keeps its own dicts of the pieces; new episodes check their mapping against its modules
+        self.sampler.modules = dict(self.module.members)
+        self.sampler.explorations = dict(self.explorations)
+        self.sampler.env_actions = dict(self.env_actions)
+
+    def set_policy_mapping_fn(self, policy_mapping_fn: PolicyMappingFn) -> None:
+        """``fn(agent_id, episode) -> module_id`` for the episodes that start from now on (running
+        episodes keep the mapping they started with)."""
+        if not callable(policy_mapping_fn):
+            raise ValueError(f"policy_mapping_fn must be callable (agent_id, episode) -> module id, "
+                             f"got {policy_mapping_fn!r}")
+        self.sampler.policy_mapping_fn = policy_mapping_fn
+
+    # --- metrics and state ------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, Any]:
+        """What was logged since the last call, as plain data for ``MetricsLogger.merge``."""
+        if self._sys is not None:
+            for key, value in self._sys.sample().items():
+                self.metrics.log_value(f"perf/env_runner_{self.worker_index}/{key}", value)
+        out = self.metrics.export()
+        out.update({f"env_runners/{k}": v for k, v in self.callback_metrics.export().items()})
+        return out
+
+    def get_state(self) -> dict[str, Any]:
+        """Weights, weights version, counters, each module's exploration state and this process's torch
+        RNG: plain data and arrays. Running episodes are not part of it (a restored runner starts fresh
+        ones)."""
+        return {"module_ids": self.module_ids, "weights": self.get_weights(), "weights_version": self.weights_version,
+                "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
+                "num_agent_steps_sampled_lifetime": self.num_agent_steps_sampled_lifetime,
+                "timestep_offset": self._timestep_offset,
+                "exploration": {mid: e.get_state() for mid, e in self.explorations.items()},
+                "torch_rng": torch.get_rng_state().numpy()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        missing = sorted(set(state.get("module_ids", [])) - set(self.module_specs))
+        if missing:
+            raise ValueError(f"the state holds modules {missing}, which this runner does not (it holds "
+                             f"{self.module_ids}): add_module() them first")
+        self.set_weights(state["weights"], state.get("weights_version", 0))
+        self.num_env_steps_sampled_lifetime = state.get("num_env_steps_sampled_lifetime", 0)
+        self.num_agent_steps_sampled_lifetime = state.get("num_agent_steps_sampled_lifetime", 0)
+        self._timestep_offset = state.get("timestep_offset", 0)
+        for mid, exploration_state in state.get("exploration", {}).items():
+            self.explorations[mid].set_state(exploration_state)
+        if state.get("torch_rng") is not None:
+            torch.set_rng_state(torch.as_tensor(np.array(state["torch_rng"], np.uint8)))  # a writable copy
+
+    # --- the stage --------------------------------------------------------------------------
+    def ping(self) -> str:
+        return "ok"
+
+    def apply(self, fn: Callable[["MultiAgentEnvRunner"], Any]) -> Any:
+        """Run ``fn(self)`` here (``Algorithm.foreach_env_runner``); its error is the caller's."""
+        try:
+            return fn(self)
+        except Exception as err:
+            try:
+                err.runnel_user_code = True
+            except AttributeError:  # an exception class that takes no attributes: the method says it all
+                pass
+            raise
+
+    def foreach_env(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn(env)`` for each multi-agent env of this runner (the user's env, not the checker around it)."""
+        return [fn(env) for env in self.listener.envs]
+
+    def __repr__(self) -> str:  # how Ray names this actor in errors and logs
+        return f"MultiAgentEnvRunner({getattr(self, 'where', 'multi-agent env runner')})"
+
+    def stop(self) -> None:
+        for env in self.listener.envs:
+            close = getattr(env, "close", None)
+            if close is not None:
+                close()
+
+    def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
+                        stall_timeout_s: float = 60.0) -> None:
+        raise NotImplementedError(STREAMING)
+
+    def stop_streaming(self, timeout_s: float = 10.0) -> bool:
+        return True  # nothing streams
+
+    def is_streaming(self) -> bool:
+        return False
+
+
+def _flat(sample: MultiAgentSample) -> list[EpisodeChunk]:
+    return [c for chunks in sample.chunks.values() for c in chunks]
