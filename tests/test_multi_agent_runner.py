@@ -171,6 +171,18 @@ def test_num_episodes_returns_exactly_that_many_whole_episodes_then_fresh_ones()
     assert {c.chunk_index for c in after} == {0}  # the episodes left running were dropped
 
 
+def test_num_episodes_keeps_the_first_episodes_to_start_not_the_first_to_end():
+    started: list[str] = []
+    spec = CallbacksSpec(functions={"on_episode_start": [lambda episode, **kw: started.append(episode.id_)]})
+    for seed in range(3):
+        started.clear()
+        runner = make_runner(num_envs=4, seed=seed, callbacks=spec)
+        started.clear()  # the episodes the constructor started are dropped by the episode sampling
+        chunks = runner.sample(num_episodes=2)
+        assert whole(chunks)
+        assert {c.episode_id.rsplit(".", 1)[0] for c in chunks} == set(started[:2])
+
+
 def test_complete_episodes_returns_whole_episodes_only():
     runner = make_runner(batch_mode="complete_episodes")
     chunks = runner.sample(num_timesteps=60)
@@ -296,6 +308,16 @@ def test_an_env_observing_an_unknown_agent_fails_naming_it():
     with pytest.raises(MultiAgentEnvError, match=r"agent 7, which is not in possible_agents \[0\]") as err:
         MultiAgentEnvRunner(settings, {"p": spec}, lambda agent, episode: "p")
     assert err.value.agent_id == 7
+
+
+def test_without_the_checker_the_users_envs_are_stepped_directly():
+    runner = make_runner(check_env=False)
+    assert all(type(env) is CARTPOLES for env in runner.envs)
+    assert all(type(env) is CARTPOLES for env in runner.foreach_env(lambda env: env))
+    assert sum(len(c) for c in runner.sample()) == runner.num_agent_steps_sampled_lifetime
+    checked = make_runner()
+    assert all(type(env) is not CARTPOLES for env in checked.envs)  # behind the step checker
+    assert all(type(env) is CARTPOLES for env in checked.foreach_env(lambda env: env))
 
 
 def test_a_single_agent_env_or_bad_arguments_are_refused():

@@ -29,9 +29,9 @@ from actors.callbacks import build_callbacks, call_hook, overrides
 from actors.core import EnvRunnerRole
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, make_exploration
-from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks, RunnerListener
+from actors.env.multi_agent_runner_parts import (CheckedMultiAgentEnv, HeldChunks, RunnerListener, call_user_fn,
+                                                 prepare_process)
 from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler, PolicyMappingFn
-from actors.env.process import lower_priority, set_log_level
 from actors.env.settings import EnvRunnerSettings
 from actors.env.vector_env import EnvContext
 from actors.metrics import MetricsLogger
@@ -68,13 +68,7 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         self.s = settings
         self.worker_index = worker_index
         self.count_steps_by = count_steps_by
-        if settings.seed is not None:
-            torch.manual_seed(settings.seed + 7919 * worker_index)
-        if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
-            torch.set_num_threads(settings.torch_threads)
-            set_log_level(settings.log_level)
-            if settings.niceness:
-                lower_priority(settings.niceness)
+        prepare_process(settings, worker_index)
         self.where = f"{'evaluation ' if settings.in_evaluation else ''}multi-agent env runner {worker_index}"
         self.metrics = MetricsLogger()
         self.callback_metrics = MetricsLogger()
@@ -358,14 +352,7 @@ class MultiAgentEnvRunner(EnvRunnerRole):
 
     def apply(self, fn: Callable[["MultiAgentEnvRunner"], Any]) -> Any:
         """Run ``fn(self)`` here (``Algorithm.foreach_env_runner``); its error is the caller's."""
-        try:
-            return fn(self)
-        except Exception as err:
-            try:
-                err.runnel_user_code = True
-            except AttributeError:  # an exception class that takes no attributes: the method says it all
-                pass
-            raise
+        return call_user_fn(fn, self)
 
     def foreach_env(self, fn: Callable[[Any], Any]) -> list[Any]:
         """``fn(env)`` for each multi-agent env of this runner (the user's env, not the checker around it)."""
