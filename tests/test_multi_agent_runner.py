@@ -53,8 +53,11 @@ def make_runner(mapping: Any = own, modules: tuple[str, ...] = ("p0", "p1"), num
 
 
 def peek(exported: dict, key: str) -> float:
+    """``key`` of the result a stage group makes of ``get_metrics()``: keys with a '/' as they are,
+    bare ones under ``env_runners/`` (``EnvRunnerGroup.fold_metrics``)."""
     logger = MetricsLogger()
-    logger.merge(exported)
+    logger.merge({k: v for k, v in exported.items() if "/" in k})
+    logger.merge({k: v for k, v in exported.items() if "/" not in k}, prefix="env_runners")
     return logger.peek(key)
 
 
@@ -105,21 +108,34 @@ def test_metrics_use_rllibs_keys_and_sum_returns_over_agents():
     runner = make_runner(num_envs=1, fragment=400)
     runner.sample()
     m = runner.get_metrics()
+    logger = MetricsLogger()
+    logger.merge({k: v for k, v in m.items() if "/" in k})
+    logger.merge({k: v for k, v in m.items() if "/" not in k}, prefix="env_runners")
     for key in ("episode_return_mean", "episode_len_mean", "agent_episode_returns_mean/0",
                 "agent_episode_returns_mean/1", "module_episode_returns_mean/p0", "module_episode_returns_mean/p1",
                 "num_env_steps_sampled", "num_agent_steps_sampled", "num_module_steps_sampled/p0",
                 "num_module_steps_sampled/p1", "num_env_steps_sampled_lifetime", "num_agent_steps_sampled_lifetime",
                 "num_episodes"):
-        assert key in m, key
-    assert peek(m, "num_episodes") > 1
-    total = peek(m, "agent_episode_returns_mean/0") + peek(m, "agent_episode_returns_mean/1")
-    assert peek(m, "episode_return_mean") == pytest.approx(total)
-    assert peek(m, "module_episode_returns_mean/p0") == pytest.approx(peek(m, "agent_episode_returns_mean/0"))
-    assert peek(m, "num_env_steps_sampled") == 400
-    assert peek(m, "num_agent_steps_sampled") == runner.num_agent_steps_sampled_lifetime
-    assert (peek(m, "num_module_steps_sampled/p0") + peek(m, "num_module_steps_sampled/p1")
+        assert f"env_runners/{key}" in logger, key
+    r = lambda key: peek(m, f"env_runners/{key}")  # noqa: E731
+    assert r("num_episodes") > 1
+    assert r("episode_return_mean") == pytest.approx(r("agent_episode_returns_mean/0")
+                                                     + r("agent_episode_returns_mean/1"))
+    assert r("module_episode_returns_mean/p0") == pytest.approx(r("agent_episode_returns_mean/0"))
+    assert r("num_env_steps_sampled") == 400
+    assert r("num_agent_steps_sampled") == runner.num_agent_steps_sampled_lifetime
+    assert (r("num_module_steps_sampled/p0") + r("num_module_steps_sampled/p1")
             == runner.num_agent_steps_sampled_lifetime)
     assert "num_env_steps_sampled" not in runner.get_metrics()  # what was logged since the last call
+
+
+def test_sample_metrics_gives_what_evaluation_reads():
+    runner = make_runner(num_envs=2)
+    out = runner.sample_metrics(num_episodes=3)
+    assert len(out["episode_returns"]) == len(out["episode_lengths"]) == 3
+    assert peek(out["metrics"], "env_runners/episode_return_mean") == pytest.approx(np.mean(out["episode_returns"]))
+    assert out["num_env_steps"] >= max(out["episode_lengths"]) and all(n > 0 for n in out["episode_lengths"])
+    assert runner.sample_metrics(num_timesteps=4)["num_env_steps"] == 4
 
 
 # --- weights ----------------------------------------------------------------------------------
@@ -166,7 +182,7 @@ def test_num_episodes_returns_exactly_that_many_whole_episodes_then_fresh_ones()
     chunks = runner.sample(num_episodes=3)
     assert whole(chunks)
     assert len({c.episode_id.rsplit(".", 1)[0] for c in chunks}) == 3
-    assert peek(runner.get_metrics(), "num_episodes") == 3
+    assert peek(runner.get_metrics(), "env_runners/num_episodes") == 3
     after = runner.sample(num_timesteps=6)
     assert {c.chunk_index for c in after} == {0}  # the episodes left running were dropped
 
@@ -207,6 +223,9 @@ def test_seeded_runners_repeat_and_worker_indices_differ():
     a, b, c = make_runner(seed=5), make_runner(seed=5), make_runner(seed=5, worker_index=1)
     obs = lambda runner: np.concatenate([ch.obs[0] for ch in runner.sample(num_timesteps=4)])  # noqa: E731
     assert np.array_equal(obs(a), obs(b)) and not np.array_equal(obs(a), obs(c))
+    # no two CartPole copies of one runner start alike (seed + env index + agent index would pair them up)
+    firsts = [ch.obs[0].tobytes() for ch in make_runner(seed=5, num_envs=3).sample(num_timesteps=3)]
+    assert len(firsts) == 6 and len(set(firsts)) == 6
 
 
 # --- state ------------------------------------------------------------------------------------
@@ -353,8 +372,8 @@ def test_as_a_ray_actor_chunks_come_back_as_codec_frames(ray_session):
         chunks = decode_chunks(frame)
         assert {(c.agent_id, c.module_id) for c in chunks} == {("0", "p0"), ("1", "p1")}
         assert {c.weights_version for c in chunks} == {2}
-        assert peek(metrics, "num_env_steps_sampled") == 20
-        assert peek(metrics, "num_agent_steps_sampled") == sum(len(c) for c in chunks)
+        assert peek(metrics, "env_runners/num_env_steps_sampled") == 20
+        assert peek(metrics, "env_runners/num_agent_steps_sampled") == sum(len(c) for c in chunks)
         got = ray.get(actor.get_weights.remote())
         assert all(np.array_equal(got[k], weights[k]) for k in weights)
         assert ray.get(actor.ping.remote()) == "ok"

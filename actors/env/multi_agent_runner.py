@@ -42,6 +42,8 @@ from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 
 COUNT_UNITS = ("env_steps", "agent_steps")
+NAMED_KEYS = ("perf/", "callbacks/", "fault_tolerance/")
+"""Metrics keys that are result keys as they stand; the others belong under ``env_runners/``."""
 STREAMING = ("streaming chunks from a multi-agent env runner is not built yet (issue 27: the asynchronous "
              "algorithms' multi-agent path); sample with sample()/sample_encoded()")
 
@@ -91,11 +93,14 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         self._fresh_episodes = False  # after num_episodes sampling: the next sample() starts new episodes
         self._sys = SysUsage() if settings.log_sys_usage else None
         self._sample_end = overrides(self.callbacks, "on_sample_end")
-        seed = None if settings.seed is None else settings.seed + 10_000 * worker_index
-        # the sampler resets every env at once (env i with seed + i)
+        if settings.seed is not None:
+            # each env's generator seeded apart (the sampler's seed + i would give env 0's agent 1 and env 1's
+            # agent 0 of make_multi_agent copies one seed); the sampler's first reset continues from there
+            for i, env in enumerate(self.envs):
+                env.reset(seed=int(np.random.SeedSequence([settings.seed, worker_index, i]).generate_state(1)[0]))
         self.sampler = MultiAgentSampler(self.envs, self.module.members, self.explorations, self.env_actions,
-                                         policy_mapping_fn, env_runner_index=worker_index, seed=seed,
-                                         listener=self.listener)
+                                         policy_mapping_fn, env_runner_index=worker_index, listener=self.listener)
+        self._ended: list[tuple[float, int]] | None = None  # (return, env steps) of ended episodes, for evaluation
 
     def _make_env(self, index: int, recreated: bool, check_env: bool) -> Any:
         s = self.s
@@ -167,7 +172,7 @@ class MultiAgentEnvRunner(EnvRunnerRole):
             else:
                 collected += sample.agent_steps if by_agents else sample.env_steps
             out.extend(chunks)
-            sample.log_episodes(self.metrics, self.s.metrics_window)
+            self._log_episodes(sample.episodes)
         return out
 
     def _sample_episodes(self, num_episodes: int, explore: bool) -> list[EpisodeChunk]:
@@ -191,8 +196,13 @@ class MultiAgentEnvRunner(EnvRunnerRole):
             self.listener.order = None
             self.held.clear()
             self._fresh_episodes = True  # unfinished episodes are dropped; the next sample() starts fresh ones
-        MultiAgentSample({}, 0, 0, episodes=done).log_episodes(self.metrics, self.s.metrics_window)
+        self._log_episodes(done)
         return out
+
+    def _log_episodes(self, episodes: list) -> None:
+        MultiAgentSample({}, 0, 0, episodes=episodes).log_episodes(self.metrics, self.s.metrics_window)
+        if self._ended is not None:
+            self._ended.extend((ep.get_return(), ep.env_steps()) for ep in episodes)
 
     def _reset(self) -> None:
         self.held.clear()
@@ -220,6 +230,21 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         """``sample()`` as one codec frame, plus ``get_metrics()``: chunks cross every process boundary
         as codec frames (``protocols.codec.decode_chunks`` reads them back, module ids included)."""
         return encode(self.sample(num_timesteps=num_timesteps, explore=explore), compress=compress), self.get_metrics()
+
+    def sample_metrics(self, num_timesteps: int | None = None, num_episodes: int | None = None,
+                       explore: bool | None = None, force_reset: bool = False) -> dict[str, Any]:
+        """Sample like ``sample`` but return only what evaluation needs: the metrics (``get_metrics()``),
+        the returns (summed over agents) and lengths of the episodes that ended, and the env steps taken."""
+        self._ended, env_steps = [], self.num_env_steps_sampled_lifetime
+        try:
+            self.sample(num_timesteps=num_timesteps, num_episodes=num_episodes, explore=explore,
+                        force_reset=force_reset)
+            ended = self._ended
+        finally:
+            self._ended = None
+        return {"metrics": self.get_metrics(), "episode_returns": [r for r, _ in ended],
+                "episode_lengths": [n for _, n in ended],
+                "num_env_steps": self.num_env_steps_sampled_lifetime - env_steps}
 
     @property
     def _own_steps(self) -> int:
@@ -317,7 +342,10 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         if self._sys is not None:
             for key, value in self._sys.sample().items():
                 self.metrics.log_value(f"perf/env_runner_{self.worker_index}/{key}", value)
-        out = self.metrics.export()
+        # a stage group files keys with a '/' as named and bare ones under env_runners/ (EnvRunner's contract):
+        # the per-agent and per-module statistics are env_runners/ keys with a '/' of their own
+        out = {k if "/" not in k or k.startswith(NAMED_KEYS) else f"env_runners/{k}": v
+               for k, v in self.metrics.export().items()}
         out.update({f"env_runners/{k}": v for k, v in self.callback_metrics.export().items()})
         return out
 
