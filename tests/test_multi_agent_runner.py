@@ -21,7 +21,8 @@ import torch
 from actors.callbacks import CallbacksSpec
 from actors.env.multi_agent_checks import MultiAgentEnvError
 from actors.env.multi_agent_env import make_multi_agent
-from actors.env.multi_agent_runner import MultiAgentEnvRunner, chunks_by_module
+from actors.env.multi_agent_runner import MultiAgentEnvRunner
+from actors.env.multi_agent_runner_parts import chunks_by_module
 from actors.env.settings import EnvRunnerSettings
 from actors.learner import MultiLearner
 from actors.metrics import MetricsLogger
@@ -343,6 +344,12 @@ def test_a_single_agent_env_or_bad_arguments_are_refused():
     single = EnvRunnerSettings(env_creator=lambda ctx: gym.make("CartPole-v1"))
     with pytest.raises(TypeError, match="not a multi-agent env"):
         MultiAgentEnvRunner(single, {"p": SPEC}, shared)
+    with pytest.raises(ValueError, match="module id 'a/b'"):
+        make_runner(modules=("p0", "a/b"))
+    with pytest.raises(ValueError, match="module id 'x.y'"):
+        make_runner().add_module("x.y", SPEC)
+    with pytest.raises(TypeError, match="module 'q': got dict"):
+        make_runner().add_module("q", {"observation_space": OBS})
     with pytest.raises(ValueError, match="count_steps_by='steps'"):
         make_runner(count_steps_by="steps")
     with pytest.raises(ValueError, match="num_timesteps=0"):
@@ -354,7 +361,7 @@ def test_a_single_agent_env_or_bad_arguments_are_refused():
 # --- as a Ray actor ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
 

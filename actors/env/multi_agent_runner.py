@@ -11,7 +11,8 @@ It takes the plan's pieces (``module_specs``, ``policy_mapping_fn``, ``count_ste
 plan: actors never import ``pipeline``. Weights are the flat ``{"<module_id>/<param>": array}`` dict
 of ``MultiRLModule`` and ``MultiLearner.get_weights(inference_only=True)``; modules absent from a
 weights dict keep theirs (frozen opponents). ``sample()`` returns one flat list of per-agent chunks,
-each tagged with ``agent_id`` and ``module_id``; ``chunks_by_module`` groups them for a learner.
+each tagged with ``agent_id`` and ``module_id``; ``multi_agent_runner_parts.chunks_by_module`` groups
+them for a learner.
 
 Steps are counted in ``count_steps_by`` units ("env_steps": ``step()`` calls of all envs;
 "agent_steps": actions taken) for ``num_timesteps``, for ``timestep`` in ``set_weights`` and for the
@@ -48,14 +49,6 @@ STREAMING = ("streaming chunks from a multi-agent env runner is not built yet (i
              "algorithms' multi-agent path); sample with sample()/sample_encoded()")
 
 
-def chunks_by_module(chunks: Iterable[EpisodeChunk]) -> dict[str, list[EpisodeChunk]]:
-    """A flat chunk list grouped by ``module_id``, in order: what ``MultiLearner.update`` takes."""
-    out: dict[str, list[EpisodeChunk]] = {}
-    for chunk in chunks:
-        out.setdefault(chunk.module_id, []).append(chunk)
-    return out
-
-
 class MultiAgentEnvRunner(EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, module_specs: dict[str, ModuleSpec],
                  policy_mapping_fn: PolicyMappingFn, worker_index: int = 0, recreated: bool = False,
@@ -76,7 +69,10 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         self.callback_metrics = MetricsLogger()
         """What callbacks log (``metrics_logger`` of the runner hooks); reported under ``env_runners/``."""
         self.callbacks = build_callbacks(settings.callbacks)
-        self.envs = [self._make_env(i, recreated, check_env) for i in range(settings.num_envs)]
+        self.user_envs = [self._make_env(i, recreated) for i in range(settings.num_envs)]
+        """The user's envs, as their creator made them."""
+        self.envs = [CheckedMultiAgentEnv(env) if check_env else env for env in self.user_envs]
+        """What the sampler steps: each user env behind a step checker, unless ``check_env`` is off."""
         self.module_specs: dict[str, ModuleSpec] = {}
         self.module = MultiRLModule({})
         self.explorations: dict[str, Exploration] = {}
@@ -89,7 +85,7 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         self._timestep_offset = 0  # the run's steps minus this runner's, as of the last weights
         self.held = HeldChunks()
         self.listener = RunnerListener(self, self.callbacks, self.where, self.metrics, self.callback_metrics,
-                                       [getattr(e, "env", e) for e in self.envs])
+                                       self.user_envs)
         self._fresh_episodes = False  # after num_episodes sampling: the next sample() starts new episodes
         self._sys = SysUsage() if settings.log_sys_usage else None
         self._sample_end = overrides(self.callbacks, "on_sample_end")
@@ -102,7 +98,7 @@ class MultiAgentEnvRunner(EnvRunnerRole):
                                          policy_mapping_fn, env_runner_index=worker_index, listener=self.listener)
         self._ended: list[tuple[float, int]] | None = None  # (return, env steps) of ended episodes, for evaluation
 
-    def _make_env(self, index: int, recreated: bool, check_env: bool) -> Any:
+    def _make_env(self, index: int, recreated: bool) -> Any:
         s = self.s
         env = s.env_creator(EnvContext(s.env_config, self.worker_index, index, s.num_env_runners, recreated,
                                        s.in_evaluation))
@@ -110,12 +106,17 @@ class MultiAgentEnvRunner(EnvRunnerRole):
             raise TypeError(f"the env creator made a {type(env).__name__}, which is not a multi-agent env (it lacks "
                             f"possible_agents or get_observation_space): give a MultiAgentEnv, e.g. "
                             f"make_multi_agent(...), or use the single-agent EnvRunner")
-        return CheckedMultiAgentEnv(env) if check_env else env
+        return env
 
     def _build_module(self, module_id: str, spec: ModuleSpec) -> RLModule:
+        if not isinstance(module_id, str) or not module_id or SEP in module_id or "." in module_id:
+            raise ValueError(f"module id {module_id!r}: give a non-empty str without '{SEP}' or '.'")
+        if not isinstance(spec, ModuleSpec):
+            raise TypeError(f"module {module_id!r}: got {type(spec).__name__} for its spec; give a ModuleSpec "
+                            f"(observation_space, action_space, model_config, module_class, module_kwargs)")
         module = spec.build(inference_only=True)
         module.eval()
-        self.module.members[module_id] = module  # the ModuleDict checks nothing: ids were checked by the caller
+        self.module.members[module_id] = module  # the id was checked above, as MultiRLModule checks its own
         self.module_specs[module_id] = spec
         self.explorations[module_id] = make_exploration(self.s.exploration_config, module.dist_spec)
         self.env_actions[module_id] = EnvActions(spec.action_space, self.s.normalize_actions, self.s.clip_actions)
@@ -154,8 +155,7 @@ class MultiAgentEnvRunner(EnvRunnerRole):
     def _sample_steps(self, num_timesteps: int | None, explore: bool, force_reset: bool) -> list[EpisodeChunk]:
         if num_timesteps is None:
             num_timesteps = self.s.rollout_fragment_length * self.s.num_envs
-        if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, (int, np.integer)) or num_timesteps < 1:
-            raise ValueError(f"num_timesteps={num_timesteps!r}: give a whole number >= 1 ({self.count_steps_by})")
+        _check_count("num_timesteps", num_timesteps)
         if force_reset or self._fresh_episodes:
             self._reset()
         complete = self.s.batch_mode == "complete_episodes"
@@ -176,8 +176,7 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         return out
 
     def _sample_episodes(self, num_episodes: int, explore: bool) -> list[EpisodeChunk]:
-        if isinstance(num_episodes, bool) or not isinstance(num_episodes, (int, np.integer)) or num_episodes < 1:
-            raise ValueError(f"num_episodes={num_episodes!r}: give a whole number >= 1")
+        _check_count("num_episodes", num_episodes)
         self.listener.order = {}
         done: list = []
         out: list[EpisodeChunk] = []
@@ -295,8 +294,6 @@ class MultiAgentEnvRunner(EnvRunnerRole):
     def add_module(self, module_id: str, spec: ModuleSpec, weights: dict[str, Any] | None = None) -> None:
         """A new module (self-play: a snapshot of the learning policy); ``weights`` are its own, without
         the module prefix. Episodes that start from now on may be mapped to it."""
-        if not isinstance(module_id, str) or not module_id or SEP in module_id or "." in module_id:
-            raise ValueError(f"module id {module_id!r}: give a non-empty str without '{SEP}' or '.'")
         if module_id in self.module_specs:
             raise ValueError(f"module {module_id!r} exists already (modules: {self.module_ids}); remove_module() "
                              f"it first or pick another id")
@@ -384,13 +381,13 @@ class MultiAgentEnvRunner(EnvRunnerRole):
 
     def foreach_env(self, fn: Callable[[Any], Any]) -> list[Any]:
         """``fn(env)`` for each multi-agent env of this runner (the user's env, not the checker around it)."""
-        return [fn(env) for env in self.listener.envs]
+        return [fn(env) for env in self.user_envs]
 
     def __repr__(self) -> str:  # how Ray names this actor in errors and logs
         return f"MultiAgentEnvRunner({getattr(self, 'where', 'multi-agent env runner')})"
 
     def stop(self) -> None:
-        for env in self.listener.envs:
+        for env in self.user_envs:
             close = getattr(env, "close", None)
             if close is not None:
                 close()
@@ -408,3 +405,8 @@ class MultiAgentEnvRunner(EnvRunnerRole):
 
 def _flat(sample: MultiAgentSample) -> list[EpisodeChunk]:
     return [c for chunks in sample.chunks.values() for c in chunks]
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r}: give a whole number >= 1")

@@ -1,7 +1,7 @@
 """The pieces ``MultiAgentEnvRunner`` puts around a ``MultiAgentSampler``: the step checker as an env
-wrapper, the episode listener (callbacks and start order), the chunks held back until their
-episode ends, and what every env runner does to its process and to user functions it runs
-(``prepare_process``, ``call_user_fn``: ``EnvRunner`` still has its own copy of both).
+wrapper, the episode listener (callbacks and start order), the chunks held back until their episode
+ends, ``chunks_by_module`` for a learner, and what every env runner does to its process and to the
+user functions it runs (``prepare_process``, ``call_user_fn``: ``EnvRunner`` still has its own copy).
 
 Apart from the runner so that it stays the stage (what it is asked, what it reports) and these stay
 small enough to read at once. None of them knows the runner's internals: the listener gets the runner
@@ -9,6 +9,7 @@ object only to hand it to the user's callbacks as ``env_runner``.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
@@ -131,3 +132,11 @@ class HeldChunks:
 
     def __len__(self) -> int:
         return sum(len(cs) for cs in self.held.values())
+
+
+def chunks_by_module(chunks: Iterable[EpisodeChunk]) -> dict[str, list[EpisodeChunk]]:
+    """A flat chunk list grouped by ``module_id``, in order: what ``MultiLearner.update`` takes."""
+    out: dict[str, list[EpisodeChunk]] = {}
+    for chunk in chunks:
+        out.setdefault(chunk.module_id, []).append(chunk)
+    return out
