@@ -359,15 +359,8 @@ def test_a_single_agent_env_or_bad_arguments_are_refused():
 
 
 # --- as a Ray actor ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
-def test_as_a_ray_actor_chunks_come_back_as_codec_frames(ray_session):
+def test_as_a_ray_actor_chunks_come_back_as_codec_frames(ray_cluster):  # conftest: Ray once for this module
     settings = EnvRunnerSettings(env_creator=CARTPOLES, env_config={"num_agents": 2}, num_envs=2,
                                  rollout_fragment_length=10, seed=0, model_config=MODEL)
     actor = ray.remote(MultiAgentEnvRunner).remote(settings, {"p0": SPEC, "p1": SPEC}, own, worker_index=1)
