@@ -121,3 +121,16 @@ class ReplayRole(Stage, Saveable, MetricsSource):
     @abstractmethod
     def update_priorities(self, indices: Any, priorities: Any) -> None:
         """New priorities for sampled rows (prioritized replay)."""
+
+
+def call_user_fn(fn: Callable[[Any], Any], stage: Any) -> Any:
+    """``fn(stage)``; an error it raises is marked as the user's (``runnel_user_code``), which a stage
+    group hands to the caller instead of restarting the stage (it would only repeat)."""
+    try:
+        return fn(stage)
+    except Exception as err:
+        try:
+            err.runnel_user_code = True
+        except AttributeError:  # an exception class that takes no attributes: the method says it all
+            pass
+        raise

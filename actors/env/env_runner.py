@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from actors.callbacks import build_callbacks, call_hook, overrides
-from actors.core import EnvRunnerRole
+from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.actions import EnvActions
 from actors.env.episode_hooks import EpisodeHooks
 from actors.env.episode_slots import EpisodeSlots
 from actors.env.exploration import make_exploration
-from actors.env.process import lower_priority, set_log_level
+from actors.env.process import prepare_process
 from actors.env.sampling import FragmentSampler
 from actors.env.settings import EnvRunnerSettings
 from actors.env.task_settable import SubEnvTasks
@@ -47,13 +47,7 @@ class EnvRunner(EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0, recreated: bool = False) -> None:
         self.s = settings
         self.worker_index = worker_index
-        if settings.seed is not None:
-            torch.manual_seed(settings.seed + 7919 * worker_index)
-        if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
-            torch.set_num_threads(settings.torch_threads)
-            set_log_level(settings.log_level)
-            if settings.niceness:
-                lower_priority(settings.niceness)
+        prepare_process(settings, worker_index)
         self.where = f"{'evaluation ' if settings.in_evaluation else ''}env runner {worker_index}"
         self.metrics = MetricsLogger()
         self.callback_metrics = MetricsLogger()
@@ -320,14 +314,7 @@ class EnvRunner(EnvRunnerRole):
     def apply(self, fn: Callable[["EnvRunner"], Any]) -> Any:
         """Run ``fn(self)`` here (``Algorithm.foreach_env_runner``). An error ``fn`` raises is the
         caller's: the group raises it in the driver, naming this runner, and does not restart it."""
-        try:
-            return fn(self)
-        except Exception as err:
-            try:
-                err.runnel_user_code = True
-            except AttributeError:  # an exception class that takes no attributes: the method says it all
-                pass
-            raise
+        return call_user_fn(fn, self)
 
     def __repr__(self) -> str:  # how Ray names this actor in errors and logs
         return f"EnvRunner({getattr(self, 'where', 'env runner')})"

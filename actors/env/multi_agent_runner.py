@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from actors.callbacks import build_callbacks, call_hook, overrides
-from actors.core import EnvRunnerRole
+from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, make_exploration
-from actors.env.multi_agent_runner_parts import (CheckedMultiAgentEnv, HeldChunks, RunnerListener, call_user_fn,
-                                                 prepare_process)
+from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks, RunnerListener
+from actors.env.process import prepare_process
 from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler, PolicyMappingFn
 from actors.env.settings import EnvRunnerSettings
 from actors.env.vector_env import EnvContext

@@ -1,7 +1,8 @@
 """The pieces ``MultiAgentEnvRunner`` puts around a ``MultiAgentSampler``: the step checker as an env
 wrapper, the episode listener (callbacks and start order), the chunks held back until their episode
-ends, ``chunks_by_module`` for a learner, and what every env runner does to its process and to the
-user functions it runs (``prepare_process``, ``call_user_fn``: ``EnvRunner`` still has its own copy).
+ends, and ``chunks_by_module`` for a learner. (What every env runner does to its process and to the
+user functions it runs is shared with ``EnvRunner``: ``actors.env.process.prepare_process``,
+``actors.core.call_user_fn``.)
 
 Apart from the runner so that it stays the stage (what it is asked, what it reports) and these stay
 small enough to read at once. None of them knows the runner's internals: the listener gets the runner
@@ -10,41 +11,13 @@ object only to hand it to the user's callbacks as ``env_runner``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 from actors.callbacks import call_hook, overrides
 from actors.env.multi_agent_checks import MultiAgentStepChecker
-from actors.env.process import lower_priority, set_log_level
-from actors.env.settings import EnvRunnerSettings
 from actors.metrics import MetricsLogger
 from protocols.episode import EpisodeChunk
 from protocols.multi_agent_episode import MultiAgentEpisode
-
-
-def prepare_process(settings: EnvRunnerSettings, worker_index: int) -> None:
-    """Seed torch for this runner, and set up the process a remote runner (``worker_index > 0``) owns."""
-    if settings.seed is not None:
-        torch.manual_seed(settings.seed + 7919 * worker_index)
-    if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
-        torch.set_num_threads(settings.torch_threads)
-        set_log_level(settings.log_level)
-        if settings.niceness:
-            lower_priority(settings.niceness)
-
-
-def call_user_fn(fn: Callable[[Any], Any], stage: Any) -> Any:
-    """``fn(stage)``; an error it raises is marked as the user's (``runnel_user_code``), which a stage
-    group hands to the caller instead of restarting the stage (it would only repeat)."""
-    try:
-        return fn(stage)
-    except Exception as err:
-        try:
-            err.runnel_user_code = True
-        except AttributeError:  # an exception class that takes no attributes: the method says it all
-            pass
-        raise
 
 
 class CheckedMultiAgentEnv:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
+
+import torch
 
 
 def set_log_level(level: str) -> None:
@@ -35,3 +38,14 @@ def lower_priority(niceness: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
         except OSError:  # a thread that ended meanwhile
             pass
+
+
+def prepare_process(settings: Any, worker_index: int) -> None:
+    """Seed torch for this runner, and set up the process a remote runner (``worker_index > 0``) owns."""
+    if settings.seed is not None:
+        torch.manual_seed(settings.seed + 7919 * worker_index)
+    if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
+        torch.set_num_threads(settings.torch_threads)
+        set_log_level(settings.log_level)
+        if settings.niceness:
+            lower_priority(settings.niceness)
