@@ -37,6 +37,7 @@ from actors.env.actions import EnvActions
 from actors.sys_usage import SysUsage
 from pipeline.algorithm_actions import DriverPolicy, batch_of_one, single_action
 from pipeline.algorithm_evaluation import AlgorithmEvaluation
+from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
 from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, init_ray_if_needed,
                                       policy_spaces, runner_fault_tolerance)
@@ -51,6 +52,7 @@ from pipeline.config.external import external_settings
 from pipeline.config.offline import mixes_sampler, reader_settings, recording_settings
 from actors.offline import write_manifest
 from pipeline.groups.learner_group import LearnerGroup
+from pipeline.groups.multi_agent import OneModule
 from pipeline.resources import actor_cpus, check_room, held, released
 from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
@@ -112,11 +114,19 @@ class Algorithm(Trainable):
         readers_in_slots = self.offline_input is not None and not mixes_sampler(config)
         self.recording = recording_settings(config)
         self.env_creator = env_creator(config.env) if config.env is not None else None
-        obs_space, act_space = policy_spaces(config, self.env_creator, readers_in_slots)
+        self.multi_agent: MultiAgentSetup | None = multi_agent_setup(config, self.env_creator, self.learner_class)
+        """The plan and driver policies of a multi-agent run; None for a single-agent one."""
+        if self.multi_agent is None:
+            obs_space, act_space = policy_spaces(config, self.env_creator, readers_in_slots)
+        else:
+            obs_space, act_space = self.multi_agent.first_spaces()
         self.observation_space, self.action_space = obs_space, act_space
         self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class,
                                       config.module_kwargs())
-        self.driver_policy = DriverPolicy.build(self.module_spec, config, obs_space, act_space)
+        if self.multi_agent is None:
+            self.driver_policy = DriverPolicy.build(self.module_spec, config, obs_space, act_space)
+        else:
+            self.driver_policy = self.multi_agent.driver_policies[self.multi_agent.module_ids[0]]
         try:
             self.callbacks = build_callbacks(config.callbacks_spec())
         except ValueError as err:
@@ -142,14 +152,18 @@ class Algorithm(Trainable):
             write_manifest(self.recording.output, obs_space, act_space, self.name, json_safe(config.to_dict()),
                            runnel_version(), actions_normalized=bool(config.normalize_actions))
         try:
-            self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space)
+            if self.multi_agent is None:
+                self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space)
+            else:
+                self.learner_group = self.multi_agent.learner_group(self.learner_class, config)
+            multi_agent_runners = self.multi_agent.runner_group_args() if self.multi_agent is not None else {}
             self.env_runner_group = EnvRunnerGroup(
                 self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
                 self.fault_tolerance_settings(), compress_frames=self.compress_frames(), external=self.external,
                 offline=self.offline_input if readers_in_slots else None,
                 on_recreated=lambda ids: self._hook(
                     "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
-                    env_runner_indices=ids, is_evaluation=False))
+                    env_runner_indices=ids, is_evaluation=False), **multi_agent_runners)
             if config.evaluation_interval and self.env_creator is not None:
                 self.build_evaluators()
             self.plan = self.build_plan()
@@ -353,16 +367,26 @@ class Algorithm(Trainable):
         return iteration_result(self.metrics, info)
 
     # --- actions ------------------------------------------------------------------------------
-    def compute_actions(self, obs: Any, explore: bool | None = None) -> np.ndarray:
+    def compute_actions(self, obs: Any, explore: bool | None = None, policy_id: str | None = None) -> np.ndarray:
         """A batch of observations (leading batch dim, nested like the space) -> a batch of env actions.
-        ``explore=None`` follows ``config.explore``; True/False override it for this call."""
+        ``explore=None`` follows ``config.explore``; True/False override it for this call. ``policy_id``:
+        the module that acts (multi-agent runs)."""
         explore = self.config.explore if explore is None else explore
-        return self.driver_policy.compute_actions(self.learner_group, obs, explore,
-                                                  self.counters["num_env_steps_sampled_lifetime"])
+        timestep = self.counters["num_env_steps_sampled_lifetime"]
+        if self.multi_agent is None:
+            if policy_id not in (None, "default_policy"):
+                raise KeyError(f"policy_id={policy_id!r}: this run has one module, 'default_policy'")
+            return self.driver_policy.compute_actions(self.learner_group, obs, explore, timestep)
+        policy = self.multi_agent.policy(policy_id, "compute_actions")
+        return policy.compute_actions(OneModule(self.learner_group, policy_id or self.multi_agent.module_ids[0]),
+                                      obs, explore, timestep)
 
-    def compute_single_action(self, obs: Any, explore: bool | None = None) -> Any:
-        """One observation (no batch dim) -> one action the env accepts."""
-        return single_action(self.compute_actions(batch_of_one(obs, self.observation_space), explore=explore))
+    def compute_single_action(self, obs: Any, explore: bool | None = None, policy_id: str | None = None) -> Any:
+        """One observation (no batch dim) -> one action the env accepts (``policy_id``: multi-agent runs)."""
+        space = self.observation_space
+        if self.multi_agent is not None:
+            space = self.multi_agent.policy(policy_id, "compute_single_action").observation_space
+        return single_action(self.compute_actions(batch_of_one(obs, space), explore=explore, policy_id=policy_id))
 
     def foreach_env_runner(self, fn: Callable[[Any], Any], local_env_runner: bool = True) -> list[Any]:
         return self.env_runner_group.foreach_env_runner(fn, local=local_env_runner)
@@ -380,9 +404,10 @@ class Algorithm(Trainable):
 
     def get_module(self, module_id: str = "default_policy") -> RLModule:
         """The current policy as a torch module (the learner's latest weights), RLlib's new-stack name."""
+        if self.multi_agent is not None:
+            return self.multi_agent.module(self.learner_group, module_id)
         if module_id != "default_policy":
-            raise KeyError(f"module {module_id!r}: runnel trains one module, 'default_policy' (multi-agent "
-                           f"modules are not built yet)")
+            raise KeyError(f"module {module_id!r}: this run trains one module, 'default_policy'")
         return self.driver_policy.current_module(self.learner_group)
 
     def get_policy(self, policy_id: str = "default_policy") -> Any:

@@ -57,13 +57,17 @@ def iteration_result(metrics: MetricsLogger, info: IterationInfo) -> dict[str, A
     for key in ("num_episodes", "num_env_steps_sampled", "num_env_steps_sampled_lifetime", "num_episodes_lifetime"):
         env.setdefault(key, 0)
     learners = result.setdefault("learners", {})
-    learners.setdefault("default_policy", {})
+    if not any(k != "__all_modules__" for k in learners):  # a multi-agent run's modules are its own keys
+        learners["default_policy"] = {}
     all_modules = learners.setdefault("__all_modules__", {})
     all_modules.setdefault("num_env_steps_trained", 0)
     all_modules.setdefault("num_env_steps_trained_lifetime", 0)
     all_modules.setdefault("num_updates", 0)
     all_modules["weights_version"] = info.weights_version
     dt = info.time_this_iter_s
+    if "num_agent_steps_sampled_lifetime" in env:  # multi-agent runs count agent steps too (RLlib's keys)
+        result["num_agent_steps_sampled_lifetime"] = env["num_agent_steps_sampled_lifetime"]
+        result["num_agent_steps_trained_lifetime"] = all_modules.get("num_agent_steps_trained_lifetime", 0)
     return result | {
         "num_env_steps_sampled_lifetime": env["num_env_steps_sampled_lifetime"],
         "num_env_steps_trained_lifetime": all_modules["num_env_steps_trained_lifetime"],

@@ -6,6 +6,9 @@ Layout::
     config.json     the algorithm config (plain data; callables as import paths)
     learner.pt      module, target and optimizer tensors, the learner's named fields, RNGs
                     (loaded with torch weights_only=True)
+    modules/<id>/learner.pt
+                    multi-agent runs: each module's learner state, one subdirectory per module
+                    (learner.pt then holds what the MultiLearner keeps besides, and the module ids)
     state.json      iteration, time, weights version, the metrics logger's state (counters and
                     episode-metric windows), numpy RNG state
     runners.pt      each env runner's state: weights, counters, RNG, its running episodes
@@ -46,11 +49,17 @@ def write_checkpoint(path: str | os.PathLike, algorithm: str, config: dict, lear
     tmp.mkdir()
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        learner_state = dict(learner_state)
-        learner_state["rng"] = json.dumps(learner_state.get("rng"))  # numpy's 128-bit ints -> text
-        torch.save(learner_state, tmp / "learner.pt")
-        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
         files = ["config.json", "learner.pt", "state.json"]
+        learner_state = dict(learner_state)
+        modules = learner_state.get("modules")
+        if isinstance(modules, dict):  # a MultiLearner's state: one subdirectory per module
+            learner_state["modules"] = sorted(modules)
+            for mid in learner_state["modules"]:
+                (tmp / "modules" / mid).mkdir(parents=True)
+                _save_learner(modules[mid], tmp / "modules" / mid / "learner.pt")
+                files.append(f"modules/{mid}/learner.pt")
+        _save_learner(learner_state, tmp / "learner.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
         if runner_states:
             # copies: arrays from remote runners arrive as read-only views into one Ray buffer, and
             # torch.save refuses tensors of different dtypes that share memory
@@ -85,8 +94,23 @@ def write_checkpoint(path: str | os.PathLike, algorithm: str, config: dict, lear
     return str(target)
 
 
+def _save_learner(learner_state: dict, path: Path) -> None:
+    learner_state = dict(learner_state)
+    learner_state["rng"] = json.dumps(learner_state.get("rng"))  # numpy's 128-bit ints -> text
+    torch.save(learner_state, path)
+
+
+def _load_learner(path: Path) -> dict:
+    learner_state = torch.load(path, map_location="cpu", weights_only=True)
+    learner_state["rng"] = json.loads(learner_state["rng"])
+    return learner_state
+
+
 def _fsync_dir(path: Path) -> None:
     for f in path.iterdir():
+        if f.is_dir():
+            _fsync_dir(f)
+            continue
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
 
@@ -178,8 +202,10 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict, dict, dict]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint {str(p)!r} is corrupted: {err}") from None
     try:
-        learner_state = torch.load(p / "learner.pt", map_location="cpu", weights_only=True)
-        learner_state["rng"] = json.loads(learner_state["rng"])
+        learner_state = _load_learner(p / "learner.pt")
+        if isinstance(learner_state.get("modules"), list):  # a multi-agent run's modules, one directory each
+            learner_state["modules"] = {mid: _load_learner(p / "modules" / mid / "learner.pt")
+                                        for mid in learner_state["modules"]}
     except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
         raise CheckpointError(f"checkpoint {str(p)!r}: learner.pt cannot be read ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''})") from None

@@ -30,7 +30,6 @@ from pipeline.config.evaluation import estimation_problems, evaluation_problems
 from pipeline.config.exploration import exploration_problems, exploration_settings
 from pipeline.config.multi_agent import (MultiAgentFlag, is_multi_agent, multi_agent_problems, normalize_policies,
                                          restore_plain)
-from pipeline.config.multi_agent import settings_used as multi_agent_settings_used
 from pipeline.config.keys import group_keys, ignore_setting, read_setting, setting_names, unknown_problem
 from pipeline.config.plain import from_plain, function_problems, plain_settings
 from pipeline.config.sampling import env_runner_problems, environment_problems, rollout_fragment_length
@@ -524,12 +523,6 @@ class AlgorithmConfig:
             raise ConfigError(f"{type(self).__name__} belongs to no algorithm; use an algorithm's config "
                               f"(PPOConfig, IMPALAConfig, APPOConfig...)")
         self.validate()
-        if multi_agent_settings_used(self):
-            raise NotImplementedError(
-                "multi-agent training (issue 27) is not wired yet: the config is valid, and "
-                "pipeline.config.multi_agent_plan(config, env) resolves its modules, but env runners and learners do "
-                "not read .multi_agent(...) or rl_module(rl_module_spec=...) yet; leave them out to train the one "
-                "module 'default_policy'")
         return algo_class(self.copy(), **kwargs)
 
     build_algo = build

@@ -39,14 +39,18 @@ class EnvRunnerGroup:
     def __init__(self, settings: EnvRunnerSettings, num_env_runners: int, num_cpus_per_env_runner: float,
                  fault_tolerance: FaultToleranceSettings, *, compress_frames: bool = False,
                  on_recreated: Callable[[list[int]], None] | None = None, external: Any = None,
-                 offline: Any = None) -> None:
+                 offline: Any = None, runner_class: type | None = None, runner_kwargs: dict[str, Any] | None = None,
+                 count_steps: Callable[[list[EpisodeChunk], dict[str, Any]], int] | None = None) -> None:
         """``external`` (``actors.external.settings.ExternalSettings``): the slots host policy servers for
-        remote clients instead of env runners."""
+        remote clients instead of env runners. ``runner_class`` / ``runner_kwargs``: another runner and
+        its arguments (multi-agent); ``count_steps(chunks, runner_metrics)``: the steps one answer brought
+        towards ``sample``'s count (default: the chunks' lengths)."""
         self.settings = settings
         self.compress_frames = compress_frames
         self.on_recreated = on_recreated
-        runner_cls: type = EnvRunner
-        extra: dict[str, Any] = {}
+        self.count_steps = count_steps or _chunk_steps
+        runner_cls: type = runner_class or EnvRunner
+        extra: dict[str, Any] = dict(runner_kwargs or {})
         if external is not None:
             from actors.external.policy_server import PolicyServer
 
@@ -55,7 +59,8 @@ class EnvRunnerGroup:
             runner_cls, extra = reader_class(offline), {"offline": offline, "num_readers": max(1, num_env_runners)}
         self.servers = external is not None
         if num_env_runners == 0:
-            make: Callable[[int, bool], Any] = lambda i, recreated: runner_cls(settings, i, recreated, **extra)  # noqa: E731
+            make: Callable[[int, bool], Any] = lambda i, recreated: runner_cls(  # noqa: E731
+                settings, worker_index=i, recreated=recreated, **extra)
         else:
             remote_cls = ray.remote(num_cpus=num_cpus_per_env_runner, max_restarts=0)(runner_cls)
             make = lambda i, recreated: remote_cls.remote(settings, worker_index=i, recreated=recreated, **extra)  # noqa: E731
@@ -145,7 +150,7 @@ class EnvRunnerGroup:
                     chunks.extend(got)
                     if self.servers:
                         self._last_delivered[res.actor_id] = [[c.episode_id, c.chunk_index] for c in got]
-                    collected += sum(len(c) for c in got)
+                    collected += self.count_steps(got, runner_metrics)
                     self.fold_metrics(res.actor_id, runner_metrics, metrics)
         return chunks
 
@@ -287,3 +292,7 @@ class EnvRunnerGroup:
             except Exception as err:  # noqa: BLE001 - they are killed next anyway
                 log.warning("stopping the %ss: %s", self.manager.name, err)
         self.manager.stop()
+
+
+def _chunk_steps(chunks: list[EpisodeChunk], runner_metrics: dict[str, Any]) -> int:
+    return sum(len(c) for c in chunks)

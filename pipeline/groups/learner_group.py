@@ -46,8 +46,11 @@ def shard_chunks(chunks: list[EpisodeChunk], n: int) -> list[list[EpisodeChunk]]
 
 
 class LearnerGroup:
-    def __init__(self, learner_class: type[Learner], config: Any, observation_space: Any, action_space: Any) -> None:
+    def __init__(self, learner_class: type[Learner], config: Any, observation_space: Any, action_space: Any,
+                 learner_kwargs: dict[str, Any] | None = None) -> None:
+        """``learner_kwargs``: more arguments for ``learner_class`` (a multi-agent learner's plan)."""
         n = config.num_learners
+        extra = learner_kwargs or {}
         device = "cuda" if config.num_gpus_per_learner > 0 else "cpu"
         if n == 0:
             if device == "cuda":
@@ -57,11 +60,11 @@ class LearnerGroup:
                     raise RuntimeError("num_gpus_per_learner > 0 but torch sees no CUDA device in the driver; "
                                        "use num_learners >= 1 to place learners on GPU nodes, or set num_gpus_per_learner=0")
             make: Callable[[int, bool], Any] = lambda rank, _: learner_class(  # noqa: E731
-                config, observation_space, action_space, device=device)
+                config, observation_space, action_space, device=device, **extra)
         else:
             cls = ray.remote(num_cpus=config.num_cpus_per_learner, num_gpus=config.num_gpus_per_learner)(learner_class)
             make = lambda rank, _: cls.remote(config, observation_space, action_space, device=device,  # noqa: E731
-                                              rank=rank, world_size=n)
+                                              rank=rank, world_size=n, **extra)
         fatal = FaultToleranceSettings(restart_failed=False, ignore_failures=False, probe_timeout_s=None, fatal_hint="")
         self.manager = ActorManager(make, list(range(max(1, n))), fatal, name="learner", in_process=n == 0)
         self.manager.check_started(config.learner_placement_timeout_s,

@@ -1,0 +1,149 @@
+"""The stage groups of a multi-agent run: a learner group of ``MultiLearner``s and the env runners' counts.
+
+``MultiLearnerGroup`` is a ``LearnerGroup`` whose members are ``ConfiguredMultiLearner``s: one
+algorithm learner per module, each built from the run's config with that module's spec and
+``PolicySpec.config`` overrides (its own seed, so modules start apart). An update takes the flat
+chunk list the multi-agent env runners return, groups it by module id, shards each module's chunks
+across the learners (each module's batch one codec frame) and logs each module's statistics under
+``learners/<module_id>/``, as RLlib's results hold them.
+
+``steps_counter`` tells ``EnvRunnerGroup.sample`` how many steps a runner's answer brought, in the
+plan's ``count_steps_by`` unit: chunk lengths are agent steps, so the runner's own metrics say it.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any, Callable
+
+import numpy as np
+
+from actors.env.multi_agent_runner_parts import chunks_by_module
+from actors.learner import Learner
+from actors.learner.multi_learner import ALL_MODULES, MultiLearner
+from actors.metrics import MetricsLogger
+from actors.modules import ModuleSpec
+from actors.modules.multi import SEP
+from pipeline.config.checks import ConfigError
+from pipeline.groups.learner_group import LearnerGroup, shard_chunks
+from protocols.codec import encode
+from protocols.episode import EpisodeChunk
+
+
+def module_config(config: Any, module_id: str, index: int, spec: ModuleSpec, overrides: Mapping[str, Any]) -> Any:
+    """The run's config as module ``module_id``'s learner sees it: its model config and overrides, and a
+    seed of its own (``seed + index``) so that modules of one spec do not start identical."""
+    out = config.copy()
+    try:
+        out.update_from_dict(dict(overrides))
+    except Exception as err:  # noqa: BLE001 - whatever the config rejects, named with the module
+        raise ConfigError(f"module {module_id!r}: PolicySpec(config={dict(overrides)!r}): {err}") from err
+    out.model_config = dict(spec.model_config)
+    if config.seed is not None:
+        out.seed = config.seed + index
+    return out
+
+
+class ConfiguredMultiLearner(MultiLearner):
+    """A ``MultiLearner`` that builds its modules' learners itself (in the process that hosts it: a Ray
+    learner actor is given the plan's pieces, never learners)."""
+
+    def __init__(self, config: Any, observation_space: Any = None, action_space: Any = None, *,
+                 learner_class: type[Learner], module_specs: Mapping[str, ModuleSpec],
+                 trainable: Collection[str] | None, config_overrides: Mapping[str, Mapping[str, Any]],
+                 device: str = "cpu", rank: int = 0, world_size: int = 1) -> None:
+        learners = {}
+        for index, (mid, spec) in enumerate(sorted(module_specs.items())):
+            check_module_class(learner_class, mid, spec)
+            cfg = module_config(config, mid, index, spec, config_overrides.get(mid, {}))
+            learners[mid] = learner_class(cfg, spec.observation_space, spec.action_space, device=device, rank=rank,
+                                          world_size=world_size)
+        super().__init__(learners, trainable)
+
+
+def check_module_class(learner_class: type[Learner], module_id: str, spec: ModuleSpec) -> None:
+    if spec.module_class is not learner_class.module_class:
+        raise ConfigError(f"module {module_id!r} asks for module class {spec.module_class.__name__}, but "
+                          f"{learner_class.__name__} trains {learner_class.module_class.__name__}; per-module module "
+                          f"classes are not built yet (issue 27): leave module_class/policy_class unset")
+
+
+class MultiLearnerGroup(LearnerGroup):
+    def __init__(self, learner_class: type[Learner], config: Any, plan: Any) -> None:
+        """``plan``: the run's ``MultiAgentPlan`` (module specs, which train, per-module overrides)."""
+        for mid, spec in plan.module_specs.items():  # in the driver, before any actor starts
+            check_module_class(learner_class, mid, spec)
+        self.module_ids = sorted(plan.module_specs)
+        kwargs = {"learner_class": learner_class, "module_specs": plan.module_specs,
+                  "trainable": plan.trainable, "config_overrides": plan.config_overrides}
+        super().__init__(ConfiguredMultiLearner, config, None, None, learner_kwargs=kwargs)
+
+    def update(self, batch: list[EpisodeChunk], timestep: int, metrics: MetricsLogger | None = None,
+               with_outputs: bool = False, num_env_steps: int | None = None
+               ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+        """One update of every trainable module on its agents' chunks of ``batch``; returns the
+        statistics per module (the learners' mean). ``num_env_steps``: the env steps the batch holds
+        (its chunks count agent steps), for ``num_env_steps_trained``."""
+        if with_outputs:
+            raise NotImplementedError("per-row learner outputs of a multi-agent update (prioritized replay) are "
+                                      "not built yet (issue 27)")
+        by_module = chunks_by_module(batch)
+        ids = self.manager.healthy_ids()
+        shards: dict[int, dict[str, Any]] = {i: {} for i in ids}
+        for mid, chunks in by_module.items():
+            for i, shard in zip(ids, [chunks] if len(ids) == 1 else shard_chunks(chunks, len(ids))):
+                shards[i][mid] = shard if self.manager.in_process else encode(shard, compress=False)
+        results = self.manager.foreach_actor("update", per_actor_args={i: (shards[i], timestep) for i in ids})
+        all_stats = [r.value for r in results]
+        stats = {mid: {k: float(np.mean([s[mid][k] for s in all_stats])) for k in all_stats[0][mid]}
+                 for mid in all_stats[0]}
+        trained = [mid for mid in stats if mid != ALL_MODULES and "num_batches_refused" not in stats[mid]]
+        if trained:
+            self.weights_version += 1
+        if metrics is not None:
+            agent_steps = sum(len(c) for mid in trained for c in by_module[mid])
+            env_steps = agent_steps if num_env_steps is None else num_env_steps
+            for mid, module_stats in stats.items():
+                metrics.log_dict(module_stats, prefix=f"learners/{mid}")
+            for key, value in (("num_env_steps_trained", env_steps), ("num_agent_steps_trained", agent_steps),
+                               ("num_updates", 1 if trained else 0)):
+                metrics.log_value(f"learners/{ALL_MODULES}/{key}", value, reduce="sum")
+            for key, value in (("num_env_steps_trained_lifetime", env_steps if trained else 0),
+                               ("num_agent_steps_trained_lifetime", agent_steps)):
+                metrics.log_value(f"learners/{ALL_MODULES}/{key}", value, reduce="lifetime_sum")
+        return stats, {}
+
+    def module_weights(self, module_id: str) -> dict[str, np.ndarray]:
+        """One module's weights, its own parameter names (no module prefix)."""
+        if module_id not in self.module_ids:
+            raise KeyError(f"no module {module_id!r}; the modules are {self.module_ids}")
+        first = self.manager.healthy_ids()[:1]
+        flat = self.manager.foreach_actor("get_weights", False, [module_id], actor_ids=first)[0].value
+        prefix = f"{module_id}{SEP}"
+        return {k[len(prefix):]: v for k, v in flat.items()}
+
+
+class OneModule:
+    """What ``DriverPolicy`` reads of a learner group (``weights_version``, ``get_weights()``), for one
+    module of a ``MultiLearnerGroup``: the driver keeps one policy copy per module."""
+
+    def __init__(self, group: MultiLearnerGroup, module_id: str) -> None:
+        self.group, self.module_id = group, module_id
+
+    @property
+    def weights_version(self) -> int:
+        return self.group.weights_version
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        return self.group.module_weights(self.module_id)
+
+
+def steps_counter(count_steps_by: str) -> Callable[[list[EpisodeChunk], dict[str, Any]], int]:
+    """How many ``count_steps_by`` units one multi-agent runner's answer (its chunks and ``get_metrics()``)
+    brought: what ``EnvRunnerGroup.sample`` collects towards its ``num_timesteps``."""
+    key = "num_agent_steps_sampled" if count_steps_by == "agent_steps" else "num_env_steps_sampled"
+
+    def count(chunks: list[EpisodeChunk], runner_metrics: dict[str, Any]) -> int:
+        entry = runner_metrics.get(key)
+        return int(entry["value"]) if entry else 0
+
+    return count
