@@ -83,8 +83,10 @@ def multi_agent_setup(config: AlgorithmConfig, creator: Callable | None, learner
         close = getattr(env, "close", None)
         if close is not None:
             close()
-    if not plan.is_multi_agent:
-        raise ConfigError(f"the env {config.env!r} is single-agent: leave .multi_agent(...) out to train it")
+    if not plan.is_multi_agent:  # multi_agent_plan refuses modules other than default_policy on such an env
+        raise NotImplementedError(f"rl_module(rl_module_spec=...) and multi_agent(...) settings on a single-agent env "
+                                  f"({config.env!r}) {NOT_YET}: leave them out (rl_module(model_config=...) sets "
+                                  f"the one module's network)")
     if plan.trainable is None:
         raise NotImplementedError(f"policies_to_train as a function {NOT_YET}: give the module ids that train")
     policies = {}

@@ -173,10 +173,10 @@ def test_rl_module_spec_checks():
         MultiRLModuleSpec()
 
 
-def test_build_validates_first_then_says_training_is_not_wired_yet():
+def test_build_validates_first_then_resolves_the_modules_on_the_env():
     with pytest.raises(ConfigError, match="count_steps_by"):
         ma(policies={"p0"}, count_steps_by="x").env_runners(num_env_runners=0).build()
-    with pytest.raises(NotImplementedError, match="issue 27"):
+    with pytest.raises(ConfigError, match="single-agent"):  # training itself: tests/test_multi_agent_train.py
         ma(policies={"p0", "p1"}, policy_mapping_fn=per_agent).env_runners(num_env_runners=0).build()
     with pytest.raises(NotImplementedError, match="issue 27"):
         PPOConfig().environment("CartPole-v1").rl_module(rl_module_spec=RLModuleSpec()).build()
