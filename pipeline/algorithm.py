@@ -353,6 +353,8 @@ class Algorithm(Trainable):
     def evaluate(self) -> dict[str, Any]:
         """Evaluate the current weights with the evaluators (built on first use); returns
         ``{"evaluation": results}`` and keeps them for the next ``train()`` result."""
+        if self.multi_agent is not None:
+            raise NotImplementedError("evaluate() is not built for multi-agent runs yet (issue 27)")
         self.evaluation.sync_weights()
         self.evaluation_results = self.evaluation.run(None)
         return {"evaluation": self.evaluation_results}
