@@ -36,7 +36,8 @@ class MultiAgentSetup:
 
     @property
     def module_ids(self) -> list[str]:
-        return self.plan.module_ids
+        """Sorted: ``policies`` may be a set, whose order changes from one process to the next."""
+        return sorted(self.plan.module_ids)
 
     def first_spaces(self) -> tuple[Any, Any]:
         """The first module's (observation, action) spaces: what the driver's single-module pieces
@@ -48,7 +49,9 @@ class MultiAgentSetup:
         """``EnvRunnerGroup`` arguments: the runner class, its plan pieces and how its steps count."""
         plan = self.plan
         return {"runner_class": MultiAgentEnvRunner,
-                "runner_kwargs": {"module_specs": plan.module_specs, "policy_mapping_fn": plan.policy_mapping_fn,
+                # sorted, so the runners' modules draw their exploration in the same order in every process
+                "runner_kwargs": {"module_specs": dict(sorted(plan.module_specs.items())),
+                                  "policy_mapping_fn": plan.policy_mapping_fn,
                                   "count_steps_by": plan.count_steps_by},
                 "count_steps": steps_counter(plan.count_steps_by)}
 
