@@ -243,7 +243,10 @@ class Algorithm(Trainable):
     def sync_weights(self) -> None:
         """Send the learner's current weights to every env runner and wait until they have them."""
         weights = self.learner_group.get_weights(inference_only=True)
-        self.env_runner_group.sync_weights(weights, self.weights_version, self.counters["num_env_steps_sampled_lifetime"])
+        timestep = self.counters["num_env_steps_sampled_lifetime"]
+        if self.multi_agent is not None:  # multi-agent runners follow their schedules in count_steps_by units
+            timestep = self.multi_agent.runner_timestep(self.metrics, timestep)
+        self.env_runner_group.sync_weights(weights, self.weights_version, timestep)
 
     def get_weights(self) -> dict[str, np.ndarray]:
         return self.learner_group.get_weights()

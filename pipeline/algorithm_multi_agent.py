@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from actors.env.multi_agent_runner import MultiAgentEnvRunner
 from actors.env.vector_env import EnvContext
+from actors.metrics import MetricsLogger
 from actors.modules import RLModule
 from pipeline.algorithm_actions import DriverPolicy
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -54,6 +55,12 @@ class MultiAgentSetup:
                                   "policy_mapping_fn": plan.policy_mapping_fn,
                                   "count_steps_by": plan.count_steps_by},
                 "count_steps": steps_counter(plan.count_steps_by)}
+
+    def runner_timestep(self, metrics: MetricsLogger, env_steps: int) -> int:
+        """The run's steps so far in the runners' ``count_steps_by`` unit (what their exploration follows)."""
+        if self.plan.count_steps_by == "agent_steps":
+            return int(metrics.peek("env_runners/num_agent_steps_sampled_lifetime", 0))
+        return env_steps
 
     def learner_group(self, learner_class: type, config: AlgorithmConfig) -> MultiLearnerGroup:
         return MultiLearnerGroup(learner_class, config, self.plan)
