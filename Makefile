@@ -2,7 +2,7 @@
 #               make evaluate CHECKPOINT=<dir>   (play 10 episodes with a checkpoint 'make train' printed;
 #                              ARGS='--episodes 3 --render' passes more flags to runnel evaluate)
 #               make test    (set up, then run the test suite; .ci/run calls this)
-#               make test-seeds   (the learning tests' further seeds: DQN and SAC seeds 1-2, IMPALA from clients; ~9 min)
+#               make test-seeds   (the learning tests' further seeds: DQN and SAC seeds 1-2, IMPALA from clients; 1-2 min each)
 #               make test-fast   (the edit loop: unit, property and protocol tests, no learning or slow runs; ~2 min)
 #               make help    (this text)
 # Any other runnel command in a fresh shell: .venv/bin/runnel ..., or '. .venv/bin/activate' first.
