@@ -63,16 +63,14 @@ are never runnel dependencies)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from workers import Progress, emit, finish, num, run_worker, versions_of, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -95,40 +93,6 @@ ZOO = {
 }
 
 
-def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
-
-
-def num(x) -> float | None:
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return None
-    return None if x != x else x  # NaN -> None
-
-
-# --- workers (each runs in its own process) ---------------------------------------------------------
-class Progress:
-    def __init__(self, a: argparse.Namespace, t0: float) -> None:
-        self.a, self.t0, self.last = a, t0, 0.0
-
-    def __call__(self, env_steps: int, ret, iterations: int, force: bool = False) -> None:
-        now = time.perf_counter()
-        if force or now - self.last >= 5:
-            self.last = now
-            emit(bench="progress", env_steps=int(env_steps), last_return=num(ret), iterations=iterations,
-                 wall_s=round(now - self.t0, 2))
-
-
-def finish(a: argparse.Namespace, t0: float, build_s: float, reached: bool, env_steps: int, ret, iterations: int,
-           **extra) -> None:
-    wall = time.perf_counter() - t0
-    stop = "target" if reached else "budget" if env_steps >= a.budget else "interrupted"
-    emit(bench="result", reached=bool(reached), env_steps=int(env_steps), wall_s=round(wall, 2),
-         build_s=round(build_s, 2), train_s=round(wall - build_s, 2), iterations=iterations,
-         last_return=num(ret), stop=stop, **extra)
-
-
 def worker_runnel(a: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     import yaml
@@ -143,7 +107,7 @@ def worker_runnel(a: argparse.Namespace) -> None:
     config.debugging(seed=a.seed)
     algo = config.build()
     build_s = time.perf_counter() - t0
-    progress = Progress(a, t0)
+    progress = Progress(t0)
     it, steps, ret, last, reached = 0, 0, None, None, False
     try:
         while True:
@@ -160,7 +124,7 @@ def worker_runnel(a: argparse.Namespace) -> None:
                 break
     finally:
         stop_t = time.perf_counter()
-        finish(a, t0, build_s, reached, steps, last, it)
+        finish(a.budget, t0, build_s, reached, steps, last, it)
         algo.stop()
         emit(bench="teardown", stop_s=round(time.perf_counter() - stop_t, 2))
 
@@ -261,7 +225,7 @@ def worker_rllib(a: argparse.Namespace) -> None:
     ray.init(ignore_reinit_error=True)
     algo = config.build_algo()
     build_s = time.perf_counter() - t0
-    progress = Progress(a, t0)
+    progress = Progress(t0)
     it, steps, ret, last, reached = 0, 0, None, None, False
     try:
         while True:
@@ -279,7 +243,7 @@ def worker_rllib(a: argparse.Namespace) -> None:
                 break
     finally:
         stop_t = time.perf_counter()
-        finish(a, t0, build_s, reached, steps, last, it, num_env_runners=config.num_env_runners)
+        finish(a.budget, t0, build_s, reached, steps, last, it, num_env_runners=config.num_env_runners)
         algo.stop()
         ray.shutdown()
         emit(bench="teardown", stop_s=round(time.perf_counter() - stop_t, 2))
@@ -320,11 +284,11 @@ def worker_sb3(a: argparse.Namespace) -> None:
     env = make_vec_env(zoo["env"], n_envs=1, seed=a.seed)  # Monitor-wrapped: infos carry "episode"
     model = getattr(stable_baselines3, zoo["cls"])(zoo["policy"], env, seed=a.seed, device="cpu", verbose=0, **kwargs)
     build_s = time.perf_counter() - t0
-    progress = Progress(a, t0)
+    progress = Progress(t0)
     cb = StopAtMeanReturn()
     model.learn(total_timesteps=a.budget, callback=cb)
     ret = float(np.mean(cb.returns[-a.smoothing:])) if cb.returns else None
-    finish(a, t0, build_s, cb.reached, model.num_timesteps, ret, len(cb.returns), episodes=len(cb.returns),
+    finish(a.budget, t0, build_s, cb.reached, model.num_timesteps, ret, len(cb.returns), episodes=len(cb.returns),
            sb3_kwargs={k: v for k, v in kwargs.items() if k != "policy_kwargs"})
     env.close()
 
@@ -350,82 +314,16 @@ def task(algo: str, quick: bool) -> dict:
             "budget": budget, "smoothing": int(spec.get("config", {}).get("metrics_num_episodes_for_smoothing", 100))}
 
 
-def versions_of(python: str) -> dict:
-    code = ("import importlib.metadata as m, json\nout = {}\n"
-            "for p in ('runnel-rl', 'ray', 'torch', 'stable-baselines3', 'gymnasium', 'numpy'):\n"
-            "    try: out[p] = m.version(p)\n    except Exception: pass\nprint(json.dumps(out))")
-    try:
-        return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout)
-    except Exception as err:
-        return {"error": f"{type(err).__name__}: {err}"}
-
-
 def run_one(system: str, t: dict, seed: int, args: argparse.Namespace) -> dict:
     python = sys.executable if system == "runnel" else args.anchors_python
     cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--algos", t["algo"], "--seeds", str(seed),
            "--worker-target", str(t["target"]), "--budget", str(t["budget"]), "--smoothing", str(t["smoothing"]),
            "--tuned", t["tuned"]]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if args.torch_threads > 0:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.torch_threads)
-    if system != "runnel":
-        env.pop("PYTHONPATH", None)
     base = {"bench": "run", "system": system, "algo": t["algo"], "env": t["env"], "seed": seed,
             "target": t["target"], "budget": t["budget"], "smoothing": t["smoothing"]}
-    last: dict = {}
-    result: dict = {}
-    t0 = time.perf_counter()
-    # Own session: on a timeout the whole process group (Ray's processes included) is ended.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if args.verbose else subprocess.DEVNULL,
-                            text=True, env=env, cwd=str(ROOT) if system == "runnel" else "/tmp",
-                            start_new_session=True)
-
-    def reader() -> None:
-        for line in proc.stdout:
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                if args.verbose:
-                    print(f"[{system}] {line.rstrip()}", file=sys.stderr, flush=True)
-                continue
-            kind = obj.pop("bench", None) if isinstance(obj, dict) else None
-            if kind == "progress":
-                last.update(obj)
-                if args.verbose:
-                    print(f"[{system} {t['algo']} seed {seed}] {json.dumps(obj)}", file=sys.stderr, flush=True)
-            elif kind == "result":
-                result.update(obj)
-            elif kind == "teardown":
-                result["teardown_s"] = obj.get("stop_s")
-
-    th = threading.Thread(target=reader, daemon=True)
-    th.start()
-    try:
-        proc.wait(timeout=args.max_minutes * 60)
-    except subprocess.TimeoutExpired:
-        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=grace)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        th.join(timeout=5)
-        # A worker that catches SIGTERM (Ray's driver does) may still print its result: keep its
-        # figures, but the run did not reach the target in time.
-        got = result or {k: last.get(k) for k in ("env_steps", "last_return", "iterations")}
-        return {**base, **got, "reached": False, "wall_s": round(time.perf_counter() - t0, 2), "stop": "timeout",
-                "note": f"killed after --max-minutes {args.max_minutes:g}; wall_s: until the kill"}
-    th.join(timeout=30)
-    if not result:
-        return {**base, "reached": False, "env_steps": last.get("env_steps"),
-                "wall_s": round(time.perf_counter() - t0, 2), "last_return": last.get("last_return"),
-                "stop": "error", "note": f"worker exited with status {proc.returncode} and no result "
-                                         "(rerun with --verbose to see its output)"}
-    return {**base, **result, "process_s": round(time.perf_counter() - t0, 2)}
+    return run_worker(cmd, base, env=worker_env(args.torch_threads, anchor=system != "runnel"),
+                      cwd=str(ROOT) if system == "runnel" else "/tmp", max_minutes=args.max_minutes,
+                      verbose=args.verbose, label=f"{system} {t['algo']} seed {seed}")
 
 
 def summarize(runs: list[dict], systems: list[str], algos: list[str]) -> None:
