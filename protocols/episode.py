@@ -298,7 +298,7 @@ class EpisodeBuilder:
         if self.is_done:
             raise ValueError(f"episode {self.episode_id} is already done; start a new EpisodeBuilder")
         extra = extra or {}
-        if self._actions and set(extra) != set(self._extra):  # check before changing any state
+        if self._actions and extra.keys() != self._extra.keys():  # check before changing any state
             raise ValueError(f"extra keys changed mid-episode: {sorted(self._extra)} -> {sorted(extra)}")
         self._actions.append(action)
         self._rewards.append(float(reward))

@@ -224,21 +224,24 @@ class MultiAgentEpisode:
             if aid not in actions:
                 raise ValueError(f"extras for agent {aid!r}, which is given no action: "
                                  "pass an agent's extras with its action")
+        agents = self._agents
         for aid in actions:  # check everything before changing anything
-            a = self._agents.get(aid)
+            a = agents.get(aid)
             if a is None or not a.ready:
                 raise ValueError(self._not_ready(aid))
-            keys = frozenset(extras.get(aid, ()))
+            keys = extras.get(aid, {}).keys()
             if a.extra_keys is not None and keys != a.extra_keys:
                 raise ValueError(f"agent {aid!r}: extra keys changed mid-episode, {sorted(a.extra_keys)} -> "
                                  f"{sorted(keys)}; give an agent the same policy outputs at every step")
+        module_steps = self._module_steps
         for aid, action in actions.items():
-            a = self._agents[aid]
+            a = agents[aid]
             a.action, a.extra = action, dict(extras.get(aid, {}))
-            a.extra_keys = frozenset(a.extra)
+            if a.extra_keys is None:
+                a.extra_keys = frozenset(a.extra)
             a.ready = False
-            self._agent_steps += 1
-            self._module_steps[a.module_id] = self._module_steps.get(a.module_id, 0) + 1
+            module_steps[a.module_id] = module_steps.get(a.module_id, 0) + 1
+        self._agent_steps += len(actions)
 
     def add_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
                  terminateds: Mapping[AgentID, bool], truncateds: Mapping[AgentID, bool],
@@ -257,24 +260,26 @@ class MultiAgentEpisode:
             term = bool(terminateds.get(aid, False)) or all_term
             return term, (bool(truncateds.get(aid, False)) or all_trunc) and not term
 
-        self._check_step(obs, rewards, [aid for aid in obs if aid not in self._agents and not any(flags(aid))])
+        agents = self._agents
+        self._check_step(obs, rewards, [aid for aid in obs if aid not in agents and not any(flags(aid))])
         infos = infos or {}
         self._env_steps += 1
         for aid, r in rewards.items():
-            a = self._agents.get(aid)
+            a = agents.get(aid)
             if a is None:
                 self.rewards_before_first_obs[aid] = self.rewards_before_first_obs.get(aid, 0.0) + float(r)
             elif not a.done:
-                a.pending_reward += float(r)
-                a.ret += float(r)
+                r = float(r)
+                a.pending_reward += r
+                a.ret += r
         for aid, o in obs.items():
             term, trunc = flags(aid)
-            a = self._agents.get(aid)
+            a = agents.get(aid)
             if a is not None:
                 self._complete(a, o, infos.get(aid), term, trunc)
             elif not (term or trunc):  # joined and done at once: never acted, nothing to record
                 self._join(aid, o, infos.get(aid))
-        for aid, a in self._agents.items():
+        for aid, a in agents.items():
             if a.done or aid in obs:
                 continue
             term, trunc = flags(aid)
@@ -337,7 +342,7 @@ class MultiAgentEpisode:
                 raise ValueError(f"observation for agent {aid!r}, which finished earlier in episode {self.id_}: "
                                  "a done agent must not come back in the same episode")
         for aid, r in rewards.items():
-            if isinstance(r, (str, bytes)) or not _is_number(r):
+            if type(r) is not float and (isinstance(r, (str, bytes)) or not _is_number(r)):
                 raise ValueError(f"reward {r!r:.40} for agent {aid!r} is not a number; rewards must be floats")
             a = self._agents.get(aid)
             if a is not None and a.done and float(r) != 0.0:

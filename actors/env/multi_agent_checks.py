@@ -153,8 +153,10 @@ class MultiAgentStepChecker:
                 f"step() returned {short_repr(result)}{old}; a MultiAgentEnv's step() returns (observations, "
                 f"rewards, terminateds, truncateds, infos), five dicts keyed by agent id")
         obs, rewards, terminateds, truncateds, infos = result
-        for name, value in zip(("observations", "rewards", "terminateds", "truncateds", "infos"), result):
-            _need_dict("step()", name, value)
+        if not (type(obs) is dict and type(rewards) is dict and type(terminateds) is dict and  # the common case
+                type(truncateds) is dict and type(infos) is dict):
+            for name, value in zip(("observations", "rewards", "terminateds", "truncateds", "infos"), result):
+                _need_dict("step()", name, value)
         for name, flags in (("terminateds", terminateds), ("truncateds", truncateds)):
             if ALL not in flags:
                 raise MultiAgentEnvError(
@@ -162,17 +164,26 @@ class MultiAgentStepChecker:
                     f"{name}['__all__'] = True when the episode ends for every agent, False otherwise")
             _check_flag(name, ALL, flags[ALL])
         step = self.step_index + 1
+        finders, done, last_seen = self._finders, self.done, self.last_seen
         for agent, value in obs.items():
-            self._check_observation("step()", agent, value)
+            # the common case inline (a known, running agent and a value in its space); the named errors below
+            finder = finders.get(agent)
+            if finder is None or agent in done or finder(value) is not None:
+                self._check_observation("step()", agent, value)
         for agent, reward in rewards.items():
-            self._check_has_data(agent, obs, "a reward", reward)
-            self._check_not_done("a reward", agent)
-            _check_reward(agent, reward)
+            if agent not in finders or (agent not in last_seen and agent not in obs):
+                self._check_has_data(agent, obs, "a reward", reward)
+            if agent in done:
+                self._check_not_done("a reward", agent)
+            if type(reward) is not float or not isfinite(reward):
+                _check_reward(agent, reward)
         for name, flags in (("terminateds", terminateds), ("truncateds", truncateds)):
             for agent, flag in flags.items():
-                if agent != ALL:
+                if agent != ALL and (agent in done or agent not in last_seen or
+                                     (type(flag) is not bool and type(flag) is not np.bool_)):
                     self._check_flag_of(name, agent, flag, obs)
-        self._check_infos("step()", infos)
+        if infos:
+            self._check_infos("step()", infos)
 
         self.step_index = step
         for agent in obs:

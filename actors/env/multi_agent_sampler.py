@@ -121,6 +121,8 @@ class MultiAgentSampler:
         self.listener = listener
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
+        self._dtypes: dict[str, tuple[RLModule, Any]] = {}
+        """Module id -> (the module, its observation space's dtypes), computed once per module object."""
         self.reset(seed)
 
     @property
@@ -191,11 +193,12 @@ class MultiAgentSampler:
             to_env: list[dict[AgentID, Any]] = [{} for _ in range(n)]
             for mid, (who, obs) in waiting.items():
                 acts, env_acts, columns = self._act(mid, who, obs, forwards[mid], explore, timestep)
-                keys = list(columns)
-                for k, (i, aid) in enumerate(who):
-                    actions[i][aid] = acts[k]
-                    to_env[i][aid] = env_acts[k]
-                    extras[i][aid] = {key: columns[key][k] for key in keys}
+                keys = tuple(columns)
+                # one pass over the rows of every column at once: each agent's extras as a dict
+                for (i, aid), action, env_action, row in zip(who, acts, env_acts, zip(*columns.values())):
+                    actions[i][aid] = action
+                    to_env[i][aid] = env_action
+                    extras[i][aid] = dict(zip(keys, row))
                 module_steps[mid] = module_steps.get(mid, 0) + len(who)
                 agent_steps += len(who)
             for i, ep in enumerate(self.episodes):
@@ -219,16 +222,24 @@ class MultiAgentSampler:
              explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
         """One module's batch: its actions, the env's form of them, and the extras' columns."""
         module = self.modules[mid]
-        batch = nested.stack(obs)
-        dtypes = _space_dtypes(getattr(module, "observation_space", None))
-        if dtypes is not None:
-            try:
-                batch = nested.map_structure(_cast, batch, dtypes)
-            except (KeyError, ValueError, TypeError) as err:
-                raise ValueError(f"observations of agents {sorted({str(a) for _, a in who})} (module {mid!r}) do not "
-                                 f"fit the module's observation space {module.observation_space}: {err}. Map these "
-                                 "agents to a module built for their observation space") from None
-        out = forward(nested.map_structure(torch.from_numpy, batch))
+        dtypes = self._dtypes.get(mid)
+        if dtypes is None or dtypes[0] is not module:
+            dtypes = self._dtypes[mid] = (module, _space_dtypes(getattr(module, "observation_space", None)))
+        dtypes = dtypes[1]
+        try:
+            if type(obs[0]) is np.ndarray and not isinstance(dtypes, (dict, tuple)):
+                batch = np.stack(obs)  # the common case, flat arrays: one stack and at most one cast
+                tensors = torch.from_numpy(_cast(batch, dtypes))
+            else:
+                batch = nested.stack(obs)
+                if dtypes is not None:
+                    batch = nested.map_structure(_cast, batch, dtypes)
+                tensors = nested.map_structure(torch.from_numpy, batch)
+        except (KeyError, ValueError, TypeError) as err:
+            raise ValueError(f"observations of agents {sorted({str(a) for _, a in who})} (module {mid!r}) do not "
+                             f"fit the module's observation space {module.observation_space}: {err}. Map these "
+                             "agents to a module built for their observation space") from None
+        out = forward(tensors)
         dist_inputs = out["action_dist_inputs"]
         dist = module.dist_spec.build(dist_inputs)
         chosen = self.explorations[mid].actions(dist, explore, timestep)
