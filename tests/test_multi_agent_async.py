@@ -236,8 +236,11 @@ def test_a_frozen_module_never_moves(config_cls):
 
 # --- learning (Ray: two streaming runners) -----------------------------------------------------------
 def learn(config_cls: type, target: float, max_env_steps: int = 300_000) -> list[dict]:
+    """Until the summed return reaches ``target`` or ``max_env_steps`` are sampled. A batch of 1000 agent
+    steps gives each module about the 500 steps a single-agent batch has; two SGD passes over each."""
     algo = (config_cls().environment(CARTPOLES, env_config={"num_agents": 2})
             .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
+            .training(train_batch_size_per_learner=1000, num_epochs=2)
             .env_runners(num_env_runners=2).debugging(seed=0).build(logdir=None))
     results: list[dict] = []
     try:
@@ -257,24 +260,26 @@ def learn(config_cls: type, target: float, max_env_steps: int = 300_000) -> list
 
 @pytest.mark.learning
 def test_appo_trains_two_policies_on_two_agent_cartpole():
-    """Summed return (both agents) of 800 within 300k env steps, seed 0."""
+    """Summed return (both agents) of 800 within 300k env steps, seed 0. Measured on 2 busy cores: 211k and
+    229k env steps (45 s); with the default batch of 500 and one pass, 347k."""
     results = learn(APPOConfig, 800)
     last = results[-1]
     assert last["env_runners"]["episode_return_mean"] >= 800, \
         f"summed return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']}"
-    assert last["num_env_steps_sampled_lifetime"] <= 300_000 + 20_000  # the last iteration may overshoot a little
+    assert last["num_env_steps_sampled_lifetime"] <= 300_000
     assert min(last["env_runners"]["module_episode_returns_mean"].values()) >= 250  # both policies learned
     assert any(r["stream"]["weights_lag_mean"] > 0 for r in results)  # asynchronous: the policy lags
 
 
 @pytest.mark.learning
 def test_impala_trains_two_policies_on_two_agent_cartpole():
-    """Both policies learn clearly (a random policy's summed return is about 45) within 300k env steps."""
+    """Both policies learn clearly within 300k env steps, seed 0 (a random policy's summed return is about 45;
+    the run stops early at 800). Measured on 2 busy cores: 800 at 131k env steps in one run, in another a best
+    of 500-650 by 300k: asynchronous runs differ from one to the next."""
     results = learn(IMPALAConfig, 800)
-    first, last = results[0], results[-1]
-    assert last["num_env_steps_sampled_lifetime"] <= 300_000 + 20_000
-    best = max(r["env_runners"]["episode_return_mean"] for r in results if "episode_return_mean" in r["env_runners"])
-    assert best >= 400, f"best summed return {best}, first {first['env_runners'].get('episode_return_mean')}"
+    ran = [r["env_runners"] for r in results if "module_episode_returns_mean" in r["env_runners"]
+           and r["num_env_steps_sampled_lifetime"] <= 300_000]
+    best = max(e["episode_return_mean"] for e in ran)
+    assert best >= 400, f"best summed return {best}, first {ran[0]['episode_return_mean']}"
     for mid in ("p0", "p1"):
-        assert max(r["env_runners"]["module_episode_returns_mean"][mid] for r in results
-                   if "module_episode_returns_mean" in r["env_runners"]) >= 150, mid
+        assert max(e["module_episode_returns_mean"][mid] for e in ran) >= 150, mid
