@@ -134,14 +134,16 @@ def test_multi_agent_runner_streams_both_modules_tagged_and_counted(count_steps_
     runner.stop()
 
 
-def test_weights_for_an_unknown_module_are_refused_in_the_callers_thread_while_streaming():
+def test_while_streaming_bad_weights_and_module_removal_are_refused_in_the_callers_thread():
     runner = make_runner()
     receiver = ChunkReceiver(None, None, 200, module_spaces=SPACES).start()
     try:
         runner.start_streaming(receiver.address)
         with pytest.raises(ValueError, match="p7"):
             runner.set_weights({"p7/encoder.0.weight": np.zeros(3)}, weights_version=1)
-        assert runner.is_streaming()
+        with pytest.raises(RuntimeError, match="stop_streaming"):
+            runner.remove_module("p1")
+        assert runner.is_streaming() and runner.module_ids == ["p0", "p1"]
     finally:
         runner.stop()
         receiver.close()

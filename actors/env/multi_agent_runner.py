@@ -318,6 +318,9 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
             raise KeyError(f"no module {module_id!r} to remove; this runner holds {self.module_ids}")
         if len(self.module_specs) == 1:
             raise ValueError(f"module {module_id!r} is this runner's last module; add_module() another first")
+        if self.is_streaming():  # its episodes may need a reset, which must not race the sampling thread
+            raise RuntimeError(f"remove_module({module_id!r}) while this runner streams: stop_streaming() first, "
+                               f"then start_streaming() again")
         if policy_mapping_fn is not None:
             self.set_policy_mapping_fn(policy_mapping_fn)
         uses_it = any(module_id in ep.module_returns for ep in self.sampler.episodes)
