@@ -8,7 +8,7 @@ driver against one env (``multi_agent_plan``); from the plan come the env runner
 never reaches this module: single-agent runs keep ``EnvRunner`` and the single ``Learner``.
 
 What is not built for multi-agent runs yet is refused here, at set-up, with the setting named:
-evaluation, streaming (asynchronous) algorithms, recording, external clients and offline input.
+evaluation, recording, external clients and offline input.
 """
 from __future__ import annotations
 
@@ -117,9 +117,9 @@ def refuse_unbuilt(config: AlgorithmConfig, learner_class: type) -> None:
     named = [name for name, used in unbuilt.items() if used]
     if named:
         raise NotImplementedError(f"{', '.join(named)} {NOT_YET}; leave it unset for multi-agent training")
-    if getattr(config, "algo_name", "") != "PPO":
-        raise NotImplementedError(f"{getattr(config, 'algo_name', type(config).__name__)} {NOT_YET}: only PPO "
-                                  f"trains several modules so far")
+    if getattr(config, "algo_name", "") not in {"PPO", "APPO", "IMPALA"}:
+        raise NotImplementedError(f"{getattr(config, 'algo_name', type(config).__name__)} {NOT_YET}: only PPO, "
+                                  f"APPO and IMPALA train several modules so far")
 
 
 def make_env(creator: Callable, env_config: dict) -> Any:

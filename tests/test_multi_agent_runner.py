@@ -354,8 +354,6 @@ def test_a_single_agent_env_or_bad_arguments_are_refused():
         make_runner(count_steps_by="steps")
     with pytest.raises(ValueError, match="num_timesteps=0"):
         make_runner().sample(num_timesteps=0)
-    with pytest.raises(NotImplementedError, match="issue 27"):
-        make_runner().start_streaming("inproc://x")
 
 
 # --- as a Ray actor ---------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from actors.env.env_runner import EnvRunner
 from actors.env.multi_agent_runner import MultiAgentEnvRunner
 from pipeline import PPOConfig, make_multi_agent
 from pipeline.algorithm import Algorithm
-from pipeline.algorithms.appo import APPOConfig
 from pipeline.config.base import ConfigError
 from pipeline.groups.learner_group import LearnerGroup
 from pipeline.groups.multi_agent import MultiLearnerGroup
@@ -190,10 +189,6 @@ def test_what_is_not_built_for_multi_agent_runs_fails_at_build_naming_the_settin
         config().evaluation(evaluation_interval=1).build(logdir=None)
     with pytest.raises(ConfigError, match="single-agent"):
         config().environment("CartPole-v1", env_config={}).build(logdir=None)
-    with pytest.raises(NotImplementedError, match="APPO"):
-        (APPOConfig().environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
-         .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent).env_runners(num_env_runners=0)
-         .build(logdir=None))
     with pytest.raises(NotImplementedError, match="policies_to_train as a function"):
         config().multi_agent(policies_to_train=lambda mid, batch: mid == "p0").build(logdir=None)
 

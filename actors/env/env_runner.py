@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from typing import Any, Callable
 
 import gymnasium as gym
@@ -33,6 +32,7 @@ from actors.env.exploration import make_exploration
 from actors.env.process import prepare_process
 from actors.env.sampling import FragmentSampler
 from actors.env.settings import EnvRunnerSettings
+from actors.env.streaming import StreamingRunner
 from actors.env.task_settable import SubEnvTasks
 from actors.env.vector_env import EnvContext, make_vector_env
 from actors.metrics import MetricsLogger
@@ -43,7 +43,7 @@ from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 
 
-class EnvRunner(EnvRunnerRole):
+class EnvRunner(StreamingRunner, EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0, recreated: bool = False) -> None:
         self.s = settings
         self.worker_index = worker_index
@@ -71,10 +71,7 @@ class EnvRunner(EnvRunnerRole):
         self.num_env_steps_sampled_lifetime = 0
         self._timestep_offset = 0  # the run's env steps minus this runner's, as of the last weights
         self._restarts_seen = 0
-        # weights that arrive while a stream samples in another thread wait here for its next fragment
-        self._weights_lock = threading.Lock()
-        self._pending_weights: tuple[Any, int] | None = None
-        self._stream: Any = None
+        self.init_streaming()  # streaming (IMPALA, APPO): actors.env.streaming
         self._sys = SysUsage() if settings.log_sys_usage else None
         cb = self.callbacks
         self.hooks: EpisodeHooks | None = None
@@ -219,27 +216,7 @@ class EnvRunner(EnvRunnerRole):
         return chunk
 
     # --- weights, metrics, state ------------------------------------------------------------
-    def set_weights(self, weights: dict[str, np.ndarray], weights_version: int = 0,
-                    timestep: int | None = None) -> None:
-        """Apply now, or -- while a stream samples in its own thread -- before its next fragment
-        (never in the middle of one). ``timestep``: the run's env steps sampled so far, which
-        drives exploration schedules (a runner alone sees only its share of them)."""
-        with self._weights_lock:
-            if self.is_streaming():
-                self._pending_weights = (weights, weights_version, timestep)
-                return
-        self._apply_weights(weights, weights_version, timestep)
-
-    def apply_pending_weights(self) -> bool:
-        """Apply weights that arrived while streaming; the stream calls this between fragments."""
-        with self._weights_lock:
-            pending, self._pending_weights = self._pending_weights, None
-        if pending is None:
-            return False
-        self._apply_weights(*pending)
-        self.metrics.log_value("num_weight_updates_applied", 1, reduce="lifetime_sum")
-        return True
-
+    # set_weights (held back while streaming) comes from StreamingRunner
     def _apply_weights(self, weights: dict[str, np.ndarray], weights_version: int, timestep: int | None) -> None:
         self.module.set_state(weights)
         self.weights_version = weights_version
@@ -259,9 +236,7 @@ class EnvRunner(EnvRunnerRole):
         """What was logged since the last call, as plain data for ``MetricsLogger.merge``. While
         streaming, raises if the sampling thread failed or hangs, so the driver's stage group treats
         this runner as failed and recreates it."""
-        if self._stream is not None:
-            self._stream.check_health()
-            self._stream.log_counters()
+        self.check_stream()
         if self._sys is not None:
             for key, value in self._sys.sample().items():
                 self.metrics.log_value(f"perf/env_runner_{self.worker_index}/{key}", value)
@@ -346,35 +321,3 @@ class EnvRunner(EnvRunnerRole):
         if self.recorder is not None:
             self.recorder.close()
         self.env.close()
-
-    # --- streaming (asynchronous algorithms: IMPALA, APPO) ----------------------------------
-    def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
-                        stall_timeout_s: float = 60.0) -> None:
-        """Start (or keep) a thread that samples fragment after fragment and pushes each one's
-        chunks to the receiver at ``address`` (``actors.env.streaming``); this object's other
-        methods stay callable meanwhile."""
-        from actors.env.streaming import RunnerStream
-
-        stream = self._stream
-        if stream is not None and stream.alive():
-            if stream.address == address:
-                return
-            stream.stop()
-        self._stream = RunnerStream(self, address, hwm=hwm, compress=compress, sndbuf=sndbuf,
-                                    stall_timeout_s=stall_timeout_s)
-        self._stream.start()
-
-    def stop_streaming(self, timeout_s: float = 10.0) -> bool:
-        """Stop the sampling thread (a send blocked by back-pressure gives up). True if it ended."""
-        stream = self._stream
-        if stream is None:
-            return True
-        stopped = stream.stop(timeout_s)
-        if stopped:
-            self._stream = None
-            self.apply_pending_weights()  # what arrived for a fragment that never came
-        return stopped
-
-    def is_streaming(self) -> bool:
-        stream = self._stream
-        return stream is not None and stream.alive()

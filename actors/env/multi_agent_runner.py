@@ -14,6 +14,10 @@ weights dict keep theirs (frozen opponents). ``sample()`` returns one flat list 
 each tagged with ``agent_id`` and ``module_id``; ``multi_agent_runner_parts.chunks_by_module`` groups
 them for a learner.
 
+Streaming (IMPALA, APPO) is ``EnvRunner``'s (``actors.env.streaming.StreamingRunner``): a thread samples
+fragment after fragment with ``sample()`` and pushes each fragment's per-agent chunks as one frame;
+weights that arrive meanwhile wait for the next fragment.
+
 Steps are counted in ``count_steps_by`` units ("env_steps": ``step()`` calls of all envs;
 "agent_steps": actions taken) for ``num_timesteps``, for ``timestep`` in ``set_weights`` and for the
 exploration schedules; both counters are kept and reported whatever the unit.
@@ -34,6 +38,7 @@ from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks
 from actors.env.process import prepare_process
 from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler, PolicyMappingFn
 from actors.env.settings import EnvRunnerSettings
+from actors.env.streaming import StreamingRunner
 from actors.env.vector_env import EnvContext
 from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec, RLModule
@@ -43,13 +48,11 @@ from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 
 COUNT_UNITS = ("env_steps", "agent_steps")
-NAMED_KEYS = ("perf/", "callbacks/", "fault_tolerance/")
+NAMED_KEYS = ("perf/", "callbacks/", "fault_tolerance/", "stream/")
 """Metrics keys that are result keys as they stand; the others belong under ``env_runners/``."""
-STREAMING = ("streaming chunks from a multi-agent env runner is not built yet (issue 27: the asynchronous "
-             "algorithms' multi-agent path); sample with sample()/sample_encoded()")
 
 
-class MultiAgentEnvRunner(EnvRunnerRole):
+class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, module_specs: dict[str, ModuleSpec],
                  policy_mapping_fn: PolicyMappingFn, worker_index: int = 0, recreated: bool = False,
                  count_steps_by: str = "env_steps", check_env: bool = True) -> None:
@@ -80,6 +83,7 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         for mid, spec in module_specs.items():
             self._build_module(mid, spec)
         self.weights_version = 0
+        self.init_streaming()
         self.num_env_steps_sampled_lifetime = 0
         self.num_agent_steps_sampled_lifetime = 0
         self._timestep_offset = 0  # the run's steps minus this runner's, as of the last weights
@@ -257,10 +261,11 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         return self._own_steps + self._timestep_offset
 
     # --- weights, modules, mapping ----------------------------------------------------------
-    def set_weights(self, weights: dict[str, Any], weights_version: int = 0, timestep: int | None = None) -> None:
-        """Load ``{"<module_id>/<param>": array}`` into the modules it names; the others keep their
-        weights (frozen modules need not be sent). ``timestep``: the run's steps so far, in
-        ``count_steps_by`` units, which drives exploration schedules."""
+    # set_weights (StreamingRunner's: held back while streaming) loads ``{"<module_id>/<param>": array}``
+    # into the modules it names; the others keep their weights (frozen modules need not be sent).
+    # ``timestep``: the run's steps so far, in ``count_steps_by`` units, which drives exploration schedules.
+    def _checked_weights(self, weights: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The weights per module, checked in the caller's thread (not later in a streaming one)."""
         by_module: dict[str, dict[str, Any]] = {}
         for key, value in weights.items():
             mid, sep, param = key.partition(SEP)
@@ -272,6 +277,10 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         if unknown:
             raise ValueError(f"weights for modules {unknown}, which this runner does not hold; it holds "
                              f"{self.module_ids}: add_module() them first")
+        return by_module
+
+    def _apply_weights(self, by_module: dict[str, dict[str, Any]], weights_version: int,
+                       timestep: int | None) -> None:
         for mid, state in by_module.items():
             try:
                 self.module[mid].set_state(state)
@@ -309,6 +318,9 @@ class MultiAgentEnvRunner(EnvRunnerRole):
             raise KeyError(f"no module {module_id!r} to remove; this runner holds {self.module_ids}")
         if len(self.module_specs) == 1:
             raise ValueError(f"module {module_id!r} is this runner's last module; add_module() another first")
+        if self.is_streaming():  # its episodes may need a reset, which must not race the sampling thread
+            raise RuntimeError(f"remove_module({module_id!r}) while this runner streams: stop_streaming() first, "
+                               f"then start_streaming() again")
         if policy_mapping_fn is not None:
             self.set_policy_mapping_fn(policy_mapping_fn)
         uses_it = any(module_id in ep.module_returns for ep in self.sampler.episodes)
@@ -336,6 +348,7 @@ class MultiAgentEnvRunner(EnvRunnerRole):
     # --- metrics and state ------------------------------------------------------------------
     def get_metrics(self) -> dict[str, Any]:
         """What was logged since the last call, as plain data for ``MetricsLogger.merge``."""
+        self.check_stream()
         if self._sys is not None:
             for key, value in self._sys.sample().items():
                 self.metrics.log_value(f"perf/env_runner_{self.worker_index}/{key}", value)
@@ -387,20 +400,11 @@ class MultiAgentEnvRunner(EnvRunnerRole):
         return f"MultiAgentEnvRunner({getattr(self, 'where', 'multi-agent env runner')})"
 
     def stop(self) -> None:
+        self.stop_streaming()
         for env in self.user_envs:
             close = getattr(env, "close", None)
             if close is not None:
                 close()
-
-    def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
-                        stall_timeout_s: float = 60.0) -> None:
-        raise NotImplementedError(STREAMING)
-
-    def stop_streaming(self, timeout_s: float = 10.0) -> bool:
-        return True  # nothing streams
-
-    def is_streaming(self) -> bool:
-        return False
 
 
 def _flat(sample: MultiAgentSample) -> list[EpisodeChunk]:

@@ -9,6 +9,10 @@ main thread received (``EnvRunner.apply_pending_weights``). The actor's main thr
 A send blocked at the high-water mark is back-pressure, not a failure. A thread that dies, or
 makes no progress while sampling for ``stall_timeout_s`` (a hung environment), is reported by
 ``check_health``, which the runner's ``get_metrics`` calls, so the driver recreates the runner.
+
+``StreamingRunner`` is what a runner class mixes in to stream: ``start_streaming``/``stop_streaming``,
+and weights that arrive while its thread samples held back until the next fragment. Both
+``EnvRunner`` and ``MultiAgentEnvRunner`` use it, so the two stream alike.
 """
 from __future__ import annotations
 
@@ -121,3 +125,81 @@ class RunnerStream:
         self._stop.set()
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+
+class StreamingRunner:
+    """Mixin of the env runners that stream. The runner calls ``init_streaming()`` in its constructor,
+    implements ``_apply_weights`` (load weights now) and may override ``_checked_weights`` (reject
+    bad weights in the caller's thread, not later in the sampling thread) and ``flush_recording``.
+    ``RunnerStream`` also uses the runner's ``sample()``, ``metrics`` and ``worker_index``."""
+
+    def init_streaming(self) -> None:
+        # weights that arrive while a stream samples in another thread wait here for its next fragment
+        self._weights_lock = threading.Lock()
+        self._pending_weights: tuple[Any, int, int | None] | None = None
+        self._stream: RunnerStream | None = None
+
+    def _apply_weights(self, weights: Any, weights_version: int, timestep: int | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement _apply_weights to stream")
+
+    def _checked_weights(self, weights: Any) -> Any:
+        return weights
+
+    def flush_recording(self) -> None:
+        """Returns once every chunk sampled so far is recorded (runners that record override it)."""
+
+    def set_weights(self, weights: Any, weights_version: int = 0, timestep: int | None = None) -> None:
+        """Apply now, or -- while a stream samples in its own thread -- before its next fragment
+        (never in the middle of one). ``timestep``: the run's steps sampled so far, which drives
+        exploration schedules (a runner alone sees only its share of them)."""
+        weights = self._checked_weights(weights)
+        with self._weights_lock:
+            if self.is_streaming():
+                self._pending_weights = (weights, weights_version, timestep)
+                return
+        self._apply_weights(weights, weights_version, timestep)
+
+    def apply_pending_weights(self) -> bool:
+        """Apply weights that arrived while streaming; the stream calls this between fragments."""
+        with self._weights_lock:
+            pending, self._pending_weights = self._pending_weights, None
+        if pending is None:
+            return False
+        self._apply_weights(*pending)
+        self.metrics.log_value("num_weight_updates_applied", 1, reduce="lifetime_sum")
+        return True
+
+    def check_stream(self) -> None:
+        """While streaming: raise if the sampling thread failed or hangs (``get_metrics`` calls this, so the
+        driver's stage group treats the runner as failed and recreates it), and log the sender's counters."""
+        if self._stream is not None:
+            self._stream.check_health()
+            self._stream.log_counters()
+
+    def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
+                        stall_timeout_s: float = 60.0) -> None:
+        """Start (or keep) a thread that samples fragment after fragment and pushes each one's
+        chunks to the receiver at ``address``; the runner's other methods stay callable meanwhile."""
+        stream = self._stream
+        if stream is not None and stream.alive():
+            if stream.address == address:
+                return
+            stream.stop()
+        self._stream = RunnerStream(self, address, hwm=hwm, compress=compress, sndbuf=sndbuf,
+                                    stall_timeout_s=stall_timeout_s)
+        self._stream.start()
+
+    def stop_streaming(self, timeout_s: float = 10.0) -> bool:
+        """Stop the sampling thread (a send blocked by back-pressure gives up). True if it ended."""
+        stream = self._stream
+        if stream is None:
+            return True
+        stopped = stream.stop(timeout_s)
+        if stopped:
+            self._stream = None
+            self.apply_pending_weights()  # what arrived for a fragment that never came
+        return stopped
+
+    def is_streaming(self) -> bool:
+        stream = self._stream
+        return stream is not None and stream.alive()

@@ -8,6 +8,16 @@ decoding, batching and learning overlap.
 
 Back-pressure: while a finished batch waits for room in the queue, the loader reads nothing; the
 PULL socket's queue fills, then the senders' PUSH queues, and the runners block.
+
+Multi-agent streams (``module_spaces`` given): each chunk is checked against its module's spaces
+(``ModuleSchemas``; a chunk of a module the run does not have is dropped and counted like any bad
+chunk), and a train batch is one ``ModuleBatches``: the next ``batch_size`` agent steps of the stream,
+whatever modules acted in them, laid out per module. One batch for all modules, not one per module,
+so that every module trains in the same update on the steps of the same stretch of time: per-module
+batches of a fixed size would fill at the rates the modules' agents act, and a module that acts
+seldom (or a frozen one, whose steps the learner drops) would hold back or starve the others. The
+batch is cut in agent steps (chunk rows), the only count the chunks carry: env steps are known to
+the runner that stepped the envs, not to the receiver.
 """
 from __future__ import annotations
 
@@ -19,17 +29,49 @@ import traceback
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 import torch
 
+from actors.env.multi_agent_runner_parts import chunks_by_module
 from actors.learner.batch import Batch, ChunkBatch, chunks_to_batch
 from actors.network import node_address
 from protocols import nested
 from protocols.codec import Limits
 from protocols.episode import EpisodeChunk
+from protocols.errors import ProtocolError
 from protocols.schema import ChunkSchema
 from protocols.transport import STREAM_LIMITS, ChunkPuller
 
 log = logging.getLogger(__name__)
+
+
+class ModuleSchemas:
+    """The check of a multi-agent stream: each chunk against the schema of the module it names."""
+
+    def __init__(self, schemas: dict[str, ChunkSchema]) -> None:
+        self.schemas = schemas
+
+    def check(self, chunk: EpisodeChunk) -> None:
+        schema = self.schemas.get(chunk.module_id)  # type: ignore[arg-type]
+        if schema is None:
+            raise ProtocolError(f"chunk of agent {chunk.agent_id!r} names module {chunk.module_id!r}, which is not one "
+                                f"of this run's modules {sorted(self.schemas)}")
+        schema.check(chunk)
+
+
+class ModuleBatches(dict):
+    """A multi-agent train batch: module id -> that module's ``ChunkBatch``, cut from one stretch of the
+    stream (``MultiLearnerGroup.update`` trains every trainable module on its part in one update)."""
+
+    @property
+    def num_steps(self) -> int:
+        """Agent steps, all modules together."""
+        return sum(b.num_steps for b in self.values())
+
+    def weights_versions(self) -> tuple[np.ndarray, np.ndarray]:
+        """(weights_version, steps) per chunk, all modules together (for the weights lag)."""
+        pairs = [b.weights_versions() for b in self.values()]
+        return np.concatenate([v for v, _ in pairs]), np.concatenate([n for _, n in pairs])
 
 
 class ChunkReceiver:
@@ -38,18 +80,31 @@ class ChunkReceiver:
     def __init__(self, observation_space: gym.Space | None, action_space: gym.Space | None, batch_size: int, *,
                  queue_size: int = 8, hwm: int = 4, host: str | None = None, limits: Limits = STREAM_LIMITS,
                  rcvbuf: int = 0, device: str | torch.device = "cpu", prebuild: bool = True,
-                 required_extra: tuple[str, ...] = ("action_logp",), max_log_lines_per_sender: int = 100) -> None:
+                 required_extra: tuple[str, ...] = ("action_logp",), max_log_lines_per_sender: int = 100,
+                 module_spaces: dict[str, tuple[gym.Space, gym.Space]] | None = None) -> None:
+        """``module_spaces``: module id -> (observation, action space) of a multi-agent run's modules:
+        batches are ``ModuleBatches`` of ``batch_size`` agent steps (``observation_space`` and
+        ``action_space`` are then not used)."""
         if batch_size < 1 or queue_size < 1 or hwm < 1:
             raise ValueError(f"batch_size, queue_size and hwm must be >= 1, got {batch_size}, {queue_size}, {hwm}")
+        if module_spaces is not None and not module_spaces:
+            raise ValueError("module_spaces is empty: give each module's (observation, action) spaces, or None "
+                             "for a single-agent stream")
         self.batch_size = batch_size
         self.device = torch.device(device)
         self.prebuild = prebuild
-        schema = ChunkSchema.for_spaces(observation_space, action_space, required_extra)
+        self.multi_module = module_spaces is not None
+        schema: ChunkSchema | ModuleSchemas
+        if module_spaces is None:
+            schema = ChunkSchema.for_spaces(observation_space, action_space, required_extra)
+        else:
+            schema = ModuleSchemas({mid: ChunkSchema.for_spaces(obs, act, required_extra)
+                                    for mid, (obs, act) in module_spaces.items()})
         self.puller = ChunkPuller(host or node_address(), schema, hwm=hwm, rcvbuf=rcvbuf, limits=limits,
                                   max_log_lines_per_sender=max_log_lines_per_sender)
         self.address = self.puller.address
-        self._queue: queue.Queue[ChunkBatch] = queue.Queue(maxsize=queue_size)
-        self._ready: collections.deque[ChunkBatch] = collections.deque()
+        self._queue: queue.Queue[ChunkBatch | ModuleBatches] = queue.Queue(maxsize=queue_size)
+        self._ready: collections.deque[ChunkBatch | ModuleBatches] = collections.deque()
         self._pending: collections.deque[EpisodeChunk] = collections.deque()
         self._pending_steps = 0
         self.num_batches_built = 0
@@ -75,7 +130,7 @@ class ChunkReceiver:
         self._thread.start()
         return self
 
-    def get_batch(self, timeout: float | None = None) -> ChunkBatch | None:
+    def get_batch(self, timeout: float | None = None) -> ChunkBatch | ModuleBatches | None:
         """The next train batch, or None if none arrived within ``timeout`` seconds."""
         if self.error is not None:
             raise RuntimeError(f"the chunk loader thread failed: {self.error}")
@@ -150,7 +205,11 @@ class ChunkReceiver:
                     self._pending.appendleft(chunk.slice(k, len(chunk)))
                     n = b
             self._pending_steps -= b
-            self._ready.append(self._make_batch(take))
+            if self.multi_module:
+                self._ready.append(ModuleBatches({mid: self._make_batch(chunks)
+                                                  for mid, chunks in sorted(chunks_by_module(take).items())}))
+            else:
+                self._ready.append(self._make_batch(take))
             self.num_batches_built += 1
 
     def _make_batch(self, chunks: list[EpisodeChunk]) -> ChunkBatch:

@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 import numpy as np
+import torch
 from torch import nn
 
 from actors.core import LearnerRole
@@ -72,6 +73,11 @@ class MultiLearner(LearnerRole):
     def modules(self) -> Mapping[str, nn.Module]:
         """Module id -> the trainable module its learner holds (a read-only view)."""
         return MappingProxyType({mid: learner.module for mid, learner in self._learners.items()})
+
+    @property
+    def device(self) -> torch.device:
+        """Where the modules train (every module's learner is placed alike): where a loader lays batches out."""
+        return self._learners[self.module_ids[0]].device
 
     def learner(self, module_id: str) -> Learner:
         self._check_known([module_id], "learner()")

@@ -218,7 +218,8 @@ class APPO(Algorithm):
         cfg = self.config
         buffer = CircularBuffer(cfg.circular_buffer_num_batches, cfg.circular_buffer_iterations_per_batch, cfg.seed)
         return AsyncPlan(cfg, self.env_runner_group, self.learner_group, self.metrics, self.observation_space,
-                         self.action_space, compress=self.compress_frames(), batches=buffer)
+                         self.action_space, compress=self.compress_frames(), batches=buffer,
+                         multi_agent=self.multi_agent)
 
     def training_step(self) -> None:
         self.plan.training_step()

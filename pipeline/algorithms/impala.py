@@ -89,7 +89,8 @@ class IMPALA(Algorithm):
 
     def build_plan(self) -> AsyncPlan:
         return AsyncPlan(self.config, self.env_runner_group, self.learner_group, self.metrics,
-                         self.observation_space, self.action_space, compress=self.compress_frames())
+                         self.observation_space, self.action_space, compress=self.compress_frames(),
+                         multi_agent=self.multi_agent)
 
     def training_step(self) -> None:
         self.plan.training_step()

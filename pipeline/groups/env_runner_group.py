@@ -75,6 +75,9 @@ class EnvRunnerGroup:
         self._weights_version = 0
         self._timestep: int | None = None
         self._stream_args: dict[str, Any] | None = None
+        self.receiver_counts_env_steps = True
+        """While streaming, env steps count where the receiver gets them (``AsyncPlan``) and the runners'
+        own counts are left out; a multi-agent plan turns this off: its chunks hold agent steps only."""
         self._streaming: set[int] = set()  # runners told to stream
         self._metrics_pending: set[int] = set()  # runners with a get_metrics request in flight
         self._last_answer: dict[int, float] = {}  # runner -> when it last answered any request
@@ -156,7 +159,7 @@ class EnvRunnerGroup:
 
     def fold_metrics(self, runner_id: int, export: dict[str, Any], metrics: MetricsLogger) -> None:
         """A runner's ``get_metrics()`` into ``metrics``: bare keys under ``env_runners/``, others as named."""
-        if self._stream_args is not None:  # streamed steps count where they are received (AsyncPlan)
+        if self._stream_args is not None and self.receiver_counts_env_steps:  # counted where received (AsyncPlan)
             export = {k: v for k, v in export.items() if not k.startswith("num_env_steps_sampled")}
         metrics.merge({k: v for k, v in export.items() if "/" in k})
         metrics.merge({k: v for k, v in export.items() if "/" not in k}, prefix="env_runners")

@@ -77,16 +77,17 @@ class MultiLearnerGroup(LearnerGroup):
                   "trainable": plan.trainable, "config_overrides": plan.config_overrides}
         super().__init__(ConfiguredMultiLearner, config, None, None, learner_kwargs=kwargs)
 
-    def update(self, batch: list[EpisodeChunk], timestep: int, metrics: MetricsLogger | None = None,
-               with_outputs: bool = False, num_env_steps: int | None = None
+    def update(self, batch: list[EpisodeChunk] | Mapping[str, list[EpisodeChunk]], timestep: int,
+               metrics: MetricsLogger | None = None, with_outputs: bool = False, num_env_steps: int | None = None
                ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
-        """One update of every trainable module on its agents' chunks of ``batch``; returns the
-        statistics per module (the learners' mean). ``num_env_steps``: the env steps the batch holds
-        (its chunks count agent steps), for ``num_env_steps_trained``."""
+        """One update of every trainable module on its agents' chunks of ``batch`` (a flat list, or
+        already grouped by module id: a streamed ``ModuleBatches``); returns the statistics per module
+        (the learners' mean). ``num_env_steps``: the env steps the batch holds (its chunks count agent
+        steps), for ``num_env_steps_trained``."""
         if with_outputs:
             raise NotImplementedError("per-row learner outputs of a multi-agent update (prioritized replay) are "
                                       "not built yet (issue 27)")
-        by_module = chunks_by_module(batch)
+        by_module = dict(batch) if isinstance(batch, Mapping) else chunks_by_module(batch)
         ids = self.manager.healthy_ids()
         shards: dict[int, dict[str, Any]] = {i: {} for i in ids}
         for mid, chunks in by_module.items():

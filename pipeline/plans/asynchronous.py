@@ -16,6 +16,15 @@ fragments. The env runner group polls the runners (metrics, health) and recreate
 
 While streaming, env steps count as sampled when the loader receives them, so nothing is counted
 as sampled before it can be trained on.
+
+Multi-agent runs (``multi_agent``: the run's ``MultiAgentSetup``) stream the same way from
+``MultiAgentEnvRunner``s. The loader checks each chunk against its module's spaces and cuts
+``ModuleBatches`` (the next ``train_batch_size_per_learner`` agent steps, laid out per module; see
+``actors.learner.loader``); one update of the ``MultiLearnerGroup`` trains every trainable module on its
+part (APPO: each module's learner keeps its own target network; the circular buffer reuses whole
+multi-module batches); the flat ``{"<module_id>/<param>": array}`` weights go out. Chunks hold agent
+steps, so here env and agent steps count as sampled where the runners report them, and a batch's env
+steps trained are its agent steps times the runners' env-to-agent step ratio so far.
 """
 from __future__ import annotations
 
@@ -26,13 +35,14 @@ from typing import Any, Callable, ClassVar, Protocol
 import torch
 
 from actors.learner import ChunkBatch
-from actors.learner.loader import ChunkReceiver
+from actors.learner.loader import ChunkReceiver, ModuleBatches
 from actors.metrics import MetricsLogger
+from pipeline.algorithm_multi_agent import MultiAgentSetup
 from pipeline.config.checks import is_int, is_number
 from pipeline.groups.env_runner_group import EnvRunnerGroup
 from pipeline.groups.learner_group import LearnerGroup
 
-TakeBatch = Callable[[float], "ChunkBatch | None"]
+TakeBatch = Callable[[float], "ChunkBatch | ModuleBatches | None"]
 
 
 @dataclass
@@ -103,8 +113,15 @@ class FreshBatches:
 
 class AsyncPlan:
     def __init__(self, config: Any, env_runners: EnvRunnerGroup, learners: LearnerGroup, metrics: MetricsLogger,
-                 observation_space: Any, action_space: Any, *, compress: bool, batches: BatchSource | None = None) -> None:
+                 observation_space: Any, action_space: Any, *, compress: bool, batches: BatchSource | None = None,
+                 multi_agent: MultiAgentSetup | None = None) -> None:
         self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
+        self.multi_agent = multi_agent
+        module_spaces = None
+        if multi_agent is not None:
+            module_spaces = {mid: (spec.observation_space, spec.action_space)
+                             for mid, spec in multi_agent.plan.module_specs.items()}
+            env_runners.receiver_counts_env_steps = False
         self.batches = FreshBatches() if batches is None else batches
         # The learner shares the machine with the runners, which Ray starts at a lower priority:
         # torch's default (one intra-op thread per core) lets the driver take every core and starve
@@ -114,7 +131,7 @@ class AsyncPlan:
         self.receiver = ChunkReceiver(
             observation_space, action_space, config.train_batch_size_per_learner,
             queue_size=config.learner_queue_size, hwm=config.stream_hwm, rcvbuf=config.stream_socket_buffer_bytes,
-            device=learners.local.device).start()
+            device=learners.local.device, module_spaces=module_spaces).start()
         self.stream_args = {"address": self.receiver.address, "hwm": config.stream_hwm, "compress": compress,
                             "sndbuf": config.stream_socket_buffer_bytes,
                             "stall_timeout_s": config.env_runner_health_probe_timeout_s}
@@ -133,7 +150,7 @@ class AsyncPlan:
         self.env_runners.poll(self.metrics, self.config.env_runner_metrics_interval_s)
         self._log_stream()
 
-    def _take(self, timeout: float) -> ChunkBatch | None:
+    def _take(self, timeout: float) -> ChunkBatch | ModuleBatches | None:
         batch = self.receiver.get_batch(timeout=timeout)
         now = time.monotonic()
         if batch is not None:
@@ -149,7 +166,7 @@ class AsyncPlan:
                 f"{s['num_chunks_dropped_invalid']} chunks (see the log for why)")
         return batch
 
-    def _update(self, batch: ChunkBatch) -> None:
+    def _update(self, batch: ChunkBatch | ModuleBatches) -> None:
         """One learner update on ``batch``: weights lag, the update, and a broadcast when due."""
         m = self.metrics
         versions, steps = batch.weights_versions()
@@ -157,18 +174,32 @@ class AsyncPlan:
         m.log_value("stream/weights_lag_mean", float((lag * steps).sum() / steps.sum()))
         m.log_value("stream/weights_lag_max", int(lag.max()), reduce="max")
         timestep = m.peek("env_runners/num_env_steps_sampled_lifetime", 0)
+        env_steps = {} if self.multi_agent is None else {"num_env_steps": self._env_steps_of(batch.num_steps)}
         with m.log_time("timers/learner_update", reduce="sum"):
-            self.learners.update(batch, timestep, m)
+            self.learners.update(batch, timestep, m, **env_steps)
         if self.learners.weights_version % self.config.broadcast_interval == 0:
             weights = self.learners.get_weights(inference_only=True)
+            if self.multi_agent is not None:  # multi-agent runners follow their schedules in count_steps_by units
+                timestep = self.multi_agent.runner_timestep(m, timestep)
             self.env_runners.sync_weights(weights, self.learners.weights_version, int(timestep), wait=False)
+
+    def _env_steps_of(self, agent_steps: int) -> int:
+        """The env steps behind ``agent_steps`` of a multi-agent stream, at the runners' ratio so far
+        (the chunks count agent steps; only the runners know the env steps they took)."""
+        m = self.metrics
+        env = m.peek("env_runners/num_env_steps_sampled_lifetime", 0)
+        agents = m.peek("env_runners/num_agent_steps_sampled_lifetime", 0)
+        return round(agent_steps * env / agents) if agents else agent_steps
 
     def _log_stream(self) -> None:
         m, s = self.metrics, self.receiver.stats()
         received = s["num_env_steps_received"]
         new, self._received_counted = received - self._received_counted, received
-        m.log_value("env_runners/num_env_steps_sampled", new, reduce="sum")
-        m.log_value("env_runners/num_env_steps_sampled_lifetime", new, reduce="lifetime_sum")
+        if self.multi_agent is None:
+            m.log_value("env_runners/num_env_steps_sampled", new, reduce="sum")
+            m.log_value("env_runners/num_env_steps_sampled_lifetime", new, reduce="lifetime_sum")
+        else:  # the runners' reports count the env and agent steps (fold_metrics); these are the rows received
+            m.log_value("stream/num_agent_steps_received", received, reduce="max", window=1)
         for key in ("num_frames_sent", "num_bytes_sent", "send_blocked_s"):  # runners add theirs: in results from the start
             m.log_value(f"stream/runner_{key}", 0, reduce="lifetime_sum")
         for key in ("num_frames_received", "num_chunks_received", "num_frames_dropped_decode_error",

@@ -1,0 +1,287 @@
+"""IMPALA and APPO train several modules: streamed multi-agent chunks, per-module batches, one update.
+
+Fast: the loader cuts a multi-agent stream into ``ModuleBatches`` (exact agent-step size, a chunk cut
+across two batches, each module's part laid out, a chunk of an unknown module dropped and counted);
+a ``MultiAgentEnvRunner`` streams the chunks of both modules, tagged, counted in env and agent steps,
+with weights sent meanwhile applied between fragments; APPO and IMPALA in-process train both modules
+with RLlib's multi-agent result keys, and a frozen module's weights never move. Learning (Ray, two
+streaming runners): two policies on two-agent CartPole reach a summed return of 800 (APPO) and
+learn clearly (IMPALA) within 300k env steps.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from actors.env.multi_agent_env import make_multi_agent
+from actors.env.multi_agent_runner import MultiAgentEnvRunner
+from actors.env.settings import EnvRunnerSettings
+from actors.learner.loader import ChunkReceiver, ModuleBatches
+from actors.modules import ModuleSpec
+from pipeline import APPOConfig, IMPALAConfig
+from pipeline.algorithm import Algorithm
+from protocols.episode import EpisodeChunk
+from protocols.transport import ChunkSender
+
+CARTPOLES = make_multi_agent("CartPole-v1")
+_ENV = CARTPOLES({"num_agents": 2})
+OBS, ACT = _ENV.get_observation_space(0), _ENV.get_action_space(0)
+SPACES = {"p0": (OBS, ACT), "p1": (OBS, ACT)}
+MODEL = {"fcnet_hiddens": [16]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    """Ray once for the module (the learning runs host their runners as actors)."""
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def by_agent(agent_id: Any, episode: Any, **kwargs: Any) -> str:
+    return f"p{agent_id}"
+
+
+def chunk(module_id: str, steps: int, episode: str, version: int = 0) -> EpisodeChunk:
+    rng = np.random.default_rng(steps)
+    return EpisodeChunk(episode_id=episode, chunk_index=0, obs=rng.normal(size=(steps + 1, 4)).astype(np.float32),
+                        actions=rng.integers(0, 2, steps), rewards=np.ones(steps, np.float32),
+                        extra={"action_logp": np.full(steps, -0.69, np.float32)}, weights_version=version,
+                        agent_id=module_id[1], module_id=module_id)
+
+
+def runner_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("runnel-")]
+
+
+# --- the loader ---------------------------------------------------------------------------------
+def test_receiver_cuts_multi_module_batches_of_exact_agent_steps():
+    receiver = ChunkReceiver(None, None, 100, module_spaces=SPACES, queue_size=4).start()
+    sender = ChunkSender(receiver.address, "test-sender")
+    try:
+        sender.send([chunk("p0", 60, "a.0", version=3), chunk("p1", 30, "a.1", version=4)])
+        sender.send([chunk("p1", 50, "b.1", version=5), chunk("p9", 20, "c.0")])  # p9: no such module
+        first = receiver.get_batch(timeout=30)
+        assert isinstance(first, ModuleBatches)
+        assert sorted(first) == ["p0", "p1"] and first.num_steps == 100
+        assert first["p0"].num_steps == 60 and first["p1"].num_steps == 40  # b.1 cut after 10 steps
+        for mid, part in first.items():
+            assert all(c.module_id == mid for c in part)
+            assert part.batch is not None and len(part.batch.rewards) == part.num_steps  # laid out per module
+        versions, steps = first.weights_versions()
+        assert sorted(zip(versions.tolist(), steps.tolist())) == [(3, 60), (4, 30), (5, 10)]
+        assert receiver.stats()["num_env_steps_pending"] == 40  # the rest of b.1 waits for the next batch
+        assert receiver.stats()["num_chunks_dropped_invalid"] == 1
+        assert sum(receiver.dropped_by_sender.values()) == 1
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_receiver_refuses_an_empty_module_list():
+    with pytest.raises(ValueError, match="module_spaces is empty"):
+        ChunkReceiver(None, None, 100, module_spaces={})
+
+
+# --- the streaming runner ----------------------------------------------------------------------
+def make_runner(count_steps_by: str = "env_steps") -> MultiAgentEnvRunner:
+    settings = EnvRunnerSettings(env_creator=CARTPOLES, env_config={"num_agents": 2}, num_envs=2,
+                                 rollout_fragment_length=10, seed=0, model_config=MODEL)
+    return MultiAgentEnvRunner(settings, {mid: ModuleSpec(OBS, ACT, MODEL) for mid in SPACES}, by_agent,
+                               count_steps_by=count_steps_by)
+
+
+@pytest.mark.parametrize("count_steps_by", ["env_steps", "agent_steps"])
+def test_multi_agent_runner_streams_both_modules_tagged_and_counted(count_steps_by):
+    runner = make_runner(count_steps_by)
+    receiver = ChunkReceiver(None, None, 200, module_spaces=SPACES, queue_size=2).start()
+    weights = runner.get_weights()
+    try:
+        runner.start_streaming(receiver.address, hwm=2)
+        assert runner.is_streaming()
+        runner.set_weights(weights, weights_version=7)  # held back, applied between two fragments
+        got: list[ModuleBatches] = []
+        while not any(c.weights_version == 7 for b in got for part in b.values() for c in part):
+            batch = receiver.get_batch(timeout=60)
+            assert batch is not None, "no batch streamed within 60 s"
+            got.append(batch)
+    finally:
+        assert runner.stop_streaming()
+        receiver.close()
+    assert not runner.is_streaming() and runner_threads() == []
+    chunks = [c for b in got for part in b.values() for c in part]
+    assert {c.module_id for c in chunks} == {"p0", "p1"}
+    assert all(c.module_id == f"p{c.agent_id}" for c in chunks)
+    assert all(b.num_steps == 200 for b in got)
+    exported = runner.get_metrics()
+    env_steps = exported["num_env_steps_sampled"]["value"]
+    agent_steps = exported["num_agent_steps_sampled"]["value"]
+    # both agents act at each step of both envs until one falls: between 1 and 2 agent steps per env step
+    assert env_steps <= agent_steps <= 2 * env_steps
+    assert agent_steps >= sum(b.num_steps for b in got)  # what arrived was sampled
+    assert runner.weights_version == 7 and exported["num_weight_updates_applied"]["value"] == 1
+    # a fragment is rollout_fragment_length * num_envs = 20 steps in count_steps_by units (agent steps: at least
+    # that, as every env steps at once); one frame each
+    frames = exported["stream/runner_num_frames_sent"]["value"]
+    assert frames >= len(got) and frames * 20 <= (agent_steps if count_steps_by == "agent_steps" else env_steps)
+    if count_steps_by == "env_steps":
+        assert env_steps % 20 == 0
+    runner.stop()
+
+
+def test_while_streaming_bad_weights_and_module_removal_are_refused_in_the_callers_thread():
+    runner = make_runner()
+    receiver = ChunkReceiver(None, None, 200, module_spaces=SPACES).start()
+    try:
+        runner.start_streaming(receiver.address)
+        with pytest.raises(ValueError, match="p7"):
+            runner.set_weights({"p7/encoder.0.weight": np.zeros(3)}, weights_version=1)
+        with pytest.raises(RuntimeError, match="stop_streaming"):
+            runner.remove_module("p1")
+        assert runner.is_streaming() and runner.module_ids == ["p0", "p1"]
+    finally:
+        runner.stop()
+        receiver.close()
+
+
+# --- APPO and IMPALA in-process -------------------------------------------------------------------
+def config(config_cls: type, **multi_agent: Any) -> Any:
+    return (config_cls().environment(CARTPOLES, env_config={"num_agents": 2})
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent, **multi_agent)
+            .rl_module(model_config=MODEL).env_runners(num_env_runners=0, num_envs_per_env_runner=4)
+            .reporting(min_time_s_per_iteration=0.3).debugging(seed=0))
+
+
+def module_weights(algo: Algorithm, module_id: str) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in algo.get_module(module_id).state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def train_until_updates(algo: Algorithm, updates: int) -> list[dict]:
+    """Iterations until the learner made ``updates`` updates (a count, never a time)."""
+    results = []
+    while not results or algo.weights_version < updates:
+        assert len(results) < 100, f"only {algo.weights_version} updates in 100 iterations"
+        results.append(algo.train())
+    return results
+
+
+@pytest.mark.parametrize("config_cls", [APPOConfig, IMPALAConfig], ids=["APPO", "IMPALA"])
+def test_both_modules_train_in_each_update_with_rllib_keys(config_cls):
+    algo = config(config_cls).build(logdir=None)
+    initial = {mid: module_weights(algo, mid) for mid in SPACES}
+    try:
+        results = train_until_updates(algo, 6)
+        runner_weights = algo.env_runner_group.local.get_weights()
+        final = {mid: module_weights(algo, mid) for mid in SPACES}
+    finally:
+        algo.stop()
+    assert runner_threads() == [] and algo.plan.receiver.closed
+    r = results[-1]
+    for mid in SPACES:
+        assert not same(initial[mid], final[mid]), f"module {mid} did not train"
+        assert {"policy_loss", "vf_loss", "entropy", "num_module_steps_trained"} <= set(r["learners"][mid])
+        assert np.isfinite(r["learners"][mid]["policy_loss"])
+    everything = r["learners"]["__all_modules__"]
+    assert everything["num_modules_trained"] == 2  # every update steps both modules
+    assert everything["num_agent_steps_trained"] >= everything["num_env_steps_trained"] > 0
+    assert "default_policy" not in r["learners"]
+    assert set(r["env_runners"]["module_episode_returns_mean"]) == {"p0", "p1"}
+    assert set(r["env_runners"]["agent_episode_returns_mean"]) == {"0", "1"}
+    lifetime = [x["num_env_steps_sampled_lifetime"] for x in results]
+    assert lifetime == sorted(lifetime) and lifetime[-1] > 0
+    assert r["env_runners"]["num_agent_steps_sampled_lifetime"] >= lifetime[-1]
+    assert r["stream"]["weights_lag_max"] >= r["stream"]["weights_lag_mean"] >= 0
+    assert r["stream"]["num_chunks_dropped_invalid"] == 0
+    assert set(k.split("/")[0] for k in runner_weights) == {"p0", "p1"}  # the flat per-module weights
+
+
+def test_appo_keeps_a_target_network_per_module():
+    algo = config(APPOConfig).training(target_network_update_freq=2).build(logdir=None)
+    try:
+        train_until_updates(algo, 6)
+        learners = algo.learner_group.local.learners
+        for mid in SPACES:
+            assert learners[mid].num_target_updates >= 1, mid
+            target, online = learners[mid].target.state_dict(), learners[mid].module.state_dict()
+            assert all(k in online for k in target)
+        assert learners["p0"].target is not learners["p1"].target
+    finally:
+        algo.stop()
+
+
+@pytest.mark.parametrize("config_cls", [APPOConfig, IMPALAConfig], ids=["APPO", "IMPALA"])
+def test_a_frozen_module_never_moves(config_cls):
+    algo = config(config_cls, policies_to_train=["p0"]).build(logdir=None)
+    initial = {mid: module_weights(algo, mid) for mid in SPACES}
+    try:
+        results = train_until_updates(algo, 6)
+        acting = algo.env_runner_group.local.get_weights(["p1"])
+        final = {mid: module_weights(algo, mid) for mid in SPACES}
+    finally:
+        algo.stop()
+    assert not same(initial["p0"], final["p0"])
+    assert same(initial["p1"], final["p1"])
+    assert all(torch.equal(torch.as_tensor(v), initial["p1"][k.partition("/")[2]]) for k, v in acting.items())
+    r = results[-1]
+    assert "p1" not in r["learners"] and "p0" in r["learners"]
+    assert r["learners"]["__all_modules__"]["num_frozen_batches_dropped"] >= 1
+
+
+# --- learning (Ray: two streaming runners) -----------------------------------------------------------
+def learn(config_cls: type, target: float, max_env_steps: int = 300_000) -> list[dict]:
+    """Until the summed return reaches ``target`` or ``max_env_steps`` are sampled. A batch of 1000 agent
+    steps gives each module about the 500 steps a single-agent batch has; two SGD passes over each."""
+    algo = (config_cls().environment(CARTPOLES, env_config={"num_agents": 2})
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
+            .training(train_batch_size_per_learner=1000, num_epochs=2)
+            .env_runners(num_env_runners=2).debugging(seed=0).build(logdir=None))
+    results: list[dict] = []
+    try:
+        while True:
+            results.append(algo.train())
+            r = results[-1]
+            if r["env_runners"].get("episode_return_mean", 0) >= target \
+                    or r["num_env_steps_sampled_lifetime"] >= max_env_steps:
+                break
+        streaming = [x.value for x in algo.env_runner_group.manager.foreach_actor("is_streaming")]
+    finally:
+        algo.stop()
+    assert streaming == [True, True]
+    assert runner_threads() == []
+    return results
+
+
+@pytest.mark.learning
+def test_appo_trains_two_policies_on_two_agent_cartpole():
+    """Summed return (both agents) of 800 within 300k env steps, seed 0. Measured on 2 busy cores: 211k and
+    229k env steps (45 s); with the default batch of 500 and one pass, 347k."""
+    results = learn(APPOConfig, 800)
+    last = results[-1]
+    assert last["env_runners"]["episode_return_mean"] >= 800, \
+        f"summed return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']}"
+    assert last["num_env_steps_sampled_lifetime"] <= 300_000
+    assert min(last["env_runners"]["module_episode_returns_mean"].values()) >= 250  # both policies learned
+    assert any(r["stream"]["weights_lag_mean"] > 0 for r in results)  # asynchronous: the policy lags
+
+
+@pytest.mark.learning
+def test_impala_trains_two_policies_on_two_agent_cartpole():
+    """Both policies learn clearly within 300k env steps, seed 0 (a random policy's summed return is about 45;
+    the run stops early at 800). Measured on 2 busy cores: 800 at 131k env steps in one run, in another a best
+    of 500-650 by 300k: asynchronous runs differ from one to the next."""
+    results = learn(IMPALAConfig, 800)
+    ran = [r["env_runners"] for r in results if "module_episode_returns_mean" in r["env_runners"]
+           and r["num_env_steps_sampled_lifetime"] <= 300_000]
+    best = max(e["episode_return_mean"] for e in ran)
+    assert best >= 400, f"best summed return {best}, first {ran[0]['episode_return_mean']}"
+    for mid in ("p0", "p1"):
+        assert max(e["module_episode_returns_mean"][mid] for e in ran) >= 150, mid
