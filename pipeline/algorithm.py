@@ -37,6 +37,7 @@ from actors.env.actions import EnvActions
 from actors.sys_usage import SysUsage
 from pipeline.algorithm_actions import DriverPolicy, batch_of_one, single_action
 from pipeline.algorithm_evaluation import AlgorithmEvaluation
+from pipeline.algorithm_modules import add_module, load_module, remove_module, set_module_weights
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
 from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, init_ray_if_needed,
@@ -356,8 +357,6 @@ class Algorithm(Trainable):
     def evaluate(self) -> dict[str, Any]:
         """Evaluate the current weights with the evaluators (built on first use); returns
         ``{"evaluation": results}`` and keeps them for the next ``train()`` result."""
-        if self.multi_agent is not None:
-            raise NotImplementedError("evaluate() is not built for multi-agent runs yet (issue 27)")
         self.evaluation.sync_weights()
         self.evaluation_results = self.evaluation.run(None)
         return {"evaluation": self.evaluation_results}
@@ -415,6 +414,24 @@ class Algorithm(Trainable):
             raise KeyError(f"module {module_id!r}: this run trains one module, 'default_policy'")
         return self.driver_policy.current_module(self.learner_group)
 
+    # --- modules of a multi-agent run (pipeline/algorithm_modules.py) -------------------------------
+    def add_module(self, module_id: str, module_spec: Any = None, **kwargs: Any) -> None:
+        """Add a module while training (RLlib's signature): ``module_spec`` an ``RLModuleSpec``/``PolicySpec``
+        (None: the run's module class, first module's spaces, model config); keywords ``config_overrides``,
+        ``new_agent_to_module_mapping_fn``, ``new_should_module_be_updated`` (ids or ``fn(module_id, batch)``),
+        ``add_to_learners``, ``add_to_env_runners``, ``add_to_eval_env_runners`` (each default True)."""
+        add_module(self, module_id, module_spec, **kwargs)
+
+    def remove_module(self, module_id: str, **kwargs: Any) -> None:
+        """Remove a module (RLlib's signature): keywords ``new_agent_to_module_mapping_fn``,
+        ``new_should_module_be_updated``, ``remove_from_learners``/``_env_runners``/``_eval_env_runners``."""
+        remove_module(self, module_id, **kwargs)
+
+    def load_module(self, module_id: str, checkpoint_dir: str, source_module_id: str | None = None) -> None:
+        """Restore module ``module_id``'s learner state from module ``source_module_id`` (default: the same
+        id; ``default_policy`` of a single-agent checkpoint) of another run's checkpoint of this algorithm."""
+        load_module(self, module_id, checkpoint_dir, source_module_id)
+
     def get_policy(self, policy_id: str = "default_policy") -> Any:
         raise AttributeError(
             "algo.get_policy() is RLlib's old API stack: runnel has no Policy objects. Use "
@@ -432,7 +449,13 @@ class Algorithm(Trainable):
         return driver_state(self)
 
     def set_state(self, state: dict[str, Any]) -> None:
-        set_driver_state(self, state)
+        """The driver's state (``get_state``), or RLlib's ``{"learner_group": {"learner": {"rl_module":
+        {module_id: weights}}}}``: those modules' weights, then on every env runner."""
+        modules = state.get("learner_group", {}).get("learner", {}).get("rl_module", {})
+        for module_id, weights in modules.items():
+            set_module_weights(self, module_id, weights)
+        if "iteration" in state:
+            set_driver_state(self, state)
 
     def save(self, checkpoint_dir: str | None = None) -> Any:
         """Write a checkpoint directory (atomically) and return its path (under Tune: Tune's result)."""

@@ -44,10 +44,13 @@ AUTO_POLL_S = 0.05
 
 class Evaluators:
     def __init__(self, config: Any, settings: EnvRunnerSettings, fault_tolerance: FaultToleranceSettings,
-                 on_recreated: Callable[[list[int]], None] | None = None) -> None:
+                 on_recreated: Callable[[list[int]], None] | None = None,
+                 runner_args: dict[str, Any] | None = None) -> None:
+        """``runner_args``: ``EnvRunnerGroup``'s runner class and arguments (a multi-agent run's
+        ``MultiAgentEnvRunner``s); none for single-agent runs."""
         self.config = config
         self.group = EnvRunnerGroup(settings, config.evaluation_num_env_runners, config.num_cpus_per_env_runner,
-                                    fault_tolerance, on_recreated=on_recreated)
+                                    fault_tolerance, on_recreated=on_recreated, **(runner_args or {}))
         self.lifetime = MetricsLogger()  # lifetime counters across evaluations
         self.weights_version = -1
         self._runs = 0  # tags "auto" requests, so a late answer from an earlier evaluation is dropped
