@@ -12,6 +12,7 @@ settings as the training runners. One evaluation (``run``) lasts
   evaluation ends then, with what has come back: a request still running is not waited for (its
   results are dropped), and the weights for the next evaluation queue behind it without blocking --
   unless nothing has come back yet (a training step shorter than one request), then the first answer is.
+  ``evaluate()`` called on demand (no training step beside it) runs one episode per healthy evaluator.
 
 An evaluator that fails or does not answer within ``evaluation_sample_timeout_s`` is given up for
 this evaluation (and killed, to be recreated later if restarts are on); the healthy ones take over its
@@ -70,8 +71,10 @@ class Evaluators:
         self._runs += 1
         self.group.restart_failed()
         requested: int | str = c.evaluation_duration
-        if c.evaluation_duration == "auto":
-            self._run_auto(metrics, episodes, stop or threading.Event())
+        if c.evaluation_duration == "auto" and stop is None:  # evaluate() on demand: no training step to end it
+            requested = self._run_counted("episodes", max(1, manager.num_healthy()), metrics, episodes)
+        elif c.evaluation_duration == "auto":
+            self._run_auto(metrics, episodes, stop)
         else:
             requested = self._run_counted(c.evaluation_duration_unit, c.evaluation_duration, metrics, episodes)
         self.group.log_fault_tolerance(metrics)
