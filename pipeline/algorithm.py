@@ -37,7 +37,7 @@ from actors.env.actions import EnvActions
 from actors.sys_usage import SysUsage
 from pipeline.algorithm_actions import DriverPolicy, batch_of_one, single_action
 from pipeline.algorithm_evaluation import AlgorithmEvaluation
-from pipeline.algorithm_modules import add_module, load_module, remove_module, set_module_weights
+from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
 from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, init_ray_if_needed,
@@ -53,7 +53,6 @@ from pipeline.config.external import external_settings
 from pipeline.config.offline import mixes_sampler, reader_settings, recording_settings
 from actors.offline import write_manifest
 from pipeline.groups.learner_group import LearnerGroup
-from pipeline.groups.multi_agent import OneModule
 from pipeline.resources import actor_cpus, check_room, held, released
 from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
@@ -381,9 +380,7 @@ class Algorithm(Trainable):
             if policy_id not in (None, "default_policy"):
                 raise KeyError(f"policy_id={policy_id!r}: this run has one module, 'default_policy'")
             return self.driver_policy.compute_actions(self.learner_group, obs, explore, timestep)
-        policy = self.multi_agent.policy(policy_id, "compute_actions")
-        return policy.compute_actions(OneModule(self.learner_group, policy_id or self.multi_agent.module_ids[0]),
-                                      obs, explore, timestep)
+        return self.multi_agent.compute_actions(self.learner_group, obs, explore, timestep, policy_id)
 
     def compute_single_action(self, obs: Any, explore: bool | None = None, policy_id: str | None = None) -> Any:
         """One observation (no batch dim) -> one action the env accepts (``policy_id``: multi-agent runs)."""
@@ -414,22 +411,18 @@ class Algorithm(Trainable):
             raise KeyError(f"module {module_id!r}: this run trains one module, 'default_policy'")
         return self.driver_policy.current_module(self.learner_group)
 
-    # --- modules of a multi-agent run (pipeline/algorithm_modules.py) -------------------------------
+    # --- a multi-agent run's modules (pipeline/algorithm_modules.py documents them) ------------
     def add_module(self, module_id: str, module_spec: Any = None, **kwargs: Any) -> None:
-        """Add a module while training (RLlib's signature): ``module_spec`` an ``RLModuleSpec``/``PolicySpec``
-        (None: the run's module class, first module's spaces, model config); keywords ``config_overrides``,
-        ``new_agent_to_module_mapping_fn``, ``new_should_module_be_updated`` (ids or ``fn(module_id, batch)``),
-        ``add_to_learners``, ``add_to_env_runners``, ``add_to_eval_env_runners`` (each default True)."""
+        """RLlib's ``add_module``: ``module_spec`` (None: the run's defaults), ``config_overrides``,
+        ``new_agent_to_module_mapping_fn``, ``new_should_module_be_updated``, ``add_to_(eval_)env_runners``..."""
         add_module(self, module_id, module_spec, **kwargs)
 
     def remove_module(self, module_id: str, **kwargs: Any) -> None:
-        """Remove a module (RLlib's signature): keywords ``new_agent_to_module_mapping_fn``,
-        ``new_should_module_be_updated``, ``remove_from_learners``/``_env_runners``/``_eval_env_runners``."""
+        """RLlib's ``remove_module``: ``new_agent_to_module_mapping_fn``, ``new_should_module_be_updated``..."""
         remove_module(self, module_id, **kwargs)
 
     def load_module(self, module_id: str, checkpoint_dir: str, source_module_id: str | None = None) -> None:
-        """Restore module ``module_id``'s learner state from module ``source_module_id`` (default: the same
-        id; ``default_policy`` of a single-agent checkpoint) of another run's checkpoint of this algorithm."""
+        """Module ``module_id``'s learner state from module ``source_module_id`` of a checkpoint."""
         load_module(self, module_id, checkpoint_dir, source_module_id)
 
     def get_policy(self, policy_id: str = "default_policy") -> Any:
@@ -449,12 +442,9 @@ class Algorithm(Trainable):
         return driver_state(self)
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """The driver's state (``get_state``), or RLlib's ``{"learner_group": {"learner": {"rl_module":
-        {module_id: weights}}}}``: those modules' weights, then on every env runner."""
-        modules = state.get("learner_group", {}).get("learner", {}).get("rl_module", {})
-        for module_id, weights in modules.items():
-            set_module_weights(self, module_id, weights)
-        if "iteration" in state:
+        """The driver's state (``get_state``); RLlib's ``{"learner_group": {"learner": {"rl_module":
+        {module_id: weights}}}}`` sets those modules' weights (``algorithm_modules.set_rllib_state``)."""
+        if not set_rllib_state(self, state):
             set_driver_state(self, state)
 
     def save(self, checkpoint_dir: str | None = None) -> Any:

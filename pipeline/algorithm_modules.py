@@ -90,6 +90,7 @@ def remove_module(algo: Any, module_id: str, *, new_agent_to_module_mapping_fn: 
         algo.learner_group.remove_module(module_id)
     setup.change_modules(removed=module_id, mapping=mapping)
     setup.driver_policies.pop(module_id, None)
+    algo.metrics.delete(f"learners/{module_id}")  # its last update's statistics would otherwise stay in the results
     config = algo.config
     policies = normalize_policies(config.policies)
     if isinstance(policies, dict):
@@ -122,9 +123,28 @@ def set_should_update(algo: Any, which: Collection[str] | Callable) -> None:
 def set_module_weights(algo: Any, module_id: str, weights: Mapping[str, Any]) -> None:
     """Module ``module_id``'s weights (``RLModule.get_state()`` of a module of the same spec) on the
     learners, then on every env runner."""
+    if algo.multi_agent is None and module_id == "default_policy":
+        algo.set_weights(dict(weights))
+        return
     multi_agent_of(algo, "set_module_weights").policy(module_id, "set_module_weights")
     algo.learner_group.set_module_weights(module_id, dict(weights))
     algo.sync_weights()
+
+
+def set_rllib_state(algo: Any, state: Mapping[str, Any]) -> bool:
+    """RLlib's ``algo.set_state({"learner_group": {"learner": {"rl_module": {module_id: weights}}}})``:
+    those modules' weights, on the learners and then every env runner. False when ``state`` holds no
+    ``learner_group`` (it is the driver's own state, for ``set_driver_state``)."""
+    if "learner_group" not in state:
+        return False
+    modules = state["learner_group"].get("learner", {}).get("rl_module", {})
+    if not modules:
+        raise ValueError(f"set_state: the learner_group state holds no modules' weights; give "
+                         f"{{'learner_group': {{'learner': {{'rl_module': {{module_id: weights}}}}}}}}, got keys "
+                         f"{sorted(state['learner_group'])}")
+    for module_id, weights in modules.items():
+        set_module_weights(algo, module_id, weights)
+    return True
 
 
 def load_module(algo: Any, module_id: str, checkpoint_dir: str, source_module_id: str | None = None) -> None:

@@ -117,6 +117,12 @@ class MultiAgentSetup:
                            f"name one, e.g. {where}(..., policy_id={self.module_ids[0]!r})")
         return self.driver_policies[module_id]
 
+    def compute_actions(self, group: MultiLearnerGroup, obs: Any, explore: bool, timestep: int,
+                        module_id: str | None) -> Any:
+        """``algo.compute_actions(..., policy_id=module_id)``: module ``module_id``'s env actions."""
+        policy = self.policy(module_id, "compute_actions")
+        return policy.compute_actions(OneModule(group, module_id or self.module_ids[0]), obs, explore, timestep)
+
     def module(self, group: MultiLearnerGroup, module_id: str | None) -> RLModule:
         """Module ``module_id`` with the learners' latest weights."""
         return self.policy(module_id, "get_module").current_module(OneModule(group, module_id or self.module_ids[0]))

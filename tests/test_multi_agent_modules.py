@@ -101,6 +101,7 @@ def test_add_a_frozen_snapshot_of_a_module_and_play_against_it():
 def test_remove_a_module_everywhere():
     algo = config().build(logdir=None)
     try:
+        assert "policy_loss" in algo.train()["learners"]["p1"]
         snapshot(algo)
         algo.remove_module("p1", new_agent_to_module_mapping_fn=against_snapshot)
         assert algo.learner_group.module_ids == ["p0", "p0_v1"]
@@ -110,6 +111,7 @@ def test_remove_a_module_everywhere():
             algo.get_module("p1")
         r = algo.train()
         assert r["learners"]["__all_modules__"]["num_modules_trained"] == 1  # p0 only; p0_v1 is frozen
+        assert "p1" not in r["learners"]  # its statistics left with it
         with pytest.raises(KeyError, match="no module 'p1'"):
             algo.remove_module("p1")
     finally:
@@ -140,14 +142,23 @@ def test_checkpoint_after_add_and_remove_restores_the_same_modules(tmp_path):
         restored.stop()
 
 
-def test_load_one_module_from_a_checkpoint_into_another_algorithm(tmp_path):
-    algo = config().build(logdir=None)
+def single_agent() -> PPOConfig:
+    return (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
+            .rl_module(model_config={"fcnet_hiddens": [16]})
+            .training(train_batch_size_per_learner=200, minibatch_size=100, num_epochs=1))
+
+
+def trained_checkpoint(algo: Algorithm, path: str, module_id: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """One iteration, a checkpoint at ``path``; -> (its path, module ``module_id``'s weights). Stops ``algo``."""
     try:
         algo.train()
-        path = algo.save(str(tmp_path / "ckpt"))
-        p1 = weights(algo, "p1")
+        return algo.save(path), weights(algo, module_id)
     finally:
         algo.stop()
+
+
+def test_load_one_module_from_a_checkpoint_into_another_algorithm(tmp_path):
+    path, p1 = trained_checkpoint(config().build(logdir=None), str(tmp_path / "ckpt"), "p1")
     other = (config().multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, ep, **kw: "ab"[aid])
              .debugging(seed=7).build(logdir=None))
     try:
@@ -164,15 +175,7 @@ def test_load_one_module_from_a_checkpoint_into_another_algorithm(tmp_path):
 
 
 def test_load_a_single_agent_checkpoint_into_one_module(tmp_path):
-    single = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
-              .rl_module(model_config={"fcnet_hiddens": [16]})
-              .training(train_batch_size_per_learner=200, minibatch_size=100, num_epochs=1).build(logdir=None))
-    try:
-        single.train()
-        path = single.save(str(tmp_path / "single"))
-        trained = weights(single, "default_policy")
-    finally:
-        single.stop()
+    path, trained = trained_checkpoint(single_agent().build(logdir=None), str(tmp_path / "single"), "default_policy")
     algo = config().build(logdir=None)
     try:
         algo.load_module("p0", path, source_module_id="default_policy")
@@ -216,8 +219,7 @@ def test_per_module_module_classes():
 
 
 def test_add_module_refuses_what_it_cannot_do():
-    single = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
-              .training(train_batch_size_per_learner=200, minibatch_size=100, num_epochs=1).build(logdir=None))
+    single = single_agent().build(logdir=None)
     try:
         with pytest.raises(ValueError, match="multi-agent run"):
             single.add_module("p1")
@@ -236,7 +238,8 @@ def test_add_module_refuses_what_it_cannot_do():
 
 @pytest.mark.slow
 def test_add_and_remove_with_ray_runners_and_two_learners(ray_cluster):
-    algo = config().env_runners(num_env_runners=2).learners(num_learners=2).build(logdir=None)
+    algo = (config().env_runners(num_env_runners=2).learners(num_learners=2)
+            .fault_tolerance(delay_between_env_runner_restarts_s=0.0).build(logdir=None))
     try:
         algo.train()
         check_frozen_snapshot_stays_fixed(algo)
@@ -244,7 +247,15 @@ def test_add_and_remove_with_ray_runners_and_two_learners(ray_cluster):
         assert first.keys() == second.keys() and all((first[k] == second[k]).all() for k in first)
         algo.remove_module("p1", new_agent_to_module_mapping_fn=against_snapshot)
         assert algo.foreach_env_runner(lambda runner: runner.module_ids) == [["p0", "p0_v1"]] * 2
+        ray_cluster.kill(algo.env_runner_group.manager.handle(2))  # the next train() recreates runner 2
         r = algo.train()
+        assert r["fault_tolerance"]["num_remote_worker_restarts"] == 1
         assert r["learners"]["__all_modules__"]["num_modules_trained"] == 1
+        # the recreated runner holds the run's modules now, with their weights, and maps agents as the others do
+        assert algo.foreach_env_runner(lambda runner: runner.module_ids) == [["p0", "p0_v1"]] * 2
+        assert algo.foreach_env_runner(lambda runner: sorted({c.module_id for c in runner.sample(num_episodes=2)})) \
+            == [["p0", "p0_v1"]] * 2
+        for on_runner in runner_weights(algo, "p0_v1"):
+            assert all(torch.equal(v, weights(algo, "p0_v1")[k]) for k, v in on_runner.items())
     finally:
         algo.stop()

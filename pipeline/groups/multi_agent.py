@@ -7,6 +7,14 @@ chunk list the multi-agent env runners return, groups it by module id, shards ea
 across the learners (each module's batch one codec frame) and logs each module's statistics under
 ``learners/<module_id>/``, as RLlib's results hold them.
 
+Modules may be added and removed while training (``add_module``/``remove_module``: every learner builds
+or drops the module; with several learners, rank 0's initial weights go to all), set per module
+(``set_module_weights``/``set_module_state``), and which train may change (``set_should_update``): ids go
+to the learners, a ``policies_to_train`` function ``(module_id, batch) -> bool`` is asked here in the
+driver, per module and update, with that module's chunks. A module's class may be its own, a subclass
+of the algorithm learner's module class (``check_module_class``): its learner is the algorithm's learner
+with that ``module_class``.
+
 ``steps_counter`` tells ``EnvRunnerGroup.sample`` how many steps a runner's answer brought, in the
 plan's ``count_steps_by`` unit: chunk lengths are agent steps, so the runner's own metrics say it.
 """
