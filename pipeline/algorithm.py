@@ -421,9 +421,10 @@ class Algorithm(Trainable):
         """RLlib's ``remove_module``: ``new_agent_to_module_mapping_fn``, ``new_should_module_be_updated``..."""
         remove_module(self, module_id, **kwargs)
 
-    def load_module(self, module_id: str, checkpoint_dir: str, source_module_id: str | None = None) -> None:
-        """Module ``module_id``'s learner state from module ``source_module_id`` of a checkpoint."""
-        load_module(self, module_id, checkpoint_dir, source_module_id)
+    def load_module(self, module_id: str, checkpoint_dir: str, source_module_id: str | None = None, *,
+                    weights_only: bool = True) -> None:
+        """Module ``module_id``'s weights (or whole learner state) from module ``source_module_id`` of a checkpoint."""
+        load_module(self, module_id, checkpoint_dir, source_module_id, weights_only=weights_only)
 
     def get_policy(self, policy_id: str = "default_policy") -> Any:
         raise AttributeError(

@@ -13,11 +13,12 @@ from another module's weights (a frozen snapshot of "main"), set them after addi
 spelling ``algo.set_state({"learner_group": {"learner": {"rl_module": {"main_v1": state}}}})`` with
 ``state = algo.get_module("main").get_state()``; ``set_module_weights`` does that.
 
-``load_module(module_id, checkpoint_dir, source_module_id=...)`` restores one module's whole learner
-state (weights, optimizer, algorithm fields) from a checkpoint of any run of the same algorithm,
-spaces and model config: a multi-agent checkpoint's ``modules/<id>/learner.pt``, or a single-agent
-checkpoint's ``learner.pt`` as module ``default_policy``. It is RLlib's
-``algo.restore_from_path(path/learner_group/learner/rl_module/<id>, component=...)``.
+``load_module(module_id, checkpoint_dir, source_module_id=...)`` restores one module's weights from a
+checkpoint of another run, of any algorithm whose module has the same class, spaces and model config:
+a multi-agent checkpoint's ``modules/<id>/learner.pt``, or a single-agent checkpoint's ``learner.pt`` as
+module ``default_policy``. It is RLlib's ``algo.restore_from_path(path/learner_group/learner/rl_module/<id>,
+component="learner_group/learner/rl_module/<id>")``. ``weights_only=False`` restores the module's whole
+learner state (optimizer, algorithm fields, RNGs too), from a checkpoint of the same algorithm.
 """
 from __future__ import annotations
 
@@ -67,8 +68,6 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
     remember_in_config(algo.config, setup.module_ids, module_id, spec, overrides, new_agent_to_module_mapping_fn)
     if new_should_module_be_updated is not None:
         set_should_update(algo, new_should_module_be_updated)
-    elif algo.config.policies_to_train is not None and not callable(algo.config.policies_to_train) and trains:
-        algo.config.policies_to_train = sorted({*algo.config.policies_to_train, module_id})
     if add_to_learners:
         algo.sync_weights()  # the runners' copy of the new module gets the learners' weights
 
@@ -102,7 +101,7 @@ def remove_module(algo: Any, module_id: str, *, new_agent_to_module_mapping_fn: 
         config.policy_mapping_fn = new_agent_to_module_mapping_fn
     if new_should_module_be_updated is not None:
         set_should_update(algo, new_should_module_be_updated)
-    elif config.policies_to_train is not None and not callable(config.policies_to_train):
+    elif is_id_collection(config.policies_to_train):
         config.policies_to_train = sorted(set(config.policies_to_train) - {module_id})
 
 
@@ -147,22 +146,34 @@ def set_rllib_state(algo: Any, state: Mapping[str, Any]) -> bool:
     return True
 
 
-def load_module(algo: Any, module_id: str, checkpoint_dir: str, source_module_id: str | None = None) -> None:
+def load_module(algo: Any, module_id: str, checkpoint_dir: str, source_module_id: str | None = None, *,
+                weights_only: bool = True) -> None:
     """See the module docstring; ``Algorithm.load_module`` documents the arguments."""
-    state = read_module_state(checkpoint_dir, source_module_id or module_id)
-    if algo.multi_agent is None:
-        if module_id != "default_policy":
-            raise KeyError(f"load_module: module {module_id!r}; this run trains one module, 'default_policy'")
-        try:
-            algo.learner_group.set_state(state)
-        except (KeyError, RuntimeError, ValueError) as err:
-            raise ValueError(f"load_module: module {source_module_id or module_id!r} of {checkpoint_dir!r} does "
-                             f"not fit this run's module: {err}") from err
-        algo.weights_version += 1
-    else:
+    source = source_module_id or module_id
+    state = read_module_state(checkpoint_dir, source)
+    if algo.multi_agent is not None:
         algo.multi_agent.policy(module_id, "load_module")
-        algo.learner_group.set_module_state(module_id, state)
+    elif module_id != "default_policy":
+        raise KeyError(f"load_module: module {module_id!r}; this run trains one module, 'default_policy'")
+    try:
+        if weights_only:  # RLlib's rl_module component: the module's weights, not its optimizer
+            set_module_weights(algo, module_id, {k: v.numpy() for k, v in state["module"].items()})
+            return
+        if algo.multi_agent is not None:
+            algo.learner_group.set_module_state(module_id, state)
+        else:
+            algo.learner_group.set_state(state)
+            algo.weights_version += 1
+    except (KeyError, RuntimeError, ValueError) as err:
+        raise ValueError(f"load_module: module {source!r} of {checkpoint_dir!r} does not fit module {module_id!r} "
+                         f"of this run ({err}); load a module of the same class, spaces and model config"
+                         f"{'' if weights_only else ', saved by the same algorithm'}") from err
     algo.sync_weights()
+
+
+def is_id_collection(policies_to_train: Any) -> bool:
+    """``policies_to_train`` holds module ids (not None, a function or a function's import path)."""
+    return policies_to_train is not None and not callable(policies_to_train) and not isinstance(policies_to_train, str)
 
 
 # --- the pieces ---------------------------------------------------------------------------------

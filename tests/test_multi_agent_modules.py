@@ -163,15 +163,24 @@ def test_load_one_module_from_a_checkpoint_into_another_algorithm(tmp_path):
              .debugging(seed=7).build(logdir=None))
     try:
         b_before = weights(other, "b")
-        other.load_module("a", path, source_module_id="p1")
+        other.load_module("a", path, source_module_id="p1")  # RLlib's rl_module component: the weights
         assert same(p1, weights(other, "a")) and same(b_before, weights(other, "b"))
         for on_runner in runner_weights(other, "a"):
             assert all(torch.equal(v, p1[k]) for k, v in on_runner.items())
-        other.train()  # the optimizer state came along and goes on
+        other.load_module("b", path, source_module_id="p1", weights_only=False)  # and the optimizer, counters
+        updates = other.learner_group.foreach_learner(lambda ml: {m: ml.learner(m).num_updates for m in ("a", "b")})
+        assert updates[0]["a"] == 0 and updates[0]["b"] > 0 and same(p1, weights(other, "b"))
+        other.train()
         with pytest.raises(ValueError, match="no module 'p7'"):
             other.load_module("a", path, source_module_id="p7")
     finally:
         other.stop()
+    narrow = config().rl_module(model_config={"fcnet_hiddens": [8]}).build(logdir=None)
+    try:
+        with pytest.raises(ValueError, match="module 'p1' of .* does not fit module 'p0'"):
+            narrow.load_module("p0", path, source_module_id="p1")
+    finally:
+        narrow.stop()
 
 
 def test_load_a_single_agent_checkpoint_into_one_module(tmp_path):
@@ -184,7 +193,7 @@ def test_load_a_single_agent_checkpoint_into_one_module(tmp_path):
         algo.stop()
 
 
-def test_policies_to_train_as_a_function():
+def test_policies_to_train_as_a_function(tmp_path):
     algo = config().multi_agent(policies_to_train=only_p0).build(logdir=None)
     try:
         before = {mid: weights(algo, mid) for mid in ("p0", "p1")}
@@ -192,12 +201,19 @@ def test_policies_to_train_as_a_function():
         assert same(before["p1"], weights(algo, "p1")) and not same(before["p0"], weights(algo, "p0"))
         assert "policy_loss" in r["learners"]["p0"] and "p1" not in r["learners"]
         assert r["learners"]["__all_modules__"]["num_frozen_batches_dropped"] == 1
+        path = algo.save(str(tmp_path / "ckpt"))
         # and set by add_module: from now on both train
         algo.add_module("p2", new_should_module_be_updated=lambda mid, batch: mid in ("p0", "p1"))
         r = algo.train()
         assert not same(before["p1"], weights(algo, "p1"))
     finally:
         algo.stop()
+    restored = Algorithm.from_checkpoint(path, logdir=None)  # the function comes back by its import path
+    try:
+        restored.train()
+        assert same(before["p1"], weights(restored, "p1"))
+    finally:
+        restored.stop()
 
 
 def test_per_module_module_classes():
