@@ -15,10 +15,8 @@ the work behind them is in ``algorithm_setup`` (what set-up derives from the con
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
-import threading
 import time
 from typing import Any, Callable, ClassVar
 
@@ -313,17 +311,8 @@ class Algorithm(Trainable):
         sampled0, trained0 = (self.counters[k] for k in ("num_env_steps_sampled_lifetime",
                                                           "num_env_steps_trained_lifetime"))
         evaluating = bool(c.evaluation_interval) and (self.iteration + 1) % c.evaluation_interval == 0
-        parallel: concurrent.futures.Future | None = None
-        stop_eval = threading.Event()
-        if evaluating and c.evaluation_parallel_to_training:
-            parallel = self.evaluation.start_parallel(stop_eval)
-        try:
-            steps = self._train_steps(t0, sampled0, trained0)
-        finally:
-            stop_eval.set()
-        if parallel is not None:
-            self.evaluation_results = parallel.result()
-        elif evaluating:
+        steps = self.evaluation.beside(evaluating, lambda: self._train_steps(t0, sampled0, trained0))
+        if evaluating and not c.evaluation_parallel_to_training:
             self.evaluate()
         self.iteration += 1
         dt = time.perf_counter() - t0

@@ -75,6 +75,21 @@ class AlgorithmEvaluation:
         evaluators.sync_weights(algo.learner_group.get_weights(inference_only=True), algo.weights_version,
                                 algo.counters["num_env_steps_sampled_lifetime"], wait=wait)  # evaluators count env steps
 
+    def beside(self, evaluating: bool, train: Callable[[], Any]) -> Any:
+        """``train()``, with an evaluation beside it in the evaluation thread when ``evaluating`` and
+        ``evaluation_parallel_to_training`` (its results become ``algo.evaluation_results``); returns what
+        ``train()`` returned."""
+        if not (evaluating and self.algo.config.evaluation_parallel_to_training):
+            return train()
+        stop = threading.Event()
+        parallel = self.start_parallel(stop)
+        try:
+            out = train()
+        finally:
+            stop.set()
+        self.algo.evaluation_results = parallel.result()
+        return out
+
     def start_parallel(self, stop: threading.Event) -> concurrent.futures.Future:
         """Start an evaluation in the evaluation thread, with the weights from before this training
         step (so its results are one iteration behind); it ends early once ``stop`` is set."""
