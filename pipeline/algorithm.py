@@ -403,7 +403,7 @@ class Algorithm(Trainable):
     # --- a multi-agent run's modules (pipeline/algorithm_modules.py documents them) ------------
     def add_module(self, module_id: str, module_spec: Any = None, **kwargs: Any) -> None:
         """RLlib's ``add_module``: ``module_spec`` (None: the run's defaults), ``config_overrides``,
-        ``new_agent_to_module_mapping_fn``, ``new_should_module_be_updated``, ``add_to_(eval_)env_runners``..."""
+        ``new_agent_to_module_mapping_fn``, ``new_should_module_be_updated`` (ids or ``fn(module_id, batch)``)."""
         add_module(self, module_id, module_spec, **kwargs)
 
     def remove_module(self, module_id: str, **kwargs: Any) -> None:

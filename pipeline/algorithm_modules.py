@@ -7,6 +7,9 @@ new mapping and the new set of modules to train where given. ``remove_module`` u
 also rewrite the algorithm's config (``policies``, ``policy_mapping_fn``, ``policies_to_train``),
 so a checkpoint saved afterwards restores the same module set with ``Algorithm.from_checkpoint``;
 and the runners' construction arguments, so a runner recreated after a crash holds the same modules.
+Learners, env runners and evaluators always hold the same modules: RLlib's ``add_to_learners=False``
+and its siblings are refused (``refuse_partial``). Mapping and policies_to_train functions are kept by
+their import paths in a checkpoint: write them as module-level functions, not lambdas.
 
 A new module's weights come from its learners (initialised like any module of the run). To start it
 from another module's weights (a frozen snapshot of "main"), set them after adding it, in RLlib's
@@ -48,6 +51,9 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
     if module_id in setup.plan.module_specs:
         raise ValueError(f"add_module: module {module_id!r} exists already (modules: {setup.module_ids}); "
                          f"remove_module({module_id!r}) first or pick another id")
+    refuse_partial("add_module", add_to_learners=add_to_learners, add_to_env_runners=add_to_env_runners,
+                   add_to_eval_env_runners=add_to_eval_env_runners)
+    check_should_update(new_should_module_be_updated, [*setup.module_ids, module_id])
     overrides = dict(config_overrides or {})
     spec = complete_spec(algo, module_id, module_spec, overrides)
     mapping = None if new_agent_to_module_mapping_fn is None else mapping_function(new_agent_to_module_mapping_fn)
@@ -55,21 +61,18 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
         trains = setup.plan.trainable is None or algo.config.policies_to_train is None
     else:
         trains = callable(new_should_module_be_updated) or module_id in new_should_module_be_updated
-    if add_to_learners:
-        algo.learner_group.add_module(module_id, spec, overrides, trains)
-    policy = DriverPolicy.build(spec, algo.config, spec.observation_space, spec.action_space)
+    policy = DriverPolicy.build(spec, algo.config, spec.observation_space, spec.action_space)  # checks, first
+    algo.learner_group.add_module(module_id, spec, overrides, trains)
     setup.change_modules(added={module_id: spec}, mapping=mapping)
     setup.driver_policies[module_id] = policy
-    groups = runner_groups(algo, add_to_env_runners, add_to_eval_env_runners)
-    for group in groups:
+    for group in runner_groups(algo):
         group.manager.foreach_actor("add_module", module_id, spec)
         if mapping is not None:
             group.manager.foreach_actor("set_policy_mapping_fn", mapping)
     remember_in_config(algo.config, setup.module_ids, module_id, spec, overrides, new_agent_to_module_mapping_fn)
     if new_should_module_be_updated is not None:
         set_should_update(algo, new_should_module_be_updated)
-    if add_to_learners:
-        algo.sync_weights()  # the runners' copy of the new module gets the learners' weights
+    algo.sync_weights()  # the runners' copy of the new module gets the learners' weights
 
 
 def remove_module(algo: Any, module_id: str, *, new_agent_to_module_mapping_fn: Callable | None = None,
@@ -82,11 +85,14 @@ def remove_module(algo: Any, module_id: str, *, new_agent_to_module_mapping_fn: 
         raise KeyError(f"remove_module: no module {module_id!r}; the modules are {setup.module_ids}")
     if len(setup.plan.module_specs) == 1:
         raise ValueError(f"remove_module: {module_id!r} is the run's last module; add_module() another first")
+    refuse_partial("remove_module", remove_from_learners=remove_from_learners,
+                   remove_from_env_runners=remove_from_env_runners,
+                   remove_from_eval_env_runners=remove_from_eval_env_runners)
+    check_should_update(new_should_module_be_updated, [mid for mid in setup.module_ids if mid != module_id])
     mapping = None if new_agent_to_module_mapping_fn is None else mapping_function(new_agent_to_module_mapping_fn)
-    for group in runner_groups(algo, remove_from_env_runners, remove_from_eval_env_runners):
+    for group in runner_groups(algo):
         group.manager.foreach_actor("remove_module", module_id, mapping)
-    if remove_from_learners and module_id in algo.learner_group.module_ids:
-        algo.learner_group.remove_module(module_id)
+    algo.learner_group.remove_module(module_id)
     setup.change_modules(removed=module_id, mapping=mapping)
     setup.driver_policies.pop(module_id, None)
     algo.metrics.delete(f"learners/{module_id}")  # its last update's statistics would otherwise stay in the results
@@ -109,11 +115,7 @@ def set_should_update(algo: Any, which: Collection[str] | Callable) -> None:
     """Which modules train from now on (ids, or ``fn(module_id, batch) -> bool``), in the learners and
     the config."""
     setup = multi_agent_of(algo, "new_should_module_be_updated")
-    if not callable(which):
-        unknown = sorted(set(which) - set(setup.plan.module_specs))
-        if isinstance(which, str) or unknown:
-            raise ValueError(f"modules to train {which!r}: give ids of this run's modules {setup.module_ids} "
-                             f"(a set or list), or a function fn(module_id, batch) -> bool")
+    check_should_update(which, setup.module_ids)
     algo.learner_group.set_should_update(which)
     setup.set_trainable(which)
     algo.config.policies_to_train = which if callable(which) else sorted(which)
@@ -184,11 +186,28 @@ def multi_agent_of(algo: Any, where: str) -> Any:
     return algo.multi_agent
 
 
-def runner_groups(algo: Any, env_runners: bool, eval_env_runners: bool) -> list[Any]:
-    out = [algo.env_runner_group] if env_runners else []
-    if eval_env_runners and algo.evaluators is not None:  # evaluators built later take the plan's modules
-        out.append(algo.evaluators.group)
-    return out
+def runner_groups(algo: Any) -> list[Any]:
+    """The env runners, and the evaluators once built (evaluators built later take the plan's modules)."""
+    return [algo.env_runner_group] + ([algo.evaluators.group] if algo.evaluators is not None else [])
+
+
+def refuse_partial(where: str, **flags: bool) -> None:
+    """Learners, env runners and evaluators hold one module set in runnel: the weights sync, evaluators
+    built later and checkpoints rely on it, so RLlib's flags to leave one of them out are refused."""
+    off = [name for name, on in flags.items() if not on]
+    if off:
+        raise NotImplementedError(f"{where}({', '.join(f'{name}=False' for name in off)}) is not built: runnel's "
+                                  f"learners, env runners and evaluators always hold the same modules (a frozen "
+                                  f"module is never trained; leave it out of new_should_module_be_updated instead)")
+
+
+def check_should_update(which: Any, module_ids: list[str]) -> None:
+    """``new_should_module_be_updated``: None, a function, or ids of ``module_ids``."""
+    if which is None or callable(which):
+        return
+    if isinstance(which, str) or not isinstance(which, Collection) or set(which) - set(module_ids):
+        raise ValueError(f"new_should_module_be_updated={which!r}: give ids of the run's modules {sorted(module_ids)} "
+                         f"(a set or list), or a function fn(module_id, batch) -> bool")
 
 
 def complete_spec(algo: Any, module_id: str, given: ModuleSpecLike, overrides: Mapping[str, Any]) -> ModuleSpec:

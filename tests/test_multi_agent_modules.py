@@ -247,7 +247,14 @@ def test_add_module_refuses_what_it_cannot_do():
             algo.add_module("q", RLModuleSpec(module_class=QModule))
         with pytest.raises(ConfigError, match=r"config_overrides keys \['lrr'\]"):
             algo.add_module("p2", config_overrides={"lrr": 0.1})
-        assert algo.learner_group.module_ids == ["p0", "p1"]  # nothing half-added
+        with pytest.raises(ValueError, match="new_should_module_be_updated='p0'"):
+            algo.add_module("p2", new_should_module_be_updated="p0")
+        with pytest.raises(NotImplementedError, match=r"add_module\(add_to_learners=False\) is not built"):
+            algo.add_module("p2", add_to_learners=False)
+        with pytest.raises(NotImplementedError, match="remove_from_eval_env_runners=False"):
+            algo.remove_module("p1", remove_from_eval_env_runners=False)
+        assert algo.learner_group.module_ids == ["p0", "p1"]  # nothing half-added or half-removed
+        assert algo.foreach_env_runner(lambda runner: runner.module_ids) == [["p0", "p1"]]
     finally:
         algo.stop()
 

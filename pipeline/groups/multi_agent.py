@@ -141,8 +141,8 @@ class MultiLearnerGroup(LearnerGroup):
             raise NotImplementedError("per-row learner outputs of a multi-agent update (prioritized replay) are "
                                       "not built yet (issue 27)")
         by_module = chunks_by_module(batch)
-        # modules the learners do not hold (added with add_to_learners=False) are not trained; with a
-        # policies_to_train function, the user's function decides per batch, here in the driver
+        # chunks of a module the learners no longer hold are not trained on; with a policies_to_train
+        # function, the user's function decides per batch, here in the driver
         keep = {mid: mid in self.module_ids and (self.should_update is None or bool(self.should_update(mid, chunks)))
                 for mid, chunks in by_module.items()}
         refused = sum(1 for k in keep.values() if not k)
