@@ -214,6 +214,12 @@ class MetricsLogger:
         with self._lock:
             return list(self._stats)
 
+    def delete(self, prefix: str) -> None:
+        """Forget ``prefix`` and every key under it (a removed module's ``learners/<module_id>``)."""
+        with self._lock:
+            for key in [k for k in self._stats if k == prefix or k.startswith(f"{prefix}/")]:
+                del self._stats[key]
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._stats

@@ -15,10 +15,8 @@ the work behind them is in ``algorithm_setup`` (what set-up derives from the con
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
-import threading
 import time
 from typing import Any, Callable, ClassVar
 
@@ -37,6 +35,7 @@ from actors.env.actions import EnvActions
 from actors.sys_usage import SysUsage
 from pipeline.algorithm_actions import DriverPolicy, batch_of_one, single_action
 from pipeline.algorithm_evaluation import AlgorithmEvaluation
+from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
 from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, init_ray_if_needed,
@@ -52,7 +51,6 @@ from pipeline.config.external import external_settings
 from pipeline.config.offline import mixes_sampler, reader_settings, recording_settings
 from actors.offline import write_manifest
 from pipeline.groups.learner_group import LearnerGroup
-from pipeline.groups.multi_agent import OneModule
 from pipeline.resources import actor_cpus, check_room, held, released
 from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
@@ -313,17 +311,8 @@ class Algorithm(Trainable):
         sampled0, trained0 = (self.counters[k] for k in ("num_env_steps_sampled_lifetime",
                                                           "num_env_steps_trained_lifetime"))
         evaluating = bool(c.evaluation_interval) and (self.iteration + 1) % c.evaluation_interval == 0
-        parallel: concurrent.futures.Future | None = None
-        stop_eval = threading.Event()
-        if evaluating and c.evaluation_parallel_to_training:
-            parallel = self.evaluation.start_parallel(stop_eval)
-        try:
-            steps = self._train_steps(t0, sampled0, trained0)
-        finally:
-            stop_eval.set()
-        if parallel is not None:
-            self.evaluation_results = parallel.result()
-        elif evaluating:
+        steps = self.evaluation.beside(evaluating, lambda: self._train_steps(t0, sampled0, trained0))
+        if evaluating and not c.evaluation_parallel_to_training:
             self.evaluate()
         self.iteration += 1
         dt = time.perf_counter() - t0
@@ -356,8 +345,6 @@ class Algorithm(Trainable):
     def evaluate(self) -> dict[str, Any]:
         """Evaluate the current weights with the evaluators (built on first use); returns
         ``{"evaluation": results}`` and keeps them for the next ``train()`` result."""
-        if self.multi_agent is not None:
-            raise NotImplementedError("evaluate() is not built for multi-agent runs yet (issue 27)")
         self.evaluation.sync_weights()
         self.evaluation_results = self.evaluation.run(None)
         return {"evaluation": self.evaluation_results}
@@ -382,9 +369,7 @@ class Algorithm(Trainable):
             if policy_id not in (None, "default_policy"):
                 raise KeyError(f"policy_id={policy_id!r}: this run has one module, 'default_policy'")
             return self.driver_policy.compute_actions(self.learner_group, obs, explore, timestep)
-        policy = self.multi_agent.policy(policy_id, "compute_actions")
-        return policy.compute_actions(OneModule(self.learner_group, policy_id or self.multi_agent.module_ids[0]),
-                                      obs, explore, timestep)
+        return self.multi_agent.compute_actions(self.learner_group, obs, explore, timestep, policy_id)
 
     def compute_single_action(self, obs: Any, explore: bool | None = None, policy_id: str | None = None) -> Any:
         """One observation (no batch dim) -> one action the env accepts (``policy_id``: multi-agent runs)."""
@@ -415,6 +400,21 @@ class Algorithm(Trainable):
             raise KeyError(f"module {module_id!r}: this run trains one module, 'default_policy'")
         return self.driver_policy.current_module(self.learner_group)
 
+    # --- a multi-agent run's modules (pipeline/algorithm_modules.py documents them) ------------
+    def add_module(self, module_id: str, module_spec: Any = None, **kwargs: Any) -> None:
+        """RLlib's ``add_module``: ``module_spec`` (None: the run's defaults), ``config_overrides``,
+        ``new_agent_to_module_mapping_fn``, ``new_should_module_be_updated`` (ids or ``fn(module_id, batch)``)."""
+        add_module(self, module_id, module_spec, **kwargs)
+
+    def remove_module(self, module_id: str, **kwargs: Any) -> None:
+        """RLlib's ``remove_module``: ``new_agent_to_module_mapping_fn``, ``new_should_module_be_updated``..."""
+        remove_module(self, module_id, **kwargs)
+
+    def load_module(self, module_id: str, checkpoint_dir: str, source_module_id: str | None = None, *,
+                    weights_only: bool = True) -> None:
+        """Module ``module_id``'s weights (or whole learner state) from module ``source_module_id`` of a checkpoint."""
+        load_module(self, module_id, checkpoint_dir, source_module_id, weights_only=weights_only)
+
     def get_policy(self, policy_id: str = "default_policy") -> Any:
         raise AttributeError(
             "algo.get_policy() is RLlib's old API stack: runnel has no Policy objects. Use "
@@ -432,7 +432,10 @@ class Algorithm(Trainable):
         return driver_state(self)
 
     def set_state(self, state: dict[str, Any]) -> None:
-        set_driver_state(self, state)
+        """The driver's state (``get_state``); RLlib's ``{"learner_group": {"learner": {"rl_module":
+        {module_id: weights}}}}`` sets those modules' weights (``algorithm_modules.set_rllib_state``)."""
+        if not set_rllib_state(self, state):
+            set_driver_state(self, state)
 
     def save(self, checkpoint_dir: str | None = None) -> Any:
         """Write a checkpoint directory (atomically) and return its path (under Tune: Tune's result)."""

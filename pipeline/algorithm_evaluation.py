@@ -59,9 +59,11 @@ class AlgorithmEvaluation:
                 init_ray_if_needed(c)
             fault_tolerance = dataclasses.replace(algo.fault_tolerance_settings(c),
                                                   max_requests_in_flight=EVALUATOR_REQUEST_SLOTS)
+            # a multi-agent run's evaluators are MultiAgentEnvRunners holding the run's current modules
+            runner_args = algo.multi_agent.runner_group_args(evaluation=True) if algo.multi_agent is not None else None
             self.evaluators = Evaluators(c, settings, fault_tolerance, on_recreated=lambda ids: self.hook(
                 "on_env_runners_recreated", algorithm=algo, env_runner_group=self.evaluators.group,
-                env_runner_indices=ids, is_evaluation=True))
+                env_runner_indices=ids, is_evaluation=True), runner_args=runner_args)
         return self.evaluators
 
     def sync_weights(self, wait: bool = True) -> None:
@@ -71,7 +73,22 @@ class AlgorithmEvaluation:
             return
         evaluators = self.build_evaluators()
         evaluators.sync_weights(algo.learner_group.get_weights(inference_only=True), algo.weights_version,
-                                algo.counters["num_env_steps_sampled_lifetime"], wait=wait)
+                                algo.counters["num_env_steps_sampled_lifetime"], wait=wait)  # evaluators count env steps
+
+    def beside(self, evaluating: bool, train: Callable[[], Any]) -> Any:
+        """``train()``, with an evaluation beside it in the evaluation thread when ``evaluating`` and
+        ``evaluation_parallel_to_training`` (its results become ``algo.evaluation_results``); returns what
+        ``train()`` returned."""
+        if not (evaluating and self.algo.config.evaluation_parallel_to_training):
+            return train()
+        stop = threading.Event()
+        parallel = self.start_parallel(stop)
+        try:
+            out = train()
+        finally:
+            stop.set()
+        self.algo.evaluation_results = parallel.result()
+        return out
 
     def start_parallel(self, stop: threading.Event) -> concurrent.futures.Future:
         """Start an evaluation in the evaluation thread, with the weights from before this training

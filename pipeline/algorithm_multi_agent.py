@@ -7,18 +7,23 @@ driver against one env (``multi_agent_plan``); from the plan come the env runner
 ``get_module(module_id)`` and ``compute_single_action(obs, policy_id=...)``. A config without them
 never reaches this module: single-agent runs keep ``EnvRunner`` and the single ``Learner``.
 
+Evaluators are ``MultiAgentEnvRunner``s too (``runner_group_args(evaluation=True)``). Modules added and
+removed while training (``pipeline.algorithm_modules``) change the plan here and the specs and mapping
+every runner group is built with, so recreated runners hold the run's modules.
+
 What is not built for multi-agent runs yet is refused here, at set-up, with the setting named:
-evaluation, recording, external clients and offline input.
+recording, external clients and offline input.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from actors.env.multi_agent_runner import MultiAgentEnvRunner
 from actors.env.vector_env import EnvContext
 from actors.metrics import MetricsLogger
-from actors.modules import RLModule
+from actors.modules import ModuleSpec, RLModule
 from pipeline.algorithm_actions import DriverPolicy
 from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.config.multi_agent import settings_used
@@ -28,12 +33,51 @@ from pipeline.groups.multi_agent import MultiLearnerGroup, OneModule, check_modu
 NOT_YET = "is not built for multi-agent runs yet (issue 27)"
 
 
+class CurrentMapping:
+    """The run's mapping fn as the runners are built with it: ``add_module``/``remove_module`` may swap
+    the fn inside, so a runner recreated after a crash maps agents as the live ones do."""
+
+    def __init__(self, fn: Callable[[Any, Any], str]) -> None:
+        self.fn = fn
+
+    def __call__(self, agent_id: Any, episode: Any) -> str:
+        return self.fn(agent_id, episode)
+
+
 @dataclass
 class MultiAgentSetup:
     """The resolved plan of a multi-agent run and the driver's policy copy of each module."""
 
     plan: MultiAgentPlan
     driver_policies: dict[str, DriverPolicy]
+    runner_specs: dict[str, ModuleSpec] = field(default_factory=dict)
+    """The module specs every runner group is built with (one dict, changed in place as modules come and
+    go, so recreated runners hold the run's modules)."""
+    runner_mapping: CurrentMapping | None = None
+
+    def __post_init__(self) -> None:
+        self.runner_specs.update(sorted(self.plan.module_specs.items()))
+        self.runner_mapping = CurrentMapping(self.plan.policy_mapping_fn)
+
+    def change_modules(self, added: dict[str, ModuleSpec] | None = None, removed: str | None = None,
+                       mapping: Callable[[Any, Any], str] | None = None) -> None:
+        """Modules added or removed, and the mapping fn from now on (None: unchanged)."""
+        specs = {mid: s for mid, s in self.plan.module_specs.items() if mid != removed} | dict(added or {})
+        trainable = self.plan.trainable
+        if trainable is not None and removed is not None:
+            trainable = trainable - {removed}
+        self.plan = dataclasses.replace(self.plan, module_specs=specs, trainable=trainable,
+                                        policy_mapping_fn=mapping or self.plan.policy_mapping_fn)
+        self.runner_specs.clear()
+        self.runner_specs.update(sorted(specs.items()))
+        self.runner_mapping.fn = self.plan.policy_mapping_fn
+
+    def set_trainable(self, which: Any) -> None:
+        """The modules that train from now on: ids, or a function ``(module_id, batch) -> bool``."""
+        if callable(which):
+            self.plan = dataclasses.replace(self.plan, trainable=None, policies_to_train=which)
+        else:
+            self.plan = dataclasses.replace(self.plan, trainable=frozenset(which), policies_to_train=None)
 
     @property
     def module_ids(self) -> list[str]:
@@ -46,15 +90,15 @@ class MultiAgentSetup:
         spec = self.plan.module_specs[self.module_ids[0]]
         return spec.observation_space, spec.action_space
 
-    def runner_group_args(self) -> dict[str, Any]:
-        """``EnvRunnerGroup`` arguments: the runner class, its plan pieces and how its steps count."""
-        plan = self.plan
+    def runner_group_args(self, evaluation: bool = False) -> dict[str, Any]:
+        """``EnvRunnerGroup`` arguments: the runner class, its plan pieces and how its steps count.
+        Evaluators count env steps (``evaluation_duration`` timesteps are env steps)."""
+        count_steps_by = "env_steps" if evaluation else self.plan.count_steps_by
         return {"runner_class": MultiAgentEnvRunner,
                 # sorted, so the runners' modules draw their exploration in the same order in every process
-                "runner_kwargs": {"module_specs": dict(sorted(plan.module_specs.items())),
-                                  "policy_mapping_fn": plan.policy_mapping_fn,
-                                  "count_steps_by": plan.count_steps_by},
-                "count_steps": steps_counter(plan.count_steps_by)}
+                "runner_kwargs": {"module_specs": self.runner_specs, "policy_mapping_fn": self.runner_mapping,
+                                  "count_steps_by": count_steps_by},
+                "count_steps": steps_counter(count_steps_by)}
 
     def runner_timestep(self, metrics: MetricsLogger, env_steps: int) -> int:
         """The run's steps so far in the runners' ``count_steps_by`` unit (what their exploration follows)."""
@@ -72,6 +116,12 @@ class MultiAgentSetup:
             raise KeyError(f"{where}: module {module_id!r} is not one of this run's modules {self.module_ids}; "
                            f"name one, e.g. {where}(..., policy_id={self.module_ids[0]!r})")
         return self.driver_policies[module_id]
+
+    def compute_actions(self, group: MultiLearnerGroup, obs: Any, explore: bool, timestep: int,
+                        module_id: str | None) -> Any:
+        """``algo.compute_actions(..., policy_id=module_id)``: module ``module_id``'s env actions."""
+        policy = self.policy(module_id, "compute_actions")
+        return policy.compute_actions(OneModule(group, module_id or self.module_ids[0]), obs, explore, timestep)
 
     def module(self, group: MultiLearnerGroup, module_id: str | None) -> RLModule:
         """Module ``module_id`` with the learners' latest weights."""
@@ -97,8 +147,6 @@ def multi_agent_setup(config: AlgorithmConfig, creator: Callable | None, learner
         raise NotImplementedError(f"rl_module(rl_module_spec=...) and multi_agent(...) settings on a single-agent env "
                                   f"({config.env!r}) {NOT_YET}: leave them out (rl_module(model_config=...) sets "
                                   f"the one module's network)")
-    if plan.trainable is None:
-        raise NotImplementedError(f"policies_to_train as a function {NOT_YET}: give the module ids that train")
     policies = {}
     for mid, spec in plan.module_specs.items():
         check_module_class(learner_class, mid, spec)
@@ -109,9 +157,7 @@ def multi_agent_setup(config: AlgorithmConfig, creator: Callable | None, learner
 def refuse_unbuilt(config: AlgorithmConfig, learner_class: type) -> None:
     """What multi-agent runs do not support yet, each as an error naming the setting to change."""
     offline = config.offline_data_config or {}
-    unbuilt = {"evaluation_interval": bool(config.evaluation_interval),
-               "evaluation_num_env_runners": config.evaluation_num_env_runners > 0,
-               "offline_data(input_=...)": offline.get("input_") not in ("sampler", None),
+    unbuilt = {"offline_data(input_=...)": offline.get("input_") not in ("sampler", None),
                "offline_data(output=...)": offline.get("output") is not None,
                "external_clients_config": bool(config.external_clients_config)}
     named = [name for name, used in unbuilt.items() if used]

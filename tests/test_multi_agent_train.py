@@ -185,12 +185,8 @@ def test_a_single_agent_config_keeps_the_single_agent_stages():
 
 
 def test_what_is_not_built_for_multi_agent_runs_fails_at_build_naming_the_setting():
-    with pytest.raises(NotImplementedError, match="evaluation_interval"):
-        config().evaluation(evaluation_interval=1).build(logdir=None)
     with pytest.raises(ConfigError, match="single-agent"):
         config().environment("CartPole-v1", env_config={}).build(logdir=None)
-    with pytest.raises(NotImplementedError, match="policies_to_train as a function"):
-        config().multi_agent(policies_to_train=lambda mid, batch: mid == "p0").build(logdir=None)
 
 
 @pytest.mark.learning

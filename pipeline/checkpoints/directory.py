@@ -210,3 +210,25 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict, dict, dict]:
         raise CheckpointError(f"checkpoint {str(p)!r}: learner.pt cannot be read ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''})") from None
     return manifest, config, learner_state, state
+
+
+def read_module_state(path: str | os.PathLike, module_id: str) -> dict:
+    """One module's learner state from a checkpoint: ``modules/<module_id>/learner.pt`` of a multi-agent
+    run's checkpoint, or ``learner.pt`` of a single-agent one as module ``default_policy``."""
+    p = Path(path).expanduser()
+    files = read_manifest(p).get("files", [])
+    modules = sorted(f.split("/")[1] for f in files if f.startswith("modules/"))
+    if modules:
+        if module_id not in modules:
+            raise CheckpointError(f"checkpoint {str(p)!r} has no module {module_id!r}; its modules are {modules}")
+        file = p / "modules" / module_id / "learner.pt"
+    elif module_id != "default_policy":
+        raise CheckpointError(f"checkpoint {str(p)!r} is of a single-agent run: its one module is 'default_policy', "
+                              f"not {module_id!r}")
+    else:
+        file = p / "learner.pt"
+    try:
+        return _load_learner(file)
+    except Exception as err:  # noqa: BLE001 - torch raises many kinds for a damaged file
+        raise CheckpointError(f"checkpoint {str(p)!r}: {file.relative_to(p)} cannot be read "
+                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None

@@ -12,6 +12,7 @@ settings as the training runners. One evaluation (``run``) lasts
   evaluation ends then, with what has come back: a request still running is not waited for (its
   results are dropped), and the weights for the next evaluation queue behind it without blocking --
   unless nothing has come back yet (a training step shorter than one request), then the first answer is.
+  ``evaluate()`` called on demand (no training step beside it) runs one episode per healthy evaluator.
 
 An evaluator that fails or does not answer within ``evaluation_sample_timeout_s`` is given up for
 this evaluation (and killed, to be recreated later if restarts are on); the healthy ones take over its
@@ -44,10 +45,13 @@ AUTO_POLL_S = 0.05
 
 class Evaluators:
     def __init__(self, config: Any, settings: EnvRunnerSettings, fault_tolerance: FaultToleranceSettings,
-                 on_recreated: Callable[[list[int]], None] | None = None) -> None:
+                 on_recreated: Callable[[list[int]], None] | None = None,
+                 runner_args: dict[str, Any] | None = None) -> None:
+        """``runner_args``: ``EnvRunnerGroup``'s runner class and arguments (a multi-agent run's
+        ``MultiAgentEnvRunner``s); none for single-agent runs."""
         self.config = config
         self.group = EnvRunnerGroup(settings, config.evaluation_num_env_runners, config.num_cpus_per_env_runner,
-                                    fault_tolerance, on_recreated=on_recreated)
+                                    fault_tolerance, on_recreated=on_recreated, **(runner_args or {}))
         self.lifetime = MetricsLogger()  # lifetime counters across evaluations
         self.weights_version = -1
         self._runs = 0  # tags "auto" requests, so a late answer from an earlier evaluation is dropped
@@ -67,8 +71,10 @@ class Evaluators:
         self._runs += 1
         self.group.restart_failed()
         requested: int | str = c.evaluation_duration
-        if c.evaluation_duration == "auto":
-            self._run_auto(metrics, episodes, stop or threading.Event())
+        if c.evaluation_duration == "auto" and stop is None:  # evaluate() on demand: no training step to end it
+            requested = self._run_counted("episodes", max(1, manager.num_healthy()), metrics, episodes)
+        elif c.evaluation_duration == "auto":
+            self._run_auto(metrics, episodes, stop)
         else:
             requested = self._run_counted(c.evaluation_duration_unit, c.evaluation_duration, metrics, episodes)
         self.group.log_fault_tolerance(metrics)

@@ -7,6 +7,14 @@ chunk list the multi-agent env runners return, groups it by module id, shards ea
 across the learners (each module's batch one codec frame) and logs each module's statistics under
 ``learners/<module_id>/``, as RLlib's results hold them.
 
+Modules may be added and removed while training (``add_module``/``remove_module``: every learner builds
+or drops the module; with several learners, rank 0's initial weights go to all), set per module
+(``set_module_weights``/``set_module_state``), and which train may change (``set_should_update``): ids go
+to the learners, a ``policies_to_train`` function ``(module_id, batch) -> bool`` is asked here in the
+driver, per module and update, with that module's chunks. A module's class may be its own, a subclass
+of the algorithm learner's module class (``check_module_class``): its learner is the algorithm's learner
+with that ``module_class``.
+
 ``steps_counter`` tells ``EnvRunnerGroup.sample`` how many steps a runner's answer brought, in the
 plan's ``count_steps_by`` unit: chunk lengths are agent steps, so the runner's own metrics say it.
 """
@@ -45,26 +53,67 @@ def module_config(config: Any, module_id: str, index: int, spec: ModuleSpec, ove
 
 class ConfiguredMultiLearner(MultiLearner):
     """A ``MultiLearner`` that builds its modules' learners itself (in the process that hosts it: a Ray
-    learner actor is given the plan's pieces, never learners)."""
+    learner actor is given the plan's pieces, never learners), and builds modules added later the same
+    way (``add_module_from_spec``)."""
 
     def __init__(self, config: Any, observation_space: Any = None, action_space: Any = None, *,
                  learner_class: type[Learner], module_specs: Mapping[str, ModuleSpec],
                  trainable: Collection[str] | None, config_overrides: Mapping[str, Mapping[str, Any]],
                  device: str = "cpu", rank: int = 0, world_size: int = 1) -> None:
-        learners = {}
-        for index, (mid, spec) in enumerate(sorted(module_specs.items())):
-            check_module_class(learner_class, mid, spec)
-            cfg = module_config(config, mid, index, spec, config_overrides.get(mid, {}))
-            learners[mid] = learner_class(cfg, spec.observation_space, spec.action_space, device=device, rank=rank,
-                                          world_size=world_size)
+        self.config, self.learner_class = config, learner_class
+        self.device, self.rank, self.world_size = device, rank, world_size
+        self.num_modules_built = 0
+        """Modules built over this learner's life: the next one's seed offset (one per module, so modules
+        of one spec start apart, the same on every rank)."""
+        learners = {mid: self._build(mid, spec, config_overrides.get(mid, {}))
+                    for mid, spec in sorted(module_specs.items())}
         super().__init__(learners, trainable)
+
+    def _build(self, module_id: str, spec: ModuleSpec, overrides: Mapping[str, Any]) -> Learner:
+        check_module_class(self.learner_class, module_id, spec)
+        cfg = module_config(self.config, module_id, self.num_modules_built, spec, overrides)
+        self.num_modules_built += 1
+        cls = learner_for_module_class(self.learner_class, spec.module_class)
+        return cls(cfg, spec.observation_space, spec.action_space, device=self.device, rank=self.rank,
+                   world_size=self.world_size)
+
+    def add_module_from_spec(self, module_id: str, spec: ModuleSpec, overrides: Mapping[str, Any],
+                             trainable: bool) -> None:
+        """Build module ``module_id``'s learner from the run's config (and ``overrides``) and add it."""
+        self.add_module(module_id, self._build(module_id, spec, overrides), trainable=trainable)
+
+    def drop_module(self, module_id: str) -> None:
+        """``remove_module`` without returning the learner (which must not travel back from an actor)."""
+        self.remove_module(module_id)
+
+    def set_trainable(self, module_ids: Collection[str]) -> None:
+        self.trainable = module_ids
+
+
+def learner_for_module_class(learner_class: type[Learner], module_class: type) -> type[Learner]:
+    """``learner_class`` training ``module_class`` (a subclass of its own module class) instead: the
+    learner builds ``self.module_class``, so a subclass of the learner with that attribute changed."""
+    if module_class is learner_class.module_class:
+        return learner_class
+    key = (learner_class, module_class)
+    if key not in _LEARNERS_FOR_CLASSES:
+        _LEARNERS_FOR_CLASSES[key] = type(learner_class.__name__, (learner_class,),
+                                          {"module_class": module_class, "__module__": learner_class.__module__})
+    return _LEARNERS_FOR_CLASSES[key]
+
+
+_LEARNERS_FOR_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def check_module_class(learner_class: type[Learner], module_id: str, spec: ModuleSpec) -> None:
-    if spec.module_class is not learner_class.module_class:
-        raise ConfigError(f"module {module_id!r} asks for module class {spec.module_class.__name__}, but "
-                          f"{learner_class.__name__} trains {learner_class.module_class.__name__}; per-module module "
-                          f"classes are not built yet (issue 27): leave module_class/policy_class unset")
+    """A module's class must be the learner's module class or a subclass of it: the learner's loss reads
+    that class's outputs (``forward_train``'s keys, its value head, its action distribution)."""
+    needed = learner_class.module_class
+    if not (isinstance(spec.module_class, type) and issubclass(spec.module_class, needed)):
+        name = getattr(spec.module_class, "__name__", repr(spec.module_class))
+        raise ConfigError(f"module {module_id!r} asks for module class {name}, which {learner_class.__name__} cannot "
+                          f"train: its loss needs a {needed.__name__} ({needed.__module__}). Give a subclass of "
+                          f"{needed.__name__} (override its encoder or heads), or leave module_class/policy_class unset")
 
 
 class MultiLearnerGroup(LearnerGroup):
@@ -73,6 +122,11 @@ class MultiLearnerGroup(LearnerGroup):
         for mid, spec in plan.module_specs.items():  # in the driver, before any actor starts
             check_module_class(learner_class, mid, spec)
         self.module_ids = sorted(plan.module_specs)
+        self.learner_class = learner_class
+        self.should_update: Callable[[str, Any], bool] | None = plan.policies_to_train
+        """``policies_to_train`` as a function ``(module_id, batch) -> bool``, asked here in the driver
+        before each update (the learners then train every module they are sent); None: the learners'
+        own set of trainable modules decides."""
         kwargs = {"learner_class": learner_class, "module_specs": plan.module_specs,
                   "trainable": plan.trainable, "config_overrides": plan.config_overrides}
         super().__init__(ConfiguredMultiLearner, config, None, None, learner_kwargs=kwargs)
@@ -88,6 +142,12 @@ class MultiLearnerGroup(LearnerGroup):
             raise NotImplementedError("per-row learner outputs of a multi-agent update (prioritized replay) are "
                                       "not built yet (issue 27)")
         by_module = dict(batch) if isinstance(batch, Mapping) else chunks_by_module(batch)
+        # chunks of a module the learners no longer hold are not trained on; with a policies_to_train
+        # function, the user's function decides per batch, here in the driver
+        keep = {mid: mid in self.module_ids and (self.should_update is None or bool(self.should_update(mid, chunks)))
+                for mid, chunks in by_module.items()}
+        refused = sum(1 for k in keep.values() if not k)
+        by_module = {mid: chunks for mid, chunks in by_module.items() if keep[mid]}
         ids = self.manager.healthy_ids()
         shards: dict[int, dict[str, Any]] = {i: {} for i in ids}
         for mid, chunks in by_module.items():
@@ -97,6 +157,8 @@ class MultiLearnerGroup(LearnerGroup):
         all_stats = [r.value for r in results]
         stats = {mid: {k: float(np.mean([s[mid][k] for s in all_stats])) for k in all_stats[0][mid]}
                  for mid in all_stats[0]}
+        if refused:
+            stats[ALL_MODULES]["num_frozen_batches_dropped"] += refused
         trained = [mid for mid in stats if mid != ALL_MODULES and "num_batches_refused" not in stats[mid]]
         if trained:
             self.weights_version += 1
@@ -121,6 +183,52 @@ class MultiLearnerGroup(LearnerGroup):
         flat = self.manager.foreach_actor("get_weights", False, [module_id], actor_ids=first)[0].value
         prefix = f"{module_id}{SEP}"
         return {k[len(prefix):]: v for k, v in flat.items()}
+
+
+    # --- modules added and removed while training (the self-play pattern) -------------------------
+    def add_module(self, module_id: str, spec: ModuleSpec, overrides: Mapping[str, Any], trainable: bool) -> None:
+        """Every learner builds module ``module_id`` from the run's config (and ``overrides``)."""
+        if module_id in self.module_ids:
+            raise ValueError(f"module {module_id!r} exists already (modules: {self.module_ids}); remove_module() it "
+                             f"first or pick another id")
+        check_module_class(self.learner_class, module_id, spec)  # here, before any actor is asked
+        self.manager.foreach_actor("add_module_from_spec", module_id, spec, dict(overrides), trainable)
+        self.module_ids = sorted([*self.module_ids, module_id])
+        if len(self.manager.healthy_ids()) > 1:  # ranks draw apart without a seed: rank 0's weights for all
+            self.set_module_weights(module_id, self.module_weights(module_id))
+
+    def remove_module(self, module_id: str) -> None:
+        if module_id not in self.module_ids:
+            raise KeyError(f"no module {module_id!r} to remove; the modules are {self.module_ids}")
+        self.manager.foreach_actor("drop_module", module_id)
+        self.module_ids = [mid for mid in self.module_ids if mid != module_id]
+
+    def set_should_update(self, which: Collection[str] | Callable[[str, Any], bool]) -> None:
+        """Which modules train from now on: module ids, or a function ``(module_id, batch) -> bool``
+        (RLlib's ``should_module_be_updated``)."""
+        if callable(which):
+            self.should_update = which
+            which = self.module_ids
+        else:
+            if isinstance(which, str) or not isinstance(which, Collection):
+                raise TypeError(f"modules to train: give module ids (a set or list) or a function "
+                                f"fn(module_id, batch) -> bool, got {which!r}")
+            self.should_update = None
+        self.manager.foreach_actor("set_trainable", sorted(which))
+
+    def set_module_weights(self, module_id: str, weights: Mapping[str, Any]) -> None:
+        """Module ``module_id``'s weights (its own parameter names) on every learner; a new weights version."""
+        if module_id not in self.module_ids:
+            raise KeyError(f"no module {module_id!r}; the modules are {self.module_ids}")
+        self.set_weights({f"{module_id}{SEP}{k}": v for k, v in weights.items()})
+        self.weights_version += 1
+
+    def set_module_state(self, module_id: str, state: Mapping[str, Any]) -> None:
+        """Module ``module_id``'s whole learner state (weights, optimizers, algorithm fields) on every learner."""
+        if module_id not in self.module_ids:
+            raise KeyError(f"no module {module_id!r}; the modules are {self.module_ids}")
+        self.manager.foreach_actor("set_module_state", module_id, self.manager.share(dict(state)))
+        self.weights_version += 1
 
 
 class OneModule:
