@@ -61,7 +61,7 @@ class ConfiguredMultiLearner(MultiLearner):
                  trainable: Collection[str] | None, config_overrides: Mapping[str, Mapping[str, Any]],
                  device: str = "cpu", rank: int = 0, world_size: int = 1) -> None:
         self.config, self.learner_class = config, learner_class
-        self.device, self.rank, self.world_size = device, rank, world_size
+        self.build_device, self.rank, self.world_size = device, rank, world_size
         self.num_modules_built = 0
         """Modules built over this learner's life: the next one's seed offset (one per module, so modules
         of one spec start apart, the same on every rank)."""
@@ -74,7 +74,7 @@ class ConfiguredMultiLearner(MultiLearner):
         cfg = module_config(self.config, module_id, self.num_modules_built, spec, overrides)
         self.num_modules_built += 1
         cls = learner_for_module_class(self.learner_class, spec.module_class)
-        return cls(cfg, spec.observation_space, spec.action_space, device=self.device, rank=self.rank,
+        return cls(cfg, spec.observation_space, spec.action_space, device=self.build_device, rank=self.rank,
                    world_size=self.world_size)
 
     def add_module_from_spec(self, module_id: str, spec: ModuleSpec, overrides: Mapping[str, Any],
