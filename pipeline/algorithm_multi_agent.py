@@ -8,7 +8,7 @@ driver against one env (``multi_agent_plan``); from the plan come the env runner
 never reaches this module: single-agent runs keep ``EnvRunner`` and the single ``Learner``.
 
 What is not built for multi-agent runs yet is refused here, at set-up, with the setting named:
-evaluation, streaming (asynchronous) algorithms, recording, external clients and offline input.
+evaluation, streaming (asynchronous) algorithms, recording and offline input.
 """
 from __future__ import annotations
 
@@ -112,8 +112,7 @@ def refuse_unbuilt(config: AlgorithmConfig, learner_class: type) -> None:
     unbuilt = {"evaluation_interval": bool(config.evaluation_interval),
                "evaluation_num_env_runners": config.evaluation_num_env_runners > 0,
                "offline_data(input_=...)": offline.get("input_") not in ("sampler", None),
-               "offline_data(output=...)": offline.get("output") is not None,
-               "external_clients_config": bool(config.external_clients_config)}
+               "offline_data(output=...)": offline.get("output") is not None}
     named = [name for name, used in unbuilt.items() if used]
     if named:
         raise NotImplementedError(f"{', '.join(named)} {NOT_YET}; leave it unset for multi-agent training")

@@ -181,17 +181,7 @@ class ActBatcher:
 
     def infer(self) -> None:
         """One forward pass over the queued requests, ``max_batch`` rows at most (held ones are a backlog)."""
-        if self.rows <= self.x.max_batch:
-            acts, self.requests = self.requests, []
-            self.rows = 0
-        else:
-            rows = count = 0
-            for a in self.requests:
-                if count and rows + len(a.obs) > self.x.max_batch:
-                    break
-                rows, count = rows + len(a.obs), count + 1
-            acts, self.requests = self.requests[:count], self.requests[count:]
-            self.rows -= rows
+        acts = self._next_batch()
         try:
             out = self._forward(acts)
         except Exception as err:  # noqa: BLE001 - a bug here must not stop serving every client
@@ -221,6 +211,26 @@ class ActBatcher:
             conn = conns.get(a.route)
             if conn is not None:
                 conn.in_flight -= 1
+
+    def _next_batch(self) -> list:
+        """The queued requests the next forward pass answers: ``max_batch`` rows at most (a request's
+        rows stay together), the rest wait."""
+        if self.rows <= self.x.max_batch:
+            acts, self.requests = self.requests, []
+            self.rows = 0
+            return acts
+        rows = count = 0
+        for a in self.requests:
+            if count and rows + len(a.obs) > self.x.max_batch:
+                break
+            rows, count = rows + len(a.obs), count + 1
+        acts, self.requests = self.requests[:count], self.requests[count:]
+        self.rows -= rows
+        return acts
+
+    def on_multi_agent(self, route: bytes, conn: Conn, rid: int, h: dict) -> None:
+        """A multi-agent op: this server trains one policy (``MultiAgentActs`` serves them)."""
+        raise ProtocolError(f"{h['op']!r}: this server trains one policy, not a multi-agent run; use start/act/end")
 
     def _forward(self, acts: list[_Act]) -> _Answers:
         """One forward pass for ``acts``."""

@@ -1,0 +1,363 @@
+"""MultiAgentActs: the act path of a policy server in a multi-agent run (EXTERNAL.md section 10).
+
+Unlike single-agent clients, which record their own chunks, a multi-agent client only reports what
+its env does -- ``ma_act`` with the observations of the agents to act (and the rewards and done
+flags since their last action), ``ma_end`` when the episode ends -- and the server records the
+episode: one ``MultiAgentEpisode`` per client episode, agents mapped to modules by the run's
+``policy_mapping_fn``, per-agent chunks tagged with agent and module id cut every
+``fragment_length`` env steps and at each agent's end, handed to the chunk intake as if a client had
+sent them. So the learners get exactly what ``MultiAgentEnvRunner`` feeds them, and a client needs
+no model of the episode bookkeeping (hanging rewards, agents acting in turns).
+
+Every value is checked before anything is recorded (agent ids, counts against ``max_agents``,
+rewards and flags only for agents that acted, each observation against its module's space); a
+refused request changes nothing and is answered with an error naming the agent. Requests of all
+clients are gathered like single-agent acts (the same ``max_batch``/``batch_wait_s`` rule and
+``hold_acts_while_training``) and answered from one forward pass per module.
+
+A subclass of ``ActBatcher`` for the queue and the hold it shares; the single-agent ops are refused.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from actors.env.settings import EnvRunnerSettings
+from actors.external.acts import ActBatcher
+from actors.external.chunks import ChunkIntake
+from actors.external.endpoint import Conn, ServerEndpoint
+from actors.external.inference import ServerPolicy
+from actors.external.settings import ExternalSettings
+from actors.metrics import MetricsLogger
+from actors.modules.multi import SEP
+from protocols import external as wire
+from protocols import nested
+from protocols.external_agents import AgentError, agent_ids, done_flags, reward_pairs
+from protocols.errors import ProtocolError
+from protocols.multi_agent_episode import ALL, MultiAgentEpisode
+from protocols.episode import EpisodeChunk
+from protocols.schema import ChunkSchema
+from protocols.space_checks import BadValue
+
+
+@dataclass
+class Running:
+    """One client episode the server records."""
+
+    episode: MultiAgentEpisode
+    acted: set = field(default_factory=set)
+    """Agents that acted and are not done: the only ones rewards and done flags may name."""
+    done: set = field(default_factory=set)
+    in_flight: bool = False
+    cut_at: int = 0
+    """Env steps recorded at the last cut."""
+    reported: bool = False
+
+
+@dataclass
+class _MaAct:
+    route: bytes
+    rid: int
+    running: Running
+    agents: list  # the agents to act, in the request's order
+    modules: list  # each one's module id
+    obs: list  # each one's observation row
+    explore: bool
+
+
+class MultiAgentActs(ActBatcher):
+    def __init__(self, endpoint: ServerEndpoint, conns: dict[bytes, Conn], counts: dict[str, int],
+                 policies: dict[str, ServerPolicy], policy_mapping_fn: Callable[[Any, Any], str],
+                 intake: ChunkIntake, settings: EnvRunnerSettings, external: ExternalSettings, worker_index: int,
+                 on_episode_end: Callable[[MultiAgentEpisode], None]) -> None:
+        """``policies``: one per module id; ``on_episode_end(episode)``: an episode ended (its statistics)."""
+        self.policies = policies
+        self.schemas = {mid: ChunkSchema.for_spaces(p.observation_space, p.action_space, ())
+                        for mid, p in policies.items()}
+        first = next(iter(policies))
+        super().__init__(endpoint, conns, counts, policies[first], self.schemas[first], settings, external)
+        self.policy_mapping_fn = policy_mapping_fn
+        self.intake, self.worker_index = intake, worker_index
+        self.on_episode_end = on_episode_end
+        self.env_steps_recorded = 0
+        """Env steps of every episode recorded so far (the reset not counted), for the step counts."""
+
+    # --- the single-agent ops are not this server's ------------------------------------------------
+    def act_one(self, route: bytes, conn: Conn, rid: int, h: dict) -> bool:
+        return False
+
+    def on_act(self, route: bytes, conn: Conn, rid: int, h: dict, body: bytes | None) -> None:
+        raise ProtocolError(f"'act': this server trains several modules (a multi-agent run); use ma_start/ma_act/"
+                            f"ma_end (EXTERNAL.md section 10) with modules {sorted(self.policies)}")
+
+    # --- requests -----------------------------------------------------------------------------------
+    def on_multi_agent(self, route: bytes, conn: Conn, rid: int, h: dict) -> None:
+        if conn.version < 2:
+            raise ProtocolError(f"{h['op']!r} is a version 2 message; this connection said hello with version "
+                                f"{conn.version}: say hello with version 2")
+        op, eid = h["op"], h["episode_id"]
+        try:
+            if op == wire.MA_START:
+                self._start(route, conn, rid, eid)
+            elif op == wire.MA_ACT:
+                self._act(route, conn, rid, eid, h)
+            else:
+                self._end(route, conn, rid, eid, h)
+        except AgentError as err:
+            self._send(route, err.reply(rid, eid))
+        except BadValue as err:
+            self._counts["num_bad_values"] += 1
+            self._send(route, {**wire.error(rid, wire.BAD_VALUE, f"episode {eid!r}: {err}"), "episode_id": eid,
+                               "field": err.field, "agent_id": getattr(err, "agent_id", None)})
+
+    def _start(self, route: bytes, conn: Conn, rid: int, eid: str) -> None:
+        if eid not in conn.ma_episodes and len(conn.ma_episodes) + len(conn.episodes) >= self.x.max_open_episodes:
+            self._send(route, wire.error(rid, wire.TOO_MANY_EPISODES, f"{len(conn.ma_episodes)} episodes are open "
+                                         f"on this connection (limit {self.x.max_open_episodes}); end some first"))
+            return
+        old = conn.ma_episodes.get(eid)
+        if old is not None and old.in_flight:
+            self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"episode {eid!r} waits for its actions; "
+                                         f"start it again once they came"))
+            return
+        # the server's own episode id: clients' ids may repeat across clients, chunk ids must not
+        conn.ma_episodes[eid] = Running(MultiAgentEpisode(self.policy_mapping_fn, module_ids=set(self.policies),
+                                                          env_runner_index=self.worker_index))
+        self._send(route, {"op": wire.STARTED, "id": rid, "episode_id": eid})
+
+    def _running(self, route: bytes, conn: Conn, rid: int, eid: str) -> Running | None:
+        running = conn.ma_episodes.get(eid)
+        if running is None:
+            self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"multi-agent episode {eid!r} was not started "
+                                         f"on this connection (or has ended); send 'ma_start' first"))
+        elif running.in_flight:
+            self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"episode {eid!r} waits for the actions of "
+                                         f"its last ma_act; one ma_act per episode at a time"))
+            return None
+        return running
+
+    def _act(self, route: bytes, conn: Conn, rid: int, eid: str, h: dict) -> None:
+        agents, obs, rewards, term, trunc, _ = self._parse(h, final=False)
+        running = self._running(route, conn, rid, eid)
+        if running is None:
+            return
+        ep = running.episode
+        if ep.is_done:
+            self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"every agent of episode {eid!r} is done; "
+                                         f"end it with 'ma_end'"))
+            return
+        if conn.in_flight >= self.x.max_requests_in_flight:
+            self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
+                                         f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
+            return
+        if self.intake.pending_steps >= self.x.max_pending_steps:
+            self._send(route, wire.error(rid, wire.BUSY, f"the server holds {self.intake.pending_steps} env steps "
+                                         f"not yet trained on; send this ma_act again later"))
+            return
+        rows, modules = self._check(running, agents, obs, rewards, term + trunc)
+        self._record(running, dict(zip(agents, rows)), rewards, term, trunc, whole=None)
+        acting = [i for i, aid in enumerate(agents) if aid not in running.done]
+        if not acting:
+            self._send(route, {"op": wire.MA_ACTION, "id": rid, "weights_version": self.policy.weights_version,
+                               "agents": [], "actions": []})
+            return
+        running.in_flight = True
+        conn.last_seen = time.monotonic()
+        self._queue(conn, _MaAct(route, rid, running, [agents[i] for i in acting], [modules[i] for i in acting],
+                                 [rows[i] for i in acting], bool(h.get("explore", self.s.explore))))
+
+    def _end(self, route: bytes, conn: Conn, rid: int, eid: str, h: dict) -> None:
+        agents, obs, rewards, term, trunc, whole = self._parse(h, final=True)
+        running = self._running(route, conn, rid, eid)
+        if running is None:
+            return
+        ep = running.episode
+        if ep.agent_ids and not ep.is_done:  # a started episode ends with this step
+            rows, _ = self._check(running, agents, obs, rewards, term + trunc)
+            self._record(running, dict(zip(agents, rows)), rewards, term, trunc, whole=whole or "truncated")
+        del conn.ma_episodes[eid]
+        self._send(route, {"op": wire.ENDED, "id": rid, "episode_id": eid})
+
+    def _parse(self, h: dict, final: bool) -> tuple[list, list, dict, list, list, str | None]:
+        """The agent lists of an ma_act/ma_end (wire rules, then agent ids); ``whole``: "terminated" or
+        "truncated" when ``"__all__"`` is in that list (ma_end)."""
+        limit = self.x.max_agents
+        raw_agents, obs = h.get("agents", []), h.get("obs", [])
+        if not isinstance(raw_agents, list) or not isinstance(obs, list) or len(raw_agents) != len(obs):
+            raise ProtocolError(f"{h['op']!r} needs 'agents' and 'obs', two lists of the same length (one "
+                                f"observation per agent)")
+        if not final and not raw_agents:
+            raise ProtocolError("'ma_act' needs at least one agent in 'agents'")
+        agents = agent_ids(raw_agents, limit)
+        rewards = reward_pairs(h.get("rewards", []), limit)
+        term, all_term = done_flags(h.get("terminated", []), limit, "terminated", allow_all=final)
+        trunc, all_trunc = done_flags(h.get("truncated", []), limit, "truncated", allow_all=final)
+        whole = "terminated" if all_term else "truncated" if all_trunc else None
+        return agents, obs, rewards, term, trunc, whole
+
+    def _check(self, running: Running, agents: list, obs: list, rewards: dict, flagged: list) -> tuple[list, list]:
+        """Every refusal before anything is recorded; returns each agent's observation row and module."""
+        ep = running.episode
+        known = {str(a): a for a in ep.agent_ids}
+        for aid in agents:
+            other = known.get(str(aid), aid)
+            if other != aid or type(other) is not type(aid):
+                raise AgentError(wire.BAD_AGENT, aid, f"agent {aid!r} has the str() of agent {other!r} of this "
+                                 f"episode, which chunks carry: give them distinct ids")
+            if aid in running.done:
+                raise AgentError(wire.UNKNOWN_AGENT, aid, f"observation for agent {aid!r}, which is done")
+        joining = [aid for aid in agents if aid not in known.values()]
+        if len(known) + len(joining) > self.x.max_agents:
+            raise AgentError(wire.TOO_MANY_AGENTS, joining[-1], f"the episode would hold {len(known) + len(joining)} "
+                             f"agents; limits.max_agents = {self.x.max_agents}", limit=self.x.max_agents)
+        started = bool(known)
+        for what, names in (("reward", list(rewards)), ("done flag", flagged)):
+            for aid in names:
+                if aid not in running.acted and not (what == "done flag" and started and aid in agents):
+                    why = "is done already" if aid in running.done else "has not acted in this episode"
+                    raise AgentError(wire.UNKNOWN_AGENT, aid, f"{what} for agent {aid!r}, which {why}; give "
+                                     f"rewards and flags to agents that acted since their last observation")
+        rows, modules = [], []
+        for aid, o in zip(agents, obs):
+            try:
+                mid = ep.module_for(aid)
+            except Exception as err:  # noqa: BLE001 - the user's mapping fn: its failure is this agent's refusal
+                raise AgentError(wire.UNKNOWN_AGENT, aid, f"the run's policy_mapping_fn maps agent {aid!r} to no "
+                                 f"module ({type(err).__name__}: {err})") from None
+            try:
+                rows.append(self.schemas[mid].observation_row(o, self._finite))
+            except BadValue as err:
+                raise _with_agent(err, aid, mid) from None
+            except ProtocolError as err:
+                raise AgentError(wire.BAD_OBSERVATION, aid, f"agent {aid!r} (module {mid!r}): {err}") from None
+            modules.append(mid)
+        return rows, modules
+
+    def _record(self, running: Running, obs: dict, rewards: dict, term: list, trunc: list,
+                whole: str | None) -> None:
+        """One env step into the episode (its first: the reset), cutting chunks as they are due."""
+        ep = running.episode
+        if not ep.agent_ids:
+            ep.add_reset(obs)
+        else:
+            terms = dict.fromkeys(term, True)
+            truncs = dict.fromkeys(trunc, True)
+            if whole is not None:
+                (terms if whole == "terminated" else truncs)[ALL] = True
+            ep.add_step(obs, rewards, terms, truncs)
+            self.env_steps_recorded += 1
+            finished = set(term) | set(trunc) if whole is None else set(running.acted) | set(obs)
+            running.done |= finished
+            running.acted -= finished
+            if not ep.is_done and ep.env_steps() - running.cut_at >= self.x.fragment_length:
+                ep.cut()
+                running.cut_at = ep.env_steps()
+        self._hand_on(running)
+
+    def _hand_on(self, running: Running) -> None:
+        ep = running.episode
+        chunks = [c for cs in ep.take_chunks().values() for c in cs]
+        if chunks:
+            self.intake.add_recorded(chunks)
+        if ep.is_done and not running.reported:
+            running.reported = True
+            self.on_episode_end(ep)
+
+    # --- forward passes ---------------------------------------------------------------------------
+    def infer(self) -> None:
+        """One forward pass per module over the queued requests' agents (``max_batch`` rows at most)."""
+        acts: list[_MaAct] = self._next_batch()
+        try:
+            answers = self._forward_modules(acts)
+        except Exception as err:  # noqa: BLE001 - a bug here must not stop serving every client
+            self._failed(acts, err)
+            return
+        n = sum(len(a.obs) for a in acts)
+        self._counts["num_actions_served"] += n
+        self._counts["num_inference_batches"] += 1
+        for a, (version, env_actions, module_actions, extras) in zip(acts, answers):
+            ep = a.running.episode
+            ep.weights_version = version
+            ep.add_actions(dict(zip(a.agents, module_actions)), dict(zip(a.agents, extras)))
+            a.running.acted.update(a.agents)
+            a.running.in_flight = False
+            self._send(a.route, {"op": wire.MA_ACTION, "id": a.rid, "weights_version": version,
+                                 "agents": a.agents, "actions": env_actions})
+            conn = self._conns.get(a.route)
+            if conn is not None:
+                conn.in_flight -= 1
+
+    def _forward_modules(self, acts: list[_MaAct]) -> list[tuple[int, list, list, list]]:
+        """Per request: (weights version, env actions, module actions, extras), one pass per module."""
+        slots: dict[str, list[tuple[int, int]]] = {}  # module -> (request, agent) positions, in order
+        for i, a in enumerate(acts):
+            for k, mid in enumerate(a.modules):
+                slots.setdefault(mid, []).append((i, k))
+        out = [(0, [None] * len(a.agents), [None] * len(a.agents), [None] * len(a.agents)) for a in acts]
+        for mid, where in slots.items():
+            policy = self.policies[mid]
+            rows = [acts[i].obs[k] for i, k in where]
+            obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+            actions, logp, dists, version = policy.forward(obs, [acts[i].explore for i, _ in where], {})
+            env_actions = policy.env_actions(actions).tolist()
+            policy.num_env_steps_served += len(where)
+            for j, (i, k) in enumerate(where):
+                out[i][1][k], out[i][2][k] = env_actions[j], actions[j]
+                out[i][3][k] = {"action_logp": np.float32(logp[j]), "action_dist_inputs": dists[j]}
+                out[i] = (version, out[i][1], out[i][2], out[i][3])
+        return out
+
+    def _failed(self, acts: list, err: Exception) -> None:
+        """The forward pass raised: the requests get ``server_error`` and their episodes are forgotten (their
+        agents observed and could not act: the episode cannot go on)."""
+        super()._failed(acts, err)
+        for a in acts:
+            conn = self._conns.get(a.route)
+            if conn is not None:
+                for eid, running in list(conn.ma_episodes.items()):
+                    if running is a.running:
+                        del conn.ma_episodes[eid]
+
+
+def _with_agent(err: BadValue, agent_id: Any, module_id: str) -> BadValue:
+    """``err`` with the agent named in its message and as its ``agent_id``."""
+    out = BadValue(err.field, f"agent {agent_id!r} (module {module_id!r}): {err}")
+    out.agent_id = agent_id
+    return out
+
+
+def split_module_weights(weights: dict[str, Any], modules: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"<module_id>/<param>": array}`` -> ``{module_id: {param: array}}``, every module one of ``modules``."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in weights.items():
+        mid, sep, param = key.partition(SEP)
+        if not sep or not param or mid not in modules:
+            raise ValueError(f"weights key {key!r} names none of this server's modules {sorted(modules)}: a "
+                             f"multi-agent server takes '<module_id>{SEP}<param>' keys")
+        out.setdefault(mid, {})[param] = value
+    return out
+
+
+def log_multi_agent_samples(metrics: MetricsLogger, window: int | None, chunks: list[EpisodeChunk], env_steps: int,
+                            ended: list[MultiAgentEpisode]) -> None:
+    """A multi-agent sample's counts and the ended episodes' statistics, under the keys
+    ``MultiAgentEnvRunner`` reports (``env_runners/`` spelled out where a key has a '/' of its own)."""
+    m = metrics
+    agent_steps = sum(len(c) for c in chunks)
+    m.log_value("num_env_steps_sampled", env_steps, reduce="sum")
+    m.log_value("num_env_steps_sampled_lifetime", env_steps, reduce="lifetime_sum")
+    m.log_value("num_agent_steps_sampled", agent_steps, reduce="sum")
+    m.log_value("num_agent_steps_sampled_lifetime", agent_steps, reduce="lifetime_sum")
+    per_module: dict[str, int] = {}
+    for c in chunks:
+        per_module[c.module_id] = per_module.get(c.module_id, 0) + len(c)
+    for mid, n in per_module.items():
+        m.log_value(f"env_runners/num_module_steps_sampled/{mid}", n, reduce="sum")
+        m.log_value(f"env_runners/num_module_steps_sampled_lifetime/{mid}", n, reduce="lifetime_sum")
+    m.log_episodes([ep.get_return() for ep in ended], [ep.env_steps() for ep in ended], window)
+    for ep in ended:
+        for key, value in ep.return_metrics().items():
+            m.log_value(f"env_runners/{key}", value, window=window)
