@@ -25,11 +25,13 @@ from protocols.external_agents import ALL, agent_ids, reward_pairs
 
 @dataclass
 class _Pending:
-    """What waits for an episode's next request."""
+    """What waits for an episode's next request, and which agents may be given rewards and flags."""
 
     rewards: dict = field(default_factory=dict)
     terminated: list = field(default_factory=list)
     truncated: list = field(default_factory=list)
+    acted: set = field(default_factory=set)
+    """Agents that acted and are not done (as the server counts them)."""
 
 
 class MultiAgentEpisodes:
@@ -56,7 +58,10 @@ class MultiAgentEpisodes:
                              f"{{agent_id: observation}}, got {type(observations).__name__}")
         header = {"op": wire.MA_ACT, "episode_id": episode_id, **self._step_fields(episode_id, observations)}
         reply, _ = self._conn.request(header)
-        self._running[episode_id] = _Pending()  # sent and recorded: a fresh step begins
+        old = self._running[episode_id]
+        # sent and recorded: a fresh step begins
+        acted = (old.acted - set(old.terminated) - set(old.truncated)) | set(reply["agents"])
+        self._running[episode_id] = _Pending(acted=acted)
         return dict(zip(reply["agents"], reply["actions"]))
 
     def log_returns(self, episode_id: str, rewards: Mapping[Any, float],
@@ -68,6 +73,12 @@ class MultiAgentEpisodes:
             raise ValueError(f"episode {episode_id!r} is multi-agent: give rewards as a dict {{agent_id: reward}}, "
                              f"got {type(rewards).__name__}")
         limit = self._max_agents()
+        flagged = [aid for flags in (terminateds, truncateds) for aid, flag in (flags or {}).items()
+                   if flag and aid != ALL]
+        for what, aid in [("reward", aid) for aid in rewards] + [("done flag", aid) for aid in flagged]:
+            if aid not in pending.acted:  # the server would refuse the next request (unknown_agent)
+                raise ValueError(f"episode {episode_id!r}: {what} for agent {aid!r}, which has not acted in this "
+                                 f"episode or is done; agents that acted: {sorted(map(str, pending.acted))}")
         added = reward_pairs([[aid, _number(aid, r)] for aid, r in rewards.items()], limit)
         for aid, r in added.items():
             pending.rewards[aid] = pending.rewards.get(aid, 0.0) + r

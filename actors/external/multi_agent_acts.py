@@ -20,6 +20,7 @@ A subclass of ``ActBatcher`` for the queue and the hold it shares; the single-ag
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,6 +44,10 @@ from protocols.schema import ChunkSchema
 from protocols.space_checks import BadValue
 
 
+MAX_STEP_COUNTS = 1_000_000
+"""Chunks whose env-step counts are kept until a sample takes them."""
+
+
 @dataclass
 class Running:
     """One client episode the server records."""
@@ -54,6 +59,8 @@ class Running:
     in_flight: bool = False
     cut_at: int = 0
     """Env steps recorded at the last cut."""
+    counted: int = 0
+    """Env steps handed on with chunks so far."""
     reported: bool = False
 
 
@@ -82,8 +89,7 @@ class MultiAgentActs(ActBatcher):
         self.policy_mapping_fn = policy_mapping_fn
         self.intake, self.worker_index = intake, worker_index
         self.on_episode_end = on_episode_end
-        self.env_steps_recorded = 0
-        """Env steps of every episode recorded so far (the reset not counted), for the step counts."""
+        self._env_steps_of: OrderedDict[tuple[str, int], int] = OrderedDict()  # see env_steps_of
 
     # --- the single-agent ops are not this server's ------------------------------------------------
     def act_one(self, route: bytes, conn: Conn, rid: int, h: dict) -> bool:
@@ -248,7 +254,6 @@ class MultiAgentActs(ActBatcher):
             if whole is not None:
                 (terms if whole == "terminated" else truncs)[ALL] = True
             ep.add_step(obs, rewards, terms, truncs)
-            self.env_steps_recorded += 1
             finished = set(term) | set(trunc) if whole is None else set(running.acted) | set(obs)
             running.done |= finished
             running.acted -= finished
@@ -261,10 +266,20 @@ class MultiAgentActs(ActBatcher):
         ep = running.episode
         chunks = [c for cs in ep.take_chunks().values() for c in cs]
         if chunks:
+            # the env steps since the last hand-on travel with its first chunk: a sample counts them once
+            self._env_steps_of[(chunks[0].episode_id, chunks[0].chunk_index)] = ep.env_steps() - running.counted
+            running.counted = ep.env_steps()
+            if len(self._env_steps_of) > MAX_STEP_COUNTS:  # those of chunks dropped as stale are never asked for
+                self._env_steps_of.popitem(last=False)
             self.intake.add_recorded(chunks)
         if ep.is_done and not running.reported:
             running.reported = True
             self.on_episode_end(ep)
+
+    def env_steps_of(self, chunks: list[EpisodeChunk]) -> int:
+        """The env steps ``chunks`` (handed on to training) bring: those of every agent together, counted once."""
+        pop = self._env_steps_of.pop
+        return sum(pop((c.episode_id, c.chunk_index), 0) for c in chunks)
 
     # --- forward passes ---------------------------------------------------------------------------
     def infer(self) -> None:

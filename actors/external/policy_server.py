@@ -129,7 +129,6 @@ class PolicyServer(EnvRunnerRole):
                                   weights_version=lambda: self.policy.weights_version)
         conns: dict[bytes, Conn] = {}
         self._ma_ended: list[MultiAgentEpisode] = []  # multi-agent episodes ended since the last report
-        self._env_steps_reported = 0
         modules = None
         if self.multi_agent:
             if policy_mapping_fn is None:
@@ -233,8 +232,7 @@ class PolicyServer(EnvRunnerRole):
 
     def _log_multi_agent(self, chunks: list[EpisodeChunk]) -> None:
         """What a multi-agent runner reports for a sample (the caller holds the lock)."""
-        recorded = self.acts.env_steps_recorded
-        env_steps, self._env_steps_reported = recorded - self._env_steps_reported, recorded
+        env_steps = self.acts.env_steps_of(chunks)
         ended, self._ma_ended = self._ma_ended, []
         log_multi_agent_samples(self.metrics, self.s.metrics_window, chunks, env_steps, ended)
 
