@@ -217,8 +217,9 @@ class MultiAgentActs(ActBatcher):
                 raise AgentError(wire.UNKNOWN_AGENT, aid, f"observation for agent {aid!r}, which is done")
         joining = [aid for aid in agents if aid not in known.values()]
         if len(known) + len(joining) > self.x.max_agents:
-            raise AgentError(wire.TOO_MANY_AGENTS, joining[-1], f"the episode would hold {len(known) + len(joining)} "
-                             f"agents; limits.max_agents = {self.x.max_agents}", limit=self.x.max_agents)
+            raise AgentError(wire.TOO_MANY_AGENTS, joining[-1], f"with agent {joining[-1]!r} the episode would hold "
+                             f"{len(known) + len(joining)} agents; limits.max_agents = {self.x.max_agents}",
+                             limit=self.x.max_agents)
         started = bool(known)
         for what, names in (("reward", list(rewards)), ("done flag", flagged)):
             for aid in names:
