@@ -188,7 +188,7 @@ class PolicyClient:
         """The policy's action for ``observation`` (the reward for the previous action goes to
         ``log_returns`` before this call). A multi-agent episode takes ``{agent_id: observation}`` for
         the agents that observe now and returns ``{agent_id: action}`` for those that act."""
-        if episode_id in self._multi_agent:
+        if episode_id not in self._episodes and episode_id in self._multi_agent:  # a dict lookup first: hot path
             return self._multi_agent.act(episode_id, observation)
         return self._step(episode_id, observation, None)
 
@@ -248,7 +248,7 @@ class PolicyClient:
         """Reward for the latest action; several calls before the next action add up. A multi-agent
         episode takes ``{agent_id: reward}``, and the env's ``terminateds``/``truncateds`` dicts of the
         step: agents marked there observe their final step in the next ``get_action`` and act no more."""
-        if episode_id in self._multi_agent:
+        if episode_id not in self._episodes and episode_id in self._multi_agent:  # a dict lookup first: hot path
             self._multi_agent.log_returns(episode_id, reward, terminateds, truncateds)
             return
         self._episode(episode_id).reward += float(reward)
@@ -257,7 +257,7 @@ class PolicyClient:
         """The episode's last observation; ``truncated=True`` when it was cut (a time limit) rather
         than reaching a terminal state. A multi-agent episode takes ``{agent_id: observation}`` (the
         final observations there are; ``{}`` or None for none) and ends for every agent ("__all__")."""
-        if episode_id in self._multi_agent:
+        if episode_id not in self._episodes and episode_id in self._multi_agent:  # a dict lookup first: hot path
             self._multi_agent.end(episode_id, observation, truncated)
             return
         ep = self._episode(episode_id)
