@@ -117,6 +117,14 @@ class ActBatcher:
         self._send(route, {**wire.error(rid, wire.BAD_VALUE, f"episode {eid!r}: {err}"), "episode_id": eid,
                            "field": err.field})
 
+    def _refuse_in_flight(self, route: bytes, conn: Conn, rid: int) -> bool:
+        """Answer ``too_many_requests`` if the connection has ``max_requests_in_flight`` acts unanswered."""
+        if conn.in_flight < self.x.max_requests_in_flight:
+            return False
+        self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
+                                     f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
+        return True
+
     def _queue(self, conn: Conn, act: _Act) -> None:
         """An act request waits for the next forward pass."""
         if not self.requests:
@@ -155,9 +163,7 @@ class ActBatcher:
             self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"episode {unknown[0]!r} was not started on "
                                          f"this connection; send 'start' first"))
             return
-        if conn.in_flight >= self.x.max_requests_in_flight:
-            self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
-                                         f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
+        if self._refuse_in_flight(route, conn, rid):
             return
         schema = self.schema
         block = schema.observation_rows(obs, self._finite) if batched else None  # checked already

@@ -134,7 +134,10 @@ class MultiAgentActs(ActBatcher):
                                                           env_runner_index=self.worker_index))
         self._send(route, {"op": wire.STARTED, "id": rid, "episode_id": eid})
 
-    def _running(self, route: bytes, conn: Conn, rid: int, eid: str) -> Running | None:
+    def _request(self, route: bytes, conn: Conn, rid: int, eid: str, h: dict, final: bool
+                 ) -> tuple[Running, tuple] | None:
+        """An ma_act's or ma_end's agent lists and its episode; None when refused (the reply is sent)."""
+        parsed = self._parse(h, final)
         running = conn.ma_episodes.get(eid)
         if running is None:
             self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"multi-agent episode {eid!r} was not started "
@@ -143,21 +146,18 @@ class MultiAgentActs(ActBatcher):
             self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"episode {eid!r} waits for the actions of "
                                          f"its last ma_act; one ma_act per episode at a time"))
             return None
-        return running
+        return None if running is None else (running, parsed)
 
     def _act(self, route: bytes, conn: Conn, rid: int, eid: str, h: dict) -> None:
-        agents, obs, rewards, term, trunc, _ = self._parse(h, final=False)
-        running = self._running(route, conn, rid, eid)
-        if running is None:
+        got = self._request(route, conn, rid, eid, h, final=False)
+        if got is None:
             return
-        ep = running.episode
-        if ep.is_done:
+        running, (agents, obs, rewards, term, trunc, _) = got
+        if running.episode.is_done:
             self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"every agent of episode {eid!r} is done; "
                                          f"end it with 'ma_end'"))
             return
-        if conn.in_flight >= self.x.max_requests_in_flight:
-            self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
-                                         f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
+        if self._refuse_in_flight(route, conn, rid):
             return
         if self.intake.pending_steps >= self.x.max_pending_steps:
             self._send(route, wire.error(rid, wire.BUSY, f"the server holds {self.intake.pending_steps} env steps "
@@ -176,10 +176,10 @@ class MultiAgentActs(ActBatcher):
                                  [rows[i] for i in acting], bool(h.get("explore", self.s.explore))))
 
     def _end(self, route: bytes, conn: Conn, rid: int, eid: str, h: dict) -> None:
-        agents, obs, rewards, term, trunc, whole = self._parse(h, final=True)
-        running = self._running(route, conn, rid, eid)
-        if running is None:
+        got = self._request(route, conn, rid, eid, h, final=True)
+        if got is None:
             return
+        running, (agents, obs, rewards, term, trunc, whole) = got
         ep = running.episode
         if ep.agent_ids and not ep.is_done:  # a started episode ends with this step
             rows, _ = self._check(running, agents, obs, rewards, term + trunc)
