@@ -65,7 +65,8 @@ class MultiAgentEpisodes:
         return dict(zip(reply["agents"], reply["actions"]))
 
     def log_returns(self, episode_id: str, rewards: Mapping[Any, float],
-                    terminateds: Mapping[Any, bool] | None = None, truncateds: Mapping[Any, bool] | None = None) -> None:
+                    terminateds: Mapping[Any, bool] | None = None,
+                    truncateds: Mapping[Any, bool] | None = None) -> None:
         """Rewards per agent for the actions they took (several calls add up), and the agents whose part
         of the episode ends with this step; all go with the next ``act`` or ``end``."""
         pending = self._pending(episode_id)

@@ -19,6 +19,7 @@ A subclass of ``ActBatcher`` for the queue and the hold it shares; the single-ag
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from protocols.episode import EpisodeChunk
 from protocols.schema import ChunkSchema
 from protocols.space_checks import BadValue
 
+log = logging.getLogger("runnel")
 
 MAX_STEP_COUNTS = 1_000_000
 """Chunks whose env-step counts are kept until a sample takes them."""
@@ -68,6 +70,7 @@ class Running:
 class _MaAct:
     route: bytes
     rid: int
+    eid: str
     running: Running
     agents: list  # the agents to act, in the request's order
     modules: list  # each one's module id
@@ -118,6 +121,20 @@ class MultiAgentActs(ActBatcher):
             self._counts["num_bad_values"] += 1
             self._send(route, {**wire.error(rid, wire.BAD_VALUE, f"episode {eid!r}: {err}"), "episode_id": eid,
                                "field": err.field, "agent_id": getattr(err, "agent_id", None)})
+        except ProtocolError:
+            raise  # a wire rule broken: the loop answers bad_message and counts it
+        except Exception as err:  # noqa: BLE001 - a bug (or the user's mapping fn) must not stop the server
+            self._broken(route, conn, rid, eid, err)
+
+    def _broken(self, route: bytes, conn: Conn, rid: int, eid: str, err: Exception) -> None:
+        """Recording a step failed where the checks saw nothing wrong: the episode may be half-changed, so it
+        is forgotten, and the request gets ``server_error``."""
+        self._counts["num_server_errors"] += 1
+        log.exception("policy server: recording multi-agent episode %r failed; it is forgotten", eid)
+        conn.ma_episodes.pop(eid, None)
+        self._send(route, wire.error(rid, wire.SERVER_ERROR, f"episode {eid!r} could not be recorded "
+                                     f"({type(err).__name__}: {err}); it is forgotten: start a new one",
+                                     episode_id=eid))
 
     def _start(self, route: bytes, conn: Conn, rid: int, eid: str) -> None:
         if eid not in conn.ma_episodes and len(conn.ma_episodes) + len(conn.episodes) >= self.x.max_open_episodes:
@@ -172,7 +189,7 @@ class MultiAgentActs(ActBatcher):
             return
         running.in_flight = True
         conn.last_seen = time.monotonic()
-        self._queue(conn, _MaAct(route, rid, running, [agents[i] for i in acting], [modules[i] for i in acting],
+        self._queue(conn, _MaAct(route, rid, eid, running, [agents[i] for i in acting], [modules[i] for i in acting],
                                  [rows[i] for i in acting], bool(h.get("explore", self.s.explore))))
 
     def _end(self, route: bytes, conn: Conn, rid: int, eid: str, h: dict) -> None:
@@ -295,16 +312,21 @@ class MultiAgentActs(ActBatcher):
         self._counts["num_actions_served"] += n
         self._counts["num_inference_batches"] += 1
         for a, (version, env_actions, module_actions, extras) in zip(acts, answers):
-            ep = a.running.episode
-            ep.weights_version = version
-            ep.add_actions(dict(zip(a.agents, module_actions)), dict(zip(a.agents, extras)))
-            a.running.acted.update(a.agents)
-            a.running.in_flight = False
-            self._send(a.route, {"op": wire.MA_ACTION, "id": a.rid, "weights_version": version,
-                                 "agents": a.agents, "actions": env_actions})
             conn = self._conns.get(a.route)
             if conn is not None:
                 conn.in_flight -= 1
+            a.running.in_flight = False
+            try:
+                ep = a.running.episode
+                ep.weights_version = version
+                ep.add_actions(dict(zip(a.agents, module_actions)), dict(zip(a.agents, extras)))
+            except Exception as err:  # noqa: BLE001 - one episode's failure is not every client's
+                if conn is not None:
+                    self._broken(a.route, conn, a.rid, a.eid, err)
+                continue
+            a.running.acted.update(a.agents)
+            self._send(a.route, {"op": wire.MA_ACTION, "id": a.rid, "weights_version": version,
+                                 "agents": a.agents, "actions": env_actions})
 
     def _forward_modules(self, acts: list[_MaAct]) -> list[tuple[int, list, list, list]]:
         """Per request: (weights version, env actions, module actions, extras), one pass per module."""
