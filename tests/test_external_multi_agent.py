@@ -9,6 +9,7 @@ client. Module ``p1`` observes a 2-number Box and ``p0`` CartPole's 4 numbers, s
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from typing import Any
 
@@ -256,6 +257,35 @@ def two_agent_config(address: str) -> Any:
             .reporting(metrics_num_episodes_for_smoothing=20)
             .env_runners(num_env_runners=0).external_clients(address=address, journal_dir="")
             .debugging(seed=0))
+
+
+@pytest.mark.slow
+def test_a_policy_server_in_a_ray_runner_slot_trains_both_modules(ray_cluster):
+    """The run's modules and mapping fn reach a server hosted as a Ray actor; one iteration trains both."""
+    from actors.env.multi_agent_env import make_multi_agent
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    algo = (two_agent_config(address).env_runners(num_env_runners=1)
+            .training(train_batch_size_per_learner=400, minibatch_size=200, num_epochs=1).build(logdir=None))
+    stop = threading.Event()
+
+    def play() -> None:
+        env = make_multi_agent("CartPole-v1")({"num_agents": 2})
+        with PolicyClient(address, timeout_s=120) as client:
+            while not stop.is_set():
+                run_multi_agent_env(client, env, num_episodes=1)
+
+    player = threading.Thread(target=play, daemon=True)
+    player.start()
+    try:
+        r = algo.train()
+    finally:
+        stop.set()
+        player.join()
+        algo.stop()
+    assert r["num_env_steps_sampled_lifetime"] >= 400
+    assert set(r["learners"]) >= {"p0", "p1"}
+    assert set(r["env_runners"]["module_episode_returns_mean"]) == {"p0", "p1"}
 
 
 @pytest.mark.learning
