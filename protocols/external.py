@@ -162,8 +162,9 @@ ERRORS: dict[str, ErrorCode] = {
                          "uses `__all__` where an agent goes (`agent_id` says which); nothing was recorded",
                          "send agent ids as the env names them (str or int), each once per list"),
     TOO_MANY_AGENTS: ErrorCode(False, "a multi-agent message lists more agents than `limits.max_agents`, or an "
-                               "episode would hold more (the reply's `limit`); nothing was recorded",
-                               "act for fewer agents at a time, or end the episode"),
+                               "episode (or all of the connection's, section 10) would hold more (the reply's "
+                               "`limit`); nothing was recorded",
+                               "act for fewer agents at a time, or end episodes"),
     UNKNOWN_AGENT: ErrorCode(False, "a multi-agent message gives a reward or a done flag for an agent that has not "
                              "acted in the episode (or is done already), or an observation for an agent the run's "
                              "`policy_mapping_fn` maps to no module (`agent_id` says which); nothing was recorded",

@@ -146,6 +146,29 @@ def test_unknown_agents_too_many_agents_and_rewards_for_agents_that_never_acted_
     assert server.get_metrics()["external/num_protocol_errors"]["value"] == 0
 
 
+def test_a_connection_s_open_episodes_hold_a_bounded_number_of_agents(tmp_path):
+    """Each agent may hold fragment_length steps before a cut: 20 pending steps / 5 = 4 agent places."""
+    server = make_server(tmp_path, max_pending_steps=20, fragment_length=5)
+    spec = SpecClient(server.address)
+    try:
+        spec.request({"op": "hello", "protocol": wire.PROTOCOL, "version": 2, "inference_mode": "remote"})
+        started(spec, "e1")
+        started(spec, "e2")
+        assert ask(spec, wire.MA_START, episode_id="e3")["op"] == wire.STARTED  # no agent yet: holds nothing
+        reply = ask(spec, wire.MA_ACT, episode_id="e3", agents=[0], obs=[O4])
+        refused(reply, wire.TOO_MANY_AGENTS, 0)
+        assert reply["limit"] == 4
+        other = SpecClient(server.address)  # the bound is per connection
+        other.request({"op": "hello", "protocol": wire.PROTOCOL, "version": 2, "inference_mode": "remote"})
+        started(other, "e1")
+        other.close()
+        assert ask(spec, wire.MA_END, episode_id="e1")["op"] == wire.ENDED
+        assert ask(spec, wire.MA_ACT, episode_id="e3", agents=[0], obs=[O4])["agents"] == [0]
+    finally:
+        spec.close()
+        server.stop()
+
+
 def test_the_episode_and_the_connection_rules(server, spec):
     reply = ask(spec, wire.MA_ACT, episode_id="nope", agents=[0], obs=[O4])
     assert reply["code"] == wire.UNKNOWN_EPISODE

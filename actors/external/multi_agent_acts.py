@@ -180,7 +180,7 @@ class MultiAgentActs(ActBatcher):
             self._send(route, wire.error(rid, wire.BUSY, f"the server holds {self.intake.pending_steps} env steps "
                                          f"not yet trained on; send this ma_act again later"))
             return
-        rows, modules = self._check(running, agents, obs, rewards, term + trunc)
+        rows, modules = self._check(conn, running, agents, obs, rewards, term + trunc)
         self._record(running, dict(zip(agents, rows)), rewards, term, trunc, whole=None)
         acting = [i for i, aid in enumerate(agents) if aid not in running.done]
         if not acting:
@@ -199,7 +199,7 @@ class MultiAgentActs(ActBatcher):
         running, (agents, obs, rewards, term, trunc, whole) = got
         ep = running.episode
         if ep.agent_ids and not ep.is_done:  # a started episode ends with this step
-            rows, _ = self._check(running, agents, obs, rewards, term + trunc)
+            rows, _ = self._check(conn, running, agents, obs, rewards, term + trunc)
             self._record(running, dict(zip(agents, rows)), rewards, term, trunc, whole=whole or "truncated")
         del conn.ma_episodes[eid]
         self._send(route, {"op": wire.ENDED, "id": rid, "episode_id": eid})
@@ -221,7 +221,8 @@ class MultiAgentActs(ActBatcher):
         whole = "terminated" if all_term else "truncated" if all_trunc else None
         return agents, obs, rewards, term, trunc, whole
 
-    def _check(self, running: Running, agents: list, obs: list, rewards: dict, flagged: list) -> tuple[list, list]:
+    def _check(self, conn: Conn, running: Running, agents: list, obs: list, rewards: dict, flagged: list
+               ) -> tuple[list, list]:
         """Every refusal before anything is recorded; returns each agent's observation row and module."""
         ep = running.episode
         known = {str(a): a for a in ep.agent_ids}
@@ -237,6 +238,8 @@ class MultiAgentActs(ActBatcher):
             raise AgentError(wire.TOO_MANY_AGENTS, joining[-1], f"with agent {joining[-1]!r} the episode would hold "
                              f"{len(known) + len(joining)} agents; limits.max_agents = {self.x.max_agents}",
                              limit=self.x.max_agents)
+        if joining:
+            self._check_room(conn, joining)
         started = bool(known)
         for what, names in (("reward", list(rewards)), ("done flag", flagged)):
             for aid in names:
@@ -259,6 +262,19 @@ class MultiAgentActs(ActBatcher):
                 raise AgentError(wire.BAD_OBSERVATION, aid, f"agent {aid!r} (module {mid!r}): {err}") from None
             modules.append(mid)
         return rows, modules
+
+    def _check_room(self, conn: Conn, joining: list) -> None:
+        """A hostile client must not fill the server's memory with open episodes: each agent of a connection's
+        episodes may hold up to ``fragment_length`` steps before a cut hands them on, and all of them
+        together at most ``max_pending_steps`` (agents join only while there is room; running episodes
+        always go on, so the limit cannot stall a client)."""
+        per_agent = self.x.fragment_length
+        held = per_agent * sum(len(r.episode.agent_ids) for r in conn.ma_episodes.values())
+        if held + per_agent * len(joining) > self.x.max_pending_steps:
+            raise AgentError(wire.TOO_MANY_AGENTS, joining[0], f"agent {joining[0]!r} may not join: this "
+                             f"connection's episodes hold {held // per_agent} agents, each up to fragment_length = "
+                             f"{per_agent} steps, and max_pending_steps = {self.x.max_pending_steps} bounds them "
+                             f"together; end episodes first", limit=self.x.max_pending_steps // per_agent)
 
     def _record(self, running: Running, obs: dict, rewards: dict, term: list, trunc: list,
                 whole: str | None) -> None:
