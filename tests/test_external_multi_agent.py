@@ -9,6 +9,7 @@ client. Module ``p1`` observes a 2-number Box and ``p0`` CartPole's 4 numbers, s
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
 import threading
 import time
 from typing import Any
@@ -249,6 +250,29 @@ def test_the_python_client_plays_multi_agent_cartpole_through_the_server(tmp_pat
         assert {(c.agent_id, c.module_id) for c in chunks} == {("0", "p0"), ("1", "p1")}
         assert all(len(c) <= 20 for c in chunks)
         assert server.get_metrics()["num_episodes"]["value"] == 4
+    finally:
+        server.stop()
+
+
+def test_the_c_client_plays_two_agent_episodes(tmp_path):
+    """The C client in multi-agent mode (examples/c_client, ``[agents]`` > 1): each of its CartPoles
+    finishes on its own, and the server records every agent's steps with its final observation."""
+    from tests.test_external_c_client import build
+
+    command = build(str(tmp_path / "cartpole_client"))
+    server = make_server(tmp_path, obs1=CARTPOLE.observation_space, fragment_length=500)
+    try:
+        run = subprocess.run(command + [server.address, "3", "2"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        env_steps = sum(int(line.split()[-2]) for line in run.stdout.splitlines() if line.startswith("episode "))
+        chunks = server.sample(10_000)
+        assert {(c.agent_id, c.module_id) for c in chunks} == {("0", "p0"), ("1", "p1")}
+        assert len(chunks) == 6 and all(c.terminated for c in chunks)  # one chunk per agent and episode
+        for c in chunks:
+            assert c.obs.shape == (len(c) + 1, 4) and float(c.rewards.sum()) == len(c)
+        m = server.get_metrics()
+        assert m["num_episodes"]["value"] == 3 and m["num_env_steps_sampled"]["value"] == env_steps
+        assert max(len(c) for c in chunks) <= env_steps
     finally:
         server.stop()
 
