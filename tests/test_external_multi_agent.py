@@ -192,6 +192,23 @@ def test_the_episode_and_the_connection_rules(server, spec):
     assert ask(spec, wire.MA_ACT, episode_id="e", agents=[0, 1], obs=[O4, O2])["op"] == wire.MA_ACTION
 
 
+def test_the_python_client_says_version_1_to_a_server_that_speaks_only_that(tmp_path, monkeypatch):
+    from tests.test_external import make_server as make_single_agent_server
+
+    monkeypatch.setattr(wire, "VERSIONS", (1,))  # a server from before version 2
+    server = make_single_agent_server(tmp_path)
+    try:
+        client = PolicyClient(server.address, "remote", timeout_s=20)
+        assert client.welcome["version"] == 1 and not client.multi_agent
+        eid = client.start_episode()
+        assert client.get_action(eid, O4) in (0, 1)
+        client.end_episode(eid, O4)
+        assert [len(c) for c in server.sample(1)] == [1]
+        client.close(flush=False)
+    finally:
+        server.stop()
+
+
 # --- what the server records ----------------------------------------------------------------------------
 def test_the_server_records_per_agent_chunks_with_waiting_agents_and_hanging_rewards(tmp_path):
     server = make_server(tmp_path, obs1=CARTPOLE.observation_space)
