@@ -33,14 +33,12 @@ from actors.external.chunks import ChunkIntake
 from actors.external.endpoint import Conn, ServerEndpoint
 from actors.external.inference import ServerPolicy
 from actors.external.settings import ExternalSettings
-from actors.metrics import MetricsLogger
-from actors.modules.multi import SEP
 from protocols import external as wire
 from protocols import nested
-from protocols.external_agents import AgentError, agent_ids, done_flags, reward_pairs
-from protocols.errors import ProtocolError
-from protocols.multi_agent_episode import ALL, MultiAgentEpisode
 from protocols.episode import EpisodeChunk
+from protocols.errors import ProtocolError
+from protocols.external_agents import AgentError, agent_ids, done_flags, reward_pairs
+from protocols.multi_agent_episode import ALL, MultiAgentEpisode
 from protocols.schema import ChunkSchema
 from protocols.space_checks import BadValue
 
@@ -350,7 +348,8 @@ class MultiAgentActs(ActBatcher):
         for i, a in enumerate(acts):
             for k, mid in enumerate(a.modules):
                 slots.setdefault(mid, []).append((i, k))
-        out = [(0, [None] * len(a.agents), [None] * len(a.agents), [None] * len(a.agents)) for a in acts]
+        versions = [0] * len(acts)  # modules share the run's version (set_weights sets them together)
+        env_out, module_out, extra_out = ([[None] * len(a.agents) for a in acts] for _ in range(3))
         for mid, where in slots.items():
             policy = self.policies[mid]
             rows = [acts[i].obs[k] for i, k in where]
@@ -359,10 +358,10 @@ class MultiAgentActs(ActBatcher):
             env_actions = policy.env_actions(actions).tolist()
             policy.num_env_steps_served += len(where)
             for j, (i, k) in enumerate(where):
-                out[i][1][k], out[i][2][k] = env_actions[j], actions[j]
-                out[i][3][k] = {"action_logp": np.float32(logp[j]), "action_dist_inputs": dists[j]}
-                out[i] = (version, out[i][1], out[i][2], out[i][3])
-        return out
+                versions[i] = version
+                env_out[i][k], module_out[i][k] = env_actions[j], actions[j]
+                extra_out[i][k] = {"action_logp": np.float32(logp[j]), "action_dist_inputs": dists[j]}
+        return list(zip(versions, env_out, module_out, extra_out))
 
     def _failed(self, acts: list, err: Exception) -> None:
         """The forward pass raised: the requests get ``server_error`` and their episodes are forgotten (their
@@ -382,36 +381,3 @@ def _with_agent(err: BadValue, agent_id: Any, module_id: str) -> BadValue:
     out.agent_id = agent_id
     return out
 
-
-def split_module_weights(weights: dict[str, Any], modules: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{"<module_id>/<param>": array}`` -> ``{module_id: {param: array}}``, every module one of ``modules``."""
-    out: dict[str, dict[str, Any]] = {}
-    for key, value in weights.items():
-        mid, sep, param = key.partition(SEP)
-        if not sep or not param or mid not in modules:
-            raise ValueError(f"weights key {key!r} names none of this server's modules {sorted(modules)}: a "
-                             f"multi-agent server takes '<module_id>{SEP}<param>' keys")
-        out.setdefault(mid, {})[param] = value
-    return out
-
-
-def log_multi_agent_samples(metrics: MetricsLogger, window: int | None, chunks: list[EpisodeChunk], env_steps: int,
-                            ended: list[MultiAgentEpisode]) -> None:
-    """A multi-agent sample's counts and the ended episodes' statistics, under the keys
-    ``MultiAgentEnvRunner`` reports (``env_runners/`` spelled out where a key has a '/' of its own)."""
-    m = metrics
-    agent_steps = sum(len(c) for c in chunks)
-    m.log_value("num_env_steps_sampled", env_steps, reduce="sum")
-    m.log_value("num_env_steps_sampled_lifetime", env_steps, reduce="lifetime_sum")
-    m.log_value("num_agent_steps_sampled", agent_steps, reduce="sum")
-    m.log_value("num_agent_steps_sampled_lifetime", agent_steps, reduce="lifetime_sum")
-    per_module: dict[str, int] = {}
-    for c in chunks:
-        per_module[c.module_id] = per_module.get(c.module_id, 0) + len(c)
-    for mid, n in per_module.items():
-        m.log_value(f"env_runners/num_module_steps_sampled/{mid}", n, reduce="sum")
-        m.log_value(f"env_runners/num_module_steps_sampled_lifetime/{mid}", n, reduce="lifetime_sum")
-    m.log_episodes([ep.get_return() for ep in ended], [ep.env_steps() for ep in ended], window)
-    for ep in ended:
-        for key, value in ep.return_metrics().items():
-            m.log_value(f"env_runners/{key}", value, window=window)

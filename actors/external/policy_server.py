@@ -28,6 +28,11 @@ algorithm: frames over ``max_frame_bytes`` make ZeroMQ drop the connection, ever
 with the codec's bounds, and a client past ``max_protocol_errors`` is banned. Each connection may
 hold ``max_open_episodes`` episodes and ``max_requests_in_flight`` act requests.
 
+In a multi-agent run (``module_specs`` and ``policy_mapping_fn``, as ``MultiAgentEnvRunner`` takes
+them) clients play multi-agent episodes that the server records itself (``multi_agent_acts``; protocol
+version 2, EXTERNAL.md section 10): one policy copy per module, per-agent chunks tagged with agent and
+module id, weights and metrics as a multi-agent runner's (``multi_agent_parts``).
+
 This module holds the env runner role and puts the pieces together: the socket
 (``actors.external.endpoint``), the server thread's loop (``actors.external.server_loop``), the
 act path (``actors.external.acts``), the policy copy it acts with (``actors.external.inference``)
@@ -55,7 +60,8 @@ from actors.external.chunks import ChunkIntake
 from actors.external.endpoint import Conn, ServerEndpoint
 from actors.external.inference import ServerPolicy
 from actors.external.journal import CommitJournal
-from actors.external.multi_agent_acts import MultiAgentActs, log_multi_agent_samples, split_module_weights
+from actors.external.multi_agent_acts import MultiAgentActs
+from actors.external.multi_agent_parts import log_multi_agent_samples, split_module_weights
 from actors.external.security import ServerSecurity
 from actors.external.server_loop import ServerLoop
 from actors.external.settings import ExternalSettings

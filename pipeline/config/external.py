@@ -3,7 +3,9 @@
 ``config.environment(observation_space=..., action_space=...)`` with no env, plus
 ``config.external_clients(address="tcp://0.0.0.0:9900", inference_mode="remote", ...)``: each env
 runner slot (or the driver, with ``num_env_runners=0``) runs an ``actors.external.policy_server.PolicyServer``
-instead of an ``EnvRunner``, and the algorithm trains on what clients send. The keys are the
+instead of an ``EnvRunner``, and the algorithm trains on what clients send. A multi-agent run
+(``.multi_agent(...)``) takes its modules' spaces from its MultiAgentEnv class, which the driver only
+reads (``.environment(MultiAgentEnvClass)``; clients play the episodes). The keys are the
 fields of ``ExternalSettings`` (documented there); they are checked here at ``build()``.
 """
 from __future__ import annotations
