@@ -12,7 +12,7 @@ removed while training (``pipeline.algorithm_modules``) change the plan here and
 every runner group is built with, so recreated runners hold the run's modules.
 
 What is not built for multi-agent runs yet is refused here, at set-up, with the setting named:
-recording, external clients and offline input.
+recording and offline input.
 """
 from __future__ import annotations
 
@@ -158,8 +158,7 @@ def refuse_unbuilt(config: AlgorithmConfig, learner_class: type) -> None:
     """What multi-agent runs do not support yet, each as an error naming the setting to change."""
     offline = config.offline_data_config or {}
     unbuilt = {"offline_data(input_=...)": offline.get("input_") not in ("sampler", None),
-               "offline_data(output=...)": offline.get("output") is not None,
-               "external_clients_config": bool(config.external_clients_config)}
+               "offline_data(output=...)": offline.get("output") is not None}
     named = [name for name, used in unbuilt.items() if used]
     if named:
         raise NotImplementedError(f"{', '.join(named)} {NOT_YET}; leave it unset for multi-agent training")

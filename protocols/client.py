@@ -49,6 +49,7 @@ from protocols import external as wire
 from protocols import nested
 from protocols.client_connection import Connection, curve_options
 from protocols.client_inference import Inference
+from protocols.client_multi_agent import MultiAgentEpisodes
 from protocols.client_spool import ChunkSpool
 from protocols.episode import EpisodeBuilder, EpisodeChunk
 from protocols.errors import ProtocolError
@@ -125,6 +126,8 @@ class PolicyClient:
         self._obs_values = self._act_values = None  # the server's spaces (from its welcome) as value checks
         self._finite_obs = True
         self._inference = Inference(self._conn, rng)
+        self._multi_agent = MultiAgentEpisodes(self._conn, lambda: int((self.welcome.get("limits") or {}).get(
+            "max_agents", 64)))
         self._spool = ChunkSpool(self._conn, self._lock, spool_dir, self.resend_after_s)
         if spool_dir is not None:
             self._spool.load(spool_dir)
@@ -143,6 +146,11 @@ class PolicyClient:
         return self.welcome["inference_mode"]
 
     @property
+    def multi_agent(self) -> bool:
+        """The server trains several modules: episodes are multi-agent (EXTERNAL.md section 10)."""
+        return bool(self.welcome.get("multi_agent"))
+
+    @property
     def weights_version(self) -> int:
         """The version of the weights this client acts with (local) or last saw (remote)."""
         return self._inference.weights_version
@@ -158,8 +166,16 @@ class PolicyClient:
         return self._spool.rejected
 
     def start_episode(self, episode_id: str | None = None, training_enabled: bool = True) -> str:
-        """Begin an episode; returns its id. ``training_enabled=False``: act but send no experience."""
+        """Begin an episode; returns its id. ``training_enabled=False``: act but send no experience.
+        With a multi-agent server (its welcome says ``multi_agent``) the episode is multi-agent: dicts
+        keyed by agent id go in and out of ``get_action``, ``log_returns`` and ``end_episode``."""
         eid = wire.check_episode_id(episode_id) if episode_id is not None else uuid.uuid4().hex
+        if self.multi_agent:
+            if not training_enabled:
+                raise ValueError("training_enabled=False is not built for multi-agent episodes: the server records "
+                                 "every multi-agent episode it acts in")
+            self._multi_agent.start(eid)
+            return eid
         with self._lock:
             if eid in self._episodes:
                 raise ValueError(f"episode {eid!r} is already running; end it first or pick another id")
@@ -170,7 +186,10 @@ class PolicyClient:
 
     def get_action(self, episode_id: str, observation: Any) -> Any:
         """The policy's action for ``observation`` (the reward for the previous action goes to
-        ``log_returns`` before this call)."""
+        ``log_returns`` before this call). A multi-agent episode takes ``{agent_id: observation}`` for
+        the agents that observe now and returns ``{agent_id: action}`` for those that act."""
+        if episode_id not in self._episodes and episode_id in self._multi_agent:  # a dict lookup first: hot path
+            return self._multi_agent.act(episode_id, observation)
         return self._step(episode_id, observation, None)
 
     def get_actions(self, episode_ids: list[str], observations: list[Any]) -> list[Any]:
@@ -224,13 +243,23 @@ class PolicyClient:
         """Record an action the client chose itself (off-policy data for the policy to learn from)."""
         self._step(episode_id, observation, np.asarray(action))
 
-    def log_returns(self, episode_id: str, reward: float, info: dict | None = None) -> None:
-        """Reward for the latest action; several calls before the next action add up."""
+    def log_returns(self, episode_id: str, reward: Any, info: dict | None = None,
+                    terminateds: dict | None = None, truncateds: dict | None = None) -> None:
+        """Reward for the latest action; several calls before the next action add up. A multi-agent
+        episode takes ``{agent_id: reward}``, and the env's ``terminateds``/``truncateds`` dicts of the
+        step: agents marked there observe their final step in the next ``get_action`` and act no more."""
+        if episode_id not in self._episodes and episode_id in self._multi_agent:  # a dict lookup first: hot path
+            self._multi_agent.log_returns(episode_id, reward, terminateds, truncateds)
+            return
         self._episode(episode_id).reward += float(reward)
 
     def end_episode(self, episode_id: str, observation: Any, truncated: bool = False) -> None:
         """The episode's last observation; ``truncated=True`` when it was cut (a time limit) rather
-        than reaching a terminal state."""
+        than reaching a terminal state. A multi-agent episode takes ``{agent_id: observation}`` (the
+        final observations there are; ``{}`` or None for none) and ends for every agent ("__all__")."""
+        if episode_id not in self._episodes and episode_id in self._multi_agent:  # a dict lookup first: hot path
+            self._multi_agent.end(episode_id, observation, truncated)
+            return
         ep = self._episode(episode_id)
         if ep.in_flight is not None:
             raise ValueError(f"episode {episode_id!r} waits for the action send_action() asked for: call "
@@ -407,6 +436,8 @@ class PolicyClient:
         self._remote = welcome["inference_mode"] == "remote"
         for ep in self._episodes.values():  # the server forgot them (or it is another server)
             ep.started_remote = False
+        if new_server:
+            self._multi_agent.forget()
         self._spool.resend(everything=True)
         if new_server:
             log.info("connected to policy server %s at %s (%s inference)", self.server_id, self.address,

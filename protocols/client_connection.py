@@ -52,6 +52,8 @@ class Connection:
         self._last_heard = 0.0
         self._in_hello = False
         self._epoch = 0  # connections said hello on: a request sent before the latest hello is sent again
+        self.version = wire.VERSION
+        """The protocol version said in hello: this client's, or 1 for a server that speaks only that."""
         # one context (one ZeroMQ I/O thread) for all clients of this process: a simulator hosting many
         # clients wakes one thread per burst of replies, not one per client
         self._ctx = zmq.Context.instance()
@@ -96,8 +98,14 @@ class Connection:
             self._in_hello = False
 
     def _say_hello(self) -> None:
-        header = {"op": wire.HELLO, "protocol": wire.PROTOCOL, "version": wire.VERSION, **self._hello_fields()}
-        welcome, _ = self.request(header, hello=True)
+        header = {"op": wire.HELLO, "protocol": wire.PROTOCOL, "version": self.version, **self._hello_fields()}
+        try:
+            welcome, _ = self.request(header, hello=True)
+        except ServerError as err:
+            if err.code != wire.VERSION_MISMATCH or self.version == 1:
+                raise
+            self.version = 1  # a server from before version 2: version 1 is every single-agent call
+            welcome, _ = self.request({**header, "version": 1}, hello=True)
         self._epoch += 1
         self._on_welcome(welcome)
 

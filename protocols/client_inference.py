@@ -61,9 +61,9 @@ class Inference:
         body = None
         dense = type(obs) is np.ndarray
         if (obs.size if dense else _size(obs)) <= INLINE_ELEMENTS:
-            request["obs"] = obs.tolist() if dense else _plain(obs)  # small: plain msgpack in the header
+            request["obs"] = obs.tolist() if dense else plain_value(obs)  # small: plain msgpack in the header
             if given is not None:
-                request["action"] = _plain(given)
+                request["action"] = plain_value(given)
         else:
             body = encode({"obs": obs} if given is None else {"obs": obs, "action": given}, compress=False)
         return request, body
@@ -89,7 +89,7 @@ class Inference:
         return self._act_remote_batch(eids, obs)
 
     def _act_remote_batch(self, eids: list[str], obs: list[Any]) -> list[Acted]:
-        reply, _ = self._conn.request({"op": wire.ACT, "episode_ids": eids, "obs": [_plain(o) for o in obs]},
+        reply, _ = self._conn.request({"op": wire.ACT, "episode_ids": eids, "obs": [plain_value(o) for o in obs]},
                                       retry_unknown_episode=eids)
         version = int(reply.get("weights_version", 0))
         self.weights_version = max(self.weights_version, version)
@@ -168,16 +168,16 @@ class Inference:
                 log.warning("could not pull new weights: %s", err)
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     """Arrays -> nested lists (msgpack natives); dicts stay maps, tuples become arrays."""
     if isinstance(value, np.ndarray):
         return value.tolist()
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_value(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     return value
 
 

@@ -25,7 +25,10 @@ import msgpack
 from protocols.errors import ProtocolError
 
 PROTOCOL = "runnel-external"
-VERSION = 1
+VERSION = 2
+"""The version this side speaks: 2 is version 1 plus the multi-agent messages (EXTERNAL.md section 10)."""
+VERSIONS = (1, 2)
+"""The versions a server accepts in a hello; a connection that said 1 may not send the multi-agent ops."""
 MAX_HEADER_BYTES = 64 * 1024
 """Largest header part; a bigger one is refused before it is unpacked."""
 MAX_ID_LEN = 64
@@ -33,11 +36,14 @@ MAX_ID_LEN = 64
 
 # client -> server
 HELLO, START, ACT, END, CHUNKS, WEIGHTS, PING, BYE = "hello", "start", "act", "end", "chunks", "weights", "ping", "bye"
+MA_START, MA_ACT, MA_END = "ma_start", "ma_act", "ma_end"  # version 2: multi-agent episodes, recorded by the server
 # server -> client
 WELCOME, STARTED, ACTION, ENDED, RECEIVED, COMMITTED, POLICY, PONG, ERROR = (
     "welcome", "started", "action", "ended", "received", "committed", "policy", "pong", "error")
+MA_ACTION = "ma_action"
 
-CLIENT_OPS = frozenset({HELLO, START, ACT, END, CHUNKS, WEIGHTS, PING, BYE})
+MA_OPS = frozenset({MA_START, MA_ACT, MA_END})
+CLIENT_OPS = frozenset({HELLO, START, ACT, END, CHUNKS, WEIGHTS, PING, BYE}) | MA_OPS
 REQUIRED_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     HELLO: {"protocol": (str,), "version": (int,), "inference_mode": (str,)},
     START: {"episode_id": (str,)},
@@ -46,11 +52,16 @@ REQUIRED_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     CHUNKS: {"ids": (list,)},
     WEIGHTS: {"have": (int,)},
     PING: {}, BYE: {},
+    MA_START: {"episode_id": (str,)},
+    MA_ACT: {"episode_id": (str,), "agents": (list,), "obs": (list,)},
+    MA_END: {"episode_id": (str,)},
 }
 """Fields each client op must carry, with their msgpack types (an op may carry more)."""
 OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     HELLO: {"name": (str,), "observation_space": (dict,), "action_space": (dict,)},
     ACT: {"episode_id": (str,), "episode_ids": (list,), "explore": (bool,)},
+    MA_ACT: {"rewards": (list,), "terminated": (list,), "truncated": (list,), "explore": (bool,)},
+    MA_END: {"agents": (list,), "obs": (list,), "rewards": (list,), "terminated": (list,), "truncated": (list,)},
 }
 """Fields an op may carry, with their types: one of another type is refused (``bad_message``); fields
 named nowhere are ignored."""
@@ -78,6 +89,9 @@ BAD_VALUE = "bad_value"
 BAD_CHUNK = "bad_chunk"
 BUSY = "busy"
 STALE = "stale"
+BAD_AGENT = "bad_agent"
+TOO_MANY_AGENTS = "too_many_agents"
+UNKNOWN_AGENT = "unknown_agent"
 NOT_SUPPORTED = "not_supported"
 SERVER_ERROR = "server_error"
 
@@ -143,11 +157,26 @@ ERRORS: dict[str, ErrorCode] = {
                      "sent unasked (`id` 0) for held chunks that new weights made too old",
                      "drop those chunks from the spool (not a bug: the client ran ahead of training) and act with "
                      "newer weights (local inference: fetch them now)"),
+    BAD_AGENT: ErrorCode(False, "a multi-agent message names an agent id that is no str of 1 to 64 printable ASCII "
+                         "characters nor an int in [-2^63, 2^63), names one twice (or two whose str() is alike), or "
+                         "uses `__all__` where an agent goes (`agent_id` says which); nothing was recorded",
+                         "send agent ids as the env names them (str or int), each once per list"),
+    TOO_MANY_AGENTS: ErrorCode(False, "a multi-agent message lists more agents than `limits.max_agents`, or an "
+                               "episode (or all of the connection's, section 10) would hold more (the reply's "
+                               "`limit`); nothing was recorded",
+                               "act for fewer agents at a time, or end episodes"),
+    UNKNOWN_AGENT: ErrorCode(False, "a multi-agent message gives a reward or a done flag for an agent that has not "
+                             "acted in the episode (or is done already), or an observation for an agent the run's "
+                             "`policy_mapping_fn` maps to no module (`agent_id` says which); nothing was recorded",
+                             "give rewards and flags only to agents that acted since their last observation; "
+                             "check the agent ids against the env the server trains for"),
     SERVER_ERROR: ErrorCode(False, "the server failed to compute this request (a bug, logged on the server); nothing "
                             "was computed, and the server serves on",
                             "send the request again later; if it keeps failing, report it"),
-    NOT_SUPPORTED: ErrorCode(False, "`weights` for a policy that cannot run in the client",
-                             "use remote inference"),
+    NOT_SUPPORTED: ErrorCode(False, "`weights` for a policy that cannot run in the client (or any `weights` to a "
+                             "multi-agent server); `chunks` to a multi-agent server, which records episodes itself "
+                             "(with `ids`)", "use remote inference; a multi-agent client sends `ma_act`/`ma_end`, "
+                             "no chunks"),
 }
 """Every error code the server sends; ``error`` takes ``fatal`` from here, and EXTERNAL.md's table is
 ``errors_markdown()``."""

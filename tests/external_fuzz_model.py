@@ -138,7 +138,7 @@ def gen_hello(data: st.DataObject, c: Conn) -> Step:
         if way == "protocol":
             h["protocol"] = data.draw(TEXT.filter(lambda s: s != wire.PROTOCOL))
         elif way == "version":
-            h["version"] = data.draw(st.integers(-(1 << 63), (1 << 64) - 1).filter(lambda v: v != wire.VERSION))
+            h["version"] = data.draw(st.integers(-(1 << 63), (1 << 64) - 1).filter(lambda v: v not in wire.VERSIONS))
         elif way == "inference_mode":
             h["inference_mode"] = data.draw(TEXT.filter(lambda s: s not in ("remote", "local", "")))
         else:

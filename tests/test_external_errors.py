@@ -115,8 +115,8 @@ def test_a_hello_in_another_protocol_or_version_is_refused_for_good(spec):
     hello = {"op": "hello", "protocol": "http", "version": 1, "inference_mode": "remote"}
     reply, _ = spec.request(hello)
     assert reply["code"] == wire.PROTOCOL_MISMATCH and reply["fatal"] and "'http'" in reply["message"]
-    reply, _ = spec.request({**hello, "protocol": wire.PROTOCOL, "version": 2})
-    assert reply["code"] == wire.VERSION_MISMATCH and reply["fatal"] and "version 2" in reply["message"]
+    reply, _ = spec.request({**hello, "protocol": wire.PROTOCOL, "version": 3})
+    assert reply["code"] == wire.VERSION_MISMATCH and reply["fatal"] and "version 3" in reply["message"]
     reply, _ = spec.request({**hello, "protocol": wire.PROTOCOL, "name": 7})
     assert reply["code"] == wire.BAD_MESSAGE and not reply["fatal"] and "'name'" in reply["message"]
 

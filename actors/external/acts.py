@@ -117,6 +117,14 @@ class ActBatcher:
         self._send(route, {**wire.error(rid, wire.BAD_VALUE, f"episode {eid!r}: {err}"), "episode_id": eid,
                            "field": err.field})
 
+    def _refuse_in_flight(self, route: bytes, conn: Conn, rid: int) -> bool:
+        """Answer ``too_many_requests`` if the connection has ``max_requests_in_flight`` acts unanswered."""
+        if conn.in_flight < self.x.max_requests_in_flight:
+            return False
+        self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
+                                     f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
+        return True
+
     def _queue(self, conn: Conn, act: _Act) -> None:
         """An act request waits for the next forward pass."""
         if not self.requests:
@@ -155,9 +163,7 @@ class ActBatcher:
             self._send(route, wire.error(rid, wire.UNKNOWN_EPISODE, f"episode {unknown[0]!r} was not started on "
                                          f"this connection; send 'start' first"))
             return
-        if conn.in_flight >= self.x.max_requests_in_flight:
-            self._send(route, wire.error(rid, wire.TOO_MANY_REQUESTS, f"{conn.in_flight} act requests of this "
-                                         f"connection are unanswered (limit {self.x.max_requests_in_flight})"))
+        if self._refuse_in_flight(route, conn, rid):
             return
         schema = self.schema
         block = schema.observation_rows(obs, self._finite) if batched else None  # checked already
@@ -181,17 +187,7 @@ class ActBatcher:
 
     def infer(self) -> None:
         """One forward pass over the queued requests, ``max_batch`` rows at most (held ones are a backlog)."""
-        if self.rows <= self.x.max_batch:
-            acts, self.requests = self.requests, []
-            self.rows = 0
-        else:
-            rows = count = 0
-            for a in self.requests:
-                if count and rows + len(a.obs) > self.x.max_batch:
-                    break
-                rows, count = rows + len(a.obs), count + 1
-            acts, self.requests = self.requests[:count], self.requests[count:]
-            self.rows -= rows
+        acts = self._next_batch()
         try:
             out = self._forward(acts)
         except Exception as err:  # noqa: BLE001 - a bug here must not stop serving every client
@@ -221,6 +217,26 @@ class ActBatcher:
             conn = conns.get(a.route)
             if conn is not None:
                 conn.in_flight -= 1
+
+    def _next_batch(self) -> list:
+        """The queued requests the next forward pass answers: ``max_batch`` rows at most (a request's
+        rows stay together), the rest wait."""
+        if self.rows <= self.x.max_batch:
+            acts, self.requests = self.requests, []
+            self.rows = 0
+            return acts
+        rows = count = 0
+        for a in self.requests:
+            if count and rows + len(a.obs) > self.x.max_batch:
+                break
+            rows, count = rows + len(a.obs), count + 1
+        acts, self.requests = self.requests[:count], self.requests[count:]
+        self.rows -= rows
+        return acts
+
+    def on_multi_agent(self, route: bytes, conn: Conn, rid: int, h: dict) -> None:
+        """A multi-agent op: this server trains one policy (``MultiAgentActs`` serves them)."""
+        raise ProtocolError(f"{h['op']!r}: this server trains one policy, not a multi-agent run; use start/act/end")
 
     def _forward(self, acts: list[_Act]) -> _Answers:
         """One forward pass for ``acts``."""

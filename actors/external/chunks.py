@@ -217,6 +217,20 @@ class ChunkIntake:
             return err
         return None
 
+    def add_recorded(self, chunks: list[EpisodeChunk]) -> None:
+        """Chunks the server cut itself (multi-agent episodes it records): pending like those clients
+        send, with no sender to acknowledge them to. Their ids are the server's own, so none repeats."""
+        with self._lock:
+            for chunk in chunks:
+                key = (chunk.episode_id, chunk.chunk_index)
+                chunk.env_runner_index = self.worker_index
+                self._pending.append((key, chunk))
+                self._pending_keys.add(key)
+                self.pending_steps += len(chunk)
+            self._counts["num_chunks_received"] += len(chunks)
+            if chunks:
+                self._lock.notify_all()
+
     def take_outbox(self) -> list[tuple[bytes, dict]]:
         """The acknowledgements commits queued, for the server thread to send."""
         with self._lock:

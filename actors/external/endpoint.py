@@ -35,6 +35,10 @@ class Conn:
     episodes: set = dataclasses.field(default_factory=set)
     in_flight: int = 0
     errors: int = 0
+    version: int = 1
+    """The protocol version its hello said (2: it may send the multi-agent ops)."""
+    ma_episodes: dict = dataclasses.field(default_factory=dict)
+    """Multi-agent episodes it started, by its episode id (``actors.external.multi_agent_acts``)."""
 
 
 class ServerEndpoint:

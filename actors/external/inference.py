@@ -16,18 +16,24 @@ import torch
 from actors.env.actions import EnvActions
 from actors.env.settings import EnvRunnerSettings
 from actors.env.exploration import make_exploration
-from actors.modules import to_torch
+from actors.modules import ModuleSpec, to_torch
 from protocols.numpy_policy import NumpyPolicy
 
 
 class ServerPolicy:
-    def __init__(self, settings: EnvRunnerSettings, worker_index: int, inference_backend: str) -> None:
-        """Builds the module; ``refresh_export`` makes the first export."""
+    def __init__(self, settings: EnvRunnerSettings, worker_index: int, inference_backend: str,
+                 spec: ModuleSpec | None = None) -> None:
+        """Builds the module (from ``spec``, one module of a multi-agent run, else from ``settings``);
+        ``refresh_export`` makes the first export."""
         self.s = settings
         self.inference_backend = inference_backend
-        self.observation_space, self.action_space = settings.observation_space, settings.action_space
-        self.module = settings.module_class(self.observation_space, self.action_space, settings.model_config,
-                                            inference_only=True, **settings.module_kwargs)
+        if spec is None:
+            self.observation_space, self.action_space = settings.observation_space, settings.action_space
+            self.module = settings.module_class(self.observation_space, self.action_space, settings.model_config,
+                                                inference_only=True, **settings.module_kwargs)
+        else:
+            self.observation_space, self.action_space = spec.observation_space, spec.action_space
+            self.module = spec.build(inference_only=True)
         self.module.eval()
         self.exploration = make_exploration(settings.exploration_config, self.module.dist_spec)
         self.env_actions = EnvActions(self.action_space, settings.normalize_actions, settings.clip_actions)

@@ -28,6 +28,11 @@ algorithm: frames over ``max_frame_bytes`` make ZeroMQ drop the connection, ever
 with the codec's bounds, and a client past ``max_protocol_errors`` is banned. Each connection may
 hold ``max_open_episodes`` episodes and ``max_requests_in_flight`` act requests.
 
+In a multi-agent run (``module_specs`` and ``policy_mapping_fn``, as ``MultiAgentEnvRunner`` takes
+them) clients play multi-agent episodes that the server records itself (``multi_agent_acts``; protocol
+version 2, EXTERNAL.md section 10): one policy copy per module, per-agent chunks tagged with agent and
+module id, weights and metrics as a multi-agent runner's (``multi_agent_parts``).
+
 This module holds the env runner role and puts the pieces together: the socket
 (``actors.external.endpoint``), the server thread's loop (``actors.external.server_loop``), the
 act path (``actors.external.acts``), the policy copy it acts with (``actors.external.inference``)
@@ -55,6 +60,8 @@ from actors.external.chunks import ChunkIntake
 from actors.external.endpoint import Conn, ServerEndpoint
 from actors.external.inference import ServerPolicy
 from actors.external.journal import CommitJournal
+from actors.external.multi_agent_acts import MultiAgentActs
+from actors.external.multi_agent_parts import log_multi_agent_samples, split_module_weights
 from actors.external.security import ServerSecurity
 from actors.external.server_loop import ServerLoop
 from actors.external.settings import ExternalSettings
@@ -62,7 +69,10 @@ from actors.external.stream import ServerStream
 from actors.metrics import MetricsLogger
 from actors.offline.recorder import Recorder
 from protocols.codec import encode
+from actors.modules import ModuleSpec
+from actors.modules.multi import SEP
 from protocols.episode import EpisodeChunk
+from protocols.multi_agent_episode import MultiAgentEpisode
 from protocols.schema import ChunkSchema
 from protocols.spaces import space_to_dict
 
@@ -78,7 +88,11 @@ COUNTS = ("num_actions_served", "num_inference_batches", "num_connects", "num_pr
 
 class PolicyServer(EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0, recreated: bool = False,
-                 external: ExternalSettings | None = None) -> None:
+                 external: ExternalSettings | None = None, module_specs: dict[str, ModuleSpec] | None = None,
+                 policy_mapping_fn: Callable[[Any, Any], str] | None = None,
+                 count_steps_by: str = "env_steps") -> None:
+        """``module_specs`` and ``policy_mapping_fn`` (a multi-agent run, as ``MultiAgentEnvRunner`` takes
+        them): clients play multi-agent episodes, which this server records (``multi_agent_acts``)."""
         self.s, self.x = settings, external or ExternalSettings()
         self.worker_index = worker_index
         if worker_index > 0:
@@ -86,8 +100,13 @@ class PolicyServer(EnvRunnerRole):
             set_log_level(settings.log_level)
         self.address = self.x.address_for(worker_index)
         self.server_id = uuid.uuid4().hex[:12]
-        self.observation_space, self.action_space = settings.observation_space, settings.action_space
-        self.policy = ServerPolicy(settings, worker_index, self.x.inference_backend)
+        self.policies = {mid: ServerPolicy(settings, worker_index, self.x.inference_backend, spec=spec)
+                         for mid, spec in (module_specs or {}).items()}
+        """Multi-agent runs: each module's policy copy (empty otherwise)."""
+        self.multi_agent = bool(self.policies)
+        self.policy = (next(iter(self.policies.values())) if self.multi_agent else
+                       ServerPolicy(settings, worker_index, self.x.inference_backend))
+        self.observation_space, self.action_space = self.policy.observation_space, self.policy.action_space
         self.module, self.exploration = self.policy.module, self.policy.exploration  # as on any env runner
         self.recorder = Recorder(settings.recording, f"server{worker_index:03d}") if settings.recording else None
         self.schema = ChunkSchema.for_spaces(self.observation_space, self.action_space, ("action_logp",))
@@ -97,7 +116,8 @@ class PolicyServer(EnvRunnerRole):
         self._lock = threading.Condition()  # pending chunks, delivered/committed ids, metrics
         self._counts: dict[str, int] = dict.fromkeys(COUNTS, 0)  # the server thread's counters
         self._counts_reported: dict[str, int] = dict.fromkeys(COUNTS, 0)
-        self.policy.refresh_export()
+        for policy in self.policies.values() or [self.policy]:
+            policy.refresh_export()
         journal_dir = self.x.journal_dir if self.x.journal_dir is not None else os.path.join(
             tempfile.gettempdir(), "runnel-journal")
         port = urlsplit(self.address).port
@@ -114,10 +134,22 @@ class PolicyServer(EnvRunnerRole):
                                   self.schema, self.module.dist_spec.input_dim, worker_index,
                                   weights_version=lambda: self.policy.weights_version)
         conns: dict[bytes, Conn] = {}
-        self.acts = ActBatcher(self.endpoint, conns, self._counts, self.policy, self.schema, settings, self.x)
+        self._ma_ended: list[MultiAgentEpisode] = []  # multi-agent episodes ended since the last report
+        modules = None
+        if self.multi_agent:
+            if policy_mapping_fn is None:
+                raise ValueError("a multi-agent policy server needs the run's policy_mapping_fn")
+            self.acts: ActBatcher = MultiAgentActs(self.endpoint, conns, self._counts, self.policies,
+                                                   policy_mapping_fn, self.chunks, settings, self.x, worker_index,
+                                                   on_episode_end=self._episode_ended)
+            modules = {mid: {"observation_space": space_to_dict(p.observation_space),
+                             "action_space": space_to_dict(p.action_space), "action_mapping": p.action_mapping()}
+                       for mid, p in self.policies.items()}
+        else:
+            self.acts = ActBatcher(self.endpoint, conns, self._counts, self.policy, self.schema, settings, self.x)
         self.loop = ServerLoop(self.endpoint, self.acts, self.chunks, self.policy, conns=conns, counts=self._counts,
                                stopping=self._stopping, settings=settings, external=self.x, server_id=self.server_id,
-                               spaces=self.spaces, worker_index=worker_index)
+                               spaces=self.spaces, worker_index=worker_index, modules=modules)
         self.loop.start()
         log.info("policy server %s listening on %s (%s)", self.server_id, self.address,
                  "CURVE" if self.security.curve else "plaintext")
@@ -134,7 +166,8 @@ class PolicyServer(EnvRunnerRole):
 
     @property
     def num_env_steps_served(self) -> int:
-        return self.policy.num_env_steps_served
+        """Actions served (in a multi-agent run: by every module, one per agent step)."""
+        return sum(p.num_env_steps_served for p in self.policies.values() or [self.policy])
 
     @property
     def timestep(self) -> int:
@@ -187,7 +220,15 @@ class PolicyServer(EnvRunnerRole):
             log.warning("policy server %s at %s: no experience arrived for %.0f s (%d client(s) connected); "
                         "training waits for clients", self.server_id, self.address, quiet_s, len(self.loop.conns))
 
+    def _episode_ended(self, episode: MultiAgentEpisode) -> None:
+        """A multi-agent episode ended (the server thread): its statistics go out with the next sample."""
+        with self._lock:
+            self._ma_ended.append(episode)
+
     def _log_chunks(self, chunks: list[EpisodeChunk]) -> None:
+        if self.multi_agent:
+            self._log_multi_agent(chunks)
+            return
         m, w = self.metrics, self.s.metrics_window
         steps = sum(len(c) for c in chunks)
         m.log_value("num_env_steps_sampled", steps, reduce="sum")
@@ -195,17 +236,35 @@ class PolicyServer(EnvRunnerRole):
         finished = self.chunks.episodes.take_finished()
         m.log_episodes([r for r, _ in finished], [n for _, n in finished], w)
 
+    def _log_multi_agent(self, chunks: list[EpisodeChunk]) -> None:
+        """What a multi-agent runner reports for a sample (the caller holds the lock)."""
+        env_steps = self.acts.env_steps_of(chunks)
+        ended, self._ma_ended = self._ma_ended, []
+        log_multi_agent_samples(self.metrics, self.s.metrics_window, chunks, env_steps, ended)
+
     def sample_encoded(self, num_timesteps: int | None = None, explore: bool | None = None,
                        compress: bool = False) -> tuple[bytes, dict[str, Any]]:
         chunks = self.sample(num_timesteps, explore=explore)
         return encode(chunks, compress=compress), self.get_metrics()
 
     def set_weights(self, weights: dict[str, Any], weights_version: int = 0, timestep: int | None = None) -> None:
-        self.policy.set_weights(weights, weights_version, timestep)
+        """Single-agent: the module's weights. Multi-agent: ``{"<module_id>/<param>": array}`` for the modules
+        it names (the others keep theirs), as ``MultiAgentEnvRunner`` takes them."""
+        if self.multi_agent:
+            by_module = split_module_weights(weights, self.policies)
+            for mid, policy in self.policies.items():
+                if mid in by_module:
+                    policy.set_weights(by_module[mid], weights_version, timestep)
+                else:  # a frozen module keeps its weights under the run's version
+                    policy.set_weights(policy.get_weights(), weights_version, timestep)
+        else:
+            self.policy.set_weights(weights, weights_version, timestep)
         self.acts.release()
         self.metrics.log_value("weights_version", weights_version, reduce="max")
 
     def get_weights(self) -> dict[str, Any]:
+        if self.multi_agent:
+            return {f"{mid}{SEP}{k}": v for mid, p in self.policies.items() for k, v in p.get_weights().items()}
         return self.policy.get_weights()
 
     def get_metrics(self) -> dict[str, Any]:

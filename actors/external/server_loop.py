@@ -37,11 +37,13 @@ class ServerLoop:
     def __init__(self, endpoint: ServerEndpoint, acts: ActBatcher, chunks: ChunkIntake, policy: ServerPolicy, *,
                  conns: dict[bytes, Conn], counts: dict[str, int], stopping: threading.Event,
                  settings: EnvRunnerSettings, external: ExternalSettings, server_id: str, spaces: dict,
-                 worker_index: int) -> None:
-        """``conns`` (shared with ``acts``) and ``counts``: the server thread's; ``stopping`` ends the loop."""
+                 worker_index: int, modules: dict | None = None) -> None:
+        """``conns`` (shared with ``acts``) and ``counts``: the server thread's; ``stopping`` ends the loop.
+        ``modules``: in a multi-agent run, each module's spaces and action mapping (the welcome's)."""
         self.endpoint, self.acts, self.chunks, self.policy = endpoint, acts, chunks, policy
         self.s, self.x = settings, external
         self.server_id, self.spaces = server_id, spaces
+        self.modules = modules
         self.conns = conns
         self._counts = counts
         self._stopping = stopping
@@ -143,6 +145,8 @@ class ServerLoop:
                 self._on_start(route, conn, rid, header["episode_id"])
             elif op == wire.END:
                 conn.episodes.discard(header["episode_id"])
+            elif op in wire.MA_OPS:
+                self.acts.on_multi_agent(route, conn, rid, header)
             elif op == wire.WEIGHTS:
                 self._on_weights(route, rid, header["have"])
             elif op == wire.PING:
@@ -167,6 +171,10 @@ class ServerLoop:
             self._send(route, self._hello_first(rid, ids=[list(k) for k in keys]))
             return
         conn.last_seen = time.monotonic()
+        if self.modules is not None:
+            self._send(route, wire.error(rid, wire.NOT_SUPPORTED, "this server records multi-agent episodes itself "
+                                         "(ma_act/ma_end): it takes no chunks", ids=[list(k) for k in keys]))
+            return
         if self.chunks.on_chunks(route, rid, keys, bodies):
             self._count_error(route, conn, rid)
 
@@ -201,14 +209,15 @@ class ServerLoop:
             self._send(route, wire.error(rid, wire.PROTOCOL_MISMATCH, f"protocol {h['protocol']!r:.80}: this server "
                                          f"speaks {wire.PROTOCOL!r}"))
             return
-        if h["version"] != wire.VERSION:
+        if h["version"] not in wire.VERSIONS:
             self._send(route, wire.error(rid, wire.VERSION_MISMATCH, f"version {h['version']}: this server speaks "
-                                         f"{wire.PROTOCOL} version {wire.VERSION}"))
+                                         f"{wire.PROTOCOL} versions {' and '.join(map(str, wire.VERSIONS))}"))
             return
-        mode = h["inference_mode"] or self.x.inference_mode
-        if mode not in ("remote", "local"):
-            self._send(route, wire.error(rid, wire.BAD_MODE, f"inference_mode {mode!r:.80}: use 'remote', 'local' "
-                                         f"or '' (the server's choice)"))
+        mode = h["inference_mode"] or ("remote" if self.modules is not None else self.x.inference_mode)
+        if mode not in ("remote", "local") or (mode == "local" and self.modules is not None):
+            self._send(route, wire.error(rid, wire.BAD_MODE, f"inference_mode {mode!r:.80}: use " + (
+                "'remote' or '': a multi-agent server acts for its clients" if self.modules is not None else
+                "'remote', 'local' or '' (the server's choice)")))
             return
         for key in ("observation_space", "action_space"):
             if key in h and not self._same_space(h[key], key):
@@ -220,10 +229,11 @@ class ServerLoop:
                                          f"connected; try another server or later"))
             return
         errors = self.conns[route].errors if route in self.conns else self._stranger_errors.pop(route, 0)
-        self.conns[route] = Conn(h.get("name", "")[:64], mode, time.monotonic(), errors=errors)
+        self.conns[route] = Conn(h.get("name", "")[:64], mode, time.monotonic(), errors=errors, version=h["version"])
+        multi_agent = {} if self.modules is None else {"multi_agent": True, "modules": self.modules}
         self._send(route, {
             "op": wire.WELCOME, "id": rid, "server_id": self.server_id, "protocol": wire.PROTOCOL,
-            "version": wire.VERSION, "inference_mode": mode, **self.spaces,
+            "version": h["version"], "inference_mode": mode, **self.spaces, **multi_agent,
             "fragment_length": self.x.fragment_length, "explore": self.s.explore,
             "weights_version": self.policy.weights_version, "action_mapping": self.policy.action_mapping(),
             "required_extra": list(REQUIRED_EXTRA), "allow_nonfinite_observations": self.x.allow_nonfinite_observations,
@@ -231,7 +241,7 @@ class ServerLoop:
                        "max_requests_in_flight": self.x.max_requests_in_flight,
                        "max_chunk_steps": self.x.max_chunk_steps, "max_batch": self.x.max_batch,
                        "max_pending_steps": self.x.max_pending_steps, "max_unacked_steps": self.x.max_unacked_steps,
-                       "max_policy_lag": self.x.max_policy_lag,
+                       "max_policy_lag": self.x.max_policy_lag, "max_agents": self.x.max_agents,
                        "max_decoded_bytes": self.chunks.chunk_limits.max_decoded_bytes,
                        "max_act_body_bytes": self.acts.act_limits.max_frame_bytes,
                        "hold_acts_while_training": bool(self.x.hold_acts_while_training)}})
@@ -252,6 +262,10 @@ class ServerLoop:
         self._send(route, {"op": wire.STARTED, "id": rid, "episode_id": eid})
 
     def _on_weights(self, route: bytes, rid: int, have: int) -> None:
+        if self.modules is not None:
+            self._send(route, wire.error(rid, wire.NOT_SUPPORTED, "a multi-agent server acts for its clients "
+                                         "(remote inference only)"))
+            return
         version = self.policy.weights_version
         if have == version:
             self._send(route, {"op": wire.POLICY, "id": rid, "changed": False, "weights_version": version})

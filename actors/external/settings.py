@@ -62,6 +62,10 @@ class ExternalSettings:
     """Episodes one connection may have started and not ended (remote inference)."""
     max_requests_in_flight: int = 256
     """Act requests of one connection waiting for their answer."""
+    max_agents: int = 64
+    """Multi-agent runs: the most agents one ``ma_act``/``ma_end`` may name, and one episode may hold.
+    (The server records clients' episodes; all agents of one connection's open episodes together may
+    hold at most ``max_pending_steps`` steps, ``fragment_length`` each, before new agents are refused.)"""
     max_frame_bytes: int = 64 << 20
     """Largest message part; ZeroMQ disconnects a peer that sends a bigger one."""
     max_chunk_steps: int = 100_000

@@ -3,7 +3,11 @@
  * fragment_length steps (the server's welcome says how many; it refuses longer chunks).
  *
  *   cc -O2 -o cartpole_client cartpole_client.c -lzmq        (libzmq-dev from the distribution)
- *   ./cartpole_client tcp://127.0.0.1:9900 [episodes]
+ *   ./cartpole_client tcp://127.0.0.1:9900 [episodes] [agents]
+ *
+ * With agents > 1 it plays that many CartPoles as one multi-agent episode against a multi-agent
+ * server (EXTERNAL.md section 10, protocol version 2): agent i is the int i, each finishes on its
+ * own, and the server records the episode, so nothing is uploaded.
  *
  * Needs only libzmq: the few msgpack values the protocol uses are written and read by hand below,
  * and frames are sent uncompressed (flags 0), so neither msgpack-c nor liblz4 is required.
@@ -171,9 +175,63 @@ static int cart_step(cart_t *c, int action) {   /* 1: the episode ended */
 }
 
 #define MAX_STEPS 500
+#define MAX_AGENTS 8
+
+/* One multi-agent episode (section 10): every step an ma_act with the observations of the agents still
+ * playing and of those that just finished (their final ones, flagged terminated), the rewards of the
+ * agents that acted; then ma_end with "__all__". Returns the env steps played, or -1. */
+static int play_multi_agent(void *sock, const char *eid, int agents) {
+    buf_t h = {0};
+    int64_t id = next_id++;
+    mp_map(&h, 3); mp_str(&h, "op"); mp_str(&h, "ma_start"); mp_str(&h, "id"); mp_int(&h, id);
+    mp_str(&h, "episode_id"); mp_str(&h, eid);
+    if (request(sock, &h, NULL, id) != 0 || !is_op(reply, reply_len, "started")) { free(h.p); return -1; }
+    cart_t c[MAX_AGENTS];
+    int done[MAX_AGENTS] = {0}, acted[MAX_AGENTS] = {0}, ended[MAX_AGENTS] = {0}, action[MAX_AGENTS], t = 0;
+    for (int i = 0; i < agents; i++) c[i] = (cart_t){uniform(), uniform(), uniform(), uniform()};
+    for (;; t++) {
+        int observing = 0, paid = 0, finished = 0, playing = 0;
+        for (int i = 0; i < agents; i++) {
+            observing += !done[i] || ended[i]; paid += acted[i]; finished += ended[i]; playing += !done[i];
+        }
+        int last = !playing || t == MAX_STEPS;
+        h.n = 0; id = next_id++;
+        mp_map(&h, 7); mp_str(&h, "op"); mp_str(&h, last ? "ma_end" : "ma_act");
+        mp_str(&h, "id"); mp_int(&h, id); mp_str(&h, "episode_id"); mp_str(&h, eid);
+        mp_str(&h, "agents"); mp_array(&h, (uint32_t)observing);
+        for (int i = 0; i < agents; i++) if (!done[i] || ended[i]) mp_int(&h, i);
+        mp_str(&h, "obs"); mp_array(&h, (uint32_t)observing);
+        for (int i = 0; i < agents; i++) if (!done[i] || ended[i]) {
+            mp_array(&h, 4); mp_double(&h, c[i].x); mp_double(&h, c[i].x_dot); mp_double(&h, c[i].theta);
+            mp_double(&h, c[i].theta_dot);
+        }
+        mp_str(&h, "rewards"); mp_array(&h, (uint32_t)paid);
+        for (int i = 0; i < agents; i++) if (acted[i]) { mp_array(&h, 2); mp_int(&h, i); mp_double(&h, 1.0); }
+        /* the agents that fell this step; at the end "__all__" too (truncated at MAX_STEPS) */
+        mp_str(&h, last && playing ? "truncated" : "terminated");
+        mp_array(&h, (uint32_t)(finished + last));
+        for (int i = 0; i < agents; i++) if (ended[i]) mp_int(&h, i);
+        if (last) mp_str(&h, "__all__");
+        if (request(sock, &h, NULL, id) != 0 || !is_op(reply, reply_len, last ? "ended" : "ma_action")) {
+            fprintf(stderr, "%s refused: %.*s\n", last ? "ma_end" : "ma_act", (int)reply_len, (const char *)reply);
+            free(h.p); return -1;
+        }
+        if (last) break;
+        rd_t ra, rb; int is_map;
+        find(reply, reply_len, "agents", &ra); find(reply, reply_len, "actions", &rb);
+        int n = container(&ra, &is_map); container(&rb, &is_map);
+        for (int i = 0; i < agents; i++) { acted[i] = 0; ended[i] = 0; }
+        for (int k = 0; k < n; k++) { int i = (int)number(&ra); action[i] = (int)number(&rb); acted[i] = 1; }
+        for (int i = 0; i < agents; i++) if (acted[i] && cart_step(&c[i], action[i])) { done[i] = 1; ended[i] = 1; }
+    }
+    free(h.p);
+    return t;
+}
+
 int main(int argc, char **argv) {
-    if (argc < 2) { fprintf(stderr, "usage: %s tcp://HOST:PORT [episodes]\n", argv[0]); return 2; }
-    int episodes = argc > 2 ? atoi(argv[2]) : 3, timeout_ms = 20000, linger = 0;
+    if (argc < 2) { fprintf(stderr, "usage: %s tcp://HOST:PORT [episodes] [agents]\n", argv[0]); return 2; }
+    int episodes = argc > 2 ? atoi(argv[2]) : 3, agents = argc > 3 ? atoi(argv[3]) : 1, timeout_ms = 20000, linger = 0;
+    if (agents < 1 || agents > MAX_AGENTS) { fprintf(stderr, "agents: 1 to %d\n", MAX_AGENTS); return 2; }
     void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_DEALER);
     zmq_setsockopt(sock, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms);
     zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger);
@@ -182,9 +240,20 @@ int main(int argc, char **argv) {
     buf_t h = {0};
     int64_t id = next_id++;
     mp_map(&h, 5); mp_str(&h, "op"); mp_str(&h, "hello"); mp_str(&h, "id"); mp_int(&h, id);
-    mp_str(&h, "protocol"); mp_str(&h, "runnel-external"); mp_str(&h, "version"); mp_int(&h, 1);
+    mp_str(&h, "protocol"); mp_str(&h, "runnel-external"); mp_str(&h, "version"); mp_int(&h, agents > 1 ? 2 : 1);
     mp_str(&h, "inference_mode"); mp_str(&h, "remote");
     if (request(sock, &h, NULL, id) != 0 || !is_op(reply, reply_len, "welcome")) { fprintf(stderr, "no welcome\n"); return 1; }
+    if (agents > 1) {   /* multi-agent: the server records the episodes */
+        srand(7);
+        for (int e = 0; e < episodes; e++) {
+            char eid[32]; snprintf(eid, sizeof eid, "c-ma-%d-%d", (int)(time(NULL) % 100000), e);
+            int steps = play_multi_agent(sock, eid, agents);
+            if (steps < 0) return 1;
+            printf("episode %s: %d steps\n", eid, steps);
+        }
+        zmq_close(sock); zmq_ctx_term(ctx); free(h.p);
+        return 0;
+    }
     rd_t fl;
     int fragment = find(reply, reply_len, "fragment_length", &fl) ? (int)number(&fl) : MAX_STEPS;
     if (fragment < 1) fragment = 1;

@@ -3,7 +3,9 @@
 ``config.environment(observation_space=..., action_space=...)`` with no env, plus
 ``config.external_clients(address="tcp://0.0.0.0:9900", inference_mode="remote", ...)``: each env
 runner slot (or the driver, with ``num_env_runners=0``) runs an ``actors.external.policy_server.PolicyServer``
-instead of an ``EnvRunner``, and the algorithm trains on what clients send. The keys are the
+instead of an ``EnvRunner``, and the algorithm trains on what clients send. A multi-agent run
+(``.multi_agent(...)``) takes its modules' spaces from its MultiAgentEnv class, which the driver only
+reads (``.environment(MultiAgentEnvClass)``; clients play the episodes). The keys are the
 fields of ``ExternalSettings`` (documented there); they are checked here at ``build()``.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from urllib.parse import urlsplit
 
 from actors.external.security import SecurityError, ServerSecurity, is_loopback
 from actors.external.settings import ExternalSettings
+from pipeline.config.multi_agent import settings_used
 
 KEYS = tuple(f.name for f in dataclasses.fields(ExternalSettings))
 
@@ -76,7 +79,7 @@ def external_problems(config: Any) -> list[str]:
     if x.inference_mode not in ("remote", "local"):
         problems.append(f"external_clients inference_mode={x.inference_mode!r} is not one of ['remote', 'local']")
     for key in ("max_batch", "max_pending_steps", "max_clients", "max_open_episodes", "max_requests_in_flight",
-                "max_frame_bytes", "max_chunk_steps", "fragment_length", "max_unacked_steps"):
+                "max_agents", "max_frame_bytes", "max_chunk_steps", "fragment_length", "max_unacked_steps"):
         value = getattr(x, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             problems.append(f"external_clients {key} must be an int >= 1, got {value!r}")
@@ -102,7 +105,8 @@ def external_problems(config: Any) -> list[str]:
                 raise SecurityError("allowed_client_keys needs server_secret_key (CURVE)")
         except SecurityError as err:
             problems.append(f"external_clients: {err}")
-    if config.observation_space is None or config.action_space is None:
+    multi_agent_env = config.env is not None and settings_used(config)  # each module's spaces come from the env
+    if (config.observation_space is None or config.action_space is None) and not multi_agent_env:
         problems.append("external clients need the spaces they act in: .environment(observation_space=..., "
                         "action_space=...) (gymnasium spaces)")
     if config.evaluation_interval and config.env is None:

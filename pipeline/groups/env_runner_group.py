@@ -54,7 +54,7 @@ class EnvRunnerGroup:
         if external is not None:
             from actors.external.policy_server import PolicyServer
 
-            runner_cls, extra = PolicyServer, {"external": external}
+            runner_cls, extra = PolicyServer, {**extra, "external": external}  # multi-agent: its plan's pieces
         elif offline is not None:  # readers of a recording in the runners' place (actors.offline)
             runner_cls, extra = reader_class(offline), {"offline": offline, "num_readers": max(1, num_env_runners)}
         self.servers = external is not None
