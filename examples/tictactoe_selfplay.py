@@ -14,7 +14,8 @@ network input, it only rules out illegal moves. ``TicTacToe`` checks every move 
 its mover was shown and counts the illegal ones, so "no illegal move" is measured, not assumed.
 After training, the greedy policy plays a uniformly random legal player as X and as O.
 
-    python -m examples.tictactoe_selfplay [iterations [evaluate_every]]
+    python -m examples.tictactoe_selfplay [iterations [evaluate_every [rotation [lr_json]]]]
+    python -m examples.tictactoe_selfplay 24 4 self,first,second,second 1e-3
 
 ``tests/test_tictactoe_selfplay.py`` runs this recipe.
 """
@@ -36,8 +37,9 @@ FROZEN = "frozen_initial"
 ROTATION = ("self", "first", "second")
 """The episodes' kinds in turn (``League``)."""
 LR = [[0, 1e-3], [96_000, 1e-4]]
-"""Learning rate over moves sampled: the decay keeps the late updates from undoing the blocking moves
-learnt (seed 0 without it: 2-13 losses as O in 200 games from iteration 16 on, with it 2)."""
+"""Learning rate over moves sampled. Seed 0, wins as O in 200 games at iterations 12/16/20/24: with
+this decay 90/90/91/91 % (2 losses from 16 on); with a constant 1e-3 and the rotation
+self/first/second/second 90.5/87.5/89.5/91.5 % (2-13 losses): the decay keeps late updates steady."""
 
 
 def make_game() -> Any:
