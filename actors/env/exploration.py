@@ -5,7 +5,9 @@ once per batched step; the piece decides between sampling, acting greedily or ac
 ``explore=False`` always means the greedy action. ``timestep`` is the acting stage's count of env
 steps, which drives schedules (random warm-up now; epsilon and temperature schedules build on
 the same seam). Its state travels in the runner's state, so a recreated runner resumes its
-schedule.
+schedule. With action masks the module has already pushed illegal actions to the lowest logit or
+Q-value (so sampling and the greedy action stay legal); the random actions here are drawn among
+the legal ones (``actors.modules.action_mask.random_legal``).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from actors.imports import import_object
+from actors.modules.action_mask import random_legal
 from actors.modules.distributions import ActionDistSpec, Categorical
 from actors.schedules import piecewise
 
@@ -48,7 +51,7 @@ class StochasticSampling(Exploration):
         if not explore:
             return dist.deterministic()
         if timestep < self.random_timesteps:
-            return self.dist_spec.random(len(dist))
+            return random_legal(self.dist_spec, dist)
         return dist.sample()
 
 
@@ -77,7 +80,7 @@ class EpsilonGreedy(Exploration):
         pick = torch.rand(n) < self.epsilon(timestep)
         if not bool(pick.any()):
             return greedy
-        random = self.dist_spec.random(n)
+        random = random_legal(self.dist_spec, dist)
         return torch.where(pick.view(n, *([1] * (greedy.dim() - 1))), random, greedy)
 
 

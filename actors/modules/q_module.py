@@ -7,7 +7,9 @@ shared by every branch plus mean-centred advantages, Wang et al. 2016) and distr
 (C51, Bellemare et al. 2017: ``num_atoms`` logits per action over ``[v_min, v_max]``). MultiDiscrete
 branches follow action-branching networks (Tavakoli et al. 2018): each branch has its own
 advantages and is trained against its own target. The target network is a full copy kept by the
-learner; runners carry the same network.
+learner; runners carry the same network. Action masks in the observations: acting, illegal actions
+get the lowest Q-value (never greedy); ``forward_train`` hands the mask on as ``action_mask`` for
+the loss's bootstrap (``actors.modules.action_mask``).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ class QModule(RLModule):
                              f"got {action_space}; set num_atoms=1")
         self.dueling, self.num_atoms = dueling, num_atoms
         cfg = self.config
-        self.encoder = build_encoder(observation_space, cfg)
+        self.encoder = build_encoder(self.encoder_space, cfg)
         self.trunk, dim = mlp(self.encoder.out_dim, cfg.fcnet_hiddens, cfg.fcnet_activation)
         self.advantage = head(dim, sum(self.branches) * num_atoms, gain=1.0)
         if dueling:
@@ -44,7 +46,8 @@ class QModule(RLModule):
             self.register_buffer("support", torch.linspace(v_min, v_max, num_atoms))
 
     def branch_logits(self, obs: Any) -> list[torch.Tensor]:
-        """Per branch: Q-values ``[B, n]``, or atom logits ``[B, n, atoms]`` when distributional."""
+        """Per branch: Q-values ``[B, n]``, or atom logits ``[B, n, atoms]`` when distributional
+        (unmasked; ``obs`` without the action mask)."""
         feats = self.trunk(self.encoder(obs))
         batch, atoms = feats.shape[0], self.num_atoms
         adv = self.advantage(feats).view(batch, -1, atoms)
@@ -62,9 +65,14 @@ class QModule(RLModule):
         return torch.cat([(b.softmax(-1) * self.support).sum(-1) for b in branch_logits], dim=-1)
 
     def forward_inference(self, obs: Any) -> dict[str, torch.Tensor]:
-        return {"action_dist_inputs": self.q_values(self.branch_logits(obs))}
+        obs, mask = self.split_mask(obs)
+        return {"action_dist_inputs": self.mask_outputs(self.q_values(self.branch_logits(obs)), mask, True)}
 
     def forward_train(self, obs: Any) -> dict[str, Any]:
+        obs, mask = self.split_mask(obs)
         logits = self.branch_logits(obs)
-        return {"branch_logits": logits, "q_values": self.q_values(logits)}
+        out = {"branch_logits": logits, "q_values": self.q_values(logits)}
+        if mask is not None:
+            out["action_mask"] = mask
+        return out
 

@@ -5,6 +5,8 @@ learners call ``forward_train`` on the full module. Weights travel as ``{name: n
 (``get_state``/``set_state``), which Ray broadcasts with one ``ray.put`` and a checkpoint stores.
 A subclass lists in ``train_only_prefixes`` the parameters an inference-only copy leaves out
 (value heads, critics, target networks' sources), so runners hold and receive only what they use.
+Observations with an ``"action_mask"`` key are split here (``split_mask``/``mask_outputs``, see
+``actors.modules.action_mask``): a subclass builds its encoder on ``encoder_space``.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from actors.modules.action_mask import masking_for
 from actors.modules.distributions import ActionDistSpec
 from actors.modules.encoders import ModelConfig
 from protocols import nested
@@ -32,6 +35,9 @@ class RLModule(nn.Module):
         self.action_space = action_space
         self.inference_only = inference_only
         self.dist_spec = ActionDistSpec(action_space)
+        self.masking = masking_for(observation_space, self.dist_spec)
+        self.encoder_space = observation_space if self.masking is None else self.masking.features_space
+        """The observation space without the action mask: what the encoder sees."""
 
     # --- forward passes: a subclass implements these ----------------------------------------
     def forward_inference(self, obs: Any) -> dict[str, torch.Tensor]:
@@ -45,6 +51,15 @@ class RLModule(nn.Module):
     def forward_train(self, obs: Any) -> dict[str, torch.Tensor]:
         """What the loss needs (action_dist_inputs, values...); not available inference-only."""
         raise NotImplementedError
+
+    def split_mask(self, obs: Any) -> tuple[Any, torch.Tensor | None]:
+        """(the encoder's part of ``obs``, its action mask as bools ``[B, n]`` or None)."""
+        return (obs, None) if self.masking is None else self.masking.split(obs)
+
+    def mask_outputs(self, inputs: torch.Tensor, mask: torch.Tensor | None, acting: bool) -> torch.Tensor:
+        """Logits or Q-values ``[B, n]`` with illegal actions at the dtype's minimum (``acting``: a row
+        with no legal action raises; else it stays unmasked)."""
+        return inputs if mask is None else self.masking.apply(inputs, mask, acting)
 
     def action_dist(self, dist_inputs: torch.Tensor):
         return self.dist_spec.build(dist_inputs)

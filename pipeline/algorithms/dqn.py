@@ -106,12 +106,14 @@ def dqn_loss(module: QModule, target: QModule, batch: dict[str, Any], config: DQ
     ``batch`` holds ``obs``, ``actions``, ``rewards`` (n-step discounted sums), ``next_obs`` (the
     bootstrap observation), ``discounts`` (gamma**n, 0 after a terminal step) and ``weights``
     (importance weights; ones without prioritized replay). MultiDiscrete actions are trained branch
-    by branch against their own targets, and the losses averaged.
+    by branch against their own targets, and the losses averaged. With action masks in the
+    observations, the bootstrap action is the best *legal* next action.
     """
     n = len(batch["rewards"])
     actions = batch["actions"].long().reshape(n, -1)
     with torch.no_grad():
-        target_logits = target.forward_train(batch["next_obs"])["branch_logits"]
+        target_out = target.forward_train(batch["next_obs"])
+        target_logits = target_out["branch_logits"]
     if config.double_q:
         # one pass of the online net over obs and next obs (the small nets here cost per call, not
         # per row); the next-obs half only picks the bootstrap action, so it carries no gradient
@@ -121,6 +123,7 @@ def dqn_loss(module: QModule, target: QModule, batch: dict[str, Any], config: DQ
     else:
         logits, select = module.forward_train(batch["obs"])["branch_logits"], target_logits
     weights, rewards, discounts = batch["weights"], batch["rewards"], batch["discounts"]
+    select = legal_values(module, select, target_out.get("action_mask"))
     losses, td_errors, q_taken_all = [], [], []
     for b, (q, tq, sq) in enumerate(zip(logits, target_logits, select)):
         a = actions[:, b]
@@ -137,7 +140,7 @@ def dqn_loss(module: QModule, target: QModule, batch: dict[str, Any], config: DQ
             support = module.support
             q_taken = (q.softmax(-1) * support).sum(-1).gather(1, a[:, None]).squeeze(1)
             with torch.no_grad():
-                best = (sq.softmax(-1) * support).sum(-1).argmax(-1)
+                best = sq.argmax(-1)
                 next_probs = tq.softmax(-1)[torch.arange(len(best)), best]
                 projected = categorical_projection(next_probs, rewards, discounts, support)
             log_p = q.log_softmax(-1)[torch.arange(len(a)), a]
@@ -152,6 +155,19 @@ def dqn_loss(module: QModule, target: QModule, batch: dict[str, Any], config: DQ
     stats = {"qf_loss": loss.detach(), "qf_mean": q_taken.mean(), "qf_min": q_taken.min(), "qf_max": q_taken.max(),
              "td_error_mean": td_error.mean()}
     return loss, stats, td_error
+
+
+def legal_values(module: QModule, select: list[torch.Tensor], next_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Per branch, the expected Q-values that pick the bootstrap action ``[B, n]``, illegal next actions
+    at the minimum (a next observation with no legal action -- a finished game -- keeps all: its
+    discount is 0)."""
+    with torch.no_grad():
+        if module.num_atoms > 1:
+            select = [(sq.softmax(-1) * module.support).sum(-1) for sq in select]
+        if next_mask is None:
+            return select
+        masked = module.mask_outputs(torch.cat(select, -1), next_mask, acting=False)
+        return list(torch.split(masked, [sq.shape[1] for sq in select], dim=-1))
 
 
 def categorical_projection(probs: torch.Tensor, rewards: torch.Tensor, discounts: torch.Tensor,
