@@ -3,6 +3,7 @@
 #                              ARGS='--episodes 3 --render' passes more flags to runnel evaluate)
 #               make test    (set up, then run the test suite; .ci/run calls this)
 #               make test-seeds   (the learning tests' further seeds: DQN and SAC seeds 1-2, IMPALA from clients; 1-2 min each)
+#               make test-long    (the multi-agent learning runs of several minutes: tic-tac-toe self-play, mpe2; ~10 min)
 #               make test-fast   (the edit loop: unit, property and protocol tests, no learning or slow runs; ~2 min)
 #               make help    (this text)
 # Any other runnel command in a fresh shell: .venv/bin/runnel ..., or '. .venv/bin/activate' first.
@@ -11,7 +12,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.runnel-installed
 
-.PHONY: setup train evaluate test test-seeds test-fast bench clean help c-client-deps c-client
+.PHONY: setup train evaluate test test-seeds test-long test-fast bench clean help c-client-deps c-client
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +35,9 @@ test: setup
 
 test-seeds: setup
 	$(BIN)/python -m pytest -q -m seeds tests
+
+test-long: setup
+	$(BIN)/python -m pytest -q -m long tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m 'not learning and not slow' tests

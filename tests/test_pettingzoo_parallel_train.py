@@ -36,6 +36,7 @@ def shared(agent_id: Any, episode: Any, **kwargs: Any) -> str:
 
 
 @pytest.mark.learning
+@pytest.mark.long
 def test_ppo_improves_the_return_of_mpe2_simple_spread():
     register_env("mpe2_simple_spread", spread)
     algo = (PPOConfig().environment("mpe2_simple_spread")

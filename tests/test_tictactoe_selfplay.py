@@ -24,6 +24,7 @@ GAMES = 200
 
 
 @pytest.mark.learning
+@pytest.mark.long
 def test_self_play_beats_a_random_player_as_first_and_second_player_without_an_illegal_move():
     algo = selfplay_config(seed=0).build(logdir=None)
     try:
