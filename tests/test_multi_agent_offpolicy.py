@@ -112,6 +112,14 @@ def test_each_module_buffer_holds_its_own_agents_steps_with_n_step_returns_over_
         check_n_step_returns(replay, "pb", {"b"})
         assert result["replay"]["pa"]["inserts"] == 8 and result["replay"]["pb"]["inserts"] == 8
         assert result["num_env_steps_trained_lifetime"] == 0  # before learning starts
+        # the state holds every module's buffer: a copy restored from it draws the same batches
+        copy = MultiAgentReplay(replay.buffer("pa").settings, ["pa", "pb"])
+        copy.set_state(replay.get_state())
+        for mine, theirs in zip(replay.sample(16, ["pa", "pb"]).values(), copy.sample(16, ["pa", "pb"]).values()):
+            np.testing.assert_array_equal(mine["indices"], theirs["indices"])
+            np.testing.assert_array_equal(mine["rewards"], theirs["rewards"])
+        with pytest.raises(ValueError, match=r"holds buffers for modules \['pa', 'pb'\], this replay keeps \['pa'\]"):
+            MultiAgentReplay(replay.buffer("pa").settings, ["pa"]).set_state(replay.get_state())
     finally:
         algo.stop()
 
@@ -223,6 +231,22 @@ def test_a_chunk_without_module_id_is_refused_naming_it():
     builder.add_step(0, 1.0, np.zeros(2, np.float32))
     with pytest.raises(ValueError, match="has no module_id"):
         replay.add([builder.cut()])
+
+
+@pytest.mark.slow
+def test_two_data_parallel_learners_split_every_modules_batch_and_stay_identical(ray_cluster):
+    algo = cartpoles(small_dqn()).learners(num_learners=2, num_cpus_per_learner=1).build(logdir=None)
+    try:
+        result = train_until_trained(algo)
+        for mid in ("p0", "p1"):
+            assert np.isfinite(result["learners"][mid]["qf_loss"])
+            buffer = algo.plan.multi.replay.buffer(mid)  # one TD error per row came back from the two shards
+            steps = np.flatnonzero(buffer.storage.cols["has_action"][:buffer.storage.filled])
+            assert len(np.unique(buffer.tree.get(steps))) > 1
+        first, second = algo.learner_group.foreach_learner(lambda learner: learner.get_weights())
+        assert first.keys() == second.keys() and all((first[k] == second[k]).all() for k in first)
+    finally:
+        algo.stop()
 
 
 def test_sac_trains_two_modules_each_with_its_own_temperature():
