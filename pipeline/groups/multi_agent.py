@@ -121,7 +121,6 @@ class MultiLearnerGroup(LearnerGroup):
         prefix = f"{module_id}{SEP}"
         return {k[len(prefix):]: v for k, v in flat.items()}
 
-
     def update_replayed(self, batches: Mapping[str, dict[str, Any]], timestep: int, metrics: MetricsLogger | None = None,
                         with_outputs: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, np.ndarray]]]:
         """One update of every module in ``batches`` on its own replayed batch of transitions (off-policy:
