@@ -3,9 +3,10 @@
 Fast, in-process: a turn-based two-agent env whose rewards name the agent and the env step shows
 that each module's buffer holds only its own agents' transitions and that n-step returns run over
 an agent's own turns (also when both agents share one module); a frozen module gets no buffer and
-keeps its weights; prioritized replay's TD errors reach every module's own buffer; the replay ratio
-counts in ``count_steps_by`` units; what is not built (the streaming replay) fails at ``build()``
-naming the setting; SAC trains two modules with their own temperatures.
+keeps its weights; prioritized replay's TD errors reach every module's own buffer; a checkpoint
+holds every module's buffer; the replay ratio counts in ``count_steps_by`` units; what is not built
+(the streaming replay) fails at ``build()`` naming the setting; SAC trains two modules with their
+own temperatures. Slow (Ray): two data-parallel learners split every module's batch.
 Learning (``-m learning``): DQN with two policies on two-agent CartPole reaches a summed return of 800,
 and SAC with two policies on two-agent Pendulum improves clearly.
 """
@@ -20,6 +21,7 @@ import torch
 
 from actors.replay import MultiAgentReplay, ReplaySettings
 from pipeline import DQNConfig, MultiAgentEnv, SACConfig, make_multi_agent
+from pipeline.algorithm import Algorithm
 from pipeline.config.base import ConfigError
 
 EPISODE_STEPS = 8
@@ -197,6 +199,25 @@ def test_a_frozen_module_gets_no_buffer_is_never_sampled_for_and_keeps_its_weigh
         algo.stop()
 
 
+def test_a_checkpoint_with_the_buffers_restores_every_modules_buffer(tmp_path):
+    algo = cartpoles(small_dqn(store_buffer_in_checkpoints=True)).build(logdir=None)
+    try:
+        result = train_until_trained(algo)
+        sizes = {mid: len(algo.plan.multi.replay.buffer(mid)) for mid in ("p0", "p1")}
+        path = algo.save(str(tmp_path))
+        path = getattr(getattr(path, "checkpoint", path), "path", path)
+    finally:
+        algo.stop()
+    assert result["num_env_steps_trained_lifetime"] > 0 and min(sizes.values()) > 0
+    restored = Algorithm.from_checkpoint(path, logdir=None)
+    try:
+        assert {mid: len(restored.plan.multi.replay.buffer(mid)) for mid in ("p0", "p1")} == sizes
+        trained = restored.train()["num_env_steps_trained_lifetime"]
+        assert trained > result["num_env_steps_trained_lifetime"]
+    finally:
+        restored.stop()
+
+
 @pytest.mark.parametrize("count_steps_by", ["env_steps", "agent_steps"])
 def test_the_replay_ratio_counts_in_count_steps_by_units(count_steps_by):
     # one module for both agents: its buffer gets two agent steps per env step, and the ratio still
@@ -267,6 +288,17 @@ def test_sac_trains_two_modules_each_with_its_own_temperature():
         algo.stop()
 
 
+@pytest.fixture
+def one_torch_thread() -> Any:
+    """The learner runs in the driver: one intra-op thread, as ``num_cpus_for_main_process`` is 1 (on a busy
+    machine torch's thread per core spins against the sampler, 10x slower), and the same float sums on every
+    machine, so a seed's run does not depend on the core count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def train_to(algo: Any, target: float, budget: int) -> tuple[float, dict]:
     """Train until the smoothed summed return reaches ``target`` or ``budget`` env steps were sampled;
     returns (the best smoothed return seen, the last result)."""
@@ -279,7 +311,7 @@ def train_to(algo: Any, target: float, budget: int) -> tuple[float, dict]:
 
 
 @pytest.mark.learning
-def test_dqn_trains_two_policies_to_a_summed_return_of_800_on_two_agent_cartpole():
+def test_dqn_trains_two_policies_to_a_summed_return_of_800_on_two_agent_cartpole(one_torch_thread):
     """Measured (seed 0, one torch thread): 811 at 93k env steps, 270 s on 2 busy cores."""
     # DQN's defaults but fewer, larger updates: 8 transitions trained per env step and module, in
     # batches of 128 (one update round per 16 env steps); the mean over the last 20 episodes
@@ -302,7 +334,7 @@ Measured (seed 0, one torch thread): -708 at 3.8k env steps, -320 at 6k."""
 
 
 @pytest.mark.learning
-def test_sac_trains_two_policies_on_two_agent_pendulum():
+def test_sac_trains_two_policies_on_two_agent_pendulum(one_torch_thread):
     # random play scores about -1200 per agent (-2400 summed); each module on its own buffer,
     # one update round per env step, smoothed over the last 5 episodes
     config = (SACConfig().environment(make_multi_agent("Pendulum-v1"), env_config={"num_agents": 2})
