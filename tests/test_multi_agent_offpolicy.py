@@ -312,7 +312,8 @@ def train_to(algo: Any, target: float, budget: int) -> tuple[float, dict]:
 
 @pytest.mark.learning
 def test_dqn_trains_two_policies_to_a_summed_return_of_800_on_two_agent_cartpole(one_torch_thread):
-    """Measured (seed 0, one torch thread): 811 at 93k env steps, 270 s on 2 busy cores."""
+    """Measured (one torch thread): seed 0 811 at 93k env steps (about 1 min on 2 cores, 270 s when
+    busy); seeds 1 and 2 800 at 185k and 813 at 175k."""
     # DQN's defaults but fewer, larger updates: 8 transitions trained per env step and module, in
     # batches of 128 (one update round per 16 env steps); the mean over the last 20 episodes
     config = cartpoles(DQNConfig().training(training_intensity=8, train_batch_size_per_learner=128)
