@@ -162,9 +162,10 @@ def refuse_unbuilt(config: AlgorithmConfig, learner_class: type) -> None:
     named = [name for name, used in unbuilt.items() if used]
     if named:
         raise NotImplementedError(f"{', '.join(named)} {NOT_YET}; leave it unset for multi-agent training")
-    if getattr(config, "algo_name", "") not in {"PPO", "APPO", "IMPALA"}:
-        raise NotImplementedError(f"{getattr(config, 'algo_name', type(config).__name__)} {NOT_YET}: only PPO, "
-                                  f"APPO and IMPALA train several modules so far")
+    built = {"PPO", "APPO", "IMPALA", "DQN", "SAC"}  # the algorithms whose plans train several modules
+    if getattr(config, "algo_name", "") not in built:
+        raise NotImplementedError(f"{getattr(config, 'algo_name', type(config).__name__)} {NOT_YET}: only "
+                                  f"{sorted(built)} train several modules so far")
 
 
 def make_env(creator: Callable, env_config: dict) -> Any:

@@ -32,7 +32,7 @@ from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec
 from actors.modules.multi import SEP
 from pipeline.config.checks import ConfigError
-from pipeline.groups.learner_group import LearnerGroup, shard_chunks
+from pipeline.groups.learner_group import LearnerGroup, shard_chunks, shard_transitions
 from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 
@@ -184,6 +184,35 @@ class MultiLearnerGroup(LearnerGroup):
         prefix = f"{module_id}{SEP}"
         return {k[len(prefix):]: v for k, v in flat.items()}
 
+    def update_replayed(self, batches: Mapping[str, dict[str, Any]], timestep: int, metrics: MetricsLogger | None = None,
+                        with_outputs: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, np.ndarray]]]:
+        """One update of every module in ``batches`` on its own replayed batch of transitions (off-policy:
+        each sampled from that module's buffer), each batch split by rows over the learners. Returns the
+        statistics per module and, ``with_outputs``, each trained module's per-row outputs in its batch's
+        row order (TD errors, for that module's priorities). A replayed row is one agent step; the env
+        steps trained are counted as the largest module batch (each module's rows stand for env steps
+        of its own agents)."""
+        ids = self.manager.healthy_ids()
+        shards: dict[int, dict[str, Any]] = {i: {} for i in ids}
+        for mid, batch in batches.items():
+            for i, part in zip(ids, [batch] if len(ids) == 1 else shard_transitions(batch, len(ids))):
+                shards[i][mid] = part if self.manager.in_process else encode(part, compress=False)
+        method = "update_with_outputs" if with_outputs else "update"
+        answers = [r.value for r in self.manager.foreach_actor(method, per_actor_args={
+            i: (shards[i], timestep) for i in ids})]
+        per_learner = [a[0] for a in answers] if with_outputs else answers
+        stats = {mid: {k: float(np.mean([s[mid][k] for s in per_learner])) for k in per_learner[0][mid]}
+                 for mid in per_learner[0]}
+        outputs: dict[str, dict[str, np.ndarray]] = {}
+        for mid in (answers[0][1] if with_outputs else {}):
+            outputs[mid] = {k: np.concatenate([a[1][mid][k] for a in answers]) for k in answers[0][1][mid]}
+        trained = [mid for mid in stats if mid != ALL_MODULES and "num_batches_refused" not in stats[mid]]
+        if trained:
+            self.weights_version += 1
+        if metrics is not None:
+            log_replayed_update(metrics, stats, [len(batches[mid]["rewards"]) for mid in trained])
+        return stats, outputs
+
 
     # --- modules added and removed while training (the self-play pattern) -------------------------
     def add_module(self, module_id: str, spec: ModuleSpec, overrides: Mapping[str, Any], trainable: bool) -> None:
@@ -256,3 +285,15 @@ def steps_counter(count_steps_by: str) -> Callable[[list[EpisodeChunk], dict[str
         return int(entry["value"]) if entry else 0
 
     return count
+
+
+def log_replayed_update(metrics: MetricsLogger, stats: Mapping[str, Mapping[str, float]], rows: list[int]) -> None:
+    """A replayed multi-agent update into ``metrics``: each module's statistics under ``learners/<module>/``
+    and the update's counts (``rows``: the batch size of each trained module) under ``__all_modules__``."""
+    for mid, module_stats in stats.items():
+        metrics.log_dict(dict(module_stats), prefix=f"learners/{mid}")
+    counts = {"num_agent_steps_trained": sum(rows), "num_env_steps_trained": max(rows, default=0)}
+    for key, value in counts.items():
+        metrics.log_value(f"learners/{ALL_MODULES}/{key}", value, reduce="sum")
+        metrics.log_value(f"learners/{ALL_MODULES}/{key}_lifetime", value, reduce="lifetime_sum")
+    metrics.log_value(f"learners/{ALL_MODULES}/num_updates", 1 if rows else 0, reduce="sum")

@@ -8,6 +8,10 @@ samples one round from every runner (``rollout_fragment_length`` steps per sub-e
 then runs updates while the limiter allows a sample; prioritized replay gets the learner's TD
 errors back as priorities.
 
+A multi-agent run keeps one buffer per trainable module and updates every module on its own
+replayed batch in one learner-group update, the ratio counted in ``count_steps_by`` units
+(``pipeline.plans.offpolicy_multi_agent``); its replay stage is in-process only.
+
 Settings come in RLlib's ``replay_buffer_config`` form (mixed into DQN's and SAC's configs by
 ``OffPolicySettings``) and are validated at ``build()``.
 """
@@ -27,12 +31,17 @@ from actors.replay import ReplayBuffer, ReplaySettings
 from pipeline.config.checks import is_int, is_number
 from pipeline.groups.env_runner_group import EnvRunnerGroup
 from pipeline.groups.learner_group import LearnerGroup
+from pipeline.config.multi_agent import settings_used
 from pipeline.config.offline import mixes_sampler
 from protocols import nested
 
 BUFFER_TYPES = {"EpisodeReplayBuffer": False, "uniform": False,
                 "PrioritizedEpisodeReplayBuffer": True, "prioritized": True}
 """replay_buffer_config["type"] -> prioritized? (RLlib's class names, and runnel's short names)."""
+MULTI_AGENT_UNBUILT = {"remote": "the replay actor is fed by runner streams, and multi-agent env runners do not "
+                                 "stream",
+                       "prefill_from": "recordings hold single-agent episodes"}
+"""replay_buffer_config keys that multi-agent runs refuse, and why."""
 BUFFER_KEYS = ("type", "capacity", "alpha", "beta", "epsilon", "samples_per_insert", "min_size_to_sample",
                "error_buffer", "timeout_s", "remote", "prefetch", "num_cpus", "prefill_from", "prefill_steps")
 
@@ -107,6 +116,10 @@ class OffPolicySettings:
             if c.get("remote", False):
                 problems.append("replay_buffer_config prefill_from fills the in-process replay stage: use it with "
                                 "remote=False")
+        if settings_used(self):
+            problems += [f"replay_buffer_config {key}={c[key]!r} is not built for multi-agent runs yet (issue 27): "
+                         f"{why}; leave it unset (the in-process replay keeps one buffer per trainable module)"
+                         for key, why in MULTI_AGENT_UNBUILT.items() if c.get(key) not in (None, False)]
         if not is_int(c.get("prefetch", 2)) or c.get("prefetch", 2) < 1:
             problems.append(f"replay_buffer_config prefetch={c.get('prefetch')!r} must be an int >= 1")
         if not is_int(self.broadcast_interval) or self.broadcast_interval < 1:
@@ -215,13 +228,22 @@ class OffPolicyPlan:
 
     def __init__(self, config: Any, env_runners: EnvRunnerGroup, learners: LearnerGroup, metrics: MetricsLogger,
                  observation_space: Any = None, action_space: Any = None, compress: bool = False,
-                 runner_settings: Any = None) -> None:
+                 runner_settings: Any = None, multi_agent: Any = None) -> None:
+        """``multi_agent``: a multi-agent run's ``MultiAgentSetup`` (None: single-agent); its training
+        steps are ``MultiAgentOffPolicy``'s, one buffer per trainable module."""
         self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
         settings = config.replay_settings()
         self.prioritized = settings.prioritized
         self.steps_per_training_step = config.steps_per_training_step()
         self.streaming = None
         self.replay: ReplayBuffer | None = None
+        self.multi = None
+        self.mix = None
+        if multi_agent is not None:
+            from pipeline.plans.offpolicy_multi_agent import MultiAgentOffPolicy
+
+            self.multi = MultiAgentOffPolicy(config, settings, env_runners, learners, metrics, multi_agent)
+            return
         if config.replay_buffer_config.get("remote", False):
             from pipeline.plans.offpolicy_streaming import StreamingReplay
 
@@ -234,6 +256,9 @@ class OffPolicyPlan:
         self.mix = RecordedMix(config, runner_settings) if mixes_sampler(config) else None
 
     def training_step(self) -> None:
+        if self.multi is not None:
+            self.multi.training_step()
+            return
         if self.streaming is not None:
             self.streaming.training_step()
             return
@@ -259,12 +284,16 @@ class OffPolicyPlan:
     def get_state(self) -> dict[str, Any]:
         if not self.config.store_buffer_in_checkpoints:
             return {}
+        if self.multi is not None:
+            return self.multi.get_state()
         return self.streaming.get_state() if self.streaming is not None else self.replay.get_state()
 
     def set_state(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        if self.streaming is not None:
+        if self.multi is not None:
+            self.multi.set_state(state)
+        elif self.streaming is not None:
             self.streaming.set_state(state)
         else:
             self.replay.set_state(state)
@@ -272,7 +301,9 @@ class OffPolicyPlan:
     def stop(self) -> None:
         if self.mix is not None:
             self.mix.stop()
-        if self.streaming is not None:
+        if self.multi is not None:
+            self.multi.stop()
+        elif self.streaming is not None:
             self.streaming.stop()
         else:
             self.replay.stop()
