@@ -199,6 +199,42 @@ def test_a_frozen_module_gets_no_buffer_is_never_sampled_for_and_keeps_its_weigh
         algo.stop()
 
 
+def p0_and_p2(agent_id: Any, episode: Any, **kwargs: Any) -> str:
+    return "p0" if agent_id == 0 else "p2"
+
+
+def only_p0(module_id: str, batch: Any) -> bool:
+    return module_id == "p0"
+
+
+def test_modules_added_and_removed_while_training_get_and_lose_their_buffers():
+    """The self-play pattern on DQN: a module added as trainable replays from its first chunk and trains;
+    a removed module's buffer goes; a policies_to_train function keeps the module it refuses untrained."""
+    algo = cartpoles(small_dqn()).build(logdir=None)
+    try:
+        train_until_trained(algo)
+        algo.add_module("p2", new_agent_to_module_mapping_fn=p0_and_p2, new_should_module_be_updated=["p0", "p2"])
+        before = module_weights(algo, "p2")
+        result = {}
+        for _ in range(20):
+            result = algo.train()
+            if result["learners"].get("p2", {}).get("num_module_steps_trained", 0) > 0:
+                break
+        assert "p2" in algo.plan.multi.replay.module_ids and result["replay"]["p2"]["samples"] > 0
+        after = module_weights(algo, "p2")
+        assert any(not torch.equal(before[k], after[k]) for k in after), "the added module did not train"
+        algo.remove_module("p1", new_should_module_be_updated=only_p0)
+        frozen, p0 = module_weights(algo, "p2"), module_weights(algo, "p0")
+        for _ in range(3):
+            result = algo.train()
+        assert algo.plan.multi.replay.module_ids == ["p0", "p2"]  # p1's buffer went; p2 keeps its own
+        assert "p0" in result["learners"]
+        assert all(torch.equal(frozen[k], v) for k, v in module_weights(algo, "p2").items())
+        assert any(not torch.equal(p0[k], v) for k, v in module_weights(algo, "p0").items())
+    finally:
+        algo.stop()
+
+
 def test_a_checkpoint_with_the_buffers_restores_every_modules_buffer(tmp_path):
     algo = cartpoles(small_dqn(store_buffer_in_checkpoints=True)).build(logdir=None)
     try:

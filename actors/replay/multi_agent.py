@@ -19,7 +19,7 @@ are dropped and counted in ``num_steps_dropped``, rather than spending capacity 
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -28,20 +28,36 @@ from protocols.episode import EpisodeChunk
 
 
 class MultiAgentReplay:
-    def __init__(self, settings: ReplaySettings, module_ids: Collection[str]) -> None:
-        """``settings``: each module's buffer's; the n-th module in sorted order draws with seed
-        ``settings.seed + n`` so that modules sample apart. ``module_ids``: the modules to replay for."""
+    def __init__(self, settings: ReplaySettings, module_ids: Collection[str],
+                 keeps: Callable[[str], bool] | None = None) -> None:
+        """``settings``: each module's buffer's; the n-th buffer made (first the ``module_ids`` in sorted
+        order) draws with seed ``settings.seed + n`` so that modules sample apart. ``module_ids``: the
+        modules to replay for. ``keeps`` (optional): whether a module replays *now* -- a module it accepts
+        gets a buffer with its first chunk (one added while training), and only modules it accepts are
+        sampled for (a module frozen later keeps its buffer, unsampled)."""
         if isinstance(module_ids, str):
             raise TypeError(f"module_ids must be a collection of module ids, got the str {module_ids!r}; "
                             f"write [{module_ids!r}]")
-        if not module_ids:
+        if not module_ids and keeps is None:
             raise ValueError("MultiAgentReplay needs at least one module id to keep a buffer for, got none")
+        self.settings, self.keeps = settings, keeps
         self.buffers: dict[str, ReplayBuffer] = {}
-        for index, mid in enumerate(sorted(module_ids)):
-            seed = None if settings.seed is None else settings.seed + index
-            self.buffers[mid] = ReplayBuffer(replace(settings, seed=seed))
+        self.num_buffers_made = 0
+        for mid in sorted(module_ids):
+            self._make(mid)
         self.num_steps_dropped = 0
         """Steps of chunks for modules without a buffer (frozen), over this replay's life."""
+
+    def _make(self, module_id: str) -> None:
+        seed = None if self.settings.seed is None else self.settings.seed + self.num_buffers_made
+        self.num_buffers_made += 1
+        self.buffers[module_id] = ReplayBuffer(replace(self.settings, seed=seed))
+
+    def drop(self, module_id: str) -> None:
+        """Forget a module's buffer (the module was removed from the run)."""
+        buffer = self.buffers.pop(module_id, None)
+        if buffer is not None:
+            buffer.stop()
 
     @property
     def module_ids(self) -> list[str]:
@@ -59,15 +75,18 @@ class MultiAgentReplay:
         for mid, module_chunks in sorted(by_module.items()):
             steps = sum(len(c) for c in module_chunks)
             if mid not in self.buffers:
-                self.num_steps_dropped += steps
-                continue
+                if self.keeps is None or not self.keeps(mid):
+                    self.num_steps_dropped += steps
+                    continue
+                self._make(mid)
             self.buffers[mid].add(module_chunks)
             stored[mid] = steps
         return stored
 
     def ready(self, batch_size: int) -> list[str]:
         """The modules whose buffer holds at least ``batch_size`` transitions, sorted."""
-        return [mid for mid in self.module_ids if len(self.buffers[mid]) >= batch_size]
+        return [mid for mid in self.module_ids
+                if len(self.buffers[mid]) >= batch_size and (self.keeps is None or self.keeps(mid))]
 
     def sample(self, batch_size: int, module_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """One batch of ``batch_size`` n-step transitions from each named module's own buffer."""
@@ -97,10 +116,13 @@ class MultiAgentReplay:
 
     def set_state(self, state: dict[str, Any]) -> None:
         saved = state["modules"]
-        if set(saved) != set(self.buffers):
+        if self.keeps is not None:  # modules added while training: a buffer for each the state holds
+            for mid in sorted(set(saved) - set(self.buffers)):
+                self._make(mid)
+        if self.keeps is None and set(saved) != set(self.buffers):
             raise ValueError(f"the replay state holds buffers for modules {sorted(saved)}, this replay keeps "
                              f"{self.module_ids}: restore it into a run with the same trainable modules")
-        for mid in self.module_ids:
+        for mid in sorted(saved):
             self.buffers[mid].set_state(saved[mid])
         self.num_steps_dropped = int(state.get("num_steps_dropped", 0))
 

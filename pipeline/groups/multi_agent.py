@@ -192,6 +192,10 @@ class MultiLearnerGroup(LearnerGroup):
         row order (TD errors, for that module's priorities). A replayed row is one agent step; the env
         steps trained are counted as the largest module batch (each module's rows stand for env steps
         of its own agents)."""
+        if self.should_update is not None:  # a policies_to_train function decides per batch, here in the driver
+            batches = {mid: b for mid, b in batches.items() if bool(self.should_update(mid, b))}
+            if not batches:
+                return {}, {}
         ids = self.manager.healthy_ids()
         shards: dict[int, dict[str, Any]] = {i: {} for i in ids}
         for mid, batch in batches.items():

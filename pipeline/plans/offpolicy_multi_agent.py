@@ -44,13 +44,20 @@ class MultiAgentOffPolicy:
         """Update rounds owed per step sampled (``count_steps_by`` units)."""
         self.learning_starts = int(settings.min_size_to_sample)
         """Steps sampled (``count_steps_by`` units) before the first update round."""
-        trainable = sorted(multi_agent.plan.trainable)
         # no limiter per buffer: the run-wide start and the ratio are counted here, and a module is
         # sampled for once its buffer holds a batch (``ready``)
         per_module = replace(settings, samples_per_insert=None, min_size_to_sample=1, error_buffer=None)
-        self.replay = MultiAgentReplay(per_module, trainable)
+        # read from the live plan: modules added, removed, frozen or unfrozen while training
+        self.replay = MultiAgentReplay(per_module, [m for m in multi_agent.module_ids if self.replays(m)],
+                                       keeps=self.replays)
         self.rounds_owed = 0.0
         self._dropped_reported = 0
+
+    def replays(self, module_id: str) -> bool:
+        """Whether the run trains ``module_id`` now (a ``policies_to_train`` function: every module
+        replays, and the function decides per batch in the learner group)."""
+        plan = self.multi_agent.plan
+        return module_id in plan.module_specs and (plan.trainable is None or module_id in plan.trainable)
 
     def sampled_lifetime(self) -> int:
         """Steps the run sampled so far, in its ``count_steps_by`` unit."""
@@ -64,6 +71,9 @@ class MultiAgentOffPolicy:
             chunks = self.env_runners.sample(self.steps_per_training_step, m)
         timestep = self.sampled_lifetime()
         with m.log_time("timers/replay_insert"):
+            for mid in self.replay.module_ids:
+                if mid not in self.multi_agent.plan.module_specs:  # removed from the run
+                    self.replay.drop(mid)
             self.replay.add(chunks)
         self.rounds_owed += self.rounds_per_step * max(0, timestep - max(before, self.learning_starts))
         with m.log_time("timers/learner_update_timer", reduce="sum"):
