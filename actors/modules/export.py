@@ -39,6 +39,9 @@ _USE_REMOTE = "use inference_mode='remote'"
 
 def export_policy(module: RLModule, exploration: Exploration | None = None, timestep: int = 0) -> dict[str, Any]:
     """The module's acting path and the exploration it uses at ``timestep``, as plain data."""
+    if getattr(module, "masking", None) is not None:  # the exported layers would act without the mask
+        raise ValueError(f"{type(module).__name__} honours an action mask (its observation space has "
+                         f"'action_mask'), which the numpy export does not carry -- {_USE_REMOTE}")
     # exact classes: a subclass may compute its actions differently from the layers exported here
     if type(module) is ActorCriticModule:
         head = _sequential(module.pi_trunk) + [_linear(module.pi_head)]
