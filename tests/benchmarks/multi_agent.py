@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from workers import Progress, emit, finish, num, run_worker, versions_of, worker_env
+from workers import emit, num, run_worker, train_to_target, versions_of, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -207,32 +207,15 @@ def worker_rllib(a: argparse.Namespace) -> None:
     train_loop(a, t0, algo.train, stop, num_env_runners=config.num_env_runners)
 
 
+def read_result(result: dict) -> tuple[int, float | None]:
+    """(env steps sampled, the summed return: absent in iterations that finished no episode)."""
+    env = result.get("env_runners", {})
+    steps = int(env.get("num_env_steps_sampled_lifetime") or result.get("num_env_steps_sampled_lifetime") or 0)
+    return steps, num(env.get("episode_return_mean"))
+
+
 def train_loop(a: argparse.Namespace, t0: float, train, stop, **extra) -> None:
-    """``train()`` until the summed return reaches ``a.target`` or the budget is spent."""
-    build_s = time.perf_counter() - t0
-    progress = Progress(t0)
-    it, steps, last, reached, t800 = 0, 0, None, False, {}
-    try:
-        while True:
-            result = train()
-            it += 1
-            env = result.get("env_runners", {})
-            steps = int(env.get("num_env_steps_sampled_lifetime") or result.get("num_env_steps_sampled_lifetime") or 0)
-            ret = num(env.get("episode_return_mean"))  # absent in iterations that finished no episode
-            last = ret if ret is not None else last
-            progress(steps, last, it)
-            if ret is not None and ret >= 800 and not t800:
-                t800 = {"t800_s": round(time.perf_counter() - t0, 2), "t800_env_steps": steps}
-            if ret is not None and ret >= a.target:
-                reached = True
-                break
-            if steps >= a.budget:
-                break
-    finally:
-        stop_t = time.perf_counter()
-        finish(a.budget, t0, build_s, reached, steps, last, it, **t800, **extra)
-        stop()
-        emit(bench="teardown", stop_s=round(time.perf_counter() - stop_t, 2))
+    train_to_target(a.budget, a.target, t0, train, stop, read_result, also_at=800, **extra)
 
 
 # --- driver ---------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ import sys
 import time
 from pathlib import Path
 
-from workers import Progress, emit, finish, num, run_worker, versions_of, worker_env
+from workers import Progress, emit, finish, num, run_worker, train_to_target, versions_of, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -106,27 +106,10 @@ def worker_runnel(a: argparse.Namespace) -> None:
     config.update_from_dict(spec["config"])
     config.debugging(seed=a.seed)
     algo = config.build()
-    build_s = time.perf_counter() - t0
-    progress = Progress(t0)
-    it, steps, ret, last, reached = 0, 0, None, None, False
-    try:
-        while True:
-            result = algo.train()
-            it += 1
-            steps = int(lookup(result, "num_env_steps_sampled_lifetime") or 0)
-            ret = num(lookup(result, RETURN_KEY))
-            last = ret if ret is not None else last
-            progress(steps, last, it)
-            if ret is not None and ret >= a.target:
-                reached = True
-                break
-            if steps >= a.budget:
-                break
-    finally:
-        stop_t = time.perf_counter()
-        finish(a.budget, t0, build_s, reached, steps, last, it)
-        algo.stop()
-        emit(bench="teardown", stop_s=round(time.perf_counter() - stop_t, 2))
+
+    def read(result: dict) -> tuple[int, float | None]:
+        return int(lookup(result, "num_env_steps_sampled_lifetime") or 0), num(lookup(result, RETURN_KEY))
+    train_to_target(a.budget, a.target, t0, algo.train, algo.stop, read)
 
 
 def rllib_config(algo: str, seed: int):
@@ -224,29 +207,16 @@ def worker_rllib(a: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     ray.init(ignore_reinit_error=True)
     algo = config.build_algo()
-    build_s = time.perf_counter() - t0
-    progress = Progress(t0)
-    it, steps, ret, last, reached = 0, 0, None, None, False
-    try:
-        while True:
-            result = algo.train()
-            it += 1
-            env = result.get("env_runners", {})
-            steps = int(env.get("num_env_steps_sampled_lifetime") or result.get("num_env_steps_sampled_lifetime") or 0)
-            ret = num(env.get("episode_return_mean"))  # absent in iterations that finished no episode
-            last = ret if ret is not None else last
-            progress(steps, last, it)
-            if ret is not None and ret >= a.target:
-                reached = True
-                break
-            if steps >= a.budget:
-                break
-    finally:
-        stop_t = time.perf_counter()
-        finish(a.budget, t0, build_s, reached, steps, last, it, num_env_runners=config.num_env_runners)
+
+    def read(result: dict) -> tuple[int, float | None]:
+        env = result.get("env_runners", {})
+        steps = int(env.get("num_env_steps_sampled_lifetime") or result.get("num_env_steps_sampled_lifetime") or 0)
+        return steps, num(env.get("episode_return_mean"))  # absent in iterations that finished no episode
+
+    def stop() -> None:
         algo.stop()
         ray.shutdown()
-        emit(bench="teardown", stop_s=round(time.perf_counter() - stop_t, 2))
+    train_to_target(a.budget, a.target, t0, algo.train, stop, read, num_env_runners=config.num_env_runners)
 
 
 def worker_sb3(a: argparse.Namespace) -> None:

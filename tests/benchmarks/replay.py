@@ -84,6 +84,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from workers import versions_of
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -389,16 +390,6 @@ def run_cases(adapter_cls, args: argparse.Namespace, fill_cap_s: float | None) -
 
 
 # --- driver -------------------------------------------------------------------------------------------
-def anchors_versions(python: str) -> dict:
-    code = ("import importlib.metadata as m, json\nout = {}\n"
-            "for p in ('ray', 'torch', 'stable-baselines3', 'gymnasium', 'numpy'):\n"
-            "    try: out[p] = m.version(p)\n    except Exception: out[p] = None\nprint(json.dumps(out))")
-    try:
-        return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout)
-    except Exception as err:
-        return {"error": f"{type(err).__name__}: {err}"}
-
-
 def machine_line(args: argparse.Namespace) -> None:
     import importlib.metadata as md
 
@@ -413,7 +404,7 @@ def machine_line(args: argparse.Namespace) -> None:
     emit(bench="machine", cpu_count=os.cpu_count(), affinity=len(os.sched_getaffinity(0)),
          platform=platform.platform(), python=platform.python_version(), mem_available_gb=mem_available_gb(),
          loadavg=os.getloadavg(), versions=versions,
-         anchors=None if args.skip_rllib else {"python": args.rllib_python, **anchors_versions(args.rllib_python)},
+         anchors=None if args.skip_rllib else {"python": args.rllib_python, **versions_of(args.rllib_python)},
          quick=args.quick, cases=args.cases, seconds=args.seconds, sample_seconds=args.sample_seconds,
          repeats=args.repeats, warmup_seconds=args.warmup_seconds, n_step=args.n_step, batch_size=args.batch_size,
          frames_layout=args.frames_layout)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 
 def emit(**fields) -> None:
@@ -128,3 +129,33 @@ def run_worker(cmd: list[str], base: dict, *, env: dict, cwd: str, max_minutes: 
                 "stop": "error", "note": f"worker exited with status {proc.returncode} and no result "
                                          "(rerun with --verbose to see its output)"}
     return {**base, **result, "process_s": round(time.perf_counter() - t0, 2)}
+
+
+def train_to_target(budget: int, target: float, t0: float, train: Callable[[], dict], stop: Callable[[], None],
+                    read: Callable[[dict], tuple[int, "float | None"]], also_at: float | None = None,
+                    **extra) -> None:
+    """``train()`` until ``read(result)``'s return reaches ``target`` or its env steps ``budget``; then the
+    ``result`` and ``teardown`` lines. ``read``: result -> (env steps sampled, smoothed return or None when
+    no episode has ended yet). ``also_at``: a lower return whose first crossing is reported too
+    (``t<also_at>_s``, ``t<also_at>_env_steps``)."""
+    build_s = time.perf_counter() - t0
+    progress = Progress(t0)
+    it, steps, last, reached, crossed = 0, 0, None, False, {}
+    try:
+        while True:
+            steps, ret = read(train())
+            it += 1
+            last = ret if ret is not None else last
+            progress(steps, last, it)
+            if also_at is not None and ret is not None and ret >= also_at and not crossed:
+                crossed = {f"t{also_at:g}_s": round(time.perf_counter() - t0, 2), f"t{also_at:g}_env_steps": steps}
+            if ret is not None and ret >= target:
+                reached = True
+                break
+            if steps >= budget:
+                break
+    finally:
+        stop_t = time.perf_counter()
+        finish(budget, t0, build_s, reached, steps, last, it, **crossed, **extra)
+        stop()
+        emit(bench="teardown", stop_s=round(time.perf_counter() - stop_t, 2))
