@@ -132,7 +132,10 @@ def test_callbacks_get_the_multi_agent_episode_and_log_per_agent_metrics():
 
 @pytest.mark.slow
 def test_ray_evaluators_parallel_to_training(ray_cluster):
-    algo = (config(evaluation_num_env_runners=2, evaluation_duration="auto", evaluation_parallel_to_training=True)
+    # a counted duration: "auto" beside training evaluates only as long as the training step takes, so
+    # whether an episode ends in it depends on timing; two episodes are waited for
+    algo = (config(evaluation_num_env_runners=2, evaluation_duration=2, evaluation_duration_unit="episodes",
+                   evaluation_parallel_to_training=True)
             .env_runners(num_env_runners=1).callbacks(AgentReturns).build(logdir=None))
     try:
         algo.train()
