@@ -259,7 +259,8 @@ class EpisodeBuilder:
         self._obs: list[Any] = []
         self._actions: list[Any] = []
         self._rewards: list[float] = []
-        self._extra: dict[str, list[Any]] = {}
+        self._extra_keys: tuple[str, ...] = ()
+        self._extra_rows: list[tuple] = []  # one tuple of values per step, in _extra_keys order
         self._infos: list[dict] = []
 
     @property
@@ -298,18 +299,35 @@ class EpisodeBuilder:
         if self.is_done:
             raise ValueError(f"episode {self.episode_id} is already done; start a new EpisodeBuilder")
         extra = extra or {}
-        if self._actions and extra.keys() != self._extra.keys():  # check before changing any state
-            raise ValueError(f"extra keys changed mid-episode: {sorted(self._extra)} -> {sorted(extra)}")
+        self.add_step_values(action, reward, next_obs, terminated, truncated, info, tuple(extra), tuple(extra.values()))
+
+    def add_step_values(self, action: Any, reward: float, next_obs: Any, terminated: bool, truncated: bool,
+                        info: dict | None, extra_keys: tuple[str, ...], extra_values: tuple) -> None:
+        """``add_step`` with the extras as a row of values under ``extra_keys``: what a recorder that
+        holds its policy outputs as columns hands over without building a dict per step."""
+        if not self._obs:
+            raise ValueError("add_step before add_reset: give the episode its first observation")
+        if self.terminated or self.truncated:
+            raise ValueError(f"episode {self.episode_id} is already done; start a new EpisodeBuilder")
+        if extra_keys != self._extra_keys:  # check before changing any state
+            if self._actions and set(extra_keys) != set(self._extra_keys):
+                raise ValueError(f"extra keys changed mid-episode: {sorted(self._extra_keys)} -> {sorted(extra_keys)}")
+            if self._actions:  # the same keys in another order
+                order = {k: i for i, k in enumerate(extra_keys)}
+                extra_values = tuple(extra_values[order[k]] for k in self._extra_keys)
+            else:
+                self._extra_keys = extra_keys
         self._actions.append(action)
-        self._rewards.append(float(reward))
+        reward = float(reward)
+        self._rewards.append(reward)
         self._obs.append(next_obs)
-        for key, value in extra.items():
-            self._extra.setdefault(key, []).append(value)
+        if extra_keys:
+            self._extra_rows.append(extra_values)
         if self.record_infos:
             self._infos.append(info or {})
         self.terminated = bool(terminated)
         self.truncated = bool(truncated)
-        self.total_return += float(reward)
+        self.total_return += reward
         self.total_length += 1
 
     def cut(self) -> EpisodeChunk:
@@ -324,7 +342,7 @@ class EpisodeBuilder:
             rewards=np.asarray(self._rewards, dtype=np.float32),
             terminated=self.terminated,
             truncated=self.truncated,
-            extra={k: nested.stack(v) for k, v in self._extra.items()},
+            extra={k: nested.stack(column) for k, column in zip(self._extra_keys, zip(*self._extra_rows))},
             infos=list(self._infos),
             t_started=self._t_started,
             weights_version=self.weights_version,
@@ -335,5 +353,5 @@ class EpisodeBuilder:
         self._t_started += len(self._actions)
         self._obs = self._obs[-1:]
         self._infos = self._infos[-1:]
-        self._actions, self._rewards, self._extra = [], [], {}
+        self._actions, self._rewards, self._extra_rows = [], [], []
         return chunk

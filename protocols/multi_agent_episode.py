@@ -65,12 +65,13 @@ class AgentRecord:
     done: bool = False
     action: Any = None
     """The action waiting for its next observation (when neither ready nor done)."""
-    extra: dict[str, Any] | None = None
+    extra: tuple | None = None
+    """The policy outputs of that action, in ``extra_keys`` order."""
     pending_reward: float = 0.0
     """Rewards since that action, credited to its step when the next observation arrives."""
     ret: float = 0.0
     """Its rewards in this episode so far (its return)."""
-    extra_keys: frozenset[str] | None = None
+    extra_keys: tuple[str, ...] | None = None
 
 
 class MultiAgentEpisode:
@@ -114,6 +115,8 @@ class MultiAgentEpisode:
         self._env_steps = 0
         self._agent_steps = 0
         self._module_steps: dict[str, int] = {}
+        self._ready = 0  # agents holding an observation they have not acted on
+        self._playing: set[AgentID] = set()  # agents joined and not done
 
     # --- what the episode is and holds ------------------------------------------------------
     @property
@@ -224,24 +227,38 @@ class MultiAgentEpisode:
             if aid not in actions:
                 raise ValueError(f"extras for agent {aid!r}, which is given no action: "
                                  "pass an agent's extras with its action")
+        rows = [(tuple(e), tuple(e.values())) for e in (extras.get(aid, {}) for aid in actions)]
+        self._add_actions(list(actions), list(actions.values()), rows)
+
+    def add_action_rows(self, agent_ids: list[AgentID], actions: list[Any], keys: tuple[str, ...],
+                        rows: list[tuple]) -> None:
+        """``add_actions`` for a batch: ``agent_ids[j]`` took ``actions[j]`` with the policy outputs
+        ``rows[j]`` (values under ``keys``, the same for every agent). What a sampler that holds a
+        forward pass's outputs as columns passes without a dict per agent."""
+        self._check_running("add_actions")
+        self._add_actions(agent_ids, actions, [(keys, row) for row in rows])
+
+    def _add_actions(self, agent_ids: list[AgentID], actions: list[Any], extras: list[tuple[tuple, tuple]]) -> None:
         agents = self._agents
-        for aid in actions:  # check everything before changing anything
+        for aid, (keys, _) in zip(agent_ids, extras):  # check everything before changing anything
             a = agents.get(aid)
             if a is None or not a.ready:
                 raise ValueError(self._not_ready(aid))
-            keys = extras.get(aid, {}).keys()
-            if a.extra_keys is not None and keys != a.extra_keys:
+            if a.extra_keys is not None and keys != a.extra_keys and set(keys) != set(a.extra_keys):
                 raise ValueError(f"agent {aid!r}: extra keys changed mid-episode, {sorted(a.extra_keys)} -> "
                                  f"{sorted(keys)}; give an agent the same policy outputs at every step")
         module_steps = self._module_steps
-        for aid, action in actions.items():
+        for aid, action, (keys, row) in zip(agent_ids, actions, extras):
             a = agents[aid]
-            a.action, a.extra = action, dict(extras.get(aid, {}))
+            a.action, a.extra, a.ready = action, row, False
+            self._ready -= 1
             if a.extra_keys is None:
-                a.extra_keys = frozenset(a.extra)
-            a.ready = False
+                a.extra_keys = keys
+            elif keys != a.extra_keys:  # the same keys in another order
+                order = {k: i for i, k in enumerate(keys)}
+                a.extra = tuple(row[order[k]] for k in a.extra_keys)
             module_steps[a.module_id] = module_steps.get(a.module_id, 0) + 1
-        self._agent_steps += len(actions)
+        self._agent_steps += len(agent_ids)
 
     def add_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
                  terminateds: Mapping[AgentID, bool], truncateds: Mapping[AgentID, bool],
@@ -249,19 +266,26 @@ class MultiAgentEpisode:
         """The env's ``step()`` result. Agents that got an observation complete their step (or join);
         agents done without one are closed on their last observation."""
         self._check_running("add_step")
-        idle = self.agents_to_act()
-        if idle:
-            raise ValueError(f"add_step while agents {idle} have not acted on their observations: give every "
-                             "agent in agents_to_act() an action (add_actions) before stepping the env")
+        agents = self._agents
+        if self._ready:
+            raise ValueError(f"add_step while agents {self.agents_to_act()} have not acted on their observations: "
+                             "give every agent in agents_to_act() an action (add_actions) before stepping the env")
+        if self._plain_step(obs, rewards, terminateds, truncateds):
+            self._env_steps += 1
+            for aid, r in rewards.items():
+                a = agents[aid]
+                a.pending_reward += r
+                a.ret += r
+            infos = infos or {}
+            for aid, o in obs.items():
+                self._complete(agents[aid], o, infos.get(aid), False, False)
+            return
         all_term = bool(terminateds.get(ALL, False))
         all_trunc = bool(truncateds.get(ALL, False)) and not all_term
-
-        def flags(aid: AgentID) -> tuple[bool, bool]:
-            term = bool(terminateds.get(aid, False)) or all_term
-            return term, (bool(truncateds.get(aid, False)) or all_trunc) and not term
-
-        agents = self._agents
-        self._check_step(obs, rewards, [aid for aid in obs if aid not in agents and not any(flags(aid))])
+        joining = [aid for aid in obs if aid not in agents]
+        if joining:
+            joining = [aid for aid in joining if not any(_flags(aid, terminateds, truncateds, all_term, all_trunc))]
+        self._check_step(obs, rewards, joining)
         infos = infos or {}
         self._env_steps += 1
         for aid, r in rewards.items():
@@ -272,22 +296,25 @@ class MultiAgentEpisode:
                 r = float(r)
                 a.pending_reward += r
                 a.ret += r
+        any_flag = all_term or all_trunc or any(terminateds.values()) or any(truncateds.values())
         for aid, o in obs.items():
-            term, trunc = flags(aid)
+            term, trunc = (_flags(aid, terminateds, truncateds, all_term, all_trunc) if any_flag
+                           else (False, False))
             a = agents.get(aid)
             if a is not None:
                 self._complete(a, o, infos.get(aid), term, trunc)
             elif not (term or trunc):  # joined and done at once: never acted, nothing to record
                 self._join(aid, o, infos.get(aid))
-        for aid, a in agents.items():
-            if a.done or aid in obs:
-                continue
-            term, trunc = flags(aid)
-            if term or trunc:  # done without a final observation: repeat the last one
-                self._complete(a, a.last_obs, infos.get(aid, a.last_info), term, trunc)
+        if any_flag:  # without a flag set, an agent without an observation waits for its turn
+            for aid, a in agents.items():
+                if a.done or aid in obs:
+                    continue
+                term, trunc = _flags(aid, terminateds, truncateds, all_term, all_trunc)
+                if term or trunc:  # done without a final observation: repeat the last one
+                    self._complete(a, a.last_obs, infos.get(aid, a.last_info), term, trunc)
         if all_term or all_trunc:
             self.is_terminated, self.is_truncated = all_term, all_trunc
-        elif self._agents and all(a.done for a in self._agents.values()):
+        elif any_flag and self._agents and all(a.done for a in self._agents.values()):
             # every agent finished though the env did not say "__all__": nobody is left to act
             self.is_truncated = all(a.builder.truncated for a in self._agents.values())
             self.is_terminated = not self.is_truncated
@@ -333,6 +360,15 @@ class MultiAgentEpisode:
                                  "the wire: give them distinct ids")
             self.module_for(aid)
 
+    def _plain_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
+                    terminateds: Mapping[AgentID, bool], truncateds: Mapping[AgentID, bool]) -> bool:
+        """The common step, recorded without looking at each rule: every observation and reward is for an
+        agent that is playing (joined, not done), rewards are floats, and no flag is set."""
+        playing = self._playing
+        return (obs.keys() <= playing and rewards.keys() <= playing
+                and all(type(r) is float for r in rewards.values())
+                and not any(terminateds.values()) and not any(truncateds.values()))
+
     def _check_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
                     joining: list[AgentID]) -> None:
         """Refuse a step that cannot be recorded, before anything of it is."""
@@ -367,18 +403,21 @@ class MultiAgentEpisode:
         builder.add_reset(obs, info)
         self._wire_ids[str(aid)] = aid
         self._agents[aid] = AgentRecord(aid, self.module_for(aid), builder, obs, info or {})
+        self._ready += 1
+        self._playing.add(aid)
 
     def _complete(self, a: AgentRecord, obs: Any, info: dict | None, term: bool, trunc: bool) -> None:
         """The agent's pending action gets its next observation: one step for its builder."""
-        a.builder.add_step(a.action, a.pending_reward, obs, terminated=term, truncated=trunc, info=info,
-                           extra=a.extra)
+        a.builder.add_step_values(a.action, a.pending_reward, obs, term, trunc, info, a.extra_keys or (), a.extra or ())
         a.action, a.extra, a.pending_reward = None, None, 0.0
         a.last_obs, a.last_info = obs, info or {}
         if term or trunc:
             a.done = True
+            self._playing.discard(a.agent_id)
             self._emit(a)
         else:
             a.ready = True
+            self._ready += 1
 
     def _emit(self, a: AgentRecord) -> None:
         if not len(a.builder):
@@ -387,6 +426,12 @@ class MultiAgentEpisode:
         chunk = a.builder.cut()
         chunk.agent_id, chunk.module_id = str(a.agent_id), a.module_id
         self._chunks.append(chunk)
+
+
+def _flags(aid: AgentID, terminateds: Mapping, truncateds: Mapping, all_term: bool, all_trunc: bool) -> tuple[bool, bool]:
+    """An agent's (terminated, truncated) this step, the episode-wide flags included; terminated wins."""
+    term = all_term or bool(terminateds.get(aid, False))
+    return term, (all_trunc or bool(truncateds.get(aid, False))) and not term
 
 
 def _is_number(value: Any) -> bool:

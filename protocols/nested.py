@@ -44,7 +44,22 @@ def batch_len(struct: Any) -> int:
 
 def stack(items: list[Any]) -> Any:
     """List of same-shaped structures -> one structure of stacked arrays."""
-    return map_structure(lambda *leaves: np.stack(leaves), *items)
+    if items and (type(items[0]) is np.ndarray or isinstance(items[0], (int, float, np.generic))):
+        return stack_leaves(items)  # the common case, one leaf: no structure to walk
+    return map_structure(lambda *leaves: stack_leaves(leaves), *items)
+
+
+def stack_leaves(leaves: Any) -> np.ndarray:
+    """``np.stack(leaves)``, by ``np.array`` where that gives the same array: several times faster for the
+    short lists of small arrays and scalars that episode recording stacks."""
+    if len(leaves):
+        try:
+            out = np.array(leaves)
+        except ValueError:  # ragged: np.stack names the shapes
+            out = None
+        if out is not None and out.dtype != object and out.ndim == np.ndim(leaves[0]) + 1:
+            return out
+    return np.stack(leaves)
 
 
 def concat(items: list[Any]) -> Any:

@@ -19,6 +19,7 @@ from actors.env.exploration import StochasticSampling
 from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler
 from actors.metrics import MetricsLogger
 from actors.modules import ActorCriticModule
+from actors.modules.fused import FusedActors
 from protocols.codec import decode_chunks, encode
 from protocols.episode import EpisodeChunk
 
@@ -191,6 +192,22 @@ def sampler(envs: list, spaces: dict[str, tuple[gym.Space, gym.Space]], mapping,
                              {mid: EnvActions(a) for mid, (_, a) in spaces.items()}, mapping, **kwargs)
 
 
+def spy_passes(s: MultiAgentSampler, monkeypatch) -> dict[str, list[int]]:
+    """Per module, the rows of every acting pass it made: its own forward pass, or its share of a
+    fused pass (``FusedActors``: modules of one architecture act together)."""
+    sizes = {mid: spy(m) for mid, m in s.modules.items()}
+    fused_pass = FusedActors.dist_inputs
+
+    def recorded(fused: FusedActors, obs: Any, counts: list[int]) -> torch.Tensor:
+        for mid, count in zip(fused.module_ids, counts):
+            if count:
+                sizes[mid].append(count)
+        return fused_pass(fused, obs, counts)
+
+    monkeypatch.setattr(FusedActors, "dist_inputs", recorded)
+    return sizes
+
+
 def spy(module: torch.nn.Module, name: str = "forward_exploration") -> list[int]:
     """Record the batch size of every call of a module's forward pass."""
     sizes: list[int] = []
@@ -231,9 +248,9 @@ def test_two_agents_one_module_one_forward_pass_per_step():
     assert {c.env_index for c in sample.chunks["shared"]} == {0, 1, 2}
 
 
-def test_one_module_per_agent():
+def test_one_module_per_agent(monkeypatch):
     s = sampler([TwoCartPoles() for _ in range(3)], {"p0": CART_SPACES, "p1": CART_SPACES}, own, seed=0)
-    sizes = {mid: spy(m) for mid, m in s.modules.items()}
+    sizes = spy_passes(s, monkeypatch)
     sample = s.run(num_env_steps=24)
     assert len(sizes["p0"]) == len(sizes["p1"]) == 8 and sizes["p0"][0] == sizes["p1"][0] == 3
     for mid, agent in (("p0", "a0"), ("p1", "a1")):
@@ -323,10 +340,10 @@ def test_chunks_continue_across_runs_and_add_up_to_each_episode():
 
 
 # --- awkward agents ---------------------------------------------------------------------------
-def test_turn_based():
+def test_turn_based(monkeypatch):
     s = sampler([TurnBased(moves=5)], {"px": (BOX2, gym.spaces.Discrete(3)), "po": (BOX2, gym.spaces.Discrete(3))},
                 lambda agent, ep: f"p{agent}")
-    sizes = {mid: spy(m) for mid, m in s.modules.items()}
+    sizes = spy_passes(s, monkeypatch)
     sample = s.run(num_env_steps=5)
     assert sizes == {"px": [1, 1, 1], "po": [1, 1]}  # only the player to move is asked
     assert sample.agent_steps == sample.env_steps == 5

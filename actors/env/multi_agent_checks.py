@@ -102,6 +102,9 @@ class MultiAgentStepChecker:
         self.agents_to_act: list[Any] = []
         """The agents the next ``step()`` needs actions for (rule 1 of the module docstring)."""
         self.episode_over = True
+        self._playing: set[Any] = set()  # seen this episode and not done
+        self._flag_keys: set[Any] = {ALL}  # the agents playing, and "__all__"
+        self._info_keys = set(self._finders) | {COMMON_INFO}
 
     @classmethod
     def for_env(cls, env: Any) -> "MultiAgentStepChecker":
@@ -139,6 +142,8 @@ class MultiAgentStepChecker:
             self._check_observation("reset()", agent, value)
         self._check_infos("reset()", infos)
         self.step_index, self.last_seen, self.episode_over = 0, dict.fromkeys(obs, 0), False
+        self._playing = set(obs)
+        self._flag_keys = self._playing | {ALL}
         self.agents_to_act = list(obs)
         return result
 
@@ -164,6 +169,53 @@ class MultiAgentStepChecker:
                     f"{name}['__all__'] = True when the episode ends for every agent, False otherwise")
             _check_flag(name, ALL, flags[ALL])
         step = self.step_index + 1
+        if not self._plain_step(obs, rewards, terminateds, truncateds, infos):
+            self._check_step_fully(step, obs, rewards, terminateds, truncateds, infos)
+
+        self.step_index = step
+        for agent in obs:
+            self.last_seen[agent] = step
+        playing = self._playing
+        joined = not obs.keys() <= playing
+        if joined:
+            playing.update(obs)
+        flagged = any(terminateds.values()) or any(truncateds.values())
+        if flagged:
+            for name, flags in (("terminateds", terminateds), ("truncateds", truncateds)):
+                for agent, flag in flags.items():
+                    if flag and agent != ALL and agent not in self.done:
+                        self.done[agent] = (step, name[:-1])
+                        playing.discard(agent)
+        if joined or flagged:
+            self._flag_keys = playing | {ALL}
+        self.episode_over = bool(terminateds[ALL]) or bool(truncateds[ALL])
+        # an agent with an observation is not done (checked above) unless a flag of this step ended it
+        self.agents_to_act = ([] if self.episode_over else
+                              [a for a in obs if a not in self.done] if flagged else list(obs))
+        if not self.episode_over and not self.agents_to_act and self.last_seen and all(
+                a in self.done for a in self.last_seen):
+            raise MultiAgentEnvError(
+                f"step {step}: every agent of the episode is done ({sorted(map(str, self.done))}) but "
+                f"terminateds['__all__'] and truncateds['__all__'] are False, so no agent can act again: set "
+                f"'__all__' True in the step where the last agent finishes")
+        return result
+
+    def _plain_step(self, obs: dict, rewards: dict, terminateds: dict, truncateds: dict, infos: dict) -> bool:
+        """Whether this is the common step that needs no rule looked at one by one: only agents already
+        playing (seen, not done) appear, flags are bools, rewards finite floats, observations in their
+        spaces. False sends the step through every rule, which names what is wrong (or passes it)."""
+        playing, flag_keys = self._playing, self._flag_keys
+        if not (obs.keys() <= playing and rewards.keys() <= playing and terminateds.keys() <= flag_keys
+                and truncateds.keys() <= flag_keys and infos.keys() <= self._info_keys):
+            return False
+        if not (all(type(f) is bool for f in terminateds.values()) and all(type(f) is bool for f in truncateds.values())
+                and all(type(r) is float for r in rewards.values()) and isfinite(sum(rewards.values()))):
+            return False
+        finders = self._finders
+        return all(finders[agent](value) is None for agent, value in obs.items())
+
+    def _check_step_fully(self, step: int, obs: dict, rewards: dict, terminateds: dict, truncateds: dict,
+                          infos: dict) -> None:
         finders, done, last_seen = self._finders, self.done, self.last_seen
         for agent, value in obs.items():
             # the common case inline (a known, running agent and a value in its space); the named errors below
@@ -185,23 +237,6 @@ class MultiAgentStepChecker:
         if infos:
             self._check_infos("step()", infos)
 
-        self.step_index = step
-        for agent in obs:
-            self.last_seen[agent] = step
-        for name, flags in (("terminateds", terminateds), ("truncateds", truncateds)):
-            for agent, flag in flags.items():
-                if flag and agent != ALL and agent not in self.done:
-                    self.done[agent] = (step, name[:-1])
-        self.episode_over = bool(terminateds[ALL]) or bool(truncateds[ALL])
-        self.agents_to_act = [] if self.episode_over else [a for a in obs if a not in self.done]
-        if not self.episode_over and not self.agents_to_act and self.last_seen and all(
-                a in self.done for a in self.last_seen):
-            raise MultiAgentEnvError(
-                f"step {step}: every agent of the episode is done ({sorted(map(str, self.done))}) but "
-                f"terminateds['__all__'] and truncateds['__all__'] are False, so no agent can act again: set "
-                f"'__all__' True in the step where the last agent finishes")
-        return result
-
     # --- what the sampler sends ----------------------------------------------------------------
 
     def check_actions(self, actions: Any) -> Any:
@@ -214,6 +249,8 @@ class MultiAgentStepChecker:
             raise MultiAgentEnvError("actions sent after the episode ended (or before the first reset()): reset() "
                                      "the env first")
         to_act = self.agents_to_act
+        if len(actions) == len(to_act) and not actions.keys() ^ to_act:  # exactly the agents to act
+            return actions
         for agent in actions:
             if agent not in to_act:
                 raise MultiAgentEnvError(f"an action for agent {agent!r}, which {self._why_not_acting(agent)}; only "

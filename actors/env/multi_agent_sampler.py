@@ -30,10 +30,11 @@ import numpy as np
 import torch
 
 from actors.env.actions import EnvActions
-from actors.env.exploration import Exploration
+from actors.env.exploration import Exploration, StochasticSampling
 from actors.env.sampling import plain_info
 from actors.metrics import MetricsLogger
 from actors.modules import RLModule
+from actors.modules.fused import FusedActors, fusion_key
 from protocols import nested
 from protocols.episode import EpisodeChunk
 from protocols.multi_agent_episode import AgentID, MultiAgentEpisode
@@ -122,6 +123,7 @@ class MultiAgentSampler:
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
         self._dtypes: dict[str, tuple[RLModule, Any]] = {}
+        self._groups: tuple[tuple, list[tuple[tuple[str, ...], FusedActors | None]]] | None = None
         """Module id -> (the module, its observation space's dtypes), computed once per module object."""
         self.reset(seed)
 
@@ -174,6 +176,7 @@ class MultiAgentSampler:
             raise ValueError(f"run() needs a number of steps >= 1, got {target!r}")
         by_agents = num_env_steps is None
         forwards = {mid: m.forward_exploration if explore else m.forward_inference for mid, m in self.modules.items()}
+        groups = self._fusion_groups()
         chunks: dict[str, list[EpisodeChunk]] = {}
         ended: list[MultiAgentEpisode] = []
         module_steps: dict[str, int] = {}
@@ -188,21 +191,29 @@ class MultiAgentSampler:
                     who, obs = waiting.setdefault(mid, ([], []))
                     who.extend((i, aid) for aid in by_agent)
                     obs.extend(by_agent.values())
-            actions: list[dict[AgentID, Any]] = [{} for _ in range(n)]
-            extras: list[dict[AgentID, dict[str, Any]]] = [{} for _ in range(n)]
             to_env: list[dict[AgentID, Any]] = [{} for _ in range(n)]
-            for mid, (who, obs) in waiting.items():
-                acts, env_acts, columns = self._act(mid, who, obs, forwards[mid], explore, timestep)
+            for mids, fused in groups:
+                present = [m for m in mids if m in waiting]
+                if not present:
+                    continue
+                if fused is None:
+                    who, obs = waiting[present[0]]
+                    acts, env_acts, columns = self._act(present[0], who, obs, forwards[present[0]], explore, timestep)
+                else:  # one pass for every module of the group, rows grouped by module in the group's order
+                    who = [w for m in mids if m in waiting for w in waiting[m][0]]
+                    obs = [o for m in mids if m in waiting for o in waiting[m][1]]
+                    counts = [len(waiting[m][0]) if m in waiting else 0 for m in mids]
+                    acts, env_acts, columns = self._act_fused(fused, mids, counts, who, obs, explore, timestep)
                 keys = tuple(columns)
-                # one pass over the rows of every column at once: each agent's extras as a dict
-                for (i, aid), action, env_action, row in zip(who, acts, env_acts, zip(*columns.values())):
-                    actions[i][aid] = action
+                rows = list(zip(*columns.values()))  # each agent's policy outputs, in keys' order
+                for (i, aid), env_action in zip(who, env_acts):
                     to_env[i][aid] = env_action
-                    extras[i][aid] = dict(zip(keys, row))
-                module_steps[mid] = module_steps.get(mid, 0) + len(who)
+                for i, (agents, acts_i, rows_i) in _by_env(who, acts, rows).items():
+                    self.episodes[i].add_action_rows(agents, acts_i, keys, rows_i)
+                for m in present:
+                    module_steps[m] = module_steps.get(m, 0) + len(waiting[m][0])
                 agent_steps += len(who)
             for i, ep in enumerate(self.episodes):
-                ep.add_actions(actions[i], extras[i])
                 ep.add_step(*self._step(i, to_env[i]))
                 if ep.is_done:
                     _add(chunks, ep.take_chunks())
@@ -218,9 +229,36 @@ class MultiAgentSampler:
             _add(chunks, ep.take_chunks())
         return MultiAgentSample(chunks, env_steps, agent_steps, module_steps, ended)
 
-    def _act(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], forward: Callable[[Any], dict],
-             explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
-        """One module's batch: its actions, the env's form of them, and the extras' columns."""
+    def _fusion_groups(self) -> list[tuple[tuple[str, ...], FusedActors | None]]:
+        """The modules that act in one pass (``FusedActors``: same architecture, plain sampling) and the
+        ones that act alone, each group in module order; built when the modules change, restacked
+        (new weights) at every call -- once per run."""
+        members = tuple((mid, id(m), id(self.explorations[mid])) for mid, m in self.modules.items())
+        if self._groups is None or self._groups[0] != members:
+            by_key: dict[Any, list[str]] = {}
+            for mid, module in self.modules.items():
+                expl = self.explorations[mid]
+                key = fusion_key(module)
+                plain = type(expl) is StochasticSampling
+                by_key.setdefault(mid if key is None or not plain else (key, expl.random_timesteps), []).append(mid)
+            groups = [(tuple(mids), FusedActors({m: self.modules[m] for m in mids}) if len(mids) > 1 else None)
+                      for mids in by_key.values()]
+            self._groups = (members, groups)
+        else:
+            for _, fused in self._groups[1]:
+                if fused is not None:
+                    fused.refresh()
+        return self._groups[1]
+
+    def _act_fused(self, fused: FusedActors, mids: tuple[str, ...], counts: list[int], who: list[tuple[int, AgentID]],
+                   obs: list[Any], explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
+        """Several modules' rows (grouped by module, ``counts`` each) in one pass; as ``_act``."""
+        tensors = self._tensors(mids[0], who, obs)
+        dist_inputs = fused.dist_inputs(tensors, counts)
+        return self._choose(mids[0], dist_inputs, {}, explore, timestep)
+
+    def _tensors(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any]) -> Any:
+        """The observations as one batch of tensors, cast to the module's observation space's dtypes."""
         module = self.modules[mid]
         dtypes = self._dtypes.get(mid)
         if dtypes is None or dtypes[0] is not module:
@@ -239,9 +277,18 @@ class MultiAgentSampler:
             raise ValueError(f"observations of agents {sorted({str(a) for _, a in who})} (module {mid!r}) do not "
                              f"fit the module's observation space {module.observation_space}: {err}. Map these "
                              "agents to a module built for their observation space") from None
-        out = forward(tensors)
-        dist_inputs = out["action_dist_inputs"]
-        dist = module.dist_spec.build(dist_inputs)
+        return tensors
+
+    def _act(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], forward: Callable[[Any], dict],
+             explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
+        """One module's batch: its actions, the env's form of them, and the extras' columns."""
+        out = forward(self._tensors(mid, who, obs))
+        return self._choose(mid, out["action_dist_inputs"], out, explore, timestep)
+
+    def _choose(self, mid: str, dist_inputs: torch.Tensor, out: dict[str, torch.Tensor], explore: bool,
+                timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
+        """Actions from distribution inputs with ``mid``'s exploration, their env form and the extras' columns."""
+        dist = self.modules[mid].dist_spec.build(dist_inputs)
         chosen = self.explorations[mid].actions(dist, explore, timestep)
         acts = chosen.numpy()
         columns = {"action_logp": dist.logp(chosen).numpy(), "action_dist_inputs": dist_inputs.numpy()}
@@ -259,6 +306,19 @@ class MultiAgentSampler:
                              "with '__all__' in terminateds and truncateds")
         obs, rewards, terminateds, truncateds, infos = result
         return obs, rewards, terminateds, truncateds, self._infos(infos)
+
+
+def _by_env(who: list[tuple[int, AgentID]], acts: Any, rows: list[tuple]) -> dict[int, tuple[list, list, list]]:
+    """A batch's agents, actions and output rows regrouped per env index."""
+    out: dict[int, tuple[list, list, list]] = {}
+    for (i, aid), action, row in zip(who, acts, rows):
+        part = out.get(i)
+        if part is None:
+            part = out[i] = ([], [], [])
+        part[0].append(aid)
+        part[1].append(action)
+        part[2].append(row)
+    return out
 
 
 def _add(into: dict[str, list[EpisodeChunk]], chunks: dict[str, list[EpisodeChunk]]) -> None:
@@ -281,5 +341,5 @@ def _cast(leaf: np.ndarray, dtype: Any) -> np.ndarray:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    text = " ".join(repr(value).split())  # one line: an array's repr wraps
     return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"

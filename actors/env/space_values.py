@@ -24,7 +24,7 @@ ProblemFinder = Callable[[Any], "str | None"]
 
 def short_repr(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters: error messages quote values, which may be large arrays."""
-    text = repr(value)
+    text = " ".join(repr(value).split())  # one line: an array's repr wraps
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -17,7 +17,7 @@ LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
 
 class Categorical:
     def __init__(self, logits: torch.Tensor) -> None:
-        self.logits = logits - logits.logsumexp(-1, keepdim=True)
+        self.logits = logits.log_softmax(-1)  # the same numbers as logits - logsumexp, at a fraction of its cost
 
     def __len__(self) -> int:
         return self.logits.shape[0]

@@ -1,0 +1,103 @@
+"""FusedActors: one acting forward pass for several modules of the same architecture.
+
+A multi-agent env runner acts with one module per policy. For small networks a forward pass costs
+its per-op overhead, not its arithmetic: two policies of CartPole's 64x64 MLP cost twice one, though
+each sees only half the rows. When the modules are the default ``ActorCriticModule`` (exactly that
+class, so a subclass's own forward is never skipped) with equal spaces and model configs and no action
+mask, their layers are stacked once per weights update into ``[M, in, out]`` tensors and every row
+of every module goes through ``torch.baddbmm`` together: rows are laid out ``[module, row]``, padded
+to the largest module's rows, and read back in the order they came. The result is the rows' own
+module's distribution inputs, the same numbers each module's ``forward_inference`` gives (a test
+compares them).
+
+Anything else -- another module class, a masked or nested observation, differing configs -- is not
+fused; ``fusable`` says why not, and the caller runs each module alone.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from actors.modules.actor_critic import ActorCriticModule
+from actors.modules.encoders import ObsEncoder
+from actors.modules.rl_module import RLModule
+
+_ELEMENTWISE = (nn.Tanh, nn.ReLU, nn.ELU, nn.SiLU, nn.Identity)
+
+
+def fusion_key(module: RLModule) -> tuple | None:
+    """Modules with equal keys can act in one pass; None: this module cannot be fused."""
+    if type(module) is not ActorCriticModule or module.masking is not None:
+        return None
+    if type(module.encoder) is not ObsEncoder or len(module.encoder.leaves) != 1 or module.encoder.leaves[0][0] != "box":
+        return None  # one flat Box leaf: the features are the observation itself, whatever its module
+    if not all(isinstance(layer, (nn.Linear,) + _ELEMENTWISE) for layer in module.pi_trunk):
+        return None
+    cfg = module.config
+    return (repr(module.observation_space), repr(module.action_space), tuple(cfg.fcnet_hiddens), cfg.fcnet_activation)
+
+
+class FusedActors:
+    """The acting pass of ``modules`` (equal ``fusion_key``s, at least two) as one batched pass.
+
+    ``refresh()`` restacks the weights: call it after the modules' weights change (the sampler does at
+    the start of every run, which is where new weights take effect)."""
+
+    def __init__(self, modules: Mapping[str, RLModule]) -> None:
+        keys = {mid: fusion_key(m) for mid, m in modules.items()}
+        if len(modules) < 2 or None in keys.values() or len(set(keys.values())) != 1:
+            raise ValueError(f"FusedActors needs two or more modules of one fusable architecture, got {keys}")
+        self.module_ids = list(modules)
+        self.modules = [modules[mid] for mid in self.module_ids]
+        first = self.modules[0]
+        self.encoder = first.encoder
+        self.dist_spec = first.dist_spec
+        # the layer pattern, shared: Linear positions get stacked weights, the others are applied as they are
+        self.pattern = [layer if not isinstance(layer, nn.Linear) else None
+                        for layer in list(first.pi_trunk) + [first.pi_head]]
+        self.weights: list[torch.Tensor] = []
+        self.biases: list[torch.Tensor] = []
+        self._layouts: dict[tuple[int, ...], torch.Tensor] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            linears = [[layer for layer in list(m.pi_trunk) + [m.pi_head] if isinstance(layer, nn.Linear)]
+                       for m in self.modules]
+            self.weights = [torch.stack([ls[k].weight.t() for ls in linears]).contiguous() for k in range(len(linears[0]))]
+            self.biases = [torch.stack([ls[k].bias for ls in linears]).unsqueeze(1).contiguous()
+                           for k in range(len(linears[0]))]
+
+    def dist_inputs(self, obs: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Distribution inputs ``[N, D]`` for ``obs`` ``[N, ...]`` whose rows are grouped by module:
+        the first ``counts[0]`` rows are ``module_ids[0]``'s, and so on."""
+        feats = self.encoder(obs)
+        n_modules, widest = len(counts), max(counts)
+        h = feats if all(c == widest for c in counts) else self._padded(feats, counts, widest)
+        h = h.reshape(n_modules, widest, -1)
+        k = 0
+        for layer in self.pattern:
+            if layer is None:
+                h = torch.baddbmm(self.biases[k], h, self.weights[k])
+                k += 1
+            else:
+                h = layer(h)
+        h = h.reshape(n_modules * widest, -1)
+        return h if h.shape[0] == feats.shape[0] else h.index_select(0, self._rows(counts, widest))
+
+    def _padded(self, feats: torch.Tensor, counts: Sequence[int], widest: int) -> torch.Tensor:
+        """``feats`` laid out ``[module * widest + row]`` with zero rows where a module has fewer."""
+        out = feats.new_zeros(len(counts) * widest, feats.shape[-1])
+        return out.index_copy_(0, self._rows(counts, widest), feats)
+
+    def _rows(self, counts: Sequence[int], widest: int) -> torch.Tensor:
+        """Where each row goes in the padded layout; the few count patterns of a run are cached."""
+        key = tuple(counts)
+        rows = self._layouts.get(key)
+        if rows is None:
+            if len(self._layouts) >= 256:
+                self._layouts.clear()
+            rows = self._layouts[key] = torch.cat([torch.arange(c) + k * widest for k, c in enumerate(counts)])
+        return rows
