@@ -43,7 +43,7 @@ def main(num_iterations: int = 3, num_env_runners: int = 2) -> list[tuple[int, i
     """Train a few iterations; returns (env steps sampled, global count) after each."""
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=num_env_runners + 1, include_dashboard=False)
+        ray.init(address="local", num_cpus=num_env_runners + 1, include_dashboard=False)
     counter = Counter.options(name="global_counter").remote()
     algo = (PPOConfig().environment(CountedCartPole)
             .env_runners(num_env_runners=num_env_runners, num_envs_per_env_runner=2)

@@ -38,8 +38,7 @@ from pipeline.algorithm_evaluation import AlgorithmEvaluation
 from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
-from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, init_ray_if_needed,
-                                      policy_spaces, runner_fault_tolerance)
+from pipeline.algorithm_setup import algorithm_config, frame_compression, function_setting, policy_spaces, runner_fault_tolerance
 from pipeline.checkpoints.save_restore import (build_from_checkpoint, driver_state, load_into, save_algorithm,
                                                set_driver_state)
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -51,6 +50,7 @@ from pipeline.config.external import external_settings
 from pipeline.config.offline import mixes_sampler, reader_settings, recording_settings
 from actors.offline import write_manifest
 from pipeline.groups.learner_group import LearnerGroup
+from pipeline.ray_cluster import init_ray_if_needed
 from pipeline.resources import actor_cpus, check_room, held, released
 from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name

@@ -17,7 +17,7 @@ import torch
 
 from actors.modules import to_torch
 from actors.offline import OfflineReader
-from pipeline.algorithm_setup import init_ray_if_needed
+from pipeline.ray_cluster import init_ray_if_needed
 from pipeline.envs import env_creator
 from pipeline.groups.evaluation import EVALUATOR_REQUEST_SLOTS, Evaluators
 

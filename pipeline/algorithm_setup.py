@@ -1,18 +1,13 @@
 """What ``Algorithm.setup`` derives from a config before it builds any stage.
 
-The config itself (in whatever form the constructor or Tune gave it), the Ray cluster to join or
-start, the policy's spaces, the env runners' fault tolerance and frame compression, settings that
-hold functions: each a plain function of the config, kept apart from ``Algorithm`` so that the
+The config itself (in whatever form the constructor or Tune gave it), the policy's spaces, the env
+runners' fault tolerance and frame compression, settings that hold functions (the Ray to start or join is
+``pipeline.ray_cluster``'s): each a plain function of the config, kept apart from ``Algorithm`` so that the
 class reads as the order things are built in.
 """
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any, Callable
-
-import numpy as np
-import ray
 
 from actors.manager import FaultToleranceSettings
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -41,20 +36,6 @@ def algorithm_config(algo_cls: Any, config: AlgorithmConfig | dict | None, env: 
     if env is not None:
         config.environment(env)
     return config
-
-
-def init_ray_if_needed(config: AlgorithmConfig) -> None:
-    """Join the cluster named by ``RAY_ADDRESS`` (as ``ray job submit`` sets it), or else start an
-    embedded local Ray with room for every actor the config asks for."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level=logging.WARNING)
-        return
-    needed = ((config.num_env_runners + config.evaluation_num_env_runners) * config.num_cpus_per_env_runner
-              + config.num_learners * config.num_cpus_per_learner)
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(np.ceil(needed))), include_dashboard=False,
-             logging_level=logging.WARNING, log_to_driver=True)
 
 
 def policy_spaces(config: AlgorithmConfig, env_creator: Callable | None, readers_in_slots: bool) -> tuple[Any, Any]:

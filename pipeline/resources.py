@@ -49,7 +49,7 @@ def check_room(name: str, config: Any) -> None:
     with _LOCK:
         holders = [(type(a).__name__, cpus, t) for a, (cpus, t) in _LIVE.items() if cpus > 0]
     fix = ("ask for fewer (num_env_runners=0 samples in the driver process; num_cpus_per_env_runner=0.5 "
-           "shares CPUs), or give Ray more CPUs (ray.init(num_cpus=...) before building)")
+           "shares CPUs), or give Ray more CPUs (ray.init(address=\"local\", num_cpus=...) before building)")
     if holders and free + sum(h[1] for h in holders) + 1e-9 >= need:
         names = "; ".join(f"{n} built at {time.strftime('%H:%M:%S', time.localtime(t))} holds {c:g}"
                           for n, c, t in holders)

@@ -7,6 +7,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Ray workers inherit this environment: lets them import tests.envs for the test environments.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# The suite runs on Ray instances of its own, never on a cluster the machine happens to run: without
+# RAY_ADDRESS every build (ray_address=None) starts runnel's own local Ray, and so do the subprocesses
+# the tests start; the modules' own ray.init calls say address="local".
+os.environ.pop("RAY_ADDRESS", None)
 # algo.train() writes a results directory (see pipeline.run_dirs): keep the suite's out of ~/runnel_results.
 if "RUNNEL_RESULTS_DIR" not in os.environ:
     import atexit
@@ -19,9 +23,10 @@ if "RUNNEL_RESULTS_DIR" not in os.environ:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray with a small fixed CPU count, started once per test module and shut down after."""
+    """A local Ray of the module's own (never a running cluster) with a small fixed CPU count, started once
+    per test module and shut down after."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()

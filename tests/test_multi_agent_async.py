@@ -38,7 +38,7 @@ MODEL = {"fcnet_hiddens": [16]}
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
     """Ray once for the module (the learning runs host their runners as actors)."""
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
 

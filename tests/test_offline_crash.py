@@ -144,7 +144,7 @@ class Collect(Callbacks):
 
 @pytest.fixture(scope="module")
 def ray_up():
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
 

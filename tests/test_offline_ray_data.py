@@ -21,7 +21,7 @@ EXPERT = os.path.join(DATA, "cartpole_expert")
 
 @pytest.fixture(scope="module")
 def ray2():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -14,7 +14,7 @@ METRIC = "env_runners/episode_return_mean"
 
 @pytest.fixture(scope="module")
 def ray2():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
 

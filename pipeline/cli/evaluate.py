@@ -66,7 +66,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                  "evaluation_num_env_runners": args.num_env_runners,
                                  "evaluation_duration": args.episodes, "evaluation_duration_unit": "episodes",
                                  "evaluation_parallel_to_training": False, "evaluation_config": {"explore": args.explore},
-                                 "env_task_fn": None, "custom_evaluation_function": None}
+                                 "env_task_fn": None, "custom_evaluation_function": None,
+                                 # the Ray of where this command runs (RAY_ADDRESS, else its own), not the training's
+                                 "ray_address": None}
     if args.env is not None:
         overrides["env"] = args.env
     if args.seed is not None:

@@ -24,6 +24,7 @@ from actors.callbacks import HOOKS, CallbacksSpec
 from actors.learner import LearnerSettings
 from pipeline.config.callbacks import callbacks_spec
 from pipeline.config.checks import ConfigError, range_problems
+from pipeline.config.cluster import ray_address_problems
 from pipeline.config.compat import (ACCEPTED, ACCEPTED_KIND, BUILDERS, IGNORED_KIND, NAMES, UNSUPPORTED_KIND,
                                     is_harmless)
 from pipeline.config.evaluation import estimation_problems, evaluation_problems
@@ -139,6 +140,10 @@ class AlgorithmConfig:
     # resources
     num_cpus_for_main_process: float = 1
     """CPUs the driver (local learner, local runner) is counted for."""
+    ray_address: str | None = None
+    """Which Ray (runnel's own setting): None joins the cluster RAY_ADDRESS names when set, else starts runnel's own
+    local Ray, never a cluster merely found running; "local" always its own; "auto" the running cluster; "host:port"
+    or "ray://host:port" that cluster. Joins are logged and resource-checked (rule: ``pipeline.config.cluster``)."""
 
     # reporting
     metrics_num_episodes_for_smoothing: int = 100
@@ -484,6 +489,7 @@ class AlgorithmConfig:
         problems += estimation_problems(self)
         problems += function_problems(self)
         problems += exploration_problems(self)
+        problems += ray_address_problems(self)
         return problems
 
     def _evaluation_problems(self) -> list[str]:

@@ -26,7 +26,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                  "minibatch_size", "num_epochs"),
     "rl_module": ("model_config", "rl_module_spec"),
     "multi_agent": ("policies", "policy_mapping_fn", "policies_to_train", "count_steps_by"),
-    "resources": ("num_cpus_for_main_process",),
+    "resources": ("num_cpus_for_main_process", "ray_address"),
     "reporting": ("metrics_num_episodes_for_smoothing", "min_time_s_per_iteration",
                   "min_sample_timesteps_per_iteration", "min_train_timesteps_per_iteration",
                   "env_runner_metrics_interval_s"),

@@ -55,7 +55,7 @@ def run_with_tune(spec: TrainSpec, config: Any, algo_cls: Any) -> int:
     from ray import tune
 
     from pipeline.algorithm_results import lookup
-    from pipeline.algorithm_setup import init_ray_if_needed
+    from pipeline.ray_cluster import init_ray_if_needed
 
     ray_was_up = ray.is_initialized()
     init_ray_if_needed(config)

@@ -141,7 +141,7 @@ def main() -> None:
     args = p.parse_args()
     ARGS["config"] = json.loads(args.config)
     emit("machine", **machine())
-    ray.init(num_cpus=args.runners + 1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=args.runners + 1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         if not args.skip_solve:
             solve(args)

@@ -49,7 +49,7 @@ for _ in range(int(sys.argv[1])):
 REMOTE_SAMPLING = """
 import json, sys, time, ray
 from pipeline import PPOConfig
-ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
 algo = (PPOConfig().environment("CartPole-v1")
         .env_runners(num_env_runners=2, num_envs_per_env_runner=16, rollout_fragment_length=128)
         .debugging(seed=0).build())

@@ -75,7 +75,7 @@ def main() -> None:
                    help="training runners (1 on a 2-core machine leaves the evaluator a core while the runner "
                         "samples; with 2, training alone keeps both cores busy)")
     args = p.parse_args()
-    ray.init(num_cpus=2 * args.num_env_runners + 2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2 * args.num_env_runners + 2, include_dashboard=False, log_to_driver=False)
     machine = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
         rows = run(args)

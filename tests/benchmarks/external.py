@@ -252,7 +252,7 @@ ANCHOR_SERVER = textwrap.dedent('''
     import ray
     from ray.rllib.algorithms.ppo import PPOConfig
     port = int(sys.argv[1])
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")
     config = (PPOConfig().api_stack(enable_rl_module_and_learner=False, enable_env_runner_and_connector_v2=False)
               .environment("CartPole-v1").env_runners(num_env_runners=0).framework("torch"))
     policy = config.build_algo().get_policy()

@@ -108,7 +108,7 @@ def main() -> None:
     emit(bench="machine", cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
          torch=torch.__version__, ray=ray.__version__, loadavg_1m_5m_15m=list(os.getloadavg()),
          config_overrides=overrides)
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         for algo in args.algos.split(","):
             steps: dict[str, list] = {s: [] for s in args.setups.split(",")}

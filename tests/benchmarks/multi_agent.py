@@ -137,7 +137,7 @@ def sampling(args: argparse.Namespace) -> None:
     layouts = [("in-process", sampling_cases())]
     if not args.no_ray:
         # logical CPUs: the three cases' runners are built at once, and one samples at a time
-        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False, num_cpus=8)
+        ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False, num_cpus=8)
         layouts.append(("2 ray runners", ray_sampling_cases()))
     try:
         for layout, cases in layouts:
@@ -198,7 +198,7 @@ def worker_rllib(a: argparse.Namespace) -> None:
               .multi_agent(policy_mapping_fn=by_agent, policies={"p0", "p1"})
               .resources(num_gpus=0).learners(num_gpus_per_learner=0).debugging(seed=a.seed))
     t0 = time.perf_counter()
-    ray.init(ignore_reinit_error=True)
+    ray.init(address="local", ignore_reinit_error=True)
     algo = config.build_algo()
 
     def stop() -> None:

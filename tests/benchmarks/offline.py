@@ -181,7 +181,7 @@ def start_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
 
 
 def ray_data_rate(path: str) -> float:
@@ -204,7 +204,7 @@ import json, sys, time, glob, os
 out, steps = sys.argv[1], int(sys.argv[2])
 import ray
 from ray.rllib.algorithms.ppo import PPOConfig
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 cfg = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0, num_envs_per_env_runner=8,
        rollout_fragment_length=256).offline_data(output=out, output_write_episodes=False)
        .training(train_batch_size_per_learner=2048, num_epochs=1))

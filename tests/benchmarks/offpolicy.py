@@ -205,7 +205,7 @@ def worker_rllib(a: argparse.Namespace) -> None:
 
     config = rllib_config(a.algo, a.seed)
     t0 = time.perf_counter()
-    ray.init(ignore_reinit_error=True)
+    ray.init(address="local", ignore_reinit_error=True)
     algo = config.build_algo()
 
     def read(result: dict) -> tuple[int, float | None]:

@@ -88,7 +88,7 @@ def main() -> None:
     emit(bench="machine", platform=platform.platform(), processor=platform.processor() or platform.machine(),
          cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__, ray=ray.__version__,
          gymnasium=gym.__version__)
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         emit(bench="sampling", layout="1x32", where="in-process runner, one core",
              env_steps_per_s=round(sampling_in_process(32, args.sampling_seconds)))

@@ -28,7 +28,7 @@ from pipeline.offline.record import record_policy  # noqa: E402
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         config = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2).debugging(seed=0)
                   .evaluation(evaluation_interval=5, evaluation_duration=20, evaluation_duration_unit="episodes"))
