@@ -213,8 +213,8 @@ def test_configs_validate_and_register():
            .env_runners(num_envs_per_env_runner=4))
     cfg.validate()
     assert cfg.broadcast_interval == 2 and cfg.circular_buffer_num_batches == 8
-    with pytest.raises(ConfigError, match="num_learners=0"):
-        IMPALAConfig().environment("CartPole-v1").learners(num_learners=2).validate()
+    with pytest.raises(ConfigError, match="num_env_runners >= 3"):  # a learner per runner at least
+        IMPALAConfig().environment("CartPole-v1").learners(num_learners=3).validate()
     with pytest.raises(ConfigError, match="circular_buffer_num_batches"):
         APPOConfig().environment("CartPole-v1").training(circular_buffer_num_batches=0).validate()
     with pytest.raises(ConfigError, match="did you mean 'broadcast_interval'"):

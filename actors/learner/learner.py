@@ -15,7 +15,8 @@ This class does the rest: learning-rate schedules by sampled timestep, the gradi
 (backward, averaging across data-parallel learners with torch.distributed -- gloo on CPU, nccl on
 GPU -- clipping, optimizer step), minibatch epochs, and a complete ``get_state``/``set_state``
 (module, targets, every optimizer, the named fields, RNGs) that a checkpoint stores with
-``torch.save`` and reads back with ``weights_only=True``.
+``torch.save`` and reads back with ``weights_only=True``. A remote learner of IMPALA or APPO also
+receives its own share of the chunk streams (``FedByStreams``, ``actors.learner.feed``).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from torch import nn
 from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import LearnerRole
 from actors.learner.batch_checks import BatchCheck
+from actors.learner.feed import FedByStreams
 from actors.modules import ActorCriticModule, RLModule
 from actors.schedules import piecewise
 from protocols import nested
@@ -74,7 +76,7 @@ class Optimizer:
     lr: float | list
 
 
-class Learner(LearnerRole):
+class Learner(FedByStreams, LearnerRole):
     module_class: ClassVar[type[RLModule]] = ActorCriticModule
     """The module this learner trains; env runners carry its inference-only copy."""
     state_fields: ClassVar[tuple[str, ...]] = ()
@@ -316,5 +318,6 @@ class Learner(LearnerRole):
         return fn(self)
 
     def stop(self) -> None:
+        self.close_feed()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -14,6 +14,10 @@ batch and where batches come from:
   ``circular_buffer_num_batches``; every update trains on a random buffered batch, and a batch
   leaves after ``circular_buffer_iterations_per_batch`` updates (or when it is the oldest and a new
   batch comes in). A learner faster than the runners reuses data up to K times instead of waiting.
+
+With ``num_learners=n > 0`` each learner actor keeps its own circular buffer and target network and
+is fed by its own env runners (``actors.learner.feed``); their gradients are averaged, so the learners'
+weights -- and hence their target networks -- stay identical.
 """
 from __future__ import annotations
 
@@ -26,12 +30,12 @@ import torch
 from torch import nn
 
 from actors.learner import ChunkBatch, Learner, piecewise
-from actors.metrics import MetricsLogger
+from actors.learner.feed import TakeBatch
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.returns import adapt_kl_coeff
 from pipeline.algorithms.vtrace import VTraceSettings, sgd_epochs, value_pass, vtrace_targets
-from pipeline.plans.asynchronous import AsyncPlan, AsyncPlanSettings, TakeBatch
+from pipeline.plans.asynchronous import AsyncPlan, AsyncPlanSettings
 from pipeline.config.base import AlgorithmConfig
 from pipeline.config.checks import is_int, is_number
 from pipeline.registry import register_algorithm
@@ -152,8 +156,9 @@ class APPOLearner(Learner):
             target.set_state(self.module.get_state(inference_only=True))
             self.updates_since_target_update = 0
             self.num_target_updates += 1
-            if cfg.use_kl_loss:
-                self.kl_coeff = adapt_kl_coeff(kl_coeff, out["mean_kl_loss"], cfg.kl_target)
+            if cfg.use_kl_loss:  # the KL averaged over the learners: every learner tunes the same coefficient
+                kl = float(self.allreduce_mean(np.array([out["mean_kl_loss"]]))[0])
+                self.kl_coeff = adapt_kl_coeff(kl_coeff, kl, cfg.kl_target)
         out["curr_kl_coeff"] = self.kl_coeff
         out["curr_entropy_coeff"] = entropy_coeff
         out["num_target_updates"] = float(self.num_target_updates)
@@ -201,12 +206,11 @@ class CircularBuffer:
             self.add(batch)
         return self.sample() if len(self) else None
 
+    metrics_prefix = "circular_buffer"
+
     def stats(self) -> dict[str, int]:
         return {"size": len(self), "num_batches_added": self.num_added,
                 "num_batches_evicted_unused": self.num_evicted_unused}
-
-    def log_metrics(self, metrics: MetricsLogger) -> None:
-        metrics.log_dict(self.stats(), prefix="circular_buffer", reduce="max", window=1)  # the latest values
 
 
 @register_algorithm

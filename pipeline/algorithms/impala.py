@@ -3,8 +3,12 @@
 Runners stream fragments, the learner trains on whatever arrives and corrects the policy lag with
 V-trace (the ratio of the learner's and the behaviour policy's action probabilities); the loop is
 ``pipeline.plans.asynchronous.AsyncPlan``. Here: ``IMPALAConfig``, ``impala_loss`` (a pure function of
-module, batch and config), ``IMPALALearner`` and ``IMPALA``. Only ``num_learners=0`` (the learner
-in the driver, beside the loader thread) is supported.
+module, batch and config), ``IMPALALearner`` and ``IMPALA``. With ``num_learners=0`` the learner runs in
+the driver beside the loader thread that receives every stream; with ``num_learners=n`` it runs as n Ray
+actors, each receiving the streams of its own env runners (runner i feeds learner ``i mod n``) and
+cutting its own batches of ``train_batch_size_per_learner`` steps, gradients averaged every minibatch
+and weights broadcast from learner 0 (``actors.learner.feed``, ``pipeline.plans.learner_feeds``).
+Multi-agent runs and external clients train with ``num_learners=0`` only.
 """
 from __future__ import annotations
 

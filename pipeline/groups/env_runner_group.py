@@ -170,14 +170,18 @@ class EnvRunnerGroup:
     # --- streaming ----------------------------------------------------------------------------
     def start_streaming(self, **stream_args: Any) -> None:
         """Have every healthy runner stream to ``stream_args["address"]`` (see
-        ``EnvRunner.start_streaming``); runners recreated later are started by ``poll``. New
-        arguments (a receiver that moved) reach every runner."""
+        ``EnvRunner.start_streaming``) -- or, given a list of addresses (one receiver per learner),
+        runner i to ``address[i % len(address)]``, the same one after a restart; runners recreated
+        later are started by ``poll``. New arguments (a receiver that moved) reach every runner."""
         if stream_args != self._stream_args:
             self._streaming.clear()
         self._stream_args = stream_args
         ids = [i for i in self.manager.healthy_ids() if i not in self._streaming]
         if ids:
-            for res in self.manager.foreach_actor("start_streaming", actor_ids=ids, **stream_args):
+            address, rest = stream_args["address"], {k: v for k, v in stream_args.items() if k != "address"}
+            addresses = [address] if isinstance(address, str) else list(address)
+            per_runner = {i: (addresses[i % len(addresses)],) for i in ids}
+            for res in self.manager.foreach_actor("start_streaming", actor_ids=ids, per_actor_args=per_runner, **rest):
                 if res.ok:
                     self._streaming.add(res.actor_id)
 

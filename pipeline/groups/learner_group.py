@@ -104,6 +104,14 @@ class LearnerGroup:
         values = [r.value for r in results]
         all_stats = [v[0] for v in values] if with_outputs else values
         outputs = {k: np.concatenate([v[1][k] for v in values]) for k in values[0][1]} if with_outputs else {}
+        stats = self.record_update(all_stats, batch_steps(batch), metrics)
+        return stats, outputs
+
+    def record_update(self, all_stats: list[dict[str, float]], steps: int, metrics: MetricsLogger | None
+                      ) -> dict[str, float]:
+        """Account for one update the learners made (``all_stats``: each learner's statistics; ``steps``:
+        env steps of all their batches together): the mean statistics, logged into ``metrics``, and a new
+        weights version -- unless the learners refused the batch."""
         if len(all_stats) == 1:  # the common case, per update on the hot path: no mean to take
             stats = {k: float(v) for k, v in all_stats[0].items()}
         else:
@@ -111,15 +119,14 @@ class LearnerGroup:
         if "num_batches_refused" in stats:  # the learners dropped the batch (``Learner._refuse``): nothing trained
             if metrics is not None:
                 metrics.log_value("learners/default_policy/num_batches_refused", 1, reduce="lifetime_sum")
-            return stats, outputs
+            return stats
         self.weights_version += 1
         if metrics is not None:
-            steps = batch_steps(batch)
             metrics.log_dict(stats, prefix="learners/default_policy")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained", steps, reduce="sum")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained_lifetime", steps, reduce="lifetime_sum")
             metrics.log_value("learners/__all_modules__/num_updates", 1, reduce="sum")
-        return stats, outputs
+        return stats
 
     def _first(self, method: str, *args: Any) -> Any:
         return self.manager.foreach_actor(method, *args, actor_ids=self.manager.healthy_ids()[:1])[0].value

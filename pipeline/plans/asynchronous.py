@@ -17,8 +17,14 @@ fragments. The env runner group polls the runners (metrics, health) and recreate
 While streaming, env steps count as sampled when the loader receives them, so nothing is counted
 as sampled before it can be trained on.
 
-Multi-agent runs (``multi_agent``: the run's ``MultiAgentSetup``) stream the same way from
-``MultiAgentEnvRunner``s. The loader checks each chunk against its module's spaces and cuts
+With ``num_learners=n > 0`` there is no loader in the driver: each learner actor receives its own share
+of the streams (runner i pushes to learner ``i mod n``), cuts its own batches and keeps its own batch
+source and target networks (``actors.learner.feed``); a training step updates every learner once, each
+on its own batch, gradients averaged, once all have one (``pipeline.plans.learner_feeds``), and weights
+go out from learner 0. Counters and queue depths are summed over the learners.
+
+Multi-agent runs (``multi_agent``: the run's ``MultiAgentSetup``; ``num_learners=0`` only) stream the
+same way from ``MultiAgentEnvRunner``s. The loader checks each chunk against its module's spaces and cuts
 ``ModuleBatches`` (the next ``train_batch_size_per_learner`` agent steps, laid out per module; see
 ``actors.learner.loader``); one update of the ``MultiLearnerGroup`` trains every trainable module on its
 part (APPO: each module's learner keeps its own target network; the circular buffer reuses whole
@@ -30,19 +36,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
 from actors.learner import ChunkBatch
+from actors.learner.feed import BatchSource, FeedSettings, FreshBatches
 from actors.learner.loader import ChunkReceiver, ModuleBatches
 from actors.metrics import MetricsLogger
 from pipeline.algorithm_multi_agent import MultiAgentSetup
 from pipeline.config.checks import is_int, is_number
+from pipeline.config.multi_agent import settings_used
 from pipeline.groups.env_runner_group import EnvRunnerGroup
 from pipeline.groups.learner_group import LearnerGroup
-
-TakeBatch = Callable[[float], "ChunkBatch | ModuleBatches | None"]
+from pipeline.plans.learner_feeds import LearnerFeeds
 
 
 @dataclass
@@ -78,10 +85,7 @@ class AsyncPlanSettings:
         problems = []
         if self.stream_compress not in (True, False, "auto"):
             problems.append(f"stream_compress must be True, False or 'auto', got {self.stream_compress!r}")
-        if self.num_learners != 0:
-            problems.append(f"{self.algo_name} supports only num_learners=0 (the learner runs in the driver, next to "
-                            f"the thread that receives the chunk streams); remote learners for the asynchronous "
-                            f"algorithms are not implemented yet, got num_learners={self.num_learners}")
+        problems += self.remote_learner_problems()
         if not is_int(self.stream_socket_buffer_bytes) or self.stream_socket_buffer_bytes < 0:
             problems.append(f"stream_socket_buffer_bytes must be an int >= 0, got {self.stream_socket_buffer_bytes!r}")
         for key in ("broadcast_interval", "learner_queue_size", "stream_hwm"):
@@ -92,29 +96,31 @@ class AsyncPlanSettings:
                 problems.append(f"{key} must be a number > 0, got {getattr(self, key)!r}")
         return problems
 
-
-class BatchSource(Protocol):
-    """Where each training step's batch comes from, given a way to take one off the queue."""
-
-    def next(self, take: TakeBatch) -> ChunkBatch | None: ...
-
-    def log_metrics(self, metrics: MetricsLogger) -> None: ...
-
-
-class FreshBatches:
-    """Each queued batch trains once (IMPALA)."""
-
-    def next(self, take: TakeBatch) -> ChunkBatch | None:
-        return take(0.1)  # briefly: the plan comes back soon to poll the runners
-
-    def log_metrics(self, metrics: MetricsLogger) -> None:
-        pass
+    def remote_learner_problems(self) -> list[str]:
+        """What ``num_learners > 0`` needs: a single-agent run fed by env runners, at least one per learner."""
+        n = self.num_learners
+        if not is_int(n) or n == 0:
+            return []
+        if settings_used(self):
+            return [f"{self.algo_name} with multi-agent settings supports only num_learners=0 (its per-module learners "
+                    f"receive the streams in the driver), got num_learners={n}: set .learners(num_learners=0)"]
+        if self.external_clients_config is not None:
+            return [f"{self.algo_name} with external_clients() supports only num_learners=0 (its policy servers "
+                    f"stream to the driver), got num_learners={n}: set .learners(num_learners=0)"]
+        runners = self.num_env_runners
+        if n > 1 and is_int(runners) and runners < n:
+            return [f"num_learners={n} needs num_env_runners >= {n}: each learner trains on the streams of its own "
+                    f"env runners (runner i feeds learner i mod {n}), got num_env_runners={runners}; raise "
+                    f"num_env_runners or lower num_learners"]
+        return []
 
 
 class AsyncPlan:
     def __init__(self, config: Any, env_runners: EnvRunnerGroup, learners: LearnerGroup, metrics: MetricsLogger,
                  observation_space: Any, action_space: Any, *, compress: bool, batches: BatchSource | None = None,
                  multi_agent: MultiAgentSetup | None = None) -> None:
+        """``batches``: the learner's batch source (default ``FreshBatches``); with remote learners each
+        learner gets its own copy."""
         self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
         self.multi_agent = multi_agent
         module_spaces = None
@@ -128,11 +134,22 @@ class AsyncPlan:
         # them. Use the CPUs the driver is counted for; stop() restores the previous setting.
         self._torch_threads_before = torch.get_num_threads()
         torch.set_num_threads(max(1, int(config.num_cpus_for_main_process)))
-        self.receiver = ChunkReceiver(
-            observation_space, action_space, config.train_batch_size_per_learner,
-            queue_size=config.learner_queue_size, hwm=config.stream_hwm, rcvbuf=config.stream_socket_buffer_bytes,
-            device=learners.local.device, module_spaces=module_spaces).start()
-        self.stream_args = {"address": self.receiver.address, "hwm": config.stream_hwm, "compress": compress,
+        self.receiver: ChunkReceiver | None = None
+        """The driver's loader (``num_learners=0``); None when the learners receive the streams (``feeds``)."""
+        self.feeds: LearnerFeeds | None = None
+        """The remote learners' own receivers (``num_learners > 0``)."""
+        if learners.local is not None:
+            self.receiver = ChunkReceiver(
+                observation_space, action_space, config.train_batch_size_per_learner,
+                queue_size=config.learner_queue_size, hwm=config.stream_hwm, rcvbuf=config.stream_socket_buffer_bytes,
+                device=learners.local.device, module_spaces=module_spaces).start()
+            address: str | list[str] = self.receiver.address
+        else:
+            settings = FeedSettings(config.train_batch_size_per_learner, config.learner_queue_size, config.stream_hwm,
+                                    config.stream_socket_buffer_bytes)
+            self.feeds = LearnerFeeds(learners, settings, self.batches, config.learner_queue_timeout)
+            address = self.feeds.addresses  # runner i streams to learner i mod n
+        self.stream_args = {"address": address, "hwm": config.stream_hwm, "compress": compress,
                             "sndbuf": config.stream_socket_buffer_bytes,
                             "stall_timeout_s": config.env_runner_health_probe_timeout_s}
         self._last_batch_at = time.monotonic()
@@ -143,10 +160,16 @@ class AsyncPlan:
         if not self._streaming:
             self.env_runners.start_streaming(**self.stream_args)
             self._streaming = True
-        with self.metrics.log_time("timers/learner_wait_for_batch", reduce="sum"):
-            batch = self.batches.next(self._take)
-        if batch is not None:
-            self._update(batch)
+        if self.feeds is None:
+            with self.metrics.log_time("timers/learner_wait_for_batch", reduce="sum"):
+                batch = self.batches.next(self._take)
+            if batch is not None:
+                self._update(batch)
+        else:
+            with self.metrics.log_time("timers/learner_wait_for_batch", reduce="sum"):
+                ready = self.feeds.wait_ready(0.1)  # briefly: the plan comes back soon to poll the runners
+            if ready:
+                self._update_remote()
         self.env_runners.poll(self.metrics, self.config.env_runner_metrics_interval_s)
         self._log_stream()
 
@@ -177,10 +200,21 @@ class AsyncPlan:
         env_steps = {} if self.multi_agent is None else {"num_env_steps": self._env_steps_of(batch.num_steps)}
         with m.log_time("timers/learner_update", reduce="sum"):
             self.learners.update(batch, timestep, m, **env_steps)
+        self._broadcast_if_due(timestep)
+
+    def _update_remote(self) -> None:
+        """One update of every remote learner, each on a batch of its own stream, then a broadcast when due."""
+        m = self.metrics
+        timestep = m.peek("env_runners/num_env_steps_sampled_lifetime", 0)
+        with m.log_time("timers/learner_update", reduce="sum"):
+            self.feeds.update(timestep, self.learners.weights_version, m)
+        self._broadcast_if_due(timestep)
+
+    def _broadcast_if_due(self, timestep: int) -> None:
         if self.learners.weights_version % self.config.broadcast_interval == 0:
-            weights = self.learners.get_weights(inference_only=True)
+            weights = self.learners.get_weights(inference_only=True)  # with remote learners: learner 0's
             if self.multi_agent is not None:  # multi-agent runners follow their schedules in count_steps_by units
-                timestep = self.multi_agent.runner_timestep(m, timestep)
+                timestep = self.multi_agent.runner_timestep(self.metrics, timestep)
             self.env_runners.sync_weights(weights, self.learners.weights_version, int(timestep), wait=False)
 
     def _env_steps_of(self, agent_steps: int) -> int:
@@ -191,9 +225,19 @@ class AsyncPlan:
         agents = m.peek("env_runners/num_agent_steps_sampled_lifetime", 0)
         return round(agent_steps * env / agents) if agents else agent_steps
 
+    def _stream_stats(self) -> tuple[dict[str, Any], dict[str, int], dict[str, int], int]:
+        """The receivers' counters, drops by sender, the batch sources' stats and the learner queues'
+        capacity: the driver's loader's, or summed over the remote learners' feeds."""
+        if self.feeds is None:
+            s = self.receiver.stats()
+            return s, dict(self.receiver.dropped_by_sender), self.batches.stats(), self.config.learner_queue_size
+        s = self.feeds.stats()
+        return s, s["dropped_by_sender"], s["source"], self.config.learner_queue_size * self.feeds.num_learners
+
     def _log_stream(self) -> None:
-        m, s = self.metrics, self.receiver.stats()
-        received = s["num_env_steps_received"]
+        m = self.metrics
+        s, dropped_by_sender, source, capacity = self._stream_stats()
+        received = s.get("num_env_steps_received", 0)
         new, self._received_counted = received - self._received_counted, received
         if self.multi_agent is None:
             m.log_value("env_runners/num_env_steps_sampled", new, reduce="sum")
@@ -205,12 +249,13 @@ class AsyncPlan:
         for key in ("num_frames_received", "num_chunks_received", "num_frames_dropped_decode_error",
                     "num_frames_dropped_bad_envelope", "num_frames_dropped_not_chunks", "num_chunks_dropped_invalid",
                     "num_env_steps_dropped"):
-            m.log_value(f"stream/{key}", s[key], reduce="max", window=1)  # window=1: the latest value
-        for sender, n in self.receiver.dropped_by_sender.items():
+            m.log_value(f"stream/{key}", s.get(key, 0), reduce="max", window=1)  # window=1: the latest value
+        for sender, n in dropped_by_sender.items():
             m.log_value(f"stream/num_dropped_by_sender/{sender.replace('/', '_')}", n, reduce="max", window=1)
-        m.log_value("learner_queue/size", s["learner_queue_size"], reduce="max", window=1)
-        m.log_value("learner_queue/capacity", self.config.learner_queue_size, reduce="max", window=1)
-        self.batches.log_metrics(m)
+        m.log_value("learner_queue/size", s.get("learner_queue_size", 0), reduce="max", window=1)
+        m.log_value("learner_queue/capacity", capacity, reduce="max", window=1)
+        if source and self.batches.metrics_prefix:
+            m.log_dict(source, prefix=self.batches.metrics_prefix, reduce="max", window=1)  # the latest values
 
     def get_state(self) -> dict[str, Any]:
         return {}  # what is in flight is re-sampled after a restore
@@ -219,10 +264,12 @@ class AsyncPlan:
         pass
 
     def stop(self) -> None:
-        """Stop the runners' sampling threads, then the loader thread and its socket."""
+        """Stop the runners' sampling threads, then the loader thread(s) and socket(s)."""
         try:
             self.env_runners.stop_streaming()
         finally:
-            self.receiver.close()
+            if self.receiver is not None:
+                self.receiver.close()
+            if self.feeds is not None:
+                self.feeds.close()
             torch.set_num_threads(self._torch_threads_before)
-

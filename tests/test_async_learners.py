@@ -1,0 +1,265 @@
+"""IMPALA and APPO with remote learners (``num_learners > 0``): each learner receives the streams of its
+own env runners, the learners update together with gradients averaged, weights go out from learner 0.
+
+Without Ray: a learner's feed (``actors.learner.feed``) holds a batch once it says it is ready and
+refuses to update without one. With Ray: two learners hold identical weights (and APPO target
+networks), each trains only on its own runners' chunks, no chunk is trained twice or lost (counted by
+chunk ids), the run's counters add up over the learners, a killed learner ends the run naming it, and
+(learning) CartPole-v1 reaches 450 within the budget of the single-learner tests.
+"""
+import threading
+from collections import defaultdict
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import ray
+
+from actors.env import EnvRunner, EnvRunnerSettings
+from actors.learner.feed import FeedSettings, FreshBatches, LearnerFeed
+from actors.manager import ActorGroupError
+from pipeline import APPOConfig, ConfigError, DefaultCallbacks, IMPALAConfig
+from pipeline.algorithms.appo import CircularBuffer
+from pipeline.algorithms.impala import IMPALALearner
+from protocols.transport import ChunkSender
+from tests.test_impala_appo import check_cartpole
+
+MAX_STEPS = 1_000_000  # the single-learner learning tests' budget (tests/test_impala_appo.py)
+
+# --- configs ----------------------------------------------------------------------------------
+def test_remote_learner_configs_validate_or_name_what_to_change():
+    IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2).learners(num_learners=2).validate()
+    APPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0).learners(num_learners=1).validate()
+    with pytest.raises(ConfigError, match=r"num_learners=3 needs num_env_runners >= 3.*got num_env_runners=2"):
+        APPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2).learners(num_learners=3).validate()
+    with pytest.raises(ConfigError, match=r"multi-agent settings supports only num_learners=0"):
+        (APPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2).learners(num_learners=2)
+         .multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda agent_id, episode, **kw: "a").validate())
+
+# --- a learner's feed, in this process ----------------------------------------------------------
+def make_feed(source):
+    settings = EnvRunnerSettings(env_creator=lambda ctx: gym.make("CartPole-v1"), num_envs=4,
+                                 rollout_fragment_length=25, seed=0)
+    runner = EnvRunner(settings, worker_index=1)
+    cfg = (IMPALAConfig().environment("CartPole-v1").training(train_batch_size_per_learner=100, minibatch_size=100)
+           .debugging(seed=0))
+    learner = IMPALALearner(cfg, runner.observation_space, runner.action_space)
+    runner.set_weights(learner.get_weights(inference_only=True))
+    feed = LearnerFeed(learner, FeedSettings(batch_size=100, queue_size=2), source)
+    return runner, learner, feed
+
+def test_feed_holds_a_batch_once_ready_and_never_updates_without_one():
+    runner, learner, feed = make_feed(FreshBatches())
+    sender = ChunkSender(feed.address, "env-runner-1", compress=False)
+    try:
+        assert not feed.ready(0.0)
+        with pytest.raises(RuntimeError, match="holds no train batch"):
+            feed.update(timestep=0)
+        assert learner.num_updates == 0
+        chunks = runner.sample()  # 4 sub-envs x 25 steps: one batch of 100
+        assert sender.send(chunks)
+        assert feed.ready(60.0)
+        status = feed.status()
+        assert status.ready and status.stats["num_chunks_received"] == len(chunks)
+        assert status.stats["learner_queue_size"] == 0  # the batch is held for the update, out of the queue
+        update = feed.update(timestep=0)
+        assert update.num_steps == 100 and int(update.steps.sum()) == 100 and set(update.versions) == {0}
+        assert learner.num_updates == 1 and np.isfinite(update.stats["policy_loss"])
+        assert not update.status.ready  # nothing more came
+    finally:
+        sender.close()
+        feed.close()
+    assert feed.receiver.closed
+
+def test_feed_with_a_circular_buffer_is_ready_while_the_buffer_holds_batches():
+    runner, learner, feed = make_feed(CircularBuffer(num_batches=2, iterations_per_batch=2, seed=0))
+    sender = ChunkSender(feed.address, "env-runner-1", compress=False)
+    try:
+        assert sender.send(runner.sample())
+        assert feed.ready(60.0)
+        first = feed.update(timestep=0)
+        assert first.status.ready and first.status.stats["source"]["size"] == 1  # the batch serves K=2 updates
+        second = feed.update(timestep=0)
+        assert not second.status.ready and second.status.stats["source"]["size"] == 0
+        assert learner.num_updates == 2
+    finally:
+        sender.close()
+        feed.close()
+
+# --- with Ray: two learners ---------------------------------------------------------------------
+class RecordTrainedChunks(DefaultCallbacks):
+    """In each learner: the pieces of chunks it trained on, by id."""
+
+    def __init__(self):
+        super().__init__()
+        self.trained = []
+
+    def on_learn_on_batch(self, *, train_batch, **kwargs):
+        self.trained += [(c.episode_id, c.chunk_index, c.t_started, len(c), c.env_runner_index, c.weights_version)
+                         for c in train_batch]
+
+def build(config_cls, **training):
+    return (config_cls().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)
+            .learners(num_learners=2).training(**training).callbacks(RecordTrainedChunks)
+            .reporting(min_time_s_per_iteration=0.5).debugging(seed=0).build(logdir=None))
+
+def runnel_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("runnel-")]
+
+def test_two_impala_learners_train_their_own_runners_chunks_each_once(ray_cluster):
+    algo = build(IMPALAConfig, train_batch_size_per_learner=200, minibatch_size=100)
+    try:
+        results = [algo.train() for _ in range(4)]
+        trained = algo.learner_group.foreach_learner(lambda l: l.callbacks.trained)
+        weights = algo.learner_group.foreach_learner(lambda l: l.get_weights())
+        received = algo.learner_group.foreach_learner(lambda l: l.feed.receiver.stats())
+        updates = algo.learner_group.foreach_learner(lambda l: l.num_updates)
+    finally:
+        algo.stop()
+    assert runnel_threads() == []
+    last = results[-1]
+    assert algo.weights_version >= 5, algo.weights_version
+    # identical weights after every update (gradients averaged every minibatch): 2 minibatches per update
+    for k in weights[0]:
+        np.testing.assert_array_equal(weights[0][k], weights[1][k])
+    assert updates[0] == updates[1] == 2 * algo.weights_version
+    # runner i streams to learner i mod 2, and each learner trained chunks of its runner only
+    for rank, pieces in enumerate(trained):
+        assert pieces and {p[4] for p in pieces} == {2 - rank}, (rank, {p[4] for p in pieces})
+    # no piece of a chunk twice, across both learners; each episode's pieces on one learner, gap-free from step 0
+    pieces = [p for ps in trained for p in ps]
+    assert len({p[:3] for p in pieces}) == len(pieces)
+    by_episode = defaultdict(list)
+    for rank, ps in enumerate(trained):
+        for episode_id, _, t, n, _, _ in ps:
+            by_episode[episode_id].append((t, n, rank))
+    for episode_id, parts in by_episode.items():
+        parts.sort()
+        assert parts[0][0] == 0 and len({r for _, _, r in parts}) == 1, episode_id
+        for (t, n, _), (t_next, _, _) in zip(parts, parts[1:]):
+            assert t_next == t + n, f"episode {episode_id}: steps {t + n}..{t_next} lost"
+    # the counters add up over the learners
+    steps = [sum(p[3] for p in ps) for ps in trained]
+    assert steps[0] == steps[1] == 200 * algo.weights_version
+    assert last["num_env_steps_trained_lifetime"] == sum(steps)
+    assert sum(steps) <= last["num_env_steps_sampled_lifetime"] <= sum(r["num_env_steps_received"] for r in received)
+    assert 0 < last["stream"]["num_chunks_received"] <= sum(r["num_chunks_received"] for r in received)
+    assert last["learner_queue"]["capacity"] == 2 * 4 and 0 <= last["learner_queue"]["size"] <= 8
+    assert last["stream"]["num_frames_dropped_decode_error"] == last["stream"]["num_chunks_dropped_invalid"] == 0
+
+@pytest.mark.slow
+def test_two_appo_learners_keep_identical_weights_and_target_networks(ray_cluster):
+    algo = build(APPOConfig, train_batch_size_per_learner=200, minibatch_size=100, target_network_update_freq=2,
+                 use_kl_loss=True)
+    try:
+        for _ in range(30):
+            result = algo.train()
+            if result["learners"]["default_policy"].get("num_target_updates", 0) >= 2:
+                break
+        states = algo.learner_group.foreach_learner(lambda l: l.get_state())
+        trained = algo.learner_group.foreach_learner(lambda l: l.callbacks.trained)
+    finally:
+        algo.stop()
+    for part in ("module", "targets"):
+        a, b = states[0][part], states[1][part]
+        if part == "targets":
+            a, b = a["target_policy"], b["target_policy"]
+        for k in a:
+            assert np.array_equal(a[k].numpy(), b[k].numpy()), (part, k)
+    assert states[0]["fields"]["num_target_updates"] >= 2
+    assert states[0]["fields"] == states[1]["fields"]  # the KL coefficient, tuned on the averaged KL
+    for rank, pieces in enumerate(trained):
+        assert pieces and {p[4] for p in pieces} == {2 - rank}
+    assert result["circular_buffer"]["num_batches_added"] > 0
+    assert runnel_threads() == []
+
+@pytest.mark.slow
+def test_a_killed_learner_ends_the_run_naming_it(ray_cluster):
+    algo = build(IMPALAConfig, train_batch_size_per_learner=200, minibatch_size=200)
+    try:
+        algo.train()
+        ray.kill(algo.learner_group.manager.handle(1), no_restart=True)
+        with pytest.raises(ActorGroupError, match=r"learner 1 failed"):
+            for _ in range(20):
+                algo.train()
+    finally:
+        algo.stop()
+    assert runnel_threads() == []
+
+@pytest.mark.slow
+def test_a_recreated_runner_streams_to_its_learner_again(ray_cluster):
+    algo = (IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)
+            .learners(num_learners=2).training(train_batch_size_per_learner=200, minibatch_size=200)
+            .fault_tolerance(delay_between_env_runner_restarts_s=0.2, env_runner_health_probe_timeout_s=3.0)
+            .callbacks(RecordTrainedChunks).reporting(min_time_s_per_iteration=0.5).debugging(seed=0).build(logdir=None))
+    try:
+        algo.train()
+        killed_at = algo.weights_version  # runner 1 never acts with a later version: only its replacement does
+        ray.kill(algo.env_runner_group.manager.handle(1), no_restart=True)
+        for _ in range(30):
+            if algo.train()["fault_tolerance"]["num_remote_worker_restarts"] >= 1:
+                break
+        version = algo.weights_version
+        for _ in range(3):
+            result = algo.train()
+        trained = algo.learner_group.foreach_learner(lambda l: l.callbacks.trained)
+    finally:
+        algo.stop()
+    assert result["fault_tolerance"]["num_remote_worker_restarts"] == 1
+    assert algo.weights_version > version
+    assert {p[4] for p in trained[1]} == {1} and {p[4] for p in trained[0]} == {2}
+    assert any(p[5] > killed_at for p in trained[1])  # chunks of the recreated runner 1, trained by learner 1
+    assert runnel_threads() == []
+
+
+@pytest.mark.slow
+def test_a_learner_whose_runners_are_gone_ends_the_run_after_the_queue_timeout_naming_it(ray_cluster):
+    algo = (IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)
+            .learners(num_learners=2).training(train_batch_size_per_learner=200, minibatch_size=200,
+                                                learner_queue_timeout=5.0)
+            .fault_tolerance(restart_failed_env_runners=False, ignore_env_runner_failures=True,
+                             env_runner_health_probe_timeout_s=3.0)
+            .reporting(min_time_s_per_iteration=0.5).debugging(seed=0).build(logdir=None))
+    try:
+        algo.train()
+        ray.kill(algo.env_runner_group.manager.handle(1), no_restart=True)  # learner 1's only runner
+        with pytest.raises(RuntimeError, match=r"learner_queue_timeout=5.0\) at learner 1 \(fed by env runners "
+                                               r"with index % 2 == 1; frames received: [1-9]"):
+            for _ in range(100):
+                algo.train()
+    finally:
+        algo.stop()
+    assert runnel_threads() == []
+
+
+# --- learning -----------------------------------------------------------------------------------
+def run_to_450(config_cls):
+    """Two learners, each with half the single-learner batch (the same steps per update, RLlib's rule
+    for ``train_batch_size_per_learner``), to a mean return of 450 or the budget."""
+    algo = (config_cls().environment("CartPole-v1").env_runners(num_env_runners=2).learners(num_learners=2)
+            .training(train_batch_size_per_learner=250, minibatch_size=250).debugging(seed=0).build(logdir=None))
+    results = []
+    try:
+        while True:
+            results.append(algo.train())
+            if (results[-1]["env_runners"]["episode_return_mean"] >= 450
+                    or results[-1]["num_env_steps_sampled_lifetime"] >= MAX_STEPS):
+                break
+        streaming = [r.value for r in algo.env_runner_group.manager.foreach_actor("is_streaming")]
+    finally:
+        algo.stop()
+    assert runnel_threads() == []
+    return results, streaming
+
+@pytest.mark.learning
+def test_appo_with_two_learners_reaches_450(ray_cluster):
+    results, streaming = run_to_450(APPOConfig)
+    check_cartpole(results, streaming)
+    assert results[-1]["learners"]["default_policy"]["num_target_updates"] >= 1
+    assert results[-1]["circular_buffer"]["num_batches_added"] > 0
+
+@pytest.mark.learning
+def test_impala_with_two_learners_reaches_450(ray_cluster):
+    results, streaming = run_to_450(IMPALAConfig)
+    check_cartpole(results, streaming)
+    assert results[-1]["num_env_steps_trained_lifetime"] <= results[-1]["num_env_steps_sampled_lifetime"]
