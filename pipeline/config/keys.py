@@ -43,7 +43,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
                    "always_attach_evaluation_results", "off_policy_estimation_methods",
                    "off_policy_estimation_episodes"),
 }
-OWN_BUILDERS = {"external_clients_config": "external_clients", "offline_data_config": "offline_data"}
+OWN_BUILDERS = {"external_clients_config": "external_clients", "offline_data_config": "offline_data",
+                "inference_config": "inference"}
 """Settings outside ``GROUPS`` that have a builder of their own."""
 
 
