@@ -139,3 +139,26 @@ class EvalFaultEnv(FlakyEnv):
             "eval_fail_on", [])
         self.fail_at = {20} if failing else set()
         self.hang = config.get("hang", False)
+
+
+class FrameEnv(gym.Env):
+    """Atari-sized frames, cheap to step (benchmarks of the inference path): 84x84x4 uint8 observations
+    drawn from a few frames made at construction, 6 actions, reward 1 for action 0, ``length`` steps
+    (default 500) an episode."""
+
+    def __init__(self, config=None):
+        config = config or {}
+        self.length = int(config.get("length", 500))
+        self.observation_space = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)
+        self.action_space = gym.spaces.Discrete(6)
+        self.frames = np.random.default_rng(0).integers(0, 256, (8, 84, 84, 4), dtype=np.uint8)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.frames[0], {}
+
+    def step(self, action):
+        self.t += 1
+        return self.frames[self.t % 8], float(action == 0), False, self.t >= self.length, {}

@@ -59,6 +59,9 @@ class LocalActing:
         if state.get("torch_rng") is not None:
             self._torch.set_rng_state(self._torch.as_tensor(np.array(state["torch_rng"], np.uint8)))  # a writable copy
 
+    def log_metrics(self, metrics: Any) -> None:
+        """Nothing beyond what the runner logs itself."""
+
     def close(self) -> None:
         pass
 

@@ -244,6 +244,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
                 self.metrics.log_value(f"perf/env_runner_{self.worker_index}/{key}", value)
         if self.recorder is not None:
             self.recorder.log_metrics(self.metrics)
+        self.acting.log_metrics(self.metrics)
         out = self.metrics.export()
         out.update({f"env_runners/{k}": v for k, v in self.callback_metrics.export().items()})
         return out

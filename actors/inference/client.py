@@ -47,6 +47,7 @@ class RemoteActing:
         self.seq = 0
         self.num_resends = 0
         self.num_reconnects = 0
+        self._logged = {"num_resends": 0, "num_reconnects": 0}
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self.address: str | None = None
@@ -118,6 +119,13 @@ class RemoteActing:
         return reply if reply.seq == self.seq else None
 
     # --- what the runner asks of any acting piece ----------------------------------------------
+    def log_metrics(self, metrics: Any) -> None:
+        """Resends and reconnects since the last call, as ``inference/runner_...`` sums."""
+        for key in ("num_resends", "num_reconnects"):
+            now = getattr(self, key)
+            delta, self._logged[key] = now - self._logged[key], now
+            metrics.log_value(f"inference/runner_{key}", delta, reduce="lifetime_sum")
+
     def set_weights(self, weights: Any, weights_version: int) -> None:
         """Weights go to the servers, not here (the driver sends none)."""
 

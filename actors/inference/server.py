@@ -22,10 +22,11 @@ served (malformed, observations that do not fit the space, a forward pass that r
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -47,6 +48,20 @@ from protocols.schema import ChunkSchema
 log = logging.getLogger("runnel")
 
 COUNTS = ("num_requests", "num_actions", "num_batches", "num_bad_requests", "num_failed_batches")
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """torch at one intra-op thread within (a server given several CPUs uses them for the forward pass)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class InferenceServer(InferenceRole):
@@ -169,17 +184,35 @@ class InferenceServer(InferenceRole):
         except Exception as err:  # noqa: BLE001 - a bad batch must not stop serving every runner
             self._failed(group, err)
             return
-        for (route, r), rows in zip(group, row_slices([r.rows for _, r in group])):
-            stream = self.streams.of(r.runner)
-            mine = inputs[rows]
-            try:
-                with stream.drawing():
-                    actions, logp = self.forward.choose(mine, stream.exploration, explore, r.timestep)
-            except Exception as err:  # noqa: BLE001
-                self._failed([(route, r)], err)
+        slices = row_slices([r.rows for _, r in group])
+        shared = self.streams.shared
+        with single_threaded():  # small ops: an OpenMP region costs more than the work
+            if shared is not None:  # one choice for the whole batch
+                try:
+                    actions, logp = self.forward.choose(inputs, shared, explore, min(r.timestep for _, r in group))
+                except Exception as err:  # noqa: BLE001
+                    self._failed(group, err)
+                    return
+                chosen = [(actions[rows], logp[rows]) for rows in slices]
+            else:
+                chosen = [self._choose(route, r, inputs[rows], explore) for (route, r), rows in zip(group, slices)]
+        for (route, r), rows, pair in zip(group, slices, chosen):
+            if pair is None:
                 continue
-            send([route, wire.actions_reply(r.seq, version, actions.numpy(), logp.numpy(), mine.numpy())])
+            actions, logp = pair
+            send([route, wire.actions_reply(r.seq, version, actions.numpy(), logp.numpy(), inputs[rows].numpy())])
             self.counts["num_actions"] += r.rows
+
+    def _choose(self, route: bytes, r: wire.ActRequest, inputs: torch.Tensor, explore: bool
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One runner's actions, drawn from its own stream (None: it failed and was answered so)."""
+        stream = self.streams.of(r.runner)
+        try:
+            with stream.drawing():
+                return self.forward.choose(inputs, stream.exploration, explore, r.timestep)
+        except Exception as err:  # noqa: BLE001
+            self._failed([(route, r)], err)
+            return None
 
     def _failed(self, group: list, err: Exception) -> None:
         self.counts["num_failed_batches"] += 1

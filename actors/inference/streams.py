@@ -10,6 +10,10 @@ same draws, in the same order, as the runner would have made itself: with the sa
 weights, central and local inference take the same actions. Unseeded, every runner draws from the
 server's one generator.
 
+Unseeded, with a built-in exploration piece that keeps no state of its own (``STATELESS``), one piece
+chooses for a whole batch at once (``shared``), at the batch's oldest ``timestep``: one sampling call
+per forward pass instead of one per runner, and the same schedule within a fraction of an iteration.
+
 A recreated server starts each runner's noise afresh from its seed (exploration schedules follow
 the runner's ``timestep``, which every request carries, so they are unaffected).
 """
@@ -21,7 +25,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from actors.env.exploration import Exploration
+from actors.env.exploration import EpsilonGreedy, Exploration, GaussianNoise, SoftQ, StochasticSampling
+
+STATELESS = (StochasticSampling, EpsilonGreedy, SoftQ, GaussianNoise)
+"""Built-in pieces whose choice depends only on the distribution, the timestep and the generator
+(``OrnsteinUhlenbeckNoise`` keeps a process per row; a user's piece may keep anything)."""
 
 
 class RunnerStream:
@@ -52,6 +60,9 @@ class RunnerStreams:
         runner's generator before its first action)."""
         self.make_exploration, self.build_module, self.seed = make_exploration, build_module, seed
         self.streams: dict[int, RunnerStream] = {}
+        piece = make_exploration()
+        self.shared: Exploration | None = piece if seed is None and type(piece) in STATELESS else None
+        """The one piece that chooses for whole batches, or None: each runner's own, per request."""
 
     def of(self, runner: int) -> RunnerStream:
         stream = self.streams.get(runner)

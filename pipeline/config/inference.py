@@ -11,10 +11,10 @@ read in the runners' place are refused with the setting to change. Evaluators ke
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any
 
 from actors.inference.settings import MODES, InferenceSettings
+from pipeline.config.keys import dict_setting_problems
 from pipeline.config.multi_agent import settings_used
 from pipeline.config.offline import mixes_sampler
 
@@ -36,17 +36,8 @@ def _number(value: Any) -> bool:
 
 def inference_problems(config: Any) -> list[str]:
     d = config.inference_config
-    if d is None:
-        return []
-    if not isinstance(d, dict):
-        return [f"inference settings must be a dict, got {type(d).__name__}"]
-    problems = []
-    for key in d:
-        if key not in KEYS:
-            close = difflib.get_close_matches(key, KEYS, n=2, cutoff=0.5)
-            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"valid keys: {list(KEYS)}"
-            problems.append(f"unknown inference setting {key!r}; {hint}")
-    if problems:
+    problems = [] if d is None else dict_setting_problems(d, KEYS, "inference")
+    if d is None or problems:
         return problems
     x = InferenceSettings(**d)
     if x.mode not in MODES:
