@@ -4,12 +4,13 @@ Every stage that acts with a torch module goes through this: an env runner actin
 (``actors.env.acting.LocalActing``), the central inference server (``actors.inference.server``) and
 the external-client policy server's torch backend (``actors.external.inference``). The forward pass
 runs on the module's device (CUDA for a server given a GPU: observations go up through pinned host
-memory with non-blocking copies); the distribution inputs come back to the CPU, where exploration
+buffers, reused from batch to batch, with non-blocking copies); the distribution inputs come back to the CPU, where exploration
 draws its noise from the CPU generator -- the same draws wherever the module ran, which is what lets
 central inference reproduce a runner's own actions (``actors.inference.streams``).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -27,22 +28,30 @@ class PolicyForward:
         self.module.eval()
         self.dist_spec = module.dist_spec
         self.cuda = self.device.type == "cuda"
+        self._pinned: dict[tuple, torch.Tensor] = {}  # (leaf, dtype, row shape) -> a pinned host buffer
 
     def dist_inputs(self, obs: Any, explore: bool) -> torch.Tensor:
         """The action distribution inputs for a batch of numpy observations, on the CPU. The caller
         holds ``torch.inference_mode``."""
         module = self.module
         forward = module.forward_exploration if explore else module.forward_inference
-        inputs = forward(nested.map_structure(self._to_device, obs))["action_dist_inputs"]
-        if self.cuda:
-            return inputs.to("cpu")  # waits for the pass: the answers are needed now
-        return inputs
-
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a) if a.flags.writeable else torch.from_numpy(np.array(a))  # codec views are read-only
         if not self.cuda:
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+            return forward(nested.map_structure(_tensor, obs))["action_dist_inputs"]
+        leaf = itertools.count()
+        inputs = forward(nested.map_structure(lambda a: self._upload(next(leaf), a), obs))["action_dist_inputs"]
+        # waits for the pass (the answers are needed now); the pinned buffers are free again after it
+        return inputs.to("cpu")
+
+    def _upload(self, leaf: int, a: np.ndarray) -> torch.Tensor:
+        """``a`` on the GPU through a pinned buffer kept for this leaf (grown as batches grow)."""
+        key = (leaf, a.dtype.str, a.shape[1:])
+        buf = self._pinned.get(key)
+        if buf is None or len(buf) < len(a):
+            buf = self._pinned[key] = torch.empty((max(len(a), 64), *a.shape[1:]),
+                                                  dtype=_tensor(a[:0]).dtype).pin_memory()
+        part = buf[:len(a)]
+        part.numpy()[...] = a
+        return part.to(self.device, non_blocking=True)
 
     def choose(self, inputs: torch.Tensor, exploration: Exploration, explore: bool, timestep: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,3 +65,8 @@ class PolicyForward:
 
     def get_state(self) -> dict[str, np.ndarray]:
         return self.module.get_state()
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a CPU tensor sharing its memory (a copy for read-only arrays, such as decoded codec views)."""
+    return torch.from_numpy(a) if a.flags.writeable else torch.from_numpy(np.array(a))

@@ -96,7 +96,7 @@ class InferenceServer(InferenceRole):
         self._reported = dict(self.counts)
         self._forward_s = 0.0  # time in forward passes since the last get_metrics
         self._lock = threading.Lock()  # the module, the streams, counts and pending weights
-        self._pending: tuple[dict, int, threading.Event] | None = None
+        self._pending: tuple[dict, int, list[threading.Event]] | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
         self._ctx = zmq.Context()
@@ -160,10 +160,11 @@ class InferenceServer(InferenceRole):
         if self._pending is None:
             return
         with self._lock:
-            (weights, version, done), self._pending = self._pending, None
+            (weights, version, waiting), self._pending = self._pending, None
             self.forward.module.load_state_dict(weights, assign=True)
             self.weights_version = version
-        done.set()
+        for done in waiting:
+            done.set()
 
     def _run_batch(self) -> None:
         self._apply_pending()
@@ -242,8 +243,9 @@ class InferenceServer(InferenceRole):
         device = self.forward.device
         prepared = {k: torch.tensor(np.asarray(weights[k])).to(device=device, dtype=t.dtype) for k, t in own.items()}
         done = threading.Event()
-        with self._lock:
-            self._pending = (prepared, int(weights_version), done)
+        with self._lock:  # weights not applied yet are superseded: their callers return with these
+            waiting = self._pending[2] if self._pending is not None else []
+            self._pending = (prepared, int(weights_version), [*waiting, done])
         self._wake()
         deadline = time.monotonic() + timeout_s
         while not done.wait(0.1):
