@@ -67,9 +67,12 @@ def single_threaded() -> Iterator[None]:
 class InferenceServer(InferenceRole):
     def __init__(self, settings: EnvRunnerSettings, inference: InferenceSettings, server_index: int = 0,
                  torch_threads: int | None = None) -> None:
-        """``torch_threads``: intra-op threads of this process (a Ray actor: its CPUs); None leaves them."""
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        """``torch_threads``: intra-op threads of the serving thread (a Ray actor: its CPUs); None: the caller's."""
+        # the serving thread sets this for itself: OpenMP's thread count is per thread, and a new
+        # thread would otherwise run one intra-op thread per core
+        self._torch_threads = torch_threads or torch.get_num_threads()
+        self._owns_process = bool(torch_threads)
+        """A Ray actor of its own (else a thread of the driver's, whose torch settings it leaves alone)."""
         self.s, self.x, self.index = settings, inference, server_index
         device = "cpu"
         if inference.num_gpus_per_inference_server > 0:
@@ -115,6 +118,7 @@ class InferenceServer(InferenceRole):
 
     # --- the serving thread ---------------------------------------------------------------------
     def _serve(self) -> None:
+        torch.set_num_threads(self._torch_threads)
         sock, queue = self._sock, self.queue
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -187,7 +191,10 @@ class InferenceServer(InferenceRole):
             return
         slices = row_slices([r.rows for _, r in group])
         shared = self.streams.shared
-        with single_threaded():  # small ops: an OpenMP region costs more than the work
+        # small ops, where an OpenMP region costs more than the work; in the driver's process the
+        # thread setting is the learner's too, and stays alone
+        small = single_threaded() if self._owns_process else contextlib.nullcontext()
+        with small:
             if shared is not None:  # one choice for the whole batch
                 try:
                     actions, logp = self.forward.choose(inputs, shared, explore, min(r.timestep for _, r in group))
