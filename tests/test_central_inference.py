@@ -32,12 +32,15 @@ def servers(algo):
 
 # --- thin runners, the same actions -------------------------------------------------------------
 def test_runners_under_central_inference_import_no_torch():
-    algo = cartpole(PPOConfig, runners=2, envs=2).inference(mode="central").build()
+    """Two runners, two servers: runner i asks server i % 2, and each server acts for its runner."""
+    algo = cartpole(PPOConfig, runners=2, envs=2).inference(mode="central", num_inference_servers=2).build()
     try:
         assert algo.foreach_env_runner(torch_loaded, local_env_runner=False) == [False, False]
         chunks = algo.env_runner_group.sample(200, MetricsLogger())
         assert sum(len(c) for c in chunks) >= 200 and all("action_logp" in c.extra for c in chunks)
-        assert [r.value for r in servers(algo).foreach_actor("apply", torch_loaded)] == [True]  # the probe sees torch
+        served = [r.value["inference/num_actions"]["value"] for r in servers(algo).foreach_actor("get_metrics")]
+        assert len(served) == 2 and all(n > 0 for n in served) and sum(served) == sum(len(c) for c in chunks)
+        assert [r.value for r in servers(algo).foreach_actor("apply", torch_loaded)] == [True, True]  # probe works
     finally:
         algo.stop()
 

@@ -267,3 +267,32 @@ def test_protocol_refuses_malformed_messages():
                                        "obs": np.zeros((1, 4))}, compress=False))
     reply = wire.read_reply(wire.actions_reply(3, 4, np.zeros(2, np.int64), np.zeros(2), np.zeros((2, 2))))
     assert (reply.seq, reply.weights_version, reply.actions.shape) == (3, 4, (2,))
+
+
+# --- the GPU path ---------------------------------------------------------------------------------
+def test_gpu_server_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="num_gpus_per_inference_server=1 but torch sees no CUDA device"):
+        InferenceServer(settings(), InferenceSettings("central", num_gpus_per_inference_server=1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_server_answers_as_the_cpu_module_does():
+    """Observations through the pinned buffers (growing with the batch), the pass on the GPU, answers on
+    the CPU: the same logits as the module on the CPU, for batches of several sizes."""
+    server = InferenceServer(settings(), InferenceSettings("central", num_gpus_per_inference_server=1))
+    directory = InferenceDirectory()
+    directory.publish(0, server.address())
+    client = RemoteActing(InferenceClientSettings(1, directory), 1)
+    try:
+        w = weights(4)
+        server.set_weights(w, 2)
+        for n in (4, 100, 7):
+            obs = rows(n)
+            actions, _, dist_inputs, version = client.act(obs, False, 0)
+            assert version == 2 and actions.shape == (n,)
+            np.testing.assert_allclose(dist_inputs, logits(w, obs), rtol=1e-4, atol=1e-5)
+    finally:
+        client.close()
+        server.stop()

@@ -7,12 +7,14 @@ Prints one JSON object per line:
         ``runners`` env runner actors x ``envs`` sub-envs each, sampled through the env runner group (no
         training): "frames_cnn" is an 84x84x4 uint8 frame env that costs next to nothing to step
         (``tests.envs.FrameEnv``) with the default CNN; "cartpole_mlp" CartPole-v1 with PPO's default
-        MLP. "local": every runner runs its own module (one torch thread each); "central": one inference
-        server (``--server-cpus`` torch threads) acts for all of them. Modes alternate within each repeat.
+        MLP. "local": every runner runs its own module (one torch thread each); "central": ``--servers``
+        inference servers (``--server-cpus`` torch threads each) act for them. Modes alternate within each
+        repeat.
   {"bench": "round_trip", "workload", "device", "batch", "p50_ms", "p99_ms", "n"}
         one client sending ``batch`` observations at a time to a server actor and waiting for the answer
         (encode, ZeroMQ over loopback, decode, forward pass, exploration, answer)
-  {"bench": "summary", ...}                                   medians, and central / local per workload
+  {"bench": "summary", ...}          medians, central / local per workload (of the medians, and the median of
+                                     each repeat's central / local)
   GPU section (only where torch sees CUDA; runs unchanged on a GPU machine):
   {"bench": "sampling", ..., "mode": "central", "device": "cuda"}   the server on the GPU
   {"bench": "round_trip", ..., "device": "cuda"}
@@ -67,8 +69,10 @@ def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespac
                            rollout_fragment_length=args.fragment)
               .training(train_batch_size_per_learner=steps, minibatch_size=min(128, steps)))
     if mode == "central":
-        config.inference(mode="central", num_cpus_per_inference_server=args.server_cpus,
-                         num_gpus_per_inference_server=1 if device == "cuda" else 0, max_batch=args.runners * args.envs)
+        cuda = device == "cuda"  # one server on the GPU; on CPU, a server per core (at most one per runner)
+        config.inference(mode="central", num_inference_servers=1 if cuda else min(args.servers, args.runners),
+                         num_cpus_per_inference_server=args.server_cpus, max_batch=args.runners * args.envs,
+                         num_gpus_per_inference_server=1 if cuda else 0)
     algo = config.build(logdir=None)
     try:
         group, metrics = algo.env_runner_group, MetricsLogger()
@@ -144,17 +148,19 @@ def main() -> None:
     p.add_argument("--runners", type=int, default=8)
     p.add_argument("--envs", type=int, default=4)
     p.add_argument("--fragment", type=int, default=50, help="steps per sub-env in one sample call")
-    p.add_argument("--server-cpus", type=int, default=os.cpu_count() or 1,
-                   help="CPUs (torch threads) of the inference server")
+    p.add_argument("--servers", type=int, default=os.cpu_count() or 1,
+                   help="inference servers on CPU (central mode); one on the GPU")
+    p.add_argument("--server-cpus", type=int, default=1, help="CPUs (torch threads) of each inference server")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--skip-gpu", action="store_true")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.skip_gpu
-    ray.init(address="local", num_cpus=args.runners + 2 * args.server_cpus + 2, num_gpus=1 if cuda else 0,
-             include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=args.runners + (args.servers + 1) * args.server_cpus + 2,
+             num_gpus=1 if cuda else 0, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     emit(bench="machine", cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
          torch=torch.__version__, ray=ray.__version__, cuda=torch.cuda.get_device_name(0) if cuda else None,
-         load_avg=os.getloadavg(), runners=args.runners, envs=args.envs, server_cpus=args.server_cpus)
+         load_avg=os.getloadavg(), runners=args.runners, envs=args.envs, servers=args.servers,
+         server_cpus=args.server_cpus)
     workloads = args.workloads.split(",")
     rates: dict = {}
     for r in range(args.repeats):
@@ -182,11 +188,15 @@ def main() -> None:
         emit(bench="appo_frames", device="cuda", **appo_frames(args))
     summary = {f"{w}_{m}_{d}_env_steps_per_s": round(statistics.median(v), 1) for (w, m, d), v in rates.items()}
     for workload in workloads:
-        local = statistics.median(rates[(workload, "local", "cpu")])
+        local = rates[(workload, "local", "cpu")]
         for device in devices:
-            if (workload, "central", device) in rates:
-                summary[f"{workload}_central_{device}_over_local"] = round(
-                    statistics.median(rates[(workload, "central", device)]) / local, 2)
+            central = rates.get((workload, "central", device))
+            if central:
+                summary[f"{workload}_central_{device}_over_local"] = round(statistics.median(central)
+                                                                           / statistics.median(local), 2)
+        # each repeat's central run beside the local run just before it: less exposed to a load that drifts
+        summary[f"{workload}_central_cpu_over_local_paired"] = round(statistics.median(
+            c / l for c, l in zip(rates[(workload, "central", "cpu")], local)), 2)
     emit(bench="summary", **summary)
 
 
