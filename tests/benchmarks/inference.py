@@ -3,7 +3,7 @@
 Prints one JSON object per line:
   {"bench": "machine", ...}
   {"bench": "sampling", "workload": "frames_cnn"|"cartpole_mlp", "mode": "local"|"central", "device",
-   "runners", "envs", "repeat", "env_steps_per_s"}
+   "runners", "envs", "repeat", "env_steps_per_s", "batch_size_mean" (central: rows per forward pass)}
         ``runners`` env runner actors x ``envs`` sub-envs each, sampled through the env runner group (no
         training): "frames_cnn" is an 84x84x4 uint8 frame env that costs next to nothing to step
         (``tests.envs.FrameEnv``) with the default CNN; "cartpole_mlp" CartPole-v1 with PPO's default
@@ -61,8 +61,9 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespace) -> float:
-    """Env steps per second the runner group samples, median over ``--seconds`` of sample calls."""
+def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespace) -> tuple[float, float | None]:
+    """Env steps per second the runner group samples (median over ``--seconds`` of sample calls), and the
+    servers' mean batch size (central)."""
     steps = args.runners * args.envs * args.fragment
     config = (PPOConfig().environment(WORKLOADS[workload])
               .env_runners(num_env_runners=args.runners, num_envs_per_env_runner=args.envs,
@@ -72,6 +73,7 @@ def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespac
         cuda = device == "cuda"  # one server on the GPU; on CPU, a server per core (at most one per runner)
         config.inference(mode="central", num_inference_servers=1 if cuda else min(args.servers, args.runners),
                          num_cpus_per_inference_server=args.server_cpus, max_batch=args.runners * args.envs,
+                         max_wait_s=args.max_wait_s,
                          num_gpus_per_inference_server=1 if cuda else 0)
     algo = config.build(logdir=None)
     try:
@@ -83,7 +85,12 @@ def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespac
             t = time.perf_counter()
             got = sum(len(c) for c in group.sample(steps, metrics))
             rates.append(got / (time.perf_counter() - t))
-        return statistics.median(rates)
+        batch = None
+        if group.inference is not None:
+            served = [r.value for r in group.inference.manager.foreach_actor("get_metrics") if r.ok]
+            actions = sum(m["inference/num_actions"]["value"] for m in served)
+            batch = actions / max(1, sum(m["inference/num_batches"]["value"] for m in served))
+        return statistics.median(rates), batch
     finally:
         algo.stop()
 
@@ -151,6 +158,7 @@ def main() -> None:
     p.add_argument("--servers", type=int, default=os.cpu_count() or 1,
                    help="inference servers on CPU (central mode); one on the GPU")
     p.add_argument("--server-cpus", type=int, default=1, help="CPUs (torch threads) of each inference server")
+    p.add_argument("--max-wait-s", type=float, default=0.0, help="the servers' max_wait_s")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--skip-gpu", action="store_true")
     args = p.parse_args()
@@ -160,16 +168,17 @@ def main() -> None:
     emit(bench="machine", cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
          torch=torch.__version__, ray=ray.__version__, cuda=torch.cuda.get_device_name(0) if cuda else None,
          load_avg=os.getloadavg(), runners=args.runners, envs=args.envs, servers=args.servers,
-         server_cpus=args.server_cpus)
+         server_cpus=args.server_cpus, max_wait_s=args.max_wait_s)
     workloads = args.workloads.split(",")
     rates: dict = {}
     for r in range(args.repeats):
         for workload in workloads:
             for mode in ("local", "central"):
-                rate = sampling_rate(workload, mode, "cpu", args)
+                rate, batch = sampling_rate(workload, mode, "cpu", args)
                 rates.setdefault((workload, mode, "cpu"), []).append(rate)
                 emit(bench="sampling", workload=workload, mode=mode, device="cpu", runners=args.runners,
-                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1))
+                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1),
+                     **({} if batch is None else {"batch_size_mean": round(batch, 1)}))
     devices = ["cpu"] + (["cuda"] if cuda else [])
     trips = {}
     for device in devices:
@@ -181,10 +190,10 @@ def main() -> None:
     if cuda:
         for r in range(args.repeats):
             for workload in workloads:
-                rate = sampling_rate(workload, "central", "cuda", args)
+                rate, batch = sampling_rate(workload, "central", "cuda", args)
                 rates.setdefault((workload, "central", "cuda"), []).append(rate)
                 emit(bench="sampling", workload=workload, mode="central", device="cuda", runners=args.runners,
-                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1))
+                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1), batch_size_mean=round(batch, 1))
         emit(bench="appo_frames", device="cuda", **appo_frames(args))
     summary = {f"{w}_{m}_{d}_env_steps_per_s": round(statistics.median(v), 1) for (w, m, d), v in rates.items()}
     for workload in workloads:
