@@ -206,10 +206,9 @@ class MultiAgentSampler:
                     acts, env_acts, columns = self._act_fused(fused, mids, counts, who, obs, explore, timestep)
                 keys = tuple(columns)
                 rows = list(zip(*columns.values()))  # each agent's policy outputs, in keys' order
-                for (i, aid), env_action in zip(who, env_acts):
-                    to_env[i][aid] = env_action
-                for i, (agents, acts_i, rows_i) in _by_env(who, acts, rows).items():
+                for i, (agents, acts_i, rows_i, env_acts_i) in _by_env(who, acts, rows, env_acts).items():
                     self.episodes[i].add_action_rows(agents, acts_i, keys, rows_i)
+                    to_env[i].update(zip(agents, env_acts_i))
                 for m in present:
                     module_steps[m] = module_steps.get(m, 0) + len(waiting[m][0])
                 agent_steps += len(who)
@@ -308,16 +307,17 @@ class MultiAgentSampler:
         return obs, rewards, terminateds, truncateds, self._infos(infos)
 
 
-def _by_env(who: list[tuple[int, AgentID]], acts: Any, rows: list[tuple]) -> dict[int, tuple[list, list, list]]:
-    """A batch's agents, actions and output rows regrouped per env index."""
-    out: dict[int, tuple[list, list, list]] = {}
-    for (i, aid), action, row in zip(who, acts, rows):
+def _by_env(who: list[tuple[int, AgentID]], acts: Any, rows: list[tuple], env_acts: list) -> dict[int, tuple]:
+    """A batch's agents, actions, output rows and env actions regrouped per env index."""
+    out: dict[int, tuple[list, list, list, list]] = {}
+    for (i, aid), action, row, env_action in zip(who, acts, rows, env_acts):
         part = out.get(i)
         if part is None:
-            part = out[i] = ([], [], [])
+            part = out[i] = ([], [], [], [])
         part[0].append(aid)
         part[1].append(action)
         part[2].append(row)
+        part[3].append(env_action)
     return out
 
 

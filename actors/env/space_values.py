@@ -13,6 +13,7 @@ runners call it on every observation of every step.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import le
 from typing import Any, Callable
 
 import gymnasium as gym
@@ -48,12 +49,15 @@ over a list is several times cheaper than numpy's comparisons (every observation
 
 def _box(space: gym.spaces.Box) -> ProblemFinder:
     low, high, shape = space.low, space.high, space.shape
-    bounds = list(zip(low.ravel().tolist(), high.ravel().tolist())) if low.size <= SMALL else None
+    small = low.size <= SMALL
+    lows, highs = (low.ravel().tolist(), high.ravel().tolist()) if small else (None, None)
+    flat = len(shape) == 1
 
     def problem(value: Any) -> str | None:
-        if bounds is not None and type(value) is np.ndarray and value.shape == shape and value.dtype.kind in "biuf":
-            # NaN fails both comparisons, so it falls through to the full check, which names it
-            if all(lo <= v <= hi for v, (lo, hi) in zip(value.ravel().tolist(), bounds)):
+        if small and type(value) is np.ndarray and value.shape == shape and value.dtype.kind in "biuf":
+            # NaN fails every comparison, so it falls through to the full check, which names it
+            values = value.tolist() if flat else value.ravel().tolist()
+            if all(map(le, lows, values)) and all(map(le, values, highs)):
                 return None
         arr = value
         if type(arr) is not np.ndarray:
