@@ -25,9 +25,9 @@ class CheckedMultiAgentEnv:
     through a ``MultiAgentStepChecker`` first: a malformed step raises ``MultiAgentEnvError`` naming
     the agent, where it happens, instead of a wrong batch later. Anything else is the env's own."""
 
-    def __init__(self, env: Any) -> None:
+    def __init__(self, env: Any, plain_step_values: bool = True) -> None:
         self.env = env
-        self.checker = MultiAgentStepChecker.for_env(env)
+        self.checker = MultiAgentStepChecker.for_env(env, plain_step_values)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
         kwargs: dict[str, Any] = {"seed": seed}

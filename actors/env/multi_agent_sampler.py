@@ -31,7 +31,9 @@ import torch
 
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, StochasticSampling
+from actors.env.multi_agent_checks import MultiAgentEnvError
 from actors.env.sampling import plain_info
+from actors.env.space_values import BatchProblemFinder, batch_problem_finder
 from actors.metrics import MetricsLogger
 from actors.modules import RLModule
 from actors.modules.fused import FusedActors, fusion_key
@@ -100,7 +102,8 @@ class MultiAgentSampler:
     def __init__(self, envs: Sequence[Any], modules: Mapping[str, RLModule], explorations: Mapping[str, Exploration],
                  env_actions: Mapping[str, EnvActions], policy_mapping_fn: PolicyMappingFn, *,
                  env_runner_index: int = 0, seed: int | None = None, record_infos: bool = False,
-                 weights_version: int = 0, listener: EpisodeListener | None = None) -> None:
+                 weights_version: int = 0, listener: EpisodeListener | None = None,
+                 check_observations: bool = False) -> None:
         if not envs:
             raise ValueError("MultiAgentSampler needs at least one env, got none")
         if not modules:
@@ -120,6 +123,10 @@ class MultiAgentSampler:
         """Keep each agent's infos in its chunks (a recording that writes them)."""
         self._weights_version = weights_version
         self.listener = listener
+        self.check_observations = check_observations
+        """Check each batch of observations against its module's observation space before acting on it
+        (the runner's step checker leaves these to this batched check)."""
+        self._batch_checks: dict[str, tuple[RLModule, BatchProblemFinder]] = {}
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
         self._dtypes: dict[str, tuple[RLModule, Any]] = {}
@@ -263,9 +270,17 @@ class MultiAgentSampler:
         if dtypes is None or dtypes[0] is not module:
             dtypes = self._dtypes[mid] = (module, _space_dtypes(getattr(module, "observation_space", None)))
         dtypes = dtypes[1]
-        try:
-            if type(obs[0]) is np.ndarray and not isinstance(dtypes, (dict, tuple)):
+        flat = type(obs[0]) is np.ndarray and not isinstance(dtypes, (dict, tuple))
+        batch = None
+        if flat:
+            try:
                 batch = np.stack(obs)  # the common case, flat arrays: one stack and at most one cast
+            except ValueError:  # ragged: the check below names the agent, or the message below the shapes
+                flat = False
+        if self.check_observations:
+            self._check_batch(mid, batch, who, obs)
+        try:
+            if flat:
                 tensors = torch.from_numpy(_cast(batch, dtypes))
             else:
                 batch = nested.stack(obs)
@@ -277,6 +292,26 @@ class MultiAgentSampler:
                              f"fit the module's observation space {module.observation_space}: {err}. Map these "
                              "agents to a module built for their observation space") from None
         return tensors
+
+    def _check_batch(self, mid: str, batch: Any, who: list[tuple[int, AgentID]], obs: list[Any]) -> None:
+        """Every observation about to be acted on lies in its module's observation space, or an error names
+        the first agent whose does not."""
+        module = self.modules[mid]
+        check = self._batch_checks.get(mid)
+        if check is None or check[0] is not module:
+            check = self._batch_checks[mid] = (module, batch_problem_finder(module.observation_space))
+        bad = check[1](batch, obs)
+        if bad is not None:
+            row, why = bad
+            i, aid = who[row]
+            raise MultiAgentEnvError(f"env {i}: the observation of agent {aid!r} {why}; it must lie in the observation "
+                                     f"space of module {self.policy_of(i, aid)!r} that acts for it, "
+                                     f"{module.observation_space} (fix the env's observation, or the space it declares "
+                                     f"for {aid!r})", aid)
+
+    def policy_of(self, env_index: int, agent_id: AgentID) -> str:
+        """The module ``agent_id`` of env ``env_index``'s running episode acts with."""
+        return self.episodes[env_index].module_for(agent_id)
 
     def _act(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], forward: Callable[[Any], dict],
              explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
