@@ -45,8 +45,11 @@ PolicyMappingFn = Callable[[AgentID, MultiAgentEpisode], str]
 
 
 class EpisodeListener(Protocol):
-    """What the env runner hears of each episode (its ``on_episode_*`` callbacks): called after the
-    reset, after every step of a running episode, and once when it ended."""
+    """What the env runner hears of each episode (its ``on_episode_*`` callbacks): called when the episode
+    object is made (before the env resets), after the reset, after every step of a running episode, and
+    once when it ended."""
+
+    def episode_created(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
     def episode_started(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
@@ -151,13 +154,15 @@ class MultiAgentSampler:
         self.episodes = [self._start(i, None if seed is None else seed + i) for i in range(len(self.envs))]
 
     def _start(self, index: int, seed: int | None) -> MultiAgentEpisode:
+        ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
+                               env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
+        if self.listener is not None:  # RLlib's order: the episode object exists before the env resets
+            self.listener.episode_created(index, ep)
         result = self.envs[index].reset(seed=seed)
         if not isinstance(result, tuple) or len(result) != 2:  # a bare obs dict would unpack into two agent ids
             raise ValueError(f"env {index}'s reset() returned {_short(result)}; a multi-agent env's reset returns "
                              "(observations, infos), two dicts keyed by agent id")
         obs, infos = result
-        ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
-                               env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
         ep.add_reset(obs, self._infos(infos))
         if self.listener is not None:
             self.listener.episode_started(index, ep)
