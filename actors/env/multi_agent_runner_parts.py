@@ -58,6 +58,8 @@ class RunnerListener:
         self.on_start = overrides(callbacks, "on_episode_start")
         self.on_step = overrides(callbacks, "on_episode_step")
         self.on_end = overrides(callbacks, "on_episode_end")
+        self.hears_steps = bool(self.on_step)
+        """Whether ``episode_stepped`` runs a callback: the sampler calls it only then."""
         self.order: dict[str, int] | None = None
         """Episode id -> how many episodes started before it, while counting (None: not counting)."""
 

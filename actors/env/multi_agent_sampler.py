@@ -57,6 +57,9 @@ class EpisodeListener(Protocol):
 
     def episode_ended(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
+    hears_steps: bool
+    """Whether ``episode_stepped`` does anything (False: the sampler skips calling it; absent: True)."""
+
 @dataclass
 class MultiAgentSample:
     """One ``run``: the chunks cut, grouped by module, what was counted, and the episodes that ended."""
@@ -189,6 +192,8 @@ class MultiAgentSampler:
         by_agents = num_env_steps is None
         forwards = {mid: m.forward_exploration if explore else m.forward_inference for mid, m in self.modules.items()}
         groups = self._fusion_groups()
+        listener = self.listener
+        stepped = listener.episode_stepped if listener is not None and getattr(listener, "hears_steps", True) else None
         chunks: dict[str, list[EpisodeChunk]] = {}
         ended: list[MultiAgentEpisode] = []
         module_steps: dict[str, int] = {}
@@ -199,10 +204,12 @@ class MultiAgentSampler:
             # every waiting observation of every env, grouped by module: (env index, agent), observation
             waiting: dict[str, tuple[list[tuple[int, AgentID]], list[Any]]] = {}
             for i, ep in enumerate(self.episodes):
-                for mid, by_agent in ep.observations_to_act().items():
-                    who, obs = waiting.setdefault(mid, ([], []))
-                    who.extend((i, aid) for aid in by_agent)
-                    obs.extend(by_agent.values())
+                for mid, aid, o in ep.waiting_rows():
+                    part = waiting.get(mid)
+                    if part is None:
+                        part = waiting[mid] = ([], [])
+                    part[0].append((i, aid))
+                    part[1].append(o)
             to_env: list[dict[AgentID, Any]] = [{} for _ in range(n)]
             for mids, fused in groups:
                 present = [m for m in mids if m in waiting]
@@ -232,8 +239,8 @@ class MultiAgentSampler:
                     if self.listener is not None:
                         self.listener.episode_ended(i, ep)
                     self.episodes[i] = self._start(i, None)
-                elif self.listener is not None:
-                    self.listener.episode_stepped(i, ep)
+                elif stepped is not None:
+                    stepped(i, ep)
             env_steps += n
         for ep in self.episodes:
             ep.cut()
