@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import gymnasium as gym
@@ -74,9 +74,6 @@ class AtariSettings:
             if getattr(self, key) not in (None, True, False):
                 raise ValueError(f"env_config[{ATARI_KEY!r}][{key!r}] must be True, False or None (training "
                                  f"runners yes, evaluation no), got {getattr(self, key)!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def import_ale() -> Any:
