@@ -139,15 +139,15 @@ class LearnerGroup:
         None when all went through. Raises when a learner raised (nothing died), or past the budget."""
         if self.recovery is None or all(r.ok for r in results):
             return None
-        recovery = self.recovery.recover(results, self.weights_version)
-        if recovery.weights_version is not None:  # the learners went back to a snapshot: new weights
+        recovery = self.recovery.recover(results)
+        if recovery.donor is None:  # the learners went back to a snapshot: new weights
             self.weights_version += 1
         return recovery
 
     def snapshot_if_due(self) -> None:
         """Keep a copy of the learners' state when ``learner_snapshot_interval_s`` has passed (remote learners)."""
         if self.recovery is not None and self.recovery.snapshot_due():
-            self.recovery.keep(self._first("get_state"), self.weights_version)
+            self.recovery.keep(self._first("get_state"), f"the snapshot of weights version {self.weights_version}")
 
     def log_fault_tolerance(self, metrics: MetricsLogger) -> None:
         """Learner recoveries and learner actors recreated, as lifetime counts in the results."""
@@ -190,13 +190,13 @@ class LearnerGroup:
         """Learner 0's state (all hold the same); also kept as the snapshot a recovery may start from."""
         state = self._first("get_state")
         if self.recovery is not None:
-            self.recovery.keep(state, self.weights_version)
+            self.recovery.keep(state, f"the state of weights version {self.weights_version} (read for a checkpoint)")
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.call("set_state", self.manager.share(state))
         if self.recovery is not None:
-            self.recovery.keep(state, self.weights_version)
+            self.recovery.keep(state, "the state last restored (a checkpoint's)")
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         self.call("set_weights", self.manager.share(weights))

@@ -60,7 +60,8 @@ class RecoverySettings:
 @dataclass
 class Snapshot:
     state: dict[str, Any]
-    weights_version: int
+    what: str
+    """Which state it is, for the log line of a recovery that falls back on it."""
     taken_at: float
 
 
@@ -70,10 +71,8 @@ class Recovery:
 
     recreated: list[int]
     donor: int | None
-    """The surviving learner whose state the others got; None: from the snapshot (or, with none yet,
-    recreated learner 0's initial state)."""
-    weights_version: int | None
-    """The snapshot's weights version when restored from one (updates after it are lost)."""
+    """The surviving learner whose state the others got; None: no learner survived, every learner went back
+    to the snapshot (or, with none yet, to recreated learner 0's initial state) and the updates since are lost."""
 
 
 class LearnerRecovery:
@@ -92,9 +91,9 @@ class LearnerRecovery:
             return False
         return self.snapshot is None or time.monotonic() - self.snapshot.taken_at >= interval
 
-    def keep(self, state: dict[str, Any], weights_version: int) -> None:
-        """Keep ``state`` (a learner's ``get_state``) as the snapshot to rebuild from."""
-        self.snapshot = Snapshot(state, weights_version, time.monotonic())
+    def keep(self, state: dict[str, Any], what: str) -> None:
+        """Keep ``state`` (a learner's ``get_state``; ``what`` says which) as the snapshot to rebuild from."""
+        self.snapshot = Snapshot(state, what, time.monotonic())
 
     # --- failures -----------------------------------------------------------------------------
     def dead_among(self, results: list[CallResult]) -> list[int]:
@@ -107,7 +106,7 @@ class LearnerRecovery:
             raise ActorGroupError(f"learner {first.actor_id} failed: {_describe(first.error)}") from first.error
         return dead
 
-    def recover(self, results: list[CallResult], weights_version: int) -> Recovery:
+    def recover(self, results: list[CallResult]) -> Recovery:
         """Rebuild the group after a call in which the learners of ``dead_among(results)`` died."""
         dead = self.dead_among(results)
         errors = {r.actor_id: r.error for r in results if not r.ok}
@@ -131,13 +130,13 @@ class LearnerRecovery:
             for i in dead:
                 self.manager.recreate(i, self.settings.start_timeout_s)
                 self.num_restarts += 1
+            survivor = donor
             if state is not None:
-                source, restored = f"learner {donor}'s state", None
+                source = f"learner {donor}'s state"
             elif self.snapshot is not None:
-                state, restored = self.snapshot.state, self.snapshot.weights_version
-                source = f"the snapshot of weights version {restored} (the updates since are lost)"
+                state, source = self.snapshot.state, f"{self.snapshot.what} (the updates since are lost)"
             else:  # nothing to copy: learner 0 starts over and the others take its state
-                donor, restored = sorted(self.manager.members)[0], 0
+                donor = sorted(self.manager.members)[0]
                 state = self._all_ok(self.manager.foreach_actor("get_state", actor_ids=[donor]), "reading its state")[0]
                 source = "the initial state (no learner survived and no snapshot was taken yet: every update is lost)"
             targets = [i for i in sorted(self.manager.members) if i != donor]
@@ -155,7 +154,7 @@ class LearnerRecovery:
                     dead, _describe(errors[dead[0]]), source,
                     f", gradient group re-formed with {len(self.manager.members)} learners" if self.distributed else "",
                     self.num_restarts, self.settings.max_restarts)
-        return Recovery(dead, donor if restored is None else None, restored)
+        return Recovery(dead, survivor)
 
     def _check_budget(self, dead: list[int], errors: dict[int, BaseException]) -> None:
         limit = self.settings.max_restarts

@@ -152,6 +152,7 @@ class AsyncPlan:
                                     config.stream_socket_buffer_bytes)
             self.feeds = LearnerFeeds(learners, settings, self.batches, config.learner_queue_timeout)
             address = self.feeds.addresses  # runner i streams to learner i mod n
+            metrics.log_value("fault_tolerance/num_env_steps_lost_with_learners", 0, reduce="lifetime_sum")
         self.stream_args = {"address": address, "hwm": config.stream_hwm, "compress": compress,
                             "sndbuf": config.stream_socket_buffer_bytes,
                             "stall_timeout_s": config.env_runner_health_probe_timeout_s}
@@ -219,7 +220,6 @@ class AsyncPlan:
         """After a learner was recreated: its runners stream to the new learner's receiver, and what they had
         sent the dead one that it never trained on is counted as lost (those frames are never sent again)."""
         moved = self.feeds.take_moved()
-        self.metrics.log_value("fault_tolerance/num_env_steps_lost_with_learners", 0, reduce="lifetime_sum")
         if not moved:
             return
         self.stream_args = {**self.stream_args, "address": list(self.feeds.addresses)}
