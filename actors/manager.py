@@ -298,6 +298,33 @@ class ActorManager:
             log.warning("%s %d recreated (restart #%d)", self.name, i, m.restarts + 1)
         return restarted
 
+    # --- for callers with a recovery policy of their own (the learner group) ------------------
+    def mark_healthy(self, actor_id: int) -> None:
+        """Count a member that a failed call marked failed as healthy again: for a caller that knows it
+        is alive and sound (a learner whose gradient all-reduce broke because a peer died)."""
+        self.members[actor_id].healthy = True
+
+    def recreate(self, actor_id: int, timeout_s: float) -> Any:
+        """Replace member ``actor_id`` now, whatever the restart settings say: the old actor is killed, a
+        new one made at its index and, once it answers a ping within ``timeout_s``, restored
+        (``on_restart``), counted as a restart and healthy. Returns its handle; raises ActorGroupError
+        naming the member when the new one does not come up (its resources are freed first)."""
+        old = self.members[actor_id]
+        _kill(old.handle)
+        handle = self.make_actor(actor_id, True)
+        try:
+            ray.get(handle.ping.remote(), timeout=timeout_s)
+            if self.on_restart is not None:
+                self.on_restart(actor_id, handle)
+        except (RayError, GetTimeoutError) as err:
+            _kill(handle)
+            raise ActorGroupError(f"{self.name} {actor_id} could not be recreated within {timeout_s:.0f} s: "
+                                  f"{_describe(err)}; the cluster has {ray.available_resources()} available") from err
+        self.members[actor_id] = _Member(handle, restarts=old.restarts + 1)
+        self.num_restarts += 1
+        log.warning("%s %d recreated (restart #%d)", self.name, actor_id, old.restarts + 1)
+        return handle
+
     def probe_health(self) -> list[int]:
         """Ping every healthy actor; those that fail or time out are marked failed. Returns failures."""
         before = set(self.healthy_ids())

@@ -115,11 +115,29 @@ class Connection:
             self.hello()
 
     def send(self, header: dict, body: bytes | None = None) -> None:
+        """Queue a message for the server. A socket with no connection to send on (none yet, or the CURVE
+        handshake refused this client and ZeroMQ dropped it) would block for good: it waits at most
+        ``timeout_s`` and raises ``ConnectionRefusedError`` (refused key) or ``TimeoutError``."""
         with self._lock:
-            if body is None:
-                self._sock.send(wire.pack(header))
-            else:
-                self._sock.send_multipart([wire.pack(header), body], copy=len(body) < 65536)
+            parts = [wire.pack(header)] if body is None else [wire.pack(header), body]
+            copy = body is None or len(body) < 65536
+            deadline = None
+            while True:
+                try:
+                    self._sock.send_multipart(parts, _NOBLOCK, copy=copy)
+                    return
+                except zmq.Again:
+                    pass
+                refused = self._refused() if self._monitor is not None else None
+                if refused is not None:
+                    raise ConnectionRefusedError(f"{self.address}: {refused}")
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    raise TimeoutError(f"could not send {header.get('op')!r} to the policy server at {self.address} "
+                                       f"within {self.timeout_s:.0f} s: no connection; is it running, and is the "
+                                       "address (and CURVE key) right?")
+                self._sock.poll(100, zmq.POLLOUT)
 
     def send_chunk(self, key: tuple[str, int], frame: bytes) -> None:
         """Offer one spooled chunk without blocking (``zmq.Again``: the pipe is full)."""

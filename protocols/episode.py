@@ -334,24 +334,38 @@ class EpisodeBuilder:
         """Finalize the steps collected since the last cut into a numpy chunk."""
         if not self._actions:
             raise ValueError("nothing to cut: the builder holds no steps since the last cut")
-        chunk = EpisodeChunk(
-            episode_id=self.episode_id,
-            chunk_index=self._chunk_index,
-            obs=nested.stack(self._obs),
-            actions=nested.stack(self._actions),
-            rewards=np.asarray(self._rewards, dtype=np.float32),
-            terminated=self.terminated,
-            truncated=self.truncated,
-            extra={k: nested.stack(column) for k, column in zip(self._extra_keys, zip(*self._extra_rows))},
-            infos=list(self._infos),
-            t_started=self._t_started,
-            weights_version=self.weights_version,
-            env_runner_index=self.env_runner_index,
-            env_index=self.env_index,
-        )
+        chunk = chunk_from_steps(self.episode_id, self._chunk_index, self._t_started, self._obs, self._actions,
+                                 self._rewards, self._extra_keys, self._extra_rows, self._infos,
+                                 terminated=self.terminated, truncated=self.truncated,
+                                 weights_version=self.weights_version, env_runner_index=self.env_runner_index,
+                                 env_index=self.env_index)
         self._chunk_index += 1
         self._t_started += len(self._actions)
         self._obs = self._obs[-1:]
         self._infos = self._infos[-1:]
         self._actions, self._rewards, self._extra_rows = [], [], []
         return chunk
+
+
+def chunk_from_steps(episode_id: str, chunk_index: int, t_started: int, obs: list, actions: list,
+                     rewards: list[float], extra_keys: tuple[str, ...], extra_rows: list[tuple], infos: list, *,
+                     terminated: bool = False, truncated: bool = False, weights_version: int = 0,
+                     env_runner_index: int = 0, env_index: int = 0) -> EpisodeChunk:
+    """A chunk from per-step lists as recorders collect them: ``obs`` one longer than ``actions`` and
+    ``rewards``, ``extra_rows`` one tuple of values per step in ``extra_keys`` order, ``infos`` empty or
+    as long as ``obs``."""
+    return EpisodeChunk(
+        episode_id=episode_id,
+        chunk_index=chunk_index,
+        obs=nested.stack(obs),
+        actions=nested.stack(actions),
+        rewards=np.asarray(rewards, dtype=np.float32),
+        terminated=terminated,
+        truncated=truncated,
+        extra={k: nested.stack(column) for k, column in zip(extra_keys, zip(*extra_rows))},
+        infos=list(infos),
+        t_started=t_started,
+        weights_version=weights_version,
+        env_runner_index=env_runner_index,
+        env_index=env_index,
+    )

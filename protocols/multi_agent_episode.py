@@ -36,10 +36,10 @@ each agent's chunks apart.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.episode import EpisodeBuilder, EpisodeChunk, new_episode_id
+from protocols.episode import EpisodeChunk, chunk_from_steps, new_episode_id
 
 AgentID = Hashable  # str or int, as the env names its agents
 DEFAULT_MODULE_ID = "default_policy"
@@ -51,27 +51,37 @@ def map_to_default_module(agent_id: AgentID, episode: "MultiAgentEpisode") -> st
     return DEFAULT_MODULE_ID
 
 
-@dataclass
+@dataclass(slots=True)
 class AgentRecord:
-    """One agent's part of an episode: its builder and where it stands in the observe/act cycle."""
+    """One agent's part of an episode: its steps since its last chunk and where it stands in the
+    observe/act cycle. ``obs`` is one longer than ``rewards`` (the chunk's first observation comes
+    first); ``actions`` and ``extra_rows`` are as long as ``rewards``, or one longer while an action
+    waits for its next observation."""
 
     agent_id: AgentID
     module_id: str
-    builder: EpisodeBuilder
+    episode_id: str
+    """The id its chunks carry: ``"<episode id>.<n>"`` for the n-th agent to join."""
     last_obs: Any
     last_info: dict
+    obs: list = field(default_factory=list)
+    actions: list = field(default_factory=list)
+    extra_rows: list = field(default_factory=list)
+    """The policy outputs of each action, a tuple in ``extra_keys`` order."""
+    rewards: list = field(default_factory=list)
+    infos: list = field(default_factory=list)
     ready: bool = True
     """It holds an observation it has not acted on yet."""
     done: bool = False
-    action: Any = None
-    """The action waiting for its next observation (when neither ready nor done)."""
-    extra: tuple | None = None
-    """The policy outputs of that action, in ``extra_keys`` order."""
+    truncated: bool = False
+    """How it ended (when done): truncated, or else terminated."""
     pending_reward: float = 0.0
-    """Rewards since that action, credited to its step when the next observation arrives."""
+    """Rewards since its last action, credited to that step when the next observation arrives."""
     ret: float = 0.0
     """Its rewards in this episode so far (its return)."""
     extra_keys: tuple[str, ...] | None = None
+    chunk_index: int = 0
+    t_started: int = 0
 
 
 class MultiAgentEpisode:
@@ -131,7 +141,7 @@ class MultiAgentEpisode:
     @property
     def agent_episode_ids(self) -> dict[AgentID, str]:
         """The episode id each agent's chunks carry."""
-        return {aid: a.builder.episode_id for aid, a in self._agents.items()}
+        return {aid: a.episode_id for aid, a in self._agents.items()}
 
     def module_for(self, agent_id: AgentID) -> str:
         """The module ``agent_id`` acts with: ``policy_mapping_fn`` asked once, then remembered."""
@@ -153,6 +163,11 @@ class MultiAgentEpisode:
         return [aid for aid, a in self._agents.items() if a.ready]
 
     get_agents_to_act = agents_to_act  # RLlib's name, for callbacks written against it
+
+    def waiting_rows(self) -> list[tuple[str, AgentID, Any]]:
+        """``(module id, agent id, observation)`` of each agent to act, in the order they got it: what a
+        sampler gathers from many episodes into one batch per module."""
+        return [(a.module_id, aid, a.last_obs) for aid, a in self._agents.items() if a.ready]
 
     def observations_to_act(self) -> dict[str, dict[AgentID, Any]]:
         """The observations waiting for an action, grouped by module: one forward pass each."""
@@ -250,14 +265,17 @@ class MultiAgentEpisode:
         module_steps = self._module_steps
         for aid, action, (keys, row) in zip(agent_ids, actions, extras):
             a = agents[aid]
-            a.action, a.extra, a.ready = action, row, False
-            self._ready -= 1
-            if a.extra_keys is None:
-                a.extra_keys = keys
-            elif keys != a.extra_keys:  # the same keys in another order
-                order = {k: i for i, k in enumerate(keys)}
-                a.extra = tuple(row[order[k]] for k in a.extra_keys)
+            if keys != a.extra_keys:
+                if a.extra_keys is None:
+                    a.extra_keys = keys
+                else:  # the same keys in another order
+                    order = {k: i for i, k in enumerate(keys)}
+                    row = tuple(row[order[k]] for k in a.extra_keys)
+            a.actions.append(action)
+            a.extra_rows.append(row)
+            a.ready = False
             module_steps[a.module_id] = module_steps.get(a.module_id, 0) + 1
+        self._ready -= len(agent_ids)
         self._agent_steps += len(agent_ids)
 
     def add_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
@@ -276,9 +294,19 @@ class MultiAgentEpisode:
                 a = agents[aid]
                 a.pending_reward += r
                 a.ret += r
-            infos = infos or {}
-            for aid, o in obs.items():
-                self._complete(agents[aid], o, infos.get(aid), False, False)
+            if self.record_infos:
+                infos = infos or {}
+                for aid, o in obs.items():
+                    self._complete(agents[aid], o, infos.get(aid), False, False)
+                return
+            for aid, o in obs.items():  # _complete's common case inline: a step of a running agent
+                a = agents[aid]
+                a.rewards.append(a.pending_reward)
+                a.obs.append(o)
+                a.pending_reward, a.last_obs, a.ready = 0.0, o, True
+                if a.last_info:
+                    a.last_info = {}
+            self._ready += len(obs)
             return
         all_term = bool(terminateds.get(ALL, False))
         all_trunc = bool(truncateds.get(ALL, False)) and not all_term
@@ -316,7 +344,7 @@ class MultiAgentEpisode:
             self.is_terminated, self.is_truncated = all_term, all_trunc
         elif any_flag and self._agents and all(a.done for a in self._agents.values()):
             # every agent finished though the env did not say "__all__": nobody is left to act
-            self.is_truncated = all(a.builder.truncated for a in self._agents.values())
+            self.is_truncated = all(a.truncated for a in self._agents.values())
             self.is_terminated = not self.is_truncated
 
     def cut(self) -> None:
@@ -397,22 +425,23 @@ class MultiAgentEpisode:
         return f"action for agent {aid!r}, but {why}; agents that may act now: {self.agents_to_act()}"
 
     def _join(self, aid: AgentID, obs: Any, info: dict | None) -> None:
-        builder = EpisodeBuilder(f"{self.id_}.{len(self._agents)}", env_runner_index=self.env_runner_index,
-                                 env_index=self.env_index, weights_version=self.weights_version,
-                                 record_infos=self.record_infos)
-        builder.add_reset(obs, info)
+        a = AgentRecord(aid, self.module_for(aid), f"{self.id_}.{len(self._agents)}", obs, info or {}, obs=[obs])
+        if self.record_infos:
+            a.infos.append(info or {})
         self._wire_ids[str(aid)] = aid
-        self._agents[aid] = AgentRecord(aid, self.module_for(aid), builder, obs, info or {})
+        self._agents[aid] = a
         self._ready += 1
         self._playing.add(aid)
 
     def _complete(self, a: AgentRecord, obs: Any, info: dict | None, term: bool, trunc: bool) -> None:
-        """The agent's pending action gets its next observation: one step for its builder."""
-        a.builder.add_step_values(a.action, a.pending_reward, obs, term, trunc, info, a.extra_keys or (), a.extra or ())
-        a.action, a.extra, a.pending_reward = None, None, 0.0
-        a.last_obs, a.last_info = obs, info or {}
+        """The agent's pending action gets its next observation: one step recorded."""
+        a.rewards.append(a.pending_reward)
+        a.obs.append(obs)
+        if self.record_infos:
+            a.infos.append(info or {})
+        a.pending_reward, a.last_obs, a.last_info = 0.0, obs, info or {}
         if term or trunc:
-            a.done = True
+            a.done, a.truncated = True, trunc
             self._playing.discard(a.agent_id)
             self._emit(a)
         else:
@@ -420,12 +449,25 @@ class MultiAgentEpisode:
             self._ready += 1
 
     def _emit(self, a: AgentRecord) -> None:
-        if not len(a.builder):
+        """The agent's completed steps since its last chunk as a chunk; a pending action stays for the next."""
+        steps = len(a.rewards)
+        if not steps:
             return
-        a.builder.weights_version = self.weights_version
-        chunk = a.builder.cut()
+        pending = len(a.actions) > steps
+        chunk = chunk_from_steps(a.episode_id, a.chunk_index, a.t_started, a.obs,
+                                 a.actions[:steps] if pending else a.actions, a.rewards, a.extra_keys or (),
+                                 a.extra_rows[:steps] if pending else a.extra_rows, a.infos,
+                                 terminated=a.done and not a.truncated, truncated=a.done and a.truncated,
+                                 weights_version=self.weights_version, env_runner_index=self.env_runner_index,
+                                 env_index=self.env_index)
         chunk.agent_id, chunk.module_id = str(a.agent_id), a.module_id
         self._chunks.append(chunk)
+        a.chunk_index += 1
+        a.t_started += steps
+        a.obs, a.rewards = a.obs[-1:], []
+        a.actions, a.extra_rows = a.actions[steps:], a.extra_rows[steps:]
+        if a.infos:
+            a.infos = a.infos[-1:]
 
 
 def _flags(aid: AgentID, terminateds: Mapping, truncateds: Mapping, all_term: bool, all_trunc: bool) -> tuple[bool, bool]:

@@ -69,6 +69,7 @@ def test_what_is_not_fused():
     assert fusion_key(ActorCriticModule(masked, ACTS, {}, inference_only=True)) is None  # the mask is not fused
     assert fusion_key(ActorCriticModule(gym.spaces.Discrete(5), ACTS, {}, inference_only=True)) is None  # one-hot
     assert fusion_key(Subclass(BOX, ACTS, {}, inference_only=True)) is None  # its own forward may differ
+    assert fusion_key(ActorCriticModule(gym.spaces.Dict({"x": BOX}), ACTS, {}, inference_only=True)) is None
     assert fusion_key(QModule(BOX, ACTS, {})) is None
     assert fusion_key(modules(1, hiddens=(8,))["m0"]) != fusion_key(modules(1)["m0"])
     with pytest.raises(ValueError, match="two or more modules of one fusable architecture"):

@@ -294,14 +294,20 @@ def test_removing_the_last_module_or_mapping_to_a_missing_one_is_refused():
 def test_episode_callbacks_get_the_multi_agent_episode():
     seen: list[tuple[str, Any]] = []
     hooks = {name: [lambda episode, name=name, **kw: seen.append((name, episode))]
-             for name in ("on_episode_start", "on_episode_step", "on_episode_end")}
-    runner = make_runner(num_envs=1, fragment=100, callbacks=CallbacksSpec(functions=hooks))
+             for name in ("on_episode_created", "on_episode_start", "on_episode_step", "on_episode_end")}
+    created_agents: list[int] = []
+    hooks["on_episode_created"].append(lambda episode, **kw: created_agents.append(len(episode.agent_ids)))
+    envs: list[tuple[Any, int]] = []
+    hooks["on_environment_created"] = [lambda env, env_context, **kw: envs.append((env, env_context.vector_index))]
+    runner = make_runner(num_envs=2, fragment=100, callbacks=CallbacksSpec(functions=hooks))
+    assert envs == [(runner.user_envs[0], 0), (runner.user_envs[1], 1)]  # once per env the runner steps
     runner.sample()
     ended = [ep for name, ep in seen if name == "on_episode_end"]
     assert ended and all(ep.is_done for ep in ended)
     first = ended[0]
-    assert [n for n, ep in seen if ep is first] == (["on_episode_start"] + ["on_episode_step"] * len(first)
-                                                    + ["on_episode_end"])
+    assert [n for n, ep in seen if ep is first] == (["on_episode_created", "on_episode_start"]
+                                                    + ["on_episode_step"] * len(first) + ["on_episode_end"])
+    assert set(created_agents) == {0}  # created before the reset: no agent has joined yet
 
 
 class StrayAgentEnv:
@@ -378,3 +384,51 @@ def test_as_a_ray_actor_chunks_come_back_as_codec_frames(ray_cluster):  # confte
     finally:
         ray.get(actor.stop.remote())
         ray.kill(actor)
+
+
+class DriftingEnv:
+    """Two agents in a Box(-1, 1) that act together; at step ``bad_at`` agent ``who``'s observation leaves the
+    box (``value``), in a step that ends nobody (``final=False``) or in the step that ends the episode."""
+
+    possible_agents = ["a", "b"]
+
+    def __init__(self, config: dict) -> None:
+        self.space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.bad_at, self.who, self.value, self.final = config["bad_at"], config["who"], config["value"], config["final"]
+        self.t = 0
+
+    def get_observation_space(self, agent: Any) -> gym.Space:
+        return self.space
+
+    def get_action_space(self, agent: Any) -> gym.Space:
+        return gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
+        self.t = 0
+        return {a: np.zeros(2, np.float32) for a in self.possible_agents}, {}
+
+    def step(self, actions: dict) -> tuple:
+        self.t += 1
+        obs = {a: np.full(2, 0.5, np.float32) for a in actions}
+        if self.t == self.bad_at:
+            obs[self.who] = np.array([0.0, self.value], np.float32)
+        over = self.final and self.t == self.bad_at
+        flags = {a: over for a in actions}
+        return obs, {a: 1.0 for a in actions}, {**flags, "__all__": over}, {a: False for a in actions} | {
+            "__all__": False}, {}
+
+
+@pytest.mark.parametrize("final", [False, True])
+@pytest.mark.parametrize("value", [3.0, float("nan")])
+def test_an_observation_outside_its_space_is_named_with_its_agent(final, value):
+    """On a plain step the sampler checks the batch the agents act on; on a step that ends agents the step
+    checker checks each final observation. Either way the error names the agent."""
+    spec = ModuleSpec(gym.spaces.Box(-1.0, 1.0, (2,), np.float32), gym.spaces.Discrete(2), MODEL)
+    settings = EnvRunnerSettings(env_creator=DriftingEnv, model_config=MODEL, num_envs=2, rollout_fragment_length=8,
+                                 env_config={"bad_at": 3, "who": "b", "value": value, "final": final})
+    runner = MultiAgentEnvRunner(settings, {"p": spec}, lambda agent, episode, **kw: "p")
+    with pytest.raises(MultiAgentEnvError, match=r"observation of agent 'b' \[1\] = (3\.0|nan) is outside") as err:
+        runner.sample()
+    assert err.value.agent_id == "b"
+    unchecked = MultiAgentEnvRunner(settings, {"p": spec}, lambda agent, episode, **kw: "p", check_env=False)
+    assert unchecked.sample()  # without the checks the run goes on (the learner's loader checks chunks)

@@ -1,4 +1,4 @@
-"""Env creators that travel to env runners: a gymnasium id, an env class, an import path.
+"""Env creators that travel to env runners: a gymnasium id, an Atari id, an env class, an import path.
 
 Picklable objects, not closures (a config's ``to_dict`` and Ray both carry them), kept in a torch-free
 module: a runner under central inference unpickles its creator without importing torch (or the
@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import gymnasium as gym
 
+from actors.env.atari import make_atari
 from actors.env.vector_env import EnvContext
 from actors.imports import import_object
 
@@ -25,6 +26,19 @@ class GymMaker:
 
     def __call__(self, ctx: EnvContext) -> gym.Env:
         return gym.make(self.env_id, **dict(ctx))
+
+
+class AtariMaker:
+    """Creator for an ALE id: the game with the standard Atari preprocessing (``actors.env.atari``)."""
+
+    def __init__(self, env_id: str) -> None:
+        self.env_id = env_id
+
+    def __call__(self, ctx: EnvContext) -> gym.Env:
+        return make_atari(self.env_id, ctx)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.env_id!r})"
 
 
 class ClassMaker:

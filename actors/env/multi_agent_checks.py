@@ -86,8 +86,13 @@ def check_agent_ids(agent_ids: Iterable[Any], where: str) -> list[Any]:
 class MultiAgentStepChecker:
     """Checks one env's reset/step results and a sampler's actions against the rules above."""
 
-    def __init__(self, observation_spaces: Mapping[Any, gym.Space]) -> None:
-        """``observation_spaces``: every agent that may appear (``possible_agents``) -> its observation space."""
+    def __init__(self, observation_spaces: Mapping[Any, gym.Space], plain_step_values: bool = True) -> None:
+        """``observation_spaces``: every agent that may appear (``possible_agents``) -> its observation space.
+        ``plain_step_values=False`` leaves the observation values of plain steps (no agent joins or finishes:
+        every observation is one an agent acts on next) to the sampler, which checks each module's batch
+        of them at once (``MultiAgentSampler(check_observations=True)``); resets and the other steps are
+        checked here value by value."""
+        self.plain_step_values = plain_step_values
         self.possible_agents = check_agent_ids(observation_spaces, "possible_agents")
         if not self.possible_agents:
             raise MultiAgentEnvError("the env has no possible agents: set possible_agents (every agent id that may "
@@ -107,7 +112,7 @@ class MultiAgentStepChecker:
         self._info_keys = set(self._finders) | {COMMON_INFO}
 
     @classmethod
-    def for_env(cls, env: Any) -> "MultiAgentStepChecker":
+    def for_env(cls, env: Any, plain_step_values: bool = True) -> "MultiAgentStepChecker":
         """The checker of a ``MultiAgentEnv`` (anything with ``possible_agents`` and ``get_observation_space``)."""
         agents = list(getattr(env, "possible_agents", None) or [])
         if not agents:
@@ -124,7 +129,7 @@ class MultiAgentStepChecker:
                     f"{type(env).__name__} has no observation space for agent {agent!r} of possible_agents: set "
                     f"observation_spaces[{agent!r}] (or override get_observation_space)", agent)
             spaces[agent] = space
-        return cls(spaces)
+        return cls(spaces, plain_step_values)
 
     # --- what the env returns ------------------------------------------------------------------
 
@@ -203,7 +208,8 @@ class MultiAgentStepChecker:
     def _plain_step(self, obs: dict, rewards: dict, terminateds: dict, truncateds: dict, infos: dict) -> bool:
         """Whether this is the common step that needs no rule looked at one by one: only agents already
         playing (seen, not done) appear, flags are bools, rewards finite floats, observations in their
-        spaces. False sends the step through every rule, which names what is wrong (or passes it)."""
+        spaces (left to the sampler when ``plain_step_values`` is off and no flag is set). False sends the
+        step through every rule, which names what is wrong (or passes it)."""
         playing, flag_keys = self._playing, self._flag_keys
         if not (obs.keys() <= playing and rewards.keys() <= playing and terminateds.keys() <= flag_keys
                 and truncateds.keys() <= flag_keys and infos.keys() <= self._info_keys):
@@ -211,6 +217,8 @@ class MultiAgentStepChecker:
         if not (all(type(f) is bool for f in terminateds.values()) and all(type(f) is bool for f in truncateds.values())
                 and all(type(r) is float for r in rewards.values()) and isfinite(sum(rewards.values()))):
             return False
+        if not self.plain_step_values and not any(terminateds.values()) and not any(truncateds.values()):
+            return True  # every observation is acted on next: the sampler checks them, a batch at a time
         finders = self._finders
         return all(finders[agent](value) is None for agent, value in obs.items())
 

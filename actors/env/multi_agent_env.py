@@ -137,6 +137,7 @@ class SingleAgentCopies(MultiAgentEnv):
         if not action_dict:
             raise MultiAgentEnvError(f"step() got no actions; the agents not done, {self.agents}, act every step")
         obs, rewards, terminateds, truncateds, infos = {}, {}, {}, {}, {}
+        ended = False
         for agent, action in action_dict.items():
             if agent not in self.observation_spaces:
                 raise MultiAgentEnvError(f"an action for agent {agent!r}; this env's agents are "
@@ -148,7 +149,9 @@ class SingleAgentCopies(MultiAgentEnv):
             obs[agent], rewards[agent], terminateds[agent], truncateds[agent], infos[agent] = result
             if terminateds[agent] or truncateds[agent]:
                 self.ended[agent] = "terminated" if terminateds[agent] else "truncated"
-        self.agents = [a for a in self.possible_agents if a not in self.ended]
+                ended = True
+        if ended:
+            self.agents = [a for a in self.possible_agents if a not in self.ended]
         over = not self.agents
         all_truncated = over and all(how == "truncated" for how in self.ended.values())
         terminateds[ALL] = over and not all_truncated

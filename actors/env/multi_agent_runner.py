@@ -74,7 +74,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         self.callbacks = build_callbacks(settings.callbacks)
         self.user_envs = [self._make_env(i, recreated) for i in range(settings.num_envs)]
         """The user's envs, as their creator made them."""
-        self.envs = [CheckedMultiAgentEnv(env) if check_env else env for env in self.user_envs]
+        # the checker leaves the observations agents act on to the sampler, which checks them a batch at a time
+        self.envs = [CheckedMultiAgentEnv(env, plain_step_values=False) if check_env else env for env in self.user_envs]
         """What the sampler steps: each user env behind a step checker, unless ``check_env`` is off."""
         self.module_specs: dict[str, ModuleSpec] = {}
         self.module = MultiRLModule({})
@@ -99,17 +100,21 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
             for i, env in enumerate(self.envs):
                 env.reset(seed=int(np.random.SeedSequence([settings.seed, worker_index, i]).generate_state(1)[0]))
         self.sampler = MultiAgentSampler(self.envs, self.module.members, self.explorations, self.env_actions,
-                                         policy_mapping_fn, env_runner_index=worker_index, listener=self.listener)
+                                         policy_mapping_fn, env_runner_index=worker_index, listener=self.listener,
+                                         check_observations=check_env)
         self._ended: list[tuple[float, int]] | None = None  # (return, env steps) of ended episodes, for evaluation
 
     def _make_env(self, index: int, recreated: bool) -> Any:
         s = self.s
-        env = s.env_creator(EnvContext(s.env_config, self.worker_index, index, s.num_env_runners, recreated,
-                                       s.in_evaluation))
+        ctx = EnvContext(s.env_config, self.worker_index, index, s.num_env_runners, recreated, s.in_evaluation)
+        env = s.env_creator(ctx)
         if not (hasattr(env, "possible_agents") and hasattr(env, "get_observation_space")):
             raise TypeError(f"the env creator made a {type(env).__name__}, which is not a multi-agent env (it lacks "
                             f"possible_agents or get_observation_space): give a MultiAgentEnv, e.g. "
                             f"make_multi_agent(...), or use the single-agent EnvRunner")
+        if overrides(self.callbacks, "on_environment_created"):  # once per env: this runner steps several
+            call_hook(self.callbacks, "on_environment_created", self.where, self.metrics, env_runner=self, env=env,
+                      env_context=ctx, metrics_logger=self.callback_metrics)
         return env
 
     def _build_module(self, module_id: str, spec: ModuleSpec) -> RLModule:

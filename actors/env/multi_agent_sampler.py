@@ -31,7 +31,9 @@ import torch
 
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, StochasticSampling
+from actors.env.multi_agent_checks import MultiAgentEnvError
 from actors.env.sampling import plain_info
+from actors.env.space_values import BatchProblemFinder, batch_problem_finder
 from actors.metrics import MetricsLogger
 from actors.modules import RLModule
 from actors.modules.fused import FusedActors, fusion_key
@@ -43,14 +45,20 @@ PolicyMappingFn = Callable[[AgentID, MultiAgentEpisode], str]
 
 
 class EpisodeListener(Protocol):
-    """What the env runner hears of each episode (its ``on_episode_*`` callbacks): called after the
-    reset, after every step of a running episode, and once when it ended."""
+    """What the env runner hears of each episode (its ``on_episode_*`` callbacks): called when the episode
+    object is made (before the env resets), after the reset, after every step of a running episode, and
+    once when it ended."""
+
+    def episode_created(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
     def episode_started(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
     def episode_stepped(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
     def episode_ended(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
+
+    hears_steps: bool
+    """Whether ``episode_stepped`` does anything (False: the sampler skips calling it; absent: True)."""
 
 @dataclass
 class MultiAgentSample:
@@ -100,7 +108,8 @@ class MultiAgentSampler:
     def __init__(self, envs: Sequence[Any], modules: Mapping[str, RLModule], explorations: Mapping[str, Exploration],
                  env_actions: Mapping[str, EnvActions], policy_mapping_fn: PolicyMappingFn, *,
                  env_runner_index: int = 0, seed: int | None = None, record_infos: bool = False,
-                 weights_version: int = 0, listener: EpisodeListener | None = None) -> None:
+                 weights_version: int = 0, listener: EpisodeListener | None = None,
+                 check_observations: bool = False) -> None:
         if not envs:
             raise ValueError("MultiAgentSampler needs at least one env, got none")
         if not modules:
@@ -120,6 +129,10 @@ class MultiAgentSampler:
         """Keep each agent's infos in its chunks (a recording that writes them)."""
         self._weights_version = weights_version
         self.listener = listener
+        self.check_observations = check_observations
+        """Check each batch of observations against its module's observation space before acting on it
+        (the runner's step checker leaves these to this batched check)."""
+        self._batch_checks: dict[str, tuple[RLModule, BatchProblemFinder]] = {}
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
         self._dtypes: dict[str, tuple[RLModule, Any]] = {}
@@ -144,13 +157,15 @@ class MultiAgentSampler:
         self.episodes = [self._start(i, None if seed is None else seed + i) for i in range(len(self.envs))]
 
     def _start(self, index: int, seed: int | None) -> MultiAgentEpisode:
+        ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
+                               env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
+        if self.listener is not None:  # RLlib's order: the episode object exists before the env resets
+            self.listener.episode_created(index, ep)
         result = self.envs[index].reset(seed=seed)
         if not isinstance(result, tuple) or len(result) != 2:  # a bare obs dict would unpack into two agent ids
             raise ValueError(f"env {index}'s reset() returned {_short(result)}; a multi-agent env's reset returns "
                              "(observations, infos), two dicts keyed by agent id")
         obs, infos = result
-        ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
-                               env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
         ep.add_reset(obs, self._infos(infos))
         if self.listener is not None:
             self.listener.episode_started(index, ep)
@@ -177,6 +192,8 @@ class MultiAgentSampler:
         by_agents = num_env_steps is None
         forwards = {mid: m.forward_exploration if explore else m.forward_inference for mid, m in self.modules.items()}
         groups = self._fusion_groups()
+        listener = self.listener
+        stepped = listener.episode_stepped if listener is not None and getattr(listener, "hears_steps", True) else None
         chunks: dict[str, list[EpisodeChunk]] = {}
         ended: list[MultiAgentEpisode] = []
         module_steps: dict[str, int] = {}
@@ -187,10 +204,12 @@ class MultiAgentSampler:
             # every waiting observation of every env, grouped by module: (env index, agent), observation
             waiting: dict[str, tuple[list[tuple[int, AgentID]], list[Any]]] = {}
             for i, ep in enumerate(self.episodes):
-                for mid, by_agent in ep.observations_to_act().items():
-                    who, obs = waiting.setdefault(mid, ([], []))
-                    who.extend((i, aid) for aid in by_agent)
-                    obs.extend(by_agent.values())
+                for mid, aid, o in ep.waiting_rows():
+                    part = waiting.get(mid)
+                    if part is None:
+                        part = waiting[mid] = ([], [])
+                    part[0].append((i, aid))
+                    part[1].append(o)
             to_env: list[dict[AgentID, Any]] = [{} for _ in range(n)]
             for mids, fused in groups:
                 present = [m for m in mids if m in waiting]
@@ -206,10 +225,9 @@ class MultiAgentSampler:
                     acts, env_acts, columns = self._act_fused(fused, mids, counts, who, obs, explore, timestep)
                 keys = tuple(columns)
                 rows = list(zip(*columns.values()))  # each agent's policy outputs, in keys' order
-                for (i, aid), env_action in zip(who, env_acts):
-                    to_env[i][aid] = env_action
-                for i, (agents, acts_i, rows_i) in _by_env(who, acts, rows).items():
+                for i, (agents, acts_i, rows_i, env_acts_i) in _by_env(who, acts, rows, env_acts).items():
                     self.episodes[i].add_action_rows(agents, acts_i, keys, rows_i)
+                    to_env[i].update(zip(agents, env_acts_i))
                 for m in present:
                     module_steps[m] = module_steps.get(m, 0) + len(waiting[m][0])
                 agent_steps += len(who)
@@ -221,8 +239,8 @@ class MultiAgentSampler:
                     if self.listener is not None:
                         self.listener.episode_ended(i, ep)
                     self.episodes[i] = self._start(i, None)
-                elif self.listener is not None:
-                    self.listener.episode_stepped(i, ep)
+                elif stepped is not None:
+                    stepped(i, ep)
             env_steps += n
         for ep in self.episodes:
             ep.cut()
@@ -264,9 +282,17 @@ class MultiAgentSampler:
         if dtypes is None or dtypes[0] is not module:
             dtypes = self._dtypes[mid] = (module, _space_dtypes(getattr(module, "observation_space", None)))
         dtypes = dtypes[1]
-        try:
-            if type(obs[0]) is np.ndarray and not isinstance(dtypes, (dict, tuple)):
+        flat = type(obs[0]) is np.ndarray and not isinstance(dtypes, (dict, tuple))
+        batch = None
+        if flat:
+            try:
                 batch = np.stack(obs)  # the common case, flat arrays: one stack and at most one cast
+            except ValueError:  # ragged: the check below names the agent, or the message below the shapes
+                flat = False
+        if self.check_observations:
+            self._check_batch(mid, batch, who, obs)
+        try:
+            if flat:
                 tensors = torch.from_numpy(_cast(batch, dtypes))
             else:
                 batch = nested.stack(obs)
@@ -278,6 +304,26 @@ class MultiAgentSampler:
                              f"fit the module's observation space {module.observation_space}: {err}. Map these "
                              "agents to a module built for their observation space") from None
         return tensors
+
+    def _check_batch(self, mid: str, batch: Any, who: list[tuple[int, AgentID]], obs: list[Any]) -> None:
+        """Every observation about to be acted on lies in its module's observation space, or an error names
+        the first agent whose does not."""
+        module = self.modules[mid]
+        check = self._batch_checks.get(mid)
+        if check is None or check[0] is not module:
+            check = self._batch_checks[mid] = (module, batch_problem_finder(module.observation_space))
+        bad = check[1](batch, obs)
+        if bad is not None:
+            row, why = bad
+            i, aid = who[row]
+            raise MultiAgentEnvError(f"env {i}: the observation of agent {aid!r} {why}; it must lie in the observation "
+                                     f"space of module {self.policy_of(i, aid)!r} that acts for it, "
+                                     f"{module.observation_space} (fix the env's observation, or the space it declares "
+                                     f"for {aid!r})", aid)
+
+    def policy_of(self, env_index: int, agent_id: AgentID) -> str:
+        """The module ``agent_id`` of env ``env_index``'s running episode acts with."""
+        return self.episodes[env_index].module_for(agent_id)
 
     def _act(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], forward: Callable[[Any], dict],
              explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
@@ -308,16 +354,17 @@ class MultiAgentSampler:
         return obs, rewards, terminateds, truncateds, self._infos(infos)
 
 
-def _by_env(who: list[tuple[int, AgentID]], acts: Any, rows: list[tuple]) -> dict[int, tuple[list, list, list]]:
-    """A batch's agents, actions and output rows regrouped per env index."""
-    out: dict[int, tuple[list, list, list]] = {}
-    for (i, aid), action, row in zip(who, acts, rows):
+def _by_env(who: list[tuple[int, AgentID]], acts: Any, rows: list[tuple], env_acts: list) -> dict[int, tuple]:
+    """A batch's agents, actions, output rows and env actions regrouped per env index."""
+    out: dict[int, tuple[list, list, list, list]] = {}
+    for (i, aid), action, row, env_action in zip(who, acts, rows, env_acts):
         part = out.get(i)
         if part is None:
-            part = out[i] = ([], [], [])
+            part = out[i] = ([], [], [], [])
         part[0].append(aid)
         part[1].append(action)
         part[2].append(row)
+        part[3].append(env_action)
     return out
 
 

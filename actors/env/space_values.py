@@ -13,6 +13,7 @@ runners call it on every observation of every step.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import le
 from typing import Any, Callable
 
 import gymnasium as gym
@@ -48,12 +49,15 @@ over a list is several times cheaper than numpy's comparisons (every observation
 
 def _box(space: gym.spaces.Box) -> ProblemFinder:
     low, high, shape = space.low, space.high, space.shape
-    bounds = list(zip(low.ravel().tolist(), high.ravel().tolist())) if low.size <= SMALL else None
+    small = low.size <= SMALL
+    lows, highs = (low.ravel().tolist(), high.ravel().tolist()) if small else (None, None)
+    flat = len(shape) == 1
 
     def problem(value: Any) -> str | None:
-        if bounds is not None and type(value) is np.ndarray and value.shape == shape and value.dtype.kind in "biuf":
-            # NaN fails both comparisons, so it falls through to the full check, which names it
-            if all(lo <= v <= hi for v, (lo, hi) in zip(value.ravel().tolist(), bounds)):
+        if small and type(value) is np.ndarray and value.shape == shape and value.dtype.kind in "biuf":
+            # NaN fails every comparison, so it falls through to the full check, which names it
+            values = value.tolist() if flat else value.ravel().tolist()
+            if all(map(le, lows, values)) and all(map(le, values, highs)):
                 return None
         arr = value
         if type(arr) is not np.ndarray:
@@ -137,3 +141,35 @@ def _other(space: gym.Space) -> ProblemFinder:
         return None if inside else f"is {short_repr(value)}, which {space} does not hold"
 
     return problem
+
+
+BatchProblemFinder = Callable[[Any, "list[Any]"], "tuple[int, str] | None"]
+"""(stacked batch, the values it was stacked from) -> None when the space holds every row, else the
+first bad row's index and why (the phrase ``problem_finder`` gives for that value)."""
+
+
+def batch_problem_finder(space: gym.Space) -> BatchProblemFinder:
+    """The checker of a batch of values of ``space``: for a Box, a few vectorized comparisons over the
+    whole stacked batch (the rows are looked at one by one only when one is bad); for other spaces,
+    ``problem_finder`` row by row."""
+    single = problem_finder(space)
+
+    def rows(values: list[Any]) -> tuple[int, str] | None:
+        for k, value in enumerate(values):
+            why = single(value)
+            if why is not None:
+                return k, why
+        return None
+
+    if not isinstance(space, gym.spaces.Box):
+        return lambda batch, values: rows(values)
+    low, high, shape = space.low, space.high, space.shape
+
+    def problem(batch: Any, values: list[Any]) -> tuple[int, str] | None:
+        if (type(batch) is np.ndarray and batch.shape[1:] == shape and batch.dtype.kind in "biuf"
+                and (batch >= low).all() and (batch <= high).all()):  # NaN fails both: looked at below
+            return None
+        return rows(values)
+
+    return problem
+

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import gymnasium as gym
 import torch
 from torch import nn
 
@@ -31,12 +32,13 @@ def fusion_key(module: RLModule) -> tuple | None:
     """Modules with equal keys can act in one pass; None: this module cannot be fused."""
     if type(module) is not ActorCriticModule or module.masking is not None:
         return None
-    if type(module.encoder) is not ObsEncoder or len(module.encoder.leaves) != 1 or module.encoder.leaves[0][0] != "box":
-        return None  # one flat Box leaf: the features are the observation itself, whatever its module
+    if (isinstance(module.observation_space, (gym.spaces.Dict, gym.spaces.Tuple)) or type(module.encoder) is not ObsEncoder
+            or len(module.encoder.leaves) != 1 or module.encoder.leaves[0][0] != "box"):
+        return None  # one array leaf of numbers: the features are the observation itself, flattened
     if not all(isinstance(layer, (nn.Linear,) + _ELEMENTWISE) for layer in module.pi_trunk):
         return None
     cfg = module.config
-    return (repr(module.observation_space), repr(module.action_space), tuple(cfg.fcnet_hiddens), cfg.fcnet_activation)
+    return (repr(module.observation_space), repr(module.action_space), tuple(cfg.trunk_hiddens(module.encoder)), cfg.fcnet_activation)
 
 
 class FusedActors:
@@ -52,7 +54,6 @@ class FusedActors:
         self.module_ids = list(modules)
         self.modules = [modules[mid] for mid in self.module_ids]
         first = self.modules[0]
-        self.encoder = first.encoder
         self.dist_spec = first.dist_spec
         # the layer pattern, shared: Linear positions get stacked weights, the others are applied as they are
         self.pattern = [layer if not isinstance(layer, nn.Linear) else None
@@ -73,7 +74,10 @@ class FusedActors:
     def dist_inputs(self, obs: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """Distribution inputs ``[N, D]`` for ``obs`` ``[N, ...]`` whose rows are grouped by module:
         the first ``counts[0]`` rows are ``module_ids[0]``'s, and so on."""
-        feats = self.encoder(obs)
+        # one flat Box leaf (fusion_key's condition): the encoder would only flatten and cast to float
+        feats = obs.reshape(obs.shape[0], -1)
+        if feats.dtype != torch.float32:
+            feats = feats.float()
         n_modules, widest = len(counts), max(counts)
         h = feats if all(c == widest for c in counts) else self._padded(feats, counts, widest)
         h = h.reshape(n_modules, widest, -1)
