@@ -1,14 +1,17 @@
 """Central inference with Ray: runners that import no torch, the same actions as local inference for the
-same seeds and weights, PPO and APPO to 450 on CartPole within their local tests' budgets, DQN learning
-with epsilon-greedy applied by the server, and a server killed mid-sample: recreated, runners
-reconnected, every chunk delivered once (counted by ids), training on to the target. Learning tests
-are seeded and assert returns and counts, never time."""
+same seeds and weights, the weights of remote learners (learner 0's) reaching every server, a server
+killed mid-sample: recreated, runners reconnected, every chunk delivered once (counted by ids). Learning:
+PPO to 450 on CartPole within its local test's budget; marked long (make test-long), as the suite keeps one
+central-inference learning run: APPO to 450, DQN with epsilon-greedy applied by the server, and training
+on to 450 after a killed server. Learning tests are seeded and assert returns and counts, never time.
+The GPU case (a server and a learner on CUDA) runs where torch sees a CUDA device."""
 import functools
 import os
 from collections import defaultdict
 
 import numpy as np
 import pytest
+import torch
 
 from actors.metrics import MetricsLogger
 from pipeline import APPOConfig, DQNConfig, PPOConfig
@@ -81,9 +84,39 @@ def test_central_inference_config_is_checked_at_build():
         cartpole(PPOConfig).inference(mode="central", num_inference_servers=3).build()
     with pytest.raises(ConfigError, match="inference max_wait_s must be a number >= 0, got -1"):
         cartpole(PPOConfig).inference(mode="central", max_wait_s=-1).build()
-    with pytest.raises(ConfigError, match="mode='central' serves single-agent runs"):
+    with pytest.raises(ConfigError, match=r"inference mode='central' serves single-agent runs.*"
+                                          r"\.inference\(mode='local'\)"):
         cartpole(PPOConfig).multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a") \
-            .inference(mode="central").build()
+            .inference(mode="central").validate()
+
+
+# --- remote learners ----------------------------------------------------------------------------
+@pytest.mark.parametrize("num_learners,device", [(2, "cpu"), pytest.param(1, "cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_remote_learners_weights_reach_every_server(num_learners, device):
+    """APPO with learners in Ray actors (num_learners > 0): the weights go out from learner 0, and every
+    server acts with them, stamped with their version, once an iteration ends. On CUDA: the learner and the
+    server share the GPU."""
+    gpus = 0.5 if device == "cuda" else 0
+    config = (cartpole(APPOConfig).learners(num_learners=num_learners, num_gpus_per_learner=gpus)
+              .training(train_batch_size_per_learner=200, minibatch_size=200, broadcast_interval=1)
+              .inference(mode="central", num_inference_servers=2, num_cpus_per_inference_server=0,
+                         num_gpus_per_inference_server=gpus))
+    algo = config.build()
+    try:
+        for _ in range(3):
+            result = algo.train()
+        learner = algo.learner_group.get_weights(inference_only=True)
+        served = [r.value for r in servers(algo).foreach_actor("get_state")]
+        devices = [r.value for r in servers(algo).foreach_actor("apply", lambda s: s.forward.device.type)]
+    finally:
+        algo.stop()
+    assert devices == [device, device]
+    assert algo.weights_version >= 2 and result["inference"]["weights_version"] == algo.weights_version
+    for state in served:
+        assert state["weights_version"] == algo.weights_version and sorted(state["weights"]) == sorted(learner)
+        for k, w in learner.items():
+            np.testing.assert_array_equal(state["weights"][k], w, err_msg=k)
 
 
 # --- learning ------------------------------------------------------------------------------------
@@ -109,6 +142,7 @@ def test_ppo_with_central_inference_reaches_450_within_the_local_budget():
 
 
 @pytest.mark.learning
+@pytest.mark.long
 def test_appo_with_central_inference_reaches_450_within_the_local_budget():
     """test_impala_appo's APPO run: streaming runners, 1M steps."""
     result = learn_centrally(APPOConfig, 1_000_000)
@@ -116,6 +150,7 @@ def test_appo_with_central_inference_reaches_450_within_the_local_budget():
 
 
 @pytest.mark.learning
+@pytest.mark.long
 def test_dqn_with_central_inference_learns():
     """DQN's tuned CartPole settings, the runner in the driver and its server in a thread: epsilon-greedy
     in the server follows the runner's timestep; the return climbs well above a random policy's ~22."""
@@ -138,8 +173,10 @@ def test_dqn_with_central_inference_learns():
 
 
 # --- a server killed mid-run ----------------------------------------------------------------------
-@pytest.mark.learning
-def test_killed_server_is_recreated_runners_reconnect_and_no_chunk_is_lost_or_doubled(tmp_path):
+def run_with_a_killed_server(tmp_path, target=None):
+    """PPO (2 runners, one server) whose server runner 1 kills at its first episode end after the first
+    iteration, mid-sample; then 3 iterations, or training on to ``target``. Returns what the group's sample
+    calls returned (episode id, chunk index, length, done), the first and the last result, the best return."""
     pid_file = str(tmp_path / "server.pid")
     config = (cartpole(PPOConfig).inference(mode="central", resend_after_s=1.0, health_check_interval_s=0.5)
               .callbacks(on_episode_end=functools.partial(kill_server_once, pid_file)))
@@ -153,21 +190,29 @@ def test_killed_server_is_recreated_runners_reconnect_and_no_chunk_is_lost_or_do
         return chunks
 
     algo.env_runner_group.sample = recording
+    best = -np.inf
     try:
         first = algo.train()
         pid = servers(algo).foreach_actor("apply", lambda server: os.getpid())[0].value
         with open(pid_file, "w") as f:  # runner 1 kills the server at its next episode's end, mid-sample
             f.write(str(pid))
-        best, result = train_until(algo, 450, 400_000)
+        if target is None:
+            for _ in range(3):
+                result = algo.train()
+        else:
+            best, result = train_until(algo, target, 400_000)
     finally:
         algo.stop()
     assert os.path.exists(pid_file + ".taken"), "the server was never killed"
+    return seen, first, result, best
+
+
+def check_recovered_and_every_chunk_once(seen, first, result):
     assert first["fault_tolerance"]["num_inference_server_restarts"] == 0
     ft = result["fault_tolerance"]
     assert ft["num_inference_server_restarts"] >= 1
     assert ft["num_remote_worker_failures"] == 0 and ft["num_healthy_workers"] == 2  # no runner was lost
     assert result["inference"]["runner_num_reconnects"] >= 1  # runner 1 resent its pending request elsewhere
-    assert best >= 450, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
     # every chunk once, every episode's chunks 0, 1, 2... without a gap, ended ones closed by their last chunk
     keys = [(e, i) for e, i, _, _ in seen]
     assert len(keys) == len(set(keys)), "a chunk was delivered twice"
@@ -178,3 +223,18 @@ def test_killed_server_is_recreated_runners_reconnect_and_no_chunk_is_lost_or_do
         assert sorted(chunks) == list(range(len(chunks))), f"episode {e} lost chunks: has {sorted(chunks)}"
         assert not any(chunks[i] for i in range(len(chunks) - 1)), f"episode {e} goes on after its end"
     assert sum(n for _, _, n, _ in seen) == result["num_env_steps_sampled_lifetime"]
+
+
+@pytest.mark.slow
+def test_killed_server_is_recreated_runners_reconnect_and_no_chunk_is_lost_or_doubled(tmp_path):
+    seen, first, result, _ = run_with_a_killed_server(tmp_path)
+    check_recovered_and_every_chunk_once(seen, first, result)
+    assert result["training_iteration"] == 4 and result["inference"]["weights_version"] == 4
+
+
+@pytest.mark.learning
+@pytest.mark.long
+def test_training_reaches_450_after_a_killed_server(tmp_path):
+    seen, first, result, best = run_with_a_killed_server(tmp_path, target=450)
+    check_recovered_and_every_chunk_once(seen, first, result)
+    assert best >= 450, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"

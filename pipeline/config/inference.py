@@ -67,8 +67,9 @@ def _central_problems(config: Any, x: InferenceSettings) -> list[str]:
     fix = "or keep .inference(mode='local')"
     problems = []
     if settings_used(config):
-        problems.append(f"inference mode='central' serves single-agent runs; this config has multi-agent settings "
-                        f"(policies/policy_mapping_fn): its runners act with each module locally, {fix}")
+        problems.append("inference mode='central' serves single-agent runs; this config has multi-agent settings "
+                        "(policies/policy_mapping_fn), whose runners act with each module themselves: drop "
+                        ".inference(mode='central') or set .inference(mode='local') (the default)")
     if config.external_clients_config is not None:
         problems.append(f"inference mode='central' is for env runners; with external_clients() the policy servers "
                         f"act for their clients themselves (same batching engine): drop .inference(...) {fix}")
