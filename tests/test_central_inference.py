@@ -97,11 +97,11 @@ def test_remote_learners_weights_reach_every_server(num_learners, device):
     """APPO with learners in Ray actors (num_learners > 0): the weights go out from learner 0, and every
     server acts with them, stamped with their version, once an iteration ends. On CUDA: the learner and the
     server share the GPU."""
-    gpus = 0.5 if device == "cuda" else 0
-    config = (cartpole(APPOConfig).learners(num_learners=num_learners, num_gpus_per_learner=gpus)
+    cuda = device == "cuda"  # one GPU: half for the learner, a quarter for each server
+    config = (cartpole(APPOConfig).learners(num_learners=num_learners, num_gpus_per_learner=0.5 if cuda else 0)
               .training(train_batch_size_per_learner=200, minibatch_size=200, broadcast_interval=1)
               .inference(mode="central", num_inference_servers=2, num_cpus_per_inference_server=0,
-                         num_gpus_per_inference_server=gpus))
+                         num_gpus_per_inference_server=0.25 if cuda else 0))
     algo = config.build()
     try:
         for _ in range(3):

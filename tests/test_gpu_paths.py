@@ -53,7 +53,7 @@ def actor_weights(algo) -> tuple[dict, int]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("algo,central", [("PPO", False), ("PPO", True), ("APPO", False), ("APPO", True),
-                                          ("DQN", False), ("DQN", True), ("SAC", False)])
+                                          ("DQN", False), ("DQN", True), ("SAC", False), ("SAC", True)])
 def test_learner_on_device_trains_and_what_acts_gets_its_weights(algo, central, device):
     a = build(algo, device, central)
     try:

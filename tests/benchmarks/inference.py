@@ -24,6 +24,8 @@ Prints one JSON object per line:
         (Sample Factory reports about 3.8k frames/s per core for Atari).
 
     python tests/benchmarks/inference.py [--seconds 8] [--repeats 3] [--runners 8] [--envs 4]
+        [--workloads frames_cnn,cartpole_mlp] [--cpu-modes local,central] [--skip-gpu]
+    (tests/benchmarks/gpu_check.sh runs a short pass on a GPU machine: frames_cnn, 2 s a point)
 """
 from __future__ import annotations
 
@@ -126,13 +128,15 @@ def round_trips(workload: str, device: str, batch: int, args: argparse.Namespace
             "n": len(times)}
 
 
-def appo_frames(args: argparse.Namespace) -> dict:
-    """APPO on the frame env, inference and learner on the GPU: env steps sampled per second."""
+def appo_frames(args: argparse.Namespace, device: str = "cuda") -> dict:
+    """APPO on the frame env, inference and learner on ``device`` (the GPU: half of it each): env steps
+    sampled per second."""
+    gpus = 0.5 if device == "cuda" else 0
     config = (APPOConfig().environment(FrameEnv)
               .env_runners(num_env_runners=args.runners, num_envs_per_env_runner=args.envs)
-              .inference(mode="central", num_cpus_per_inference_server=1, num_gpus_per_inference_server=0.5,
+              .inference(mode="central", num_cpus_per_inference_server=1, num_gpus_per_inference_server=gpus,
                          max_batch=args.runners * args.envs)
-              .learners(num_gpus_per_learner=0.5).reporting(min_time_s_per_iteration=1.0))
+              .learners(num_gpus_per_learner=gpus).reporting(min_time_s_per_iteration=1.0))
     algo = config.build(logdir=None)
     try:
         started = time.perf_counter()
@@ -160,6 +164,8 @@ def main() -> None:
     p.add_argument("--server-cpus", type=int, default=1, help="CPUs (torch threads) of each inference server")
     p.add_argument("--max-wait-s", type=float, default=0.0, help="the servers' max_wait_s")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--cpu-modes", default="local,central",
+                   help="the CPU sampling runs: local inference, central inference on CPU servers, or both")
     p.add_argument("--skip-gpu", action="store_true")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.skip_gpu
@@ -173,7 +179,7 @@ def main() -> None:
     rates: dict = {}
     for r in range(args.repeats):
         for workload in workloads:
-            for mode in ("local", "central"):
+            for mode in args.cpu_modes.split(","):
                 rate, batch = sampling_rate(workload, mode, "cpu", args)
                 rates.setdefault((workload, mode, "cpu"), []).append(rate)
                 emit(bench="sampling", workload=workload, mode=mode, device="cpu", runners=args.runners,
@@ -197,15 +203,18 @@ def main() -> None:
         emit(bench="appo_frames", device="cuda", **appo_frames(args))
     summary = {f"{w}_{m}_{d}_env_steps_per_s": round(statistics.median(v), 1) for (w, m, d), v in rates.items()}
     for workload in workloads:
-        local = rates[(workload, "local", "cpu")]
+        local = rates.get((workload, "local", "cpu"))
+        if not local:
+            continue
         for device in devices:
             central = rates.get((workload, "central", device))
             if central:
                 summary[f"{workload}_central_{device}_over_local"] = round(statistics.median(central)
                                                                            / statistics.median(local), 2)
-        # each repeat's central run beside the local run just before it: less exposed to a load that drifts
-        summary[f"{workload}_central_cpu_over_local_paired"] = round(statistics.median(
-            c / l for c, l in zip(rates[(workload, "central", "cpu")], local)), 2)
+        if (workload, "central", "cpu") in rates:
+            # each repeat's central run beside the local run just before it: less exposed to a load that drifts
+            summary[f"{workload}_central_cpu_over_local_paired"] = round(statistics.median(
+                c / l for c, l in zip(rates[(workload, "central", "cpu")], local)), 2)
     emit(bench="summary", **summary)
 
 
