@@ -16,6 +16,7 @@ import torch
 from actors.metrics import MetricsLogger
 from pipeline import APPOConfig, DQNConfig, PPOConfig
 from pipeline.config.base import ConfigError
+from pipeline.ray_cluster import actor_needs
 from tests.helpers import train_until
 from tests.inference_probes import kill_server_once, torch_loaded
 
@@ -88,6 +89,17 @@ def test_central_inference_config_is_checked_at_build():
                                           r"\.inference\(mode='local'\)"):
         cartpole(PPOConfig).multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a") \
             .inference(mode="central").validate()
+
+
+def test_servers_count_in_what_a_joined_cluster_must_hold():
+    """The ``ray_address`` check of a joined cluster and the local Ray's size count the servers' CPUs and
+    GPUs; with the runner in the driver, its server is there too, outside Ray's accounting."""
+    config = cartpole(PPOConfig).inference(mode="central", num_inference_servers=2, num_gpus_per_inference_server=0.5)
+    needs = actor_needs(config)
+    assert (needs.cpus, needs.gpus) == (2 * 1 + 2 * 1, 1.0)
+    assert needs.describe() == "2 env runners x 1 CPU, 2 inference servers x 1 CPU + 0.5 GPU"
+    in_driver = cartpole(PPOConfig, runners=0).inference(mode="central", num_gpus_per_inference_server=1)
+    assert (actor_needs(in_driver).cpus, actor_needs(in_driver).gpus) == (0, 0)
 
 
 # --- remote learners ----------------------------------------------------------------------------
