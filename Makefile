@@ -31,7 +31,7 @@ evaluate: setup
 	$(BIN)/runnel evaluate $(CHECKPOINT) $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=40 tests
 
 test-seeds: setup
 	$(BIN)/python -m pytest -q -m seeds tests
