@@ -44,7 +44,8 @@ class StreamingReplay:
         cls = ray.remote(num_cpus=c.get("num_cpus", 1), max_restarts=0,
                          max_concurrency=self.prefetch + 4)(ReplayBuffer)  # waiting samples must not block metrics
         ft = FaultToleranceSettings(restart_failed=True, probe_timeout_s=config.env_runner_health_probe_timeout_s,
-                                    max_requests_in_flight=self.prefetch + 4, restart_delay_s=0.0)
+                                    max_requests_in_flight=self.prefetch + 4, restart_delay_s=0.0,
+                                    actor_resources={"CPU": c.get("num_cpus", 1)})
         self.group = ActorManager(lambda i, recreated: cls.remote(settings), [1], ft, on_restart=self._restore,
                                   name="replay stage")
         self.group.check_started(ft.start_timeout_s, f"{c.get('num_cpus', 1)} CPU(s)")
@@ -57,8 +58,9 @@ class StreamingReplay:
 
     # --- the replay actor ---------------------------------------------------------------------
     def _restore(self, index: int, handle: Any) -> None:
-        if self.last_state:
-            ray.get(handle.set_state.remote(self.last_state))
+        if self.last_state:  # bounded (a whole buffer may take a while): the replacement's node may go too
+            s = self.group.settings
+            ray.get(handle.set_state.remote(self.last_state), timeout=max(s.start_timeout_s, s.probe_timeout_s or 0.0))
 
     def _point_runners(self) -> None:
         """(Re)start the replay stage's intake and have every runner stream to it."""
