@@ -100,6 +100,7 @@ class StreamingReplay:
             self._batches_in_flight, self._metrics_pending = 0, False
             self._point_runners()
         self.env_runners.poll(m, self.config.env_runner_metrics_interval_s)
+        self.env_runners.take_lost_streams()  # the replay actor's intake keeps its own (capped) episode ledger
 
     def _learn(self, batch: dict[str, Any]) -> None:
         m = self.metrics
