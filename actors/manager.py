@@ -21,6 +21,11 @@ Restarts never hold the caller up: a replacement is created and joins the group 
 counted) at a later call, once it answers (``actors.replacements``); meanwhile the healthy members
 go on working, and a replacement for an actor of a lost node waits for room until nodes return.
 ``wait_for_restarts`` blocks, for a caller with nothing else to do (no member healthy).
+
+A caller with a recovery policy of its own (the learner group, ``pipeline.groups.learner_recovery``)
+restarts nothing through ``probe_unhealthy_and_restart``: it marks members healthy again
+(``mark_healthy``) and replaces dead ones with ``recreate``, which waits for the new actor -- a
+learner group cannot update, nor re-form its gradient all-reduce group, without all its members.
 """
 from __future__ import annotations
 
@@ -348,6 +353,38 @@ class ActorManager:
             ray.wait(self.starting.ready_refs(), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             restarted = self.probe_unhealthy_and_restart(force=True)
         return restarted
+
+    # --- for callers with a recovery policy of their own (the learner group) ------------------
+    def mark_healthy(self, actor_id: int) -> None:
+        """Count a member that a failed call marked failed as healthy again: for a caller that knows it
+        is alive and sound (a learner whose gradient all-reduce broke because a peer died)."""
+        self.members[actor_id].healthy = True
+
+    def recreate(self, actor_id: int, timeout_s: float) -> Any:
+        """Replace member ``actor_id`` now, whatever the restart settings say, waiting for it (unlike
+        ``probe_unhealthy_and_restart``: for a caller that cannot go on without it): the old actor is
+        killed, a new one made at its index and, once it answers a ping within ``timeout_s``, restored
+        (``on_restart``), counted as a restart and healthy. Returns its handle; raises ActorGroupError
+        naming the member when the new one does not come up (its resources are freed first)."""
+        old = self.members[actor_id]
+        _kill(old.handle)
+        self.starting.cancel(actor_id)  # a replacement started for it by ``probe_unhealthy_and_restart``
+        t0 = time.perf_counter()
+        handle = self.make_actor(actor_id, True)
+        try:
+            ray.get(handle.ping.remote(), timeout=timeout_s)
+            if self.on_restart is not None:
+                self.on_restart(actor_id, handle)
+        except (RayError, GetTimeoutError) as err:
+            _kill(handle)
+            raise ActorGroupError(f"{self.name} {actor_id} could not be recreated within {timeout_s:.0f} s: "
+                                  f"{_describe(err)}; the cluster has {ray.available_resources()} available") from err
+        finally:
+            self.restart_wait_s += time.perf_counter() - t0
+        self.members[actor_id] = _Member(handle, restarts=old.restarts + 1)
+        self.num_restarts += 1
+        log.warning("%s %d recreated (restart #%d)", self.name, actor_id, old.restarts + 1)
+        return handle
 
     def probe_health(self) -> list[int]:
         """Ping every healthy actor; those that fail or time out are marked failed. Returns failures."""

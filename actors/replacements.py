@@ -95,6 +95,12 @@ class Replacements:
         free = ray.available_resources()
         return all(free.get(k, 0.0) >= v for k, v in self.actor_resources.items())
 
+    def cancel(self, index: int) -> None:
+        """Kill the replacement for ``index``, if one is starting (its caller replaces the member itself)."""
+        new = self.pending.pop(index, None)
+        if new is not None:
+            kill(new.handle)
+
     def stop(self) -> None:
         for new in self.pending.values():
             kill(new.handle)

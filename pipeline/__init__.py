@@ -8,6 +8,7 @@ from pipeline.algorithms.impala import IMPALA, IMPALAConfig
 from pipeline.algorithms.marwil import MARWIL, MARWILConfig
 from pipeline.algorithms.ppo import PPO, PPOConfig
 from pipeline.algorithms.sac import SAC, SACConfig
+from actors.env.atari import make_atari
 from actors.env.multi_agent_env import MultiAgentEnv, make_multi_agent
 from actors.env.pettingzoo_env import ParallelPettingZooEnv, PettingZooEnv
 from actors.env.task_settable import TaskSettableEnv
@@ -29,4 +30,4 @@ __all__ = ["APPO", "APPOConfig", "Algorithm", "AlgorithmConfig", "BC", "BCConfig
            "ConfigError", "DQN", "DefaultModelConfig", "DQNConfig", "DefaultCallbacks", "EnvContext", "IMPALA", "IMPALAConfig", "MemoryTrackingCallbacks", "MultiAgentEnv",
            "MultiAgentPlan", "MultiRLModuleSpec", "ParallelPettingZooEnv", "PettingZooEnv", "PPO", "PolicySpec", "RLModuleSpec", "multi_agent_plan",
            "PPOConfig", "RLlibCallback", "SAC", "SingleAgentEnvRunner", "SACConfig", "TaskSettableEnv", "collect_episodes", "get_algorithm",
-           "make_multi_agent", "make_multi_callbacks", "register_algorithm", "register_env", "summarize_episodes"]
+           "make_atari", "make_multi_agent", "make_multi_callbacks", "register_algorithm", "register_env", "summarize_episodes"]

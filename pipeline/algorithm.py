@@ -351,6 +351,7 @@ class Algorithm(Trainable):
 
     def _result(self, dt: float, steps: int) -> dict[str, Any]:
         self.env_runner_group.log_fault_tolerance(self.metrics)
+        self.learner_group.log_fault_tolerance(self.metrics)
         if self._sys is not None:
             for key, value in self._sys.sample().items():
                 self.metrics.log_value(f"perf/driver/{key}", value)

@@ -1,5 +1,9 @@
 """Turning ``config.env`` into an env creator: gymnasium ids, registered names, classes, import paths.
 
+An Atari id (``"ALE/Pong-v5"``, gymnasium's ``"ale_py:ALE/Pong-v5"``, ``"PongNoFrameskip-v4"``) builds
+the game with the standard Atari preprocessing (``actors.env.atari.make_atari``; ``env_config={"atari":
+False}`` for the bare ALE env).
+
 An import path ``"module:Class"`` is looked up on ``sys.path`` and then in the current directory
 (the one the driver runs in), as ``python -m`` would, so ``runnel train --env myenv:MyEnv`` finds
 ``./myenv.py`` without ``PYTHONPATH=.``. The creator handed to env runners carries the path and
@@ -16,6 +20,7 @@ from typing import Any, Callable
 import gymnasium as gym
 
 from actors.env import EnvContext
+from actors.env.atari import ale_env_id, make_atari
 from pipeline.config.base import ConfigError
 from pipeline.config.plain import resolve_import_path
 
@@ -37,6 +42,19 @@ class _GymMaker:
 
     def __call__(self, ctx: EnvContext) -> gym.Env:
         return gym.make(self.env_id, **dict(ctx))
+
+
+class _AtariMaker:
+    """Picklable creator for an ALE id: the game with the standard Atari preprocessing."""
+
+    def __init__(self, env_id: str) -> None:
+        self.env_id = env_id
+
+    def __call__(self, ctx: EnvContext) -> gym.Env:
+        return make_atari(self.env_id, ctx)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.env_id!r})"
 
 
 class _ClassMaker:
@@ -114,6 +132,12 @@ def env_creator(env: Any) -> Callable[[EnvContext], gym.Env]:
         tune_creator = _tune_registered(env)
         if tune_creator is not None:  # RLlib users register with ray.tune.registry.register_env
             return tune_creator
+        try:
+            atari = ale_env_id(env)
+        except ImportError as err:
+            raise ConfigError(f"env {env!r}: {err}") from err
+        if atari is not None:
+            return _AtariMaker(atari)
         if env in gym.registry:
             return _GymMaker(env)
         if ":" in env:

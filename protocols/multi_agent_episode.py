@@ -164,6 +164,11 @@ class MultiAgentEpisode:
 
     get_agents_to_act = agents_to_act  # RLlib's name, for callbacks written against it
 
+    def waiting_rows(self) -> list[tuple[str, AgentID, Any]]:
+        """``(module id, agent id, observation)`` of each agent to act, in the order they got it: what a
+        sampler gathers from many episodes into one batch per module."""
+        return [(a.module_id, aid, a.last_obs) for aid, a in self._agents.items() if a.ready]
+
     def observations_to_act(self) -> dict[str, dict[AgentID, Any]]:
         """The observations waiting for an action, grouped by module: one forward pass each."""
         out: dict[str, dict[AgentID, Any]] = {}

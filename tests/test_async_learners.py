@@ -4,7 +4,8 @@ own env runners, the learners update together with gradients averaged, weights g
 Without Ray: a learner's feed (``actors.learner.feed``) holds a batch once it says it is ready and
 refuses to update without one. With Ray: two learners hold identical weights (and APPO target
 networks), each trains only on its own runners' chunks, no chunk is trained twice or lost (counted by
-chunk ids), the run's counters add up over the learners, a killed learner ends the run naming it, and
+chunk ids), the run's counters add up over the learners, a killed learner ends the run naming it when no
+restarts are allowed (tests/test_learner_recovery.py: rebuilt otherwise), and
 (learning) CartPole-v1 reaches 450 within the budget of the single-learner tests.
 """
 import threading
@@ -174,12 +175,16 @@ def test_two_appo_learners_keep_identical_weights_and_target_networks(ray_cluste
     assert runnel_threads() == []
 
 @pytest.mark.slow
-def test_a_killed_learner_ends_the_run_naming_it(ray_cluster):
-    algo = build(IMPALAConfig, train_batch_size_per_learner=200, minibatch_size=200)
+def test_a_killed_learner_ends_the_run_naming_it_when_no_restarts_are_allowed(ray_cluster):
+    # with restarts allowed the learner is rebuilt instead: tests/test_learner_recovery.py
+    algo = (IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)
+            .learners(num_learners=2).training(train_batch_size_per_learner=200, minibatch_size=200)
+            .fault_tolerance(max_num_learner_restarts=0).reporting(min_time_s_per_iteration=0.5).debugging(seed=0)
+            .build(logdir=None))
     try:
         algo.train()
         ray.kill(algo.learner_group.manager.handle(1), no_restart=True)
-        with pytest.raises(ActorGroupError, match=r"learner 1 failed"):
+        with pytest.raises(ActorGroupError, match=r"learner 1 failed .* max_num_learner_restarts=0 allows none"):
             for _ in range(20):
                 algo.train()
     finally:

@@ -294,14 +294,20 @@ def test_removing_the_last_module_or_mapping_to_a_missing_one_is_refused():
 def test_episode_callbacks_get_the_multi_agent_episode():
     seen: list[tuple[str, Any]] = []
     hooks = {name: [lambda episode, name=name, **kw: seen.append((name, episode))]
-             for name in ("on_episode_start", "on_episode_step", "on_episode_end")}
-    runner = make_runner(num_envs=1, fragment=100, callbacks=CallbacksSpec(functions=hooks))
+             for name in ("on_episode_created", "on_episode_start", "on_episode_step", "on_episode_end")}
+    created_agents: list[int] = []
+    hooks["on_episode_created"].append(lambda episode, **kw: created_agents.append(len(episode.agent_ids)))
+    envs: list[tuple[Any, int]] = []
+    hooks["on_environment_created"] = [lambda env, env_context, **kw: envs.append((env, env_context.vector_index))]
+    runner = make_runner(num_envs=2, fragment=100, callbacks=CallbacksSpec(functions=hooks))
+    assert envs == [(runner.user_envs[0], 0), (runner.user_envs[1], 1)]  # once per env the runner steps
     runner.sample()
     ended = [ep for name, ep in seen if name == "on_episode_end"]
     assert ended and all(ep.is_done for ep in ended)
     first = ended[0]
-    assert [n for n, ep in seen if ep is first] == (["on_episode_start"] + ["on_episode_step"] * len(first)
-                                                    + ["on_episode_end"])
+    assert [n for n, ep in seen if ep is first] == (["on_episode_created", "on_episode_start"]
+                                                    + ["on_episode_step"] * len(first) + ["on_episode_end"])
+    assert set(created_agents) == {0}  # created before the reset: no agent has joined yet
 
 
 class StrayAgentEnv:

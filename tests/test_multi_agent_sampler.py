@@ -397,6 +397,9 @@ class Listener:
     def note(self, what: str, env_index: int, episode: Any) -> None:
         self.heard.append((what, env_index, episode.id_, episode.env_steps()))
 
+    def episode_created(self, env_index: int, episode: Any) -> None:
+        self.note("created", env_index, episode)
+
     def episode_started(self, env_index: int, episode: Any) -> None:
         self.note("start", env_index, episode)
 
@@ -407,13 +410,15 @@ class Listener:
         self.note("end", env_index, episode)
 
 
-def test_listener_hears_each_episode_start_step_and_end():
+def test_listener_hears_each_episode_created_start_step_and_end():
     listener = Listener()
     s = sampler([EarlyFinisher()], {"m": (BOX2, gym.spaces.Discrete(2))}, lambda a, e: "m", listener=listener)
     sample = s.run(num_env_steps=6)
     first, second = sample.episodes[0].id_, s.episodes[0].id_
-    assert listener.heard == ([("start", 0, first, 0)] + [("step", 0, first, t) for t in range(1, 5)]
-                              + [("end", 0, first, 5), ("start", 0, second, 0), ("step", 0, second, 1)])
+    assert listener.heard == ([("created", 0, first, 0), ("start", 0, first, 0)]
+                              + [("step", 0, first, t) for t in range(1, 5)]
+                              + [("end", 0, first, 5), ("created", 0, second, 0), ("start", 0, second, 0),
+                                 ("step", 0, second, 1)])
 
 
 # --- counting ---------------------------------------------------------------------------------

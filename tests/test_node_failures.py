@@ -11,6 +11,9 @@
 * DQN with its replay stage and evaluators as actors on the node that is removed: they are recreated on
   the node that remains, evaluation and training go on.
 
+All three are marked ``long`` (5 to 13 minutes together on 2 cores, by the machine's load): ``make
+test-long`` runs them, the suite (``make test``) leaves them out.
+
 Hygiene: the cluster lives in a temporary directory of its own (``RAY_TMPDIR``: other Ray users of the
 machine never see it) and is shut down at the module's end; the environment is restored, and no process
 this module started is left.
@@ -32,6 +35,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline import APPOConfig, DQNConfig, PPOConfig
 from tests.procs import command, with_environment
+
+pytestmark = pytest.mark.long
 
 NODE_CPUS = 2
 ENV_KEYS = ("RAY_ADDRESS", "RAY_TMPDIR")

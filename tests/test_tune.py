@@ -59,6 +59,36 @@ def test_registered_name_with_a_dict_param_space(ray2, tmp_path):
     assert results[0].metrics["training_iteration"] == 1
 
 
+def by_agent(agent_id, episode, **kw) -> str:
+    return f"p{agent_id}"
+
+
+def test_a_multi_agent_config_tunes_per_module_settings(ray2, tmp_path):
+    """Two policies on two-agent CartPole under Tune: a grid over the shared lr, each trial's results carry the
+    per-module keys, and its checkpoint restores both modules."""
+    from pipeline import make_multi_agent
+
+    config = (small_config(num_env_runners=0).environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
+              .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
+              .training(lr=tune.grid_search([1e-3, 3e-3])))
+    tuner = tune.Tuner(PPO, param_space=config, run_config=tune.RunConfig(
+        stop={"training_iteration": 1}, storage_path=str(tmp_path), name="multi-agent",
+        checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True)))
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    assert sorted(r.config["lr"] for r in results) == [1e-3, 3e-3]
+    for r in results:
+        assert {"p0", "p1"} <= set(r.metrics["learners"])  # Tune nests the result keys at their '/'
+        assert all(isinstance(r.metrics["learners"][m]["total_loss"], float) for m in ("p0", "p1"))
+        assert r.metrics["env_runners"]["module_episode_returns_mean"]["p0"] > 0
+    algo = Algorithm.from_checkpoint(results[0].checkpoint.path, num_env_runners=0)
+    try:
+        assert set(algo.config.policies) == {"p0", "p1"}
+        assert algo.get_module("p1") is not None
+    finally:
+        algo.stop()
+
+
 @pytest.mark.slow
 def test_pbt_perturbs_lr_of_a_running_trial(ray2, tmp_path):
     config = small_config(num_env_runners=0).training(lr=tune.grid_search([1e-4, 1e-3]))

@@ -106,12 +106,15 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
 
     def _make_env(self, index: int, recreated: bool) -> Any:
         s = self.s
-        env = s.env_creator(EnvContext(s.env_config, self.worker_index, index, s.num_env_runners, recreated,
-                                       s.in_evaluation))
+        ctx = EnvContext(s.env_config, self.worker_index, index, s.num_env_runners, recreated, s.in_evaluation)
+        env = s.env_creator(ctx)
         if not (hasattr(env, "possible_agents") and hasattr(env, "get_observation_space")):
             raise TypeError(f"the env creator made a {type(env).__name__}, which is not a multi-agent env (it lacks "
                             f"possible_agents or get_observation_space): give a MultiAgentEnv, e.g. "
                             f"make_multi_agent(...), or use the single-agent EnvRunner")
+        if overrides(self.callbacks, "on_environment_created"):  # once per env: this runner steps several
+            call_hook(self.callbacks, "on_environment_created", self.where, self.metrics, env_runner=self, env=env,
+                      env_context=ctx, metrics_logger=self.callback_metrics)
         return env
 
     def _build_module(self, module_id: str, spec: ModuleSpec) -> RLModule:

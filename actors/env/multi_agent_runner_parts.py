@@ -46,7 +46,7 @@ class CheckedMultiAgentEnv:
 class RunnerListener:
     """What the runner hears of each episode (``MultiAgentSampler``'s ``EpisodeListener``).
 
-    Runs the user's ``on_episode_start``/``on_episode_step``/``on_episode_end`` with the
+    Runs the user's ``on_episode_created``/``on_episode_start``/``on_episode_step``/``on_episode_end`` with the
     ``MultiAgentEpisode`` (only those the callbacks override), and, while ``order`` is a dict,
     numbers episodes in the order they start (``num_episodes`` sampling keeps the first ones)."""
 
@@ -54,11 +54,18 @@ class RunnerListener:
                  callback_metrics: MetricsLogger, envs: list[Any]) -> None:
         self.runner, self.callbacks, self.where = runner, callbacks, where
         self.metrics, self.callback_metrics, self.envs = metrics, callback_metrics, envs
+        self.on_created = overrides(callbacks, "on_episode_created")
         self.on_start = overrides(callbacks, "on_episode_start")
         self.on_step = overrides(callbacks, "on_episode_step")
         self.on_end = overrides(callbacks, "on_episode_end")
+        self.hears_steps = bool(self.on_step)
+        """Whether ``episode_stepped`` runs a callback: the sampler calls it only then."""
         self.order: dict[str, int] | None = None
         """Episode id -> how many episodes started before it, while counting (None: not counting)."""
+
+    def episode_created(self, env_index: int, episode: MultiAgentEpisode) -> None:
+        if self.on_created:
+            self._hook("on_episode_created", env_index, episode)
 
     def episode_started(self, env_index: int, episode: MultiAgentEpisode) -> None:
         if self.order is not None:

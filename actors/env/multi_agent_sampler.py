@@ -45,14 +45,20 @@ PolicyMappingFn = Callable[[AgentID, MultiAgentEpisode], str]
 
 
 class EpisodeListener(Protocol):
-    """What the env runner hears of each episode (its ``on_episode_*`` callbacks): called after the
-    reset, after every step of a running episode, and once when it ended."""
+    """What the env runner hears of each episode (its ``on_episode_*`` callbacks): called when the episode
+    object is made (before the env resets), after the reset, after every step of a running episode, and
+    once when it ended."""
+
+    def episode_created(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
     def episode_started(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
     def episode_stepped(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
 
     def episode_ended(self, env_index: int, episode: MultiAgentEpisode) -> None: ...
+
+    hears_steps: bool
+    """Whether ``episode_stepped`` does anything (False: the sampler skips calling it; absent: True)."""
 
 @dataclass
 class MultiAgentSample:
@@ -151,13 +157,15 @@ class MultiAgentSampler:
         self.episodes = [self._start(i, None if seed is None else seed + i) for i in range(len(self.envs))]
 
     def _start(self, index: int, seed: int | None) -> MultiAgentEpisode:
+        ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
+                               env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
+        if self.listener is not None:  # RLlib's order: the episode object exists before the env resets
+            self.listener.episode_created(index, ep)
         result = self.envs[index].reset(seed=seed)
         if not isinstance(result, tuple) or len(result) != 2:  # a bare obs dict would unpack into two agent ids
             raise ValueError(f"env {index}'s reset() returned {_short(result)}; a multi-agent env's reset returns "
                              "(observations, infos), two dicts keyed by agent id")
         obs, infos = result
-        ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
-                               env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
         ep.add_reset(obs, self._infos(infos))
         if self.listener is not None:
             self.listener.episode_started(index, ep)
@@ -184,6 +192,8 @@ class MultiAgentSampler:
         by_agents = num_env_steps is None
         forwards = {mid: m.forward_exploration if explore else m.forward_inference for mid, m in self.modules.items()}
         groups = self._fusion_groups()
+        listener = self.listener
+        stepped = listener.episode_stepped if listener is not None and getattr(listener, "hears_steps", True) else None
         chunks: dict[str, list[EpisodeChunk]] = {}
         ended: list[MultiAgentEpisode] = []
         module_steps: dict[str, int] = {}
@@ -194,10 +204,12 @@ class MultiAgentSampler:
             # every waiting observation of every env, grouped by module: (env index, agent), observation
             waiting: dict[str, tuple[list[tuple[int, AgentID]], list[Any]]] = {}
             for i, ep in enumerate(self.episodes):
-                for mid, by_agent in ep.observations_to_act().items():
-                    who, obs = waiting.setdefault(mid, ([], []))
-                    who.extend((i, aid) for aid in by_agent)
-                    obs.extend(by_agent.values())
+                for mid, aid, o in ep.waiting_rows():
+                    part = waiting.get(mid)
+                    if part is None:
+                        part = waiting[mid] = ([], [])
+                    part[0].append((i, aid))
+                    part[1].append(o)
             to_env: list[dict[AgentID, Any]] = [{} for _ in range(n)]
             for mids, fused in groups:
                 present = [m for m in mids if m in waiting]
@@ -227,8 +239,8 @@ class MultiAgentSampler:
                     if self.listener is not None:
                         self.listener.episode_ended(i, ep)
                     self.episodes[i] = self._start(i, None)
-                elif self.listener is not None:
-                    self.listener.episode_stepped(i, ep)
+                elif stepped is not None:
+                    stepped(i, ep)
             env_steps += n
         for ep in self.episodes:
             ep.cut()

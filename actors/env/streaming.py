@@ -48,6 +48,8 @@ class RunnerStream:
         self._reported = {"num_frames_sent": 0, "num_bytes_sent": 0, "send_blocked_s": 0.0}
         self.error: str | None = None
         self.exception: BaseException | None = None
+        self.num_env_steps_sent = 0
+        """Env steps of the frames ZeroMQ accepted for ``address`` (written by the sampling thread only)."""
         self._status = ("starting", time.monotonic())  # (state, since): one tuple, replaced atomically
         # torch.set_num_threads only reaches the thread that calls it (OpenMP's per-thread
         # setting): a new thread would run with one intra-op thread per core, which on a busy
@@ -93,7 +95,10 @@ class RunnerStream:
             return True
         runner.flush_recording()
         self._set_state("sending")
-        return sender.send(chunks, self._stop)
+        sent = sender.send(chunks, self._stop)
+        if sent:
+            self.num_env_steps_sent += sum(len(c) for c in chunks)
+        return sent
 
     def log_counters(self) -> None:
         """The sender's counters into the runner's logger, as deltas (the logger sums them up).
@@ -143,6 +148,7 @@ class StreamingRunner:
         self._weights_lock = threading.Lock()
         self._pending_weights: tuple[Any, int, int | None] | None = None
         self._stream: RunnerStream | None = None
+        self._steps_sent_before: dict[str, int] = {}  # env steps sent per address by streams now ended
 
     def _apply_weights(self, weights: Any, weights_version: int, timestep: int | None) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _apply_weights to stream")
@@ -190,6 +196,7 @@ class StreamingRunner:
             if stream.address == address:
                 return
             stream.stop()
+        self._retire(stream)
         self._stream = RunnerStream(self, address, hwm=hwm, compress=compress, sndbuf=sndbuf,
                                     stall_timeout_s=stall_timeout_s)
         self._stream.start()
@@ -201,9 +208,24 @@ class StreamingRunner:
             return True
         stopped = stream.stop(timeout_s)
         if stopped:
+            self._retire(stream)
             self._stream = None
             self.apply_pending_weights()  # what arrived for a fragment that never came
         return stopped
+
+    def _retire(self, stream: RunnerStream | None) -> None:
+        if stream is not None:
+            sent = self._steps_sent_before
+            sent[stream.address] = sent.get(stream.address, 0) + stream.num_env_steps_sent
+
+    def stream_totals(self) -> dict[str, int]:
+        """Env steps this runner has sent to each receiver address over its life (ZeroMQ accepted them;
+        whether they arrived is the receiver's count): when a learner dies, what its runners sent it."""
+        totals = dict(self._steps_sent_before)
+        stream = self._stream
+        if stream is not None:
+            totals[stream.address] = totals.get(stream.address, 0) + stream.num_env_steps_sent
+        return totals
 
     def is_streaming(self) -> bool:
         stream = self._stream

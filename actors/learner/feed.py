@@ -22,6 +22,7 @@ poll the runners meanwhile.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -85,8 +86,9 @@ class FeedStatus:
 
     ready: bool
     stats: dict[str, Any] = field(default_factory=dict)
-    """The receiver's counters (``ChunkReceiver.stats``), ``dropped_by_sender`` and ``source`` (the
-    batch source's ``stats()``)."""
+    """The receiver's counters (``ChunkReceiver.stats``), ``num_env_steps_trained_once`` (env steps of the
+    batches this feed has trained on at least once), ``dropped_by_sender`` and ``source`` (the batch
+    source's ``stats()``)."""
 
 
 @dataclass
@@ -122,23 +124,36 @@ class LearnerFeed:
                                       device=learner.device).start()
         self.address = self.receiver.address
         self._staged: ChunkBatch | ModuleBatches | None = None  # taken off the queue by a "ready" answer
+        # batches taken off the queue and not trained on yet (a circular buffer may evict one unused:
+        # weak references, so such a batch leaves this map with its last reference)
+        self._untrained: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.num_env_steps_trained_once = 0
+        """Env steps of the batches trained on at least once: what a learner that dies has used of what
+        its runners sent it (the learner group counts the rest as lost)."""
+
+    def _dequeue(self, timeout: float) -> ChunkBatch | ModuleBatches | None:
+        batch = self.receiver.get_batch(timeout=timeout)
+        if batch is not None:
+            self._untrained[id(batch)] = batch
+        return batch
 
     def _take(self, timeout: float) -> ChunkBatch | ModuleBatches | None:
         if self._staged is not None:
             batch, self._staged = self._staged, None
             return batch
-        return self.receiver.get_batch(timeout=timeout)
+        return self._dequeue(timeout)
 
     def ready(self, timeout: float) -> bool:
         """Whether an update can start now; waits up to ``timeout`` s for a batch, and holds it."""
         if len(self.source) or self._staged is not None:
             return True
-        self._staged = self.receiver.get_batch(timeout=timeout)
+        self._staged = self._dequeue(timeout)
         return self._staged is not None
 
     def status(self, timeout: float = 0.0) -> FeedStatus:
         ready = self.ready(timeout)
         stats: dict[str, Any] = self.receiver.stats()
+        stats["num_env_steps_trained_once"] = self.num_env_steps_trained_once
         stats["dropped_by_sender"] = dict(self.receiver.dropped_by_sender)
         stats["source"] = self.source.stats()
         return FeedStatus(ready, stats)
@@ -151,6 +166,8 @@ class LearnerFeed:
                                f"update only learners whose feed said ready")
         versions, steps = batch.weights_versions()
         stats = self.learner.update(batch, timestep)
+        if self._untrained.pop(id(batch), None) is not None:
+            self.num_env_steps_trained_once += int(steps.sum())
         return FeedUpdate(stats, int(steps.sum()), versions, steps, self.status(0.0))
 
     def close(self) -> None:

@@ -265,6 +265,12 @@ class Learner(FedByStreams, LearnerRole):
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=self.rank, world_size=self.world_size)
 
+    def leave_distributed(self) -> None:
+        """Leave the data-parallel group (if this process is in one). A group that lost a member cannot
+        take a replacement: the learner group has every learner leave, then join a new one."""
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
     def allreduce_mean(self, values: np.ndarray) -> np.ndarray:
         """Average numbers across learners (e.g. the KL that adapts the KL coefficient)."""
         if self.world_size == 1:
@@ -319,5 +325,4 @@ class Learner(FedByStreams, LearnerRole):
 
     def stop(self) -> None:
         self.close_feed()
-        if self.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        self.leave_distributed()

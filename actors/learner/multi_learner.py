@@ -240,6 +240,10 @@ class MultiLearner(LearnerRole):
         """Join the data-parallel group once: every module's learner uses the process's default group."""
         self._learners[self.module_ids[0]].setup_distributed(master_addr, master_port)
 
+    def leave_distributed(self) -> None:
+        """Leave the process's data-parallel group (shared by every module's learner)."""
+        self._learners[self.module_ids[0]].leave_distributed()
+
     def ping(self) -> str:
         return "ok"
 

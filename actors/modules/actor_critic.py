@@ -24,15 +24,15 @@ class ActorCriticModule(RLModule):
         super().__init__(observation_space, action_space, model_config, inference_only)
         cfg = self.config
         self.encoder = build_encoder(self.encoder_space, cfg)
-        feat = self.encoder.out_dim
-        self.pi_trunk, pi_dim = mlp(feat, cfg.fcnet_hiddens, cfg.fcnet_activation)
+        feat, hiddens = self.encoder.out_dim, cfg.trunk_hiddens(self.encoder)
+        self.pi_trunk, pi_dim = mlp(feat, hiddens, cfg.fcnet_activation)
         self.pi_head = head(pi_dim, self.dist_spec.input_dim, gain=0.01)
         apply_log_std_init(self.pi_head.bias, self.dist_spec, cfg.log_std_init)
         if not inference_only:
             if cfg.vf_share_layers:
                 self.vf_trunk, vf_dim = None, pi_dim
             else:
-                self.vf_trunk, vf_dim = mlp(feat, cfg.fcnet_hiddens, cfg.fcnet_activation)
+                self.vf_trunk, vf_dim = mlp(feat, hiddens, cfg.fcnet_activation)
             self.vf_head = head(vf_dim, 1, gain=1.0)
 
     def forward_inference(self, obs: Any) -> dict[str, torch.Tensor]:

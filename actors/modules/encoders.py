@@ -3,8 +3,12 @@
 Observations of any supported gymnasium space are turned into one float vector: Box leaves are
 flattened, Discrete/MultiDiscrete leaves one-hot encoded, MultiBinary leaves cast to float, and
 nested Dict/Tuple spaces concatenated in sorted-key order. A single image-shaped Box
-(``(H, W, C)``) goes through a CNN instead. A new module (a Q network, SAC's actor and critics)
-is these pieces put together differently.
+(``(H, W, C)``) goes through a CNN instead: by default the Nature CNN of DQN (Mnih et al. 2015) --
+convolutions 32x8x8 stride 4, 64x4x4 stride 2, 64x3x3 stride 1, then one fully connected layer of
+512, all ReLU -- with uint8 pixels scaled by 1/255 inside the module, so observations stay uint8 in
+runners, chunks and batches (a quarter of float32's bytes). On images the MLP trunk after the
+encoder is empty by default (``fcnet_hiddens=None``): the heads sit on the 512 features, as in the
+paper. A new module (a Q network, SAC's actor and critics) is these pieces put together differently.
 """
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "silu": nn.SiLU,
 class ModelConfig:
     """Settings of the default modules (``config.rl_module(model_config={...})``)."""
 
-    fcnet_hiddens: list[int] = field(default_factory=lambda: [64, 64])
-    """Sizes of the hidden layers of the MLP (policy and value trunks)."""
+    fcnet_hiddens: list[int] | None = None
+    """Sizes of the hidden layers of the MLP (policy and value trunks) after the encoder; None: [64, 64]
+    on flat observations, none on images (the CNN ends in its own fully connected layers)."""
     fcnet_activation: str = "tanh"
     """Activation of the MLP: tanh, relu, elu, silu/swish or linear."""
     vf_share_layers: bool = False
@@ -34,7 +39,9 @@ class ModelConfig:
     conv_filters: list[list[int]] | None = None
     """CNN layers as ``[out_channels, kernel, stride]`` for image observations; None = Nature-DQN layout."""
     conv_activation: str = "relu"
-    """Activation of the CNN layers."""
+    """Activation of the CNN layers (and of its fully connected layers)."""
+    conv_fc_hiddens: list[int] = field(default_factory=lambda: [512])
+    """Fully connected layers that end the CNN, after its flatten (Nature CNN: one of 512)."""
     log_std_init: float = 0.0
     """Initial log standard deviation of Gaussian (Box) action distributions."""
 
@@ -49,6 +56,13 @@ class ModelConfig:
             if key in d and d[key] not in ACTIVATIONS:
                 raise ValueError(f"model_config[{key!r}]={d[key]!r} is not one of {sorted(ACTIVATIONS)}")
         return cls(**d)
+
+    def trunk_hiddens(self, after: nn.Module | None) -> list[int]:
+        """The MLP trunk's layer sizes after the encoder ``after`` (None: on flat inputs): ``fcnet_hiddens``,
+        or by default [64, 64], and none after a CNN."""
+        if self.fcnet_hiddens is not None:
+            return list(self.fcnet_hiddens)
+        return [] if isinstance(after, CNNEncoder) else [64, 64]
 
 
 def is_image(space: gym.Space) -> bool:
@@ -98,6 +112,9 @@ class ObsEncoder(nn.Module):
 
 
 class CNNEncoder(nn.Module):
+    """``(B, H, W, C)`` images -> ``(B, out_dim)`` features: convolutions, flatten, fully connected layers;
+    weights orthogonal with gain sqrt(2) (ReLU's), biases zero."""
+
     def __init__(self, space: gym.spaces.Box, cfg: ModelConfig) -> None:
         super().__init__()
         h, w, c = space.shape
@@ -105,12 +122,17 @@ class CNNEncoder(nn.Module):
         act = ACTIVATIONS[cfg.conv_activation]
         layers: list[nn.Module] = []
         for out, kernel, stride in filters:
-            layers += [nn.Conv2d(c, out, kernel, stride), act()]
+            layers += [_orthogonal(nn.Conv2d(c, out, kernel, stride)), act()]
             c = out
-        self.net = nn.Sequential(*layers, nn.Flatten())
-        self.scale = 1.0 / 255.0 if space.dtype == np.uint8 else 1.0
+        layers.append(nn.Flatten())
         with torch.no_grad():
-            self.out_dim = int(self.net(torch.zeros(1, space.shape[2], h, w)).shape[-1])
+            width = int(nn.Sequential(*layers)(torch.zeros(1, space.shape[2], h, w)).shape[-1])
+        for size in cfg.conv_fc_hiddens:
+            layers += [_orthogonal(nn.Linear(width, size)), act()]
+            width = size
+        self.net = nn.Sequential(*layers)
+        self.out_dim = width
+        self.scale = 1.0 / 255.0 if space.dtype == np.uint8 else 1.0
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net(obs.permute(0, 3, 1, 2).float() * self.scale)
@@ -119,6 +141,12 @@ class CNNEncoder(nn.Module):
 def build_encoder(space: gym.Space, cfg: ModelConfig) -> nn.Module:
     """A CNN for a single image observation, else the flattening encoder; ``.out_dim`` is its width."""
     return CNNEncoder(space, cfg) if is_image(space) else ObsEncoder(space)
+
+
+def _orthogonal(layer: nn.Conv2d | nn.Linear) -> nn.Conv2d | nn.Linear:
+    nn.init.orthogonal_(layer.weight, gain=np.sqrt(2))
+    nn.init.zeros_(layer.bias)
+    return layer
 
 
 def mlp(in_dim: int, hiddens: list[int], activation: str) -> tuple[nn.Sequential, int]:

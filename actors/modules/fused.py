@@ -38,7 +38,7 @@ def fusion_key(module: RLModule) -> tuple | None:
     if not all(isinstance(layer, (nn.Linear,) + _ELEMENTWISE) for layer in module.pi_trunk):
         return None
     cfg = module.config
-    return (repr(module.observation_space), repr(module.action_space), tuple(cfg.fcnet_hiddens), cfg.fcnet_activation)
+    return (repr(module.observation_space), repr(module.action_space), tuple(cfg.trunk_hiddens(module.encoder)), cfg.fcnet_activation)
 
 
 class FusedActors:

@@ -38,7 +38,7 @@ class QModule(RLModule):
         self.dueling, self.num_atoms = dueling, num_atoms
         cfg = self.config
         self.encoder = build_encoder(self.encoder_space, cfg)
-        self.trunk, dim = mlp(self.encoder.out_dim, cfg.fcnet_hiddens, cfg.fcnet_activation)
+        self.trunk, dim = mlp(self.encoder.out_dim, cfg.trunk_hiddens(self.encoder), cfg.fcnet_activation)
         self.advantage = head(dim, sum(self.branches) * num_atoms, gain=1.0)
         if dueling:
             self.value = head(dim, num_atoms, gain=1.0)

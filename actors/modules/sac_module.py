@@ -34,7 +34,7 @@ class SACModule(RLModule):
                              f"variant is not implemented: use DQN for Discrete actions")
         cfg, act_dim = self.config, self.dist_spec.input_dim // 2
         self.encoder = build_encoder(observation_space, cfg)
-        self.pi_trunk, dim = mlp(self.encoder.out_dim, cfg.fcnet_hiddens, cfg.fcnet_activation)
+        self.pi_trunk, dim = mlp(self.encoder.out_dim, cfg.trunk_hiddens(self.encoder), cfg.fcnet_activation)
         self.pi_head = head(dim, 2 * act_dim, gain=0.01)
         if not inference_only:
             self.q_encoder = build_encoder(observation_space, cfg)
@@ -42,7 +42,8 @@ class SACModule(RLModule):
             self.log_alpha = nn.Parameter(torch.tensor(float(initial_alpha)).log())
 
     def _critic(self, in_dim: int) -> nn.Sequential:
-        trunk, dim = mlp(in_dim, self.config.fcnet_hiddens, self.config.fcnet_activation)
+        # features and action side by side: hidden layers even after a CNN, or Q would be linear in the action
+        trunk, dim = mlp(in_dim, self.config.trunk_hiddens(None), self.config.fcnet_activation)
         return nn.Sequential(trunk, head(dim, 1, gain=1.0))
 
     def forward_inference(self, obs: Any) -> dict[str, torch.Tensor]:

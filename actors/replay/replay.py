@@ -354,6 +354,14 @@ class ReplayBuffer(ReplayRole):
                 "metrics": self.metrics.get_state(),
             }
 
+    def snapshot(self, max_bytes: int | None = None) -> dict[str, Any] | None:
+        """``get_state()`` for a snapshot the driver keeps, or None when the stored arrays exceed
+        ``max_bytes``: a copy that large would hold intake and sampling up while it is made, and fill the
+        driver's memory."""
+        if max_bytes is not None and self.storage.nbytes() > max_bytes:
+            return None
+        return self.get_state()
+
     def set_state(self, state: dict[str, Any]) -> None:
         with self.lock:
             self.storage.set_state(state["storage"])

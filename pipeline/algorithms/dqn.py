@@ -70,8 +70,9 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
     """Epsilon-greedy schedule ``[[timestep, epsilon], ...]`` over env steps sampled (off when explore=False)."""
     td_error_loss_fn: str = "huber"
     """Loss on the TD error: "huber" or "mse" (ignored with num_atoms > 1, which uses cross-entropy)."""
-    model_config: dict = field(default_factory=lambda: {"fcnet_hiddens": [64, 64], "fcnet_activation": "relu"})
-    """Default module settings (see ``actors.modules.ModelConfig``)."""
+    model_config: dict = field(default_factory=lambda: {"fcnet_activation": "relu"})
+    """Default module settings (see ``actors.modules.ModelConfig``): ReLU trunks of [64, 64] on flat observations,
+    the Nature CNN alone on images."""
 
     def module_kwargs(self) -> dict[str, Any]:
         return {"dueling": self.dueling, "num_atoms": self.num_atoms, "v_min": self.v_min, "v_max": self.v_max}

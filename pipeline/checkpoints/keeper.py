@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pipeline.checkpoints.directory import MANIFEST
 
 CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d{6})$")
+PARTIAL_DIR = re.compile(r"^\.checkpoint_\d{6}\.tmp-[0-9a-f]{8}$")
+"""A checkpoint being written (``directory.write_checkpoint``): left behind by a process killed meanwhile."""
 
 
 @dataclass
@@ -79,3 +81,9 @@ def checkpoints_in(run_dir: str) -> list[tuple[int, str]]:
         if m and os.path.isfile(os.path.join(path, MANIFEST)):
             found.append((int(m.group(1)), path))
     return sorted(found)
+
+
+def partial_checkpoints(run_dir: str) -> list[str]:
+    """Checkpoint directories whose writing never finished (a driver killed while saving), in ``run_dir``."""
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    return sorted(os.path.join(run_dir, name) for name in names if PARTIAL_DIR.match(name))

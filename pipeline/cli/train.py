@@ -146,7 +146,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _resume_checkpoint(run_dir: str) -> str:
-    from pipeline.checkpoints.keeper import checkpoints_in
+    """The run's latest complete checkpoint. A driver killed while saving (SIGKILL, the OOM killer) leaves
+    the checkpoint it was writing half done under a temporary name: removed here, the one before it stands."""
+    from pipeline.checkpoints.keeper import checkpoints_in, partial_checkpoints
 
     if not os.path.isdir(run_dir):
         raise CLIError(f"--resume {run_dir!r}: no such directory")
@@ -154,6 +156,9 @@ def _resume_checkpoint(run_dir: str) -> str:
     if not found:
         raise CLIError(f"--resume {run_dir!r}: the run has no complete checkpoint to continue from (it stopped "
                        f"before its first save); start it again without --resume")
+    for path in partial_checkpoints(run_dir):
+        say(f"runnel: removing {path}, a checkpoint whose writing never finished")
+        shutil.rmtree(path, ignore_errors=True)
     return found[-1][1]
 
 

@@ -182,6 +182,15 @@ class AlgorithmConfig:
     """A runner that does not answer a probe (or a request) within this is treated as failed."""
     restart_failed_sub_environments: bool = False
     """Recreate a sub-environment that raises inside its runner; its episode ends as truncated."""
+    max_num_learner_restarts: int = 10
+    """Remote learner actors (``num_learners >= 1``) the job may recreate in all when they die, each rebuilt
+    from a surviving learner's state or the latest snapshot; the next death ends the run (0: the first)."""
+    learner_snapshot_interval_s: float | None = 60.0
+    """Seconds between in-memory copies of the learners' state (one ``get_state`` round trip, kept in the
+    driver), which a learner group that lost every learner restarts from; None: only checkpoints' states."""
+    max_num_replay_restarts: int = 10
+    """Times the job may recreate a remote replay actor (``replay_buffer_config={"remote": True}``) that died;
+    the next death ends the run (0: the first)."""
 
     # callbacks
     callbacks_class: Any = None

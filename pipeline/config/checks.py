@@ -20,7 +20,8 @@ CHOICES = {
     "evaluation_duration_unit": ("episodes", "timesteps"),
 }
 AT_LEAST_ZERO = ("num_env_runners", "num_learners", "min_sample_timesteps_per_iteration",
-                 "min_train_timesteps_per_iteration", "max_num_env_runner_restarts")
+                 "min_train_timesteps_per_iteration", "max_num_env_runner_restarts", "max_num_learner_restarts",
+                 "max_num_replay_restarts")
 """Settings that must be an int >= 0."""
 AT_LEAST_ONE = ("num_envs_per_env_runner", "train_batch_size_per_learner", "minibatch_size", "num_epochs",
                 "metrics_num_episodes_for_smoothing")
@@ -39,6 +40,10 @@ def range_problems(config: Any) -> list[str]:
     for key in AT_LEAST_ONE:
         if not is_int(getattr(config, key)) or getattr(config, key) < 1:
             problems.append(f"{key} must be an int >= 1, got {getattr(config, key)!r}")
+    interval = config.learner_snapshot_interval_s
+    if interval is not None and (not is_number(interval) or interval <= 0):
+        problems.append(f"learner_snapshot_interval_s must be a number of seconds > 0, or None (snapshots only at "
+                        f"checkpoints), got {interval!r}")
     if not is_number(config.env_runner_metrics_interval_s) or config.env_runner_metrics_interval_s <= 0:
         problems.append(f"env_runner_metrics_interval_s must be a number > 0, got {config.env_runner_metrics_interval_s!r}")
     return problems

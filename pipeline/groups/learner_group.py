@@ -2,21 +2,26 @@
 
 An ``ActorManager`` hosts them either way. With several learners each gets a shard of the train
 batch (whole chunks, balanced by steps) as one codec frame; their gradients are averaged with
-torch.distributed every minibatch, so all hold identical weights after every update. A learner
-that fails ends the run with an error naming it (learners are not restarted: their gradient
-all-reduce group cannot lose a member).
+torch.distributed every minibatch, so all hold identical weights after every update.
+
+A remote learner that dies is rebuilt inside the job (``pipeline.groups.learner_recovery``: from a
+surviving learner's state or the latest snapshot, the all-reduce group re-formed), and the call that
+found it dead is made again -- an update is retried on the same batch, so the iteration goes on.
+``max_num_learner_restarts`` bounds how often; ``fault_tolerance/num_learner_recoveries`` and
+``num_learner_restarts`` count it in the results. A learner method that raises still ends the run
+with an error naming the learner.
 """
 from __future__ import annotations
 
-import socket
 from typing import Any, Callable
 
 import numpy as np
 import ray
 
 from actors.learner import Learner
-from actors.manager import ActorManager, FaultToleranceSettings
+from actors.manager import ActorManager, CallResult, FaultToleranceSettings
 from actors.metrics import MetricsLogger
+from pipeline.groups.learner_recovery import LearnerRecovery, Recovery, RecoverySettings, free_address
 from protocols import nested
 from protocols.codec import encode
 from protocols.episode import EpisodeChunk
@@ -50,7 +55,8 @@ class LearnerGroup:
                  learner_kwargs: dict[str, Any] | None = None) -> None:
         """``learner_kwargs``: more arguments for ``learner_class`` (a multi-agent learner's plan)."""
         n = config.num_learners
-        extra = learner_kwargs or {}
+        self.learner_kwargs: dict[str, Any] = dict(learner_kwargs or {})
+        """What a learner is built with beyond the config: a recreated learner gets the current ones."""
         device = "cuda" if config.num_gpus_per_learner > 0 else "cpu"
         if n == 0:
             if device == "cuda":
@@ -60,21 +66,32 @@ class LearnerGroup:
                     raise RuntimeError("num_gpus_per_learner > 0 but torch sees no CUDA device in the driver; "
                                        "use num_learners >= 1 to place learners on GPU nodes, or set num_gpus_per_learner=0")
             make: Callable[[int, bool], Any] = lambda rank, _: learner_class(  # noqa: E731
-                config, observation_space, action_space, device=device, **extra)
+                config, observation_space, action_space, device=device, **self.learner_kwargs)
         else:
-            cls = ray.remote(num_cpus=config.num_cpus_per_learner, num_gpus=config.num_gpus_per_learner)(learner_class)
+            cls = ray.remote(num_cpus=config.num_cpus_per_learner, num_gpus=config.num_gpus_per_learner,
+                             max_restarts=0)(learner_class)
             make = lambda rank, _: cls.remote(config, observation_space, action_space, device=device,  # noqa: E731
-                                              rank=rank, world_size=n, **extra)
-        fatal = FaultToleranceSettings(restart_failed=False, ignore_failures=False, probe_timeout_s=None, fatal_hint="")
-        self.manager = ActorManager(make, list(range(max(1, n))), fatal, name="learner", in_process=n == 0)
+                                              rank=rank, world_size=n, **self.learner_kwargs)
+        # remote learners: a failed call comes back as a failed result, and the recovery decides what to do
+        # (restart_failed only keeps the manager from raising; it never restarts learners by itself)
+        settings = FaultToleranceSettings(restart_failed=n > 0, ignore_failures=False, probe_timeout_s=None,
+                                          fatal_hint="")
+        self.manager = ActorManager(make, list(range(max(1, n))), settings, name="learner", in_process=n == 0)
         self.manager.check_started(config.learner_placement_timeout_s,
                                    f"{config.num_cpus_per_learner} CPU(s) and {config.num_gpus_per_learner} GPU(s)")
+        self.recovery: LearnerRecovery | None = None
+        """Rebuilds dead remote learners (None with the learner in the driver)."""
+        if n > 0:
+            self.recovery = LearnerRecovery(self.manager, RecoverySettings(
+                config.max_num_learner_restarts, config.learner_snapshot_interval_s,
+                config.learner_placement_timeout_s), distributed=n > 1)
         if n > 1:
             first = self.manager.handle(0)
-            addr, port = ray.get(first.apply.remote(_free_address))
+            addr, port = ray.get(first.apply.remote(free_address))
             self.manager.foreach_actor("setup_distributed", addr, port)
         self.weights_version = 0
         """Bumped by every update: the version stamped on the weights the runners act with."""
+        self._ft_logged = {"num_learner_recoveries": 0, "num_learner_restarts": 0}  # counts already in the metrics
 
     @property
     def local(self) -> Learner | None:
@@ -99,13 +116,48 @@ class LearnerGroup:
             ship = lambda s: s  # noqa: E731
         else:
             ship = lambda s: encode(s if transitions else list(s), compress=False)  # noqa: E731
-        results = self.manager.foreach_actor("update_with_outputs" if with_outputs else "update", per_actor_args={
+        results = self.call("update_with_outputs" if with_outputs else "update", per_actor_args={
             i: (ship(s), timestep) for i, s in zip(ids, shards)})
         values = [r.value for r in results]
         all_stats = [v[0] for v in values] if with_outputs else values
         outputs = {k: np.concatenate([v[1][k] for v in values]) for k in values[0][1]} if with_outputs else {}
         stats = self.record_update(all_stats, batch_steps(batch), metrics)
+        self.snapshot_if_due()
         return stats, outputs
+
+    # --- calls that survive dead learners -----------------------------------------------------
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[CallResult]:
+        """``manager.foreach_actor(method, ...)`` on the learners; when learners died in it, the group is
+        rebuilt (``recover``) and the call made again, with the same arguments for the same indices."""
+        while True:
+            results = self.manager.foreach_actor(method, *args, **kwargs)
+            if self.recover(results) is None:
+                return results
+
+    def recover(self, results: list[CallResult]) -> Recovery | None:
+        """If learners died in the call that gave ``results``, rebuild the group and say what was done;
+        None when all went through. Raises when a learner raised (nothing died), or past the budget."""
+        if self.recovery is None or all(r.ok for r in results):
+            return None
+        recovery = self.recovery.recover(results)
+        if recovery.donor is None:  # the learners went back to a snapshot: new weights
+            self.weights_version += 1
+        return recovery
+
+    def snapshot_if_due(self) -> None:
+        """Keep a copy of the learners' state when ``learner_snapshot_interval_s`` has passed (remote learners)."""
+        if self.recovery is not None and self.recovery.snapshot_due():
+            self.recovery.keep(self._first("get_state"), f"the snapshot of weights version {self.weights_version}")
+
+    def log_fault_tolerance(self, metrics: MetricsLogger) -> None:
+        """Learner recoveries and learner actors recreated, as lifetime counts in the results."""
+        counts = {"num_learner_recoveries": 0, "num_learner_restarts": 0}
+        if self.recovery is not None:
+            counts = {"num_learner_recoveries": self.recovery.num_recoveries,
+                      "num_learner_restarts": self.recovery.num_restarts}
+        for key, value in counts.items():
+            metrics.log_value(f"fault_tolerance/{key}", value - self._ft_logged[key], reduce="lifetime_sum")
+            self._ft_logged[key] = value
 
     def record_update(self, all_stats: list[dict[str, float]], steps: int, metrics: MetricsLogger | None
                       ) -> dict[str, float]:
@@ -129,22 +181,28 @@ class LearnerGroup:
         return stats
 
     def _first(self, method: str, *args: Any) -> Any:
-        return self.manager.foreach_actor(method, *args, actor_ids=self.manager.healthy_ids()[:1])[0].value
+        return self.call(method, *args, actor_ids=self.manager.healthy_ids()[:1])[0].value
 
     def get_weights(self, inference_only: bool = False) -> dict[str, np.ndarray]:
         return self._first("get_weights", inference_only)
 
     def get_state(self) -> dict[str, Any]:
-        return self._first("get_state")
+        """Learner 0's state (all hold the same); also kept as the snapshot a recovery may start from."""
+        state = self._first("get_state")
+        if self.recovery is not None:
+            self.recovery.keep(state, f"the state of weights version {self.weights_version} (read for a checkpoint)")
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.manager.foreach_actor("set_state", self.manager.share(state))
+        self.call("set_state", self.manager.share(state))
+        if self.recovery is not None:
+            self.recovery.keep(state, "the state last restored (a checkpoint's)")
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        self.manager.foreach_actor("set_weights", self.manager.share(weights))
+        self.call("set_weights", self.manager.share(weights))
 
     def foreach_learner(self, fn: Callable[[Learner], Any]) -> list[Any]:
-        return [r.value for r in self.manager.foreach_actor("apply", fn)]
+        return [r.value for r in self.call("apply", fn)]
 
     def stop(self) -> None:
         """Leave the gradient all-reduce group, then end the learners (best effort: shutting down)."""
@@ -154,9 +212,3 @@ class LearnerGroup:
             pass
         self.manager.stop()
 
-
-def _free_address(_learner: Learner) -> tuple[str, int]:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port

@@ -153,7 +153,7 @@ class MultiLearnerGroup(LearnerGroup):
         for mid, chunks in by_module.items():
             for i, shard in zip(ids, [chunks] if len(ids) == 1 else shard_chunks(chunks, len(ids))):
                 shards[i][mid] = shard if self.manager.in_process else encode(shard, compress=False)
-        results = self.manager.foreach_actor("update", per_actor_args={i: (shards[i], timestep) for i in ids})
+        results = self.call("update", per_actor_args={i: (shards[i], timestep) for i in ids})
         all_stats = [r.value for r in results]
         stats = {mid: {k: float(np.mean([s[mid][k] for s in all_stats])) for k in all_stats[0][mid]}
                  for mid in all_stats[0]}
@@ -180,7 +180,7 @@ class MultiLearnerGroup(LearnerGroup):
         if module_id not in self.module_ids:
             raise KeyError(f"no module {module_id!r}; the modules are {self.module_ids}")
         first = self.manager.healthy_ids()[:1]
-        flat = self.manager.foreach_actor("get_weights", False, [module_id], actor_ids=first)[0].value
+        flat = self.call("get_weights", False, [module_id], actor_ids=first)[0].value
         prefix = f"{module_id}{SEP}"
         return {k[len(prefix):]: v for k, v in flat.items()}
 
@@ -202,8 +202,7 @@ class MultiLearnerGroup(LearnerGroup):
             for i, part in zip(ids, [batch] if len(ids) == 1 else shard_transitions(batch, len(ids))):
                 shards[i][mid] = part if self.manager.in_process else encode(part, compress=False)
         method = "update_with_outputs" if with_outputs else "update"
-        answers = [r.value for r in self.manager.foreach_actor(method, per_actor_args={
-            i: (shards[i], timestep) for i in ids})]
+        answers = [r.value for r in self.call(method, per_actor_args={i: (shards[i], timestep) for i in ids})]
         per_learner = [a[0] for a in answers] if with_outputs else answers
         stats = {mid: {k: float(np.mean([s[mid][k] for s in per_learner])) for k in per_learner[0][mid]}
                  for mid in per_learner[0]}
@@ -227,6 +226,7 @@ class MultiLearnerGroup(LearnerGroup):
         check_module_class(self.learner_class, module_id, spec)  # here, before any actor is asked
         self.manager.foreach_actor("add_module_from_spec", module_id, spec, dict(overrides), trainable)
         self.module_ids = sorted([*self.module_ids, module_id])
+        self._follow_modules(add=(module_id, spec, overrides, trainable))
         if len(self.manager.healthy_ids()) > 1:  # ranks draw apart without a seed: rank 0's weights for all
             self.set_module_weights(module_id, self.module_weights(module_id))
 
@@ -235,6 +235,26 @@ class MultiLearnerGroup(LearnerGroup):
             raise KeyError(f"no module {module_id!r} to remove; the modules are {self.module_ids}")
         self.manager.foreach_actor("drop_module", module_id)
         self.module_ids = [mid for mid in self.module_ids if mid != module_id]
+        self._follow_modules(remove=module_id)
+
+    def _follow_modules(self, add: tuple[str, ModuleSpec, Mapping[str, Any], bool] | None = None,
+                        remove: str | None = None) -> None:
+        """A learner recreated after a failure is built with ``learner_kwargs``: keep its modules those of
+        the run now (the recovery then gives it the state of every module)."""
+        kw = self.learner_kwargs
+        specs, overrides = dict(kw["module_specs"]), dict(kw["config_overrides"])
+        trainable = None if kw["trainable"] is None else set(kw["trainable"])
+        if add is not None:
+            module_id, spec, module_overrides, train = add
+            specs[module_id], overrides[module_id] = spec, dict(module_overrides)
+            if trainable is not None and train:
+                trainable.add(module_id)
+        if remove is not None:
+            specs.pop(remove, None)
+            overrides.pop(remove, None)
+            if trainable is not None:
+                trainable.discard(remove)
+        kw.update(module_specs=specs, config_overrides=overrides, trainable=trainable)
 
     def set_should_update(self, which: Collection[str] | Callable[[str, Any], bool]) -> None:
         """Which modules train from now on: module ids, or a function ``(module_id, batch) -> bool``

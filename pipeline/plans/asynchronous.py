@@ -25,7 +25,10 @@ With ``num_learners=n > 0`` there is no loader in the driver: each learner actor
 of the streams (runner i pushes to learner ``i mod n``), cuts its own batches and keeps its own batch
 source and target networks (``actors.learner.feed``); a training step updates every learner once, each
 on its own batch, gradients averaged, once all have one (``pipeline.plans.learner_feeds``), and weights
-go out from learner 0. Counters and queue depths are summed over the learners.
+go out from learner 0. Counters and queue depths are summed over the learners. A remote learner that dies
+is rebuilt in the job (``pipeline.plans.learner_feeds``); the runners that streamed to it are re-pointed
+to its replacement, and the env steps they had sent it that it never trained on are counted in
+``fault_tolerance/num_env_steps_lost_with_learners``.
 
 Multi-agent runs (``multi_agent``: the run's ``MultiAgentSetup``; ``num_learners=0`` only) stream the
 same way from ``MultiAgentEnvRunner``s. The loader checks each chunk against its module's spaces and cuts
@@ -154,6 +157,7 @@ class AsyncPlan:
                                     config.stream_socket_buffer_bytes)
             self.feeds = LearnerFeeds(learners, settings, self.batches, config.learner_queue_timeout)
             address = self.feeds.addresses  # runner i streams to learner i mod n
+            metrics.log_value("fault_tolerance/num_env_steps_lost_with_learners", 0, reduce="lifetime_sum")
         self.stream_args = {"address": address, "hwm": config.stream_hwm, "compress": compress,
                             "sndbuf": config.stream_socket_buffer_bytes,
                             "stall_timeout_s": config.env_runner_health_probe_timeout_s}
@@ -175,6 +179,7 @@ class AsyncPlan:
                 ready = self.feeds.wait_ready(0.1)  # briefly: the plan comes back soon to poll the runners
             if ready:
                 self._update_remote()
+            self._follow_moved_learners()
         self.env_runners.poll(self.metrics, self.config.env_runner_metrics_interval_s)
         lost = self.env_runners.take_lost_streams()
         if self.receiver is not None:  # remote learners' feeds keep their own counts of what arrived
@@ -217,7 +222,20 @@ class AsyncPlan:
         timestep = m.peek("env_runners/num_env_steps_sampled_lifetime", 0)
         with m.log_time("timers/learner_update", reduce="sum"):
             self.feeds.update(timestep, self.learners.weights_version, m)
+        self.learners.snapshot_if_due()
         self._broadcast_if_due(timestep)
+
+    def _follow_moved_learners(self) -> None:
+        """After a learner was recreated: its runners stream to the new learner's receiver, and what they had
+        sent the dead one that it never trained on is counted as lost (those frames are never sent again)."""
+        moved = self.feeds.take_moved()
+        if not moved:
+            return
+        self.stream_args = {**self.stream_args, "address": list(self.feeds.addresses)}
+        self.env_runners.start_streaming(**self.stream_args)  # only the runners whose address changed restart
+        totals = [r.value for r in self.env_runners.manager.foreach_actor("stream_totals") if r.ok]
+        lost = sum(max(0, sum(t.get(address, 0) for t in totals) - trained) for address, trained in moved.items())
+        self.metrics.log_value("fault_tolerance/num_env_steps_lost_with_learners", lost, reduce="lifetime_sum")
 
     def _broadcast_if_due(self, timestep: int) -> None:
         if self.learners.weights_version % self.config.broadcast_interval == 0:

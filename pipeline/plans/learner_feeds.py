@@ -12,11 +12,14 @@ report so that the results read as with one learner in the driver:
 * an update's statistics are the learners' means (``LearnerGroup.record_update``), its env steps
   trained the sum of their batches, its weights lag taken over every learner's batch.
 
-A learner that fails ends the run with an error naming it (``LearnerGroup``: learners are not
-restarted). A learner that dies mid-update breaks the others' all-reduce, and their errors may come
-back first; so the error names the learners whose actors are gone, with the first error after it. One
-that has no batch for ``learner_queue_timeout`` seconds ends the run naming the learner, its env runners
-and what its receiver got.
+A learner that dies is rebuilt by the learner group (``pipeline.groups.learner_recovery``): the update
+(or readiness question) that found it dead is dropped -- the survivors may have trained part of it --
+and the recreated learner opens a new feed on a new address (``moved``), which the plan hands to the
+runners that streamed to the dead one. What those runners had sent it and it never trained on (in
+sockets, its queue, a held batch or its circular buffer) is lost and counted, never sent again: no
+chunk is trained twice. The dead feed's counters stay in the sums, so the stream counters never go
+back. A learner method that raises ends the run naming the learner; one that has no batch for
+``learner_queue_timeout`` seconds ends it naming the learner, its env runners and what its receiver got.
 """
 from __future__ import annotations
 
@@ -25,11 +28,9 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-import ray
-from ray.exceptions import GetTimeoutError, RayError
 
 from actors.learner.feed import BatchSource, FeedSettings, FeedStatus, FeedUpdate
-from actors.manager import ActorGroupError, CallResult
+from actors.manager import CallResult
 from actors.metrics import MetricsLogger
 from pipeline.groups.learner_group import LearnerGroup
 
@@ -39,12 +40,18 @@ class LearnerFeeds:
                  queue_timeout_s: float) -> None:
         """``source``: the batch source each learner gets a copy of (a fresh one: it is sent empty)."""
         self.learners, self.queue_timeout_s = learners, queue_timeout_s
+        self.settings, self.source = settings, source
         self.manager = learners.manager
         self.ids = self.manager.healthy_ids()
-        results = self.manager.foreach_actor("open_feed", settings, source)
+        results = learners.call("open_feed", settings, source)
         self.addresses: list[str] = [r.value for r in results if r.ok]
         """Learner k's receiver address, in learner order: runner i streams to ``addresses[i % n]``."""
         self._status: dict[int, FeedStatus] = {i: FeedStatus(False) for i in self.ids}
+        self._retired: dict[str, Any] = _sum_stats([])
+        """The summed counters of feeds whose learners died (their last report)."""
+        self.moved: dict[str, int] = {}
+        """Addresses of dead learners' feeds not yet handed on -> env steps of theirs trained at least once
+        (``take_moved``)."""
         self._waiting_since = time.monotonic()
         self.closed = False
 
@@ -57,8 +64,11 @@ class LearnerFeeds:
         ``timeout_s`` for a batch (all at once)."""
         ask = [i for i in self.ids if not self._status[i].ready]
         if ask:
-            for res in self._call("feed_status", timeout_s, actor_ids=ask):
-                self._status[res.actor_id] = res.value  # a failed learner raised ActorGroupError already
+            results = self._call("feed_status", timeout_s, actor_ids=ask)
+            if results is None:
+                return False
+            for res in results:
+                self._status[res.actor_id] = res.value
         if all(self._status[i].ready for i in self.ids):
             return True
         waited = time.monotonic() - self._waiting_since
@@ -84,7 +94,9 @@ class LearnerFeeds:
         """One update of every learner, each on its own batch (call after ``wait_ready`` said yes);
         logs the weights lag, the queue depth and the update's statistics."""
         results = self._call("update_from_feed", timestep)
-        updates: list[FeedUpdate] = [r.value for r in results]  # a failed learner raised ActorGroupError already
+        if results is None:  # a learner died in it: this update is dropped, the group rebuilt
+            return
+        updates: list[FeedUpdate] = [r.value for r in results]
         for r, u in zip(results, updates):
             self._status[r.actor_id] = u.status
         self._waiting_since = time.monotonic()
@@ -96,32 +108,36 @@ class LearnerFeeds:
         metrics.log_value("learner_queue/size_mean", self.stats()["learner_queue_size"])
         self.learners.record_update([u.stats for u in updates], sum(u.num_steps for u in updates), metrics)
 
-    def _call(self, method: str, *args: Any, actor_ids: list[int] | None = None) -> list[CallResult]:
-        try:
-            return self.manager.foreach_actor(method, *args, actor_ids=actor_ids)
-        except ActorGroupError as err:
-            dead = [i for i in self.ids if not _alive(self.manager.handle(i))]
-            if not dead or f"learner {dead[0]} failed" in str(err):
-                raise
-            raise ActorGroupError(f"learner {dead[0]} failed: its actor is gone ({len(dead)} of {self.num_learners} "
-                                  f"learners are), and the others' gradient all-reduce broke with it. First error "
-                                  f"reported: {err}") from err
+    def _call(self, method: str, *args: Any, actor_ids: list[int] | None = None) -> list[CallResult] | None:
+        """The learners' answers; None when learners died in the call (the group is rebuilt, the
+        recreated learners' feeds opened, and the call's answers are void: ask again)."""
+        results = self.manager.foreach_actor(method, *args, actor_ids=actor_ids)
+        recovery = self.learners.recover(results)
+        if recovery is None:
+            return results
+        for i in self.ids:  # survivors keep their feeds (and counters); whether they are ready is asked again
+            self._status[i] = FeedStatus(False, self._status[i].stats)
+        for i in recovery.recreated:
+            dead = self._status[i].stats
+            self._retired = _sum_stats([self._retired, _without_gauges(dead)])
+            k = self.ids.index(i)
+            self.moved[self.addresses[k]] = int(dead.get("num_env_steps_trained_once", 0))
+            address = self.learners.call("open_feed", self.settings, self.source, actor_ids=[i])[0].value
+            self.addresses = [address if j == k else a for j, a in enumerate(self.addresses)]
+            self._status[i] = FeedStatus(False)
+        self._waiting_since = time.monotonic()  # the new learners need time for their first batch
+        return None
+
+    def take_moved(self) -> dict[str, int]:
+        """The dead feeds' addresses (each with the env steps its learner trained at least once) since the
+        last call; the caller re-points their runners to ``addresses`` and counts what was lost."""
+        moved, self.moved = self.moved, {}
+        return moved
 
     def stats(self) -> dict[str, Any]:
-        """The feeds' latest counters, summed over the learners (``dropped_by_sender`` and ``source``:
-        summed per key)."""
-        out: Counter = Counter()
-        dropped: Counter = Counter()
-        source: Counter = Counter()
-        for status in self._status.values():
-            for key, value in status.stats.items():
-                if key == "dropped_by_sender":
-                    dropped.update(value)
-                elif key == "source":
-                    source.update(value)
-                else:
-                    out[key] += value
-        return {**out, "dropped_by_sender": dict(dropped), "source": dict(source)}
+        """The feeds' latest counters, summed over the learners -- those that died included, as last
+        reported (``dropped_by_sender`` and ``source``: summed per key)."""
+        return _sum_stats([self._retired, *(status.stats for status in self._status.values())])
 
     def close(self) -> None:
         """Stop every learner's loader thread and socket (best effort: shutting down)."""
@@ -134,9 +150,28 @@ class LearnerFeeds:
             pass
 
 
-def _alive(handle: Any) -> bool:
-    try:
-        ray.get(handle.ping.remote(), timeout=30)
-        return True
-    except (RayError, GetTimeoutError):
-        return False
+GAUGES = ("learner_queue_size", "num_env_steps_pending")
+"""Feed stats that describe the moment, not a count: a dead feed's are left out of the sums."""
+
+
+def _without_gauges(stats: dict[str, Any]) -> dict[str, Any]:
+    """A dead feed's last counters, as they stay in the sums: its gauges (and its buffer's size) gone."""
+    out = {k: v for k, v in stats.items() if k not in GAUGES}
+    out["source"] = {k: v for k, v in stats.get("source", {}).items() if k != "size"}
+    return out
+
+
+def _sum_stats(all_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Feed counters added up key by key (``dropped_by_sender`` and ``source`` are dicts: per key)."""
+    out: Counter = Counter()
+    dropped: Counter = Counter()
+    source: Counter = Counter()
+    for stats in all_stats:
+        for key, value in stats.items():
+            if key == "dropped_by_sender":
+                dropped.update(value)
+            elif key == "source":
+                source.update(value)
+            else:
+                out[key] += value
+    return {**out, "dropped_by_sender": dict(dropped), "source": dict(source)}

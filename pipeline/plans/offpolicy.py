@@ -43,7 +43,8 @@ MULTI_AGENT_UNBUILT = {"remote": "the replay actor is fed by runner streams, and
                        "prefill_from": "recordings hold single-agent episodes"}
 """replay_buffer_config keys that multi-agent runs refuse, and why."""
 BUFFER_KEYS = ("type", "capacity", "alpha", "beta", "epsilon", "samples_per_insert", "min_size_to_sample",
-               "error_buffer", "timeout_s", "remote", "prefetch", "num_cpus", "prefill_from", "prefill_steps")
+               "error_buffer", "timeout_s", "remote", "prefetch", "num_cpus", "prefill_from", "prefill_steps",
+               "snapshot_interval_s", "snapshot_max_bytes")
 
 
 @dataclass
@@ -57,7 +58,10 @@ class OffPolicySettings:
     (default: ``num_steps_sampled_before_learning_starts``), ``error_buffer``, ``timeout_s``. ``prefill_from``
     (a recording: directory, glob or list) fills the replay before training with up to ``prefill_steps``
     recorded steps (default: the capacity); they count toward ``min_size_to_sample`` but are not inserts,
-    so the replay ratio holds from the first sampled step (a prefill unlocks no burst of updates)."""
+    so the replay ratio holds from the first sampled step (a prefill unlocks no burst of updates). With
+    ``remote`` (a replay actor the runners stream to): ``prefetch``, ``num_cpus``, and the snapshots a dead
+    replay actor is recreated from -- ``snapshot_interval_s`` (default 60; None: none) while its arrays take
+    at most ``snapshot_max_bytes`` (default 1 GiB; see ``pipeline.plans.offpolicy_streaming``)."""
     store_buffer_in_checkpoints: bool = False
     """Save the replay contents, sampler and limiter state with every checkpoint (a restored run continues exactly)."""
     num_steps_sampled_before_learning_starts: int = 1000
@@ -120,6 +124,13 @@ class OffPolicySettings:
             problems += [f"replay_buffer_config {key}={c[key]!r} is not built for multi-agent runs yet (issue 27): "
                          f"{why}; leave it unset (the in-process replay keeps one buffer per trainable module)"
                          for key, why in MULTI_AGENT_UNBUILT.items() if c.get(key) not in (None, False)]
+        interval, max_bytes = c.get("snapshot_interval_s", 60.0), c.get("snapshot_max_bytes", 1 << 30)
+        if interval is not None and (not is_number(interval) or interval <= 0):
+            problems.append(f"replay_buffer_config snapshot_interval_s={interval!r} must be a number of seconds > 0, "
+                            f"or None (no snapshots of the remote replay)")
+        if max_bytes is not None and (not is_int(max_bytes) or max_bytes < 0):
+            problems.append(f"replay_buffer_config snapshot_max_bytes={max_bytes!r} must be an int >= 0, or None "
+                            f"(no limit)")
         if not is_int(c.get("prefetch", 2)) or c.get("prefetch", 2) < 1:
             problems.append(f"replay_buffer_config prefetch={c.get('prefetch')!r} must be an int >= 1")
         if not is_int(self.broadcast_interval) or self.broadcast_interval < 1:

@@ -1,0 +1,156 @@
+"""The standard Atari preprocessing (Mnih et al. 2015; Machado et al. 2018) as gymnasium wrappers.
+
+``actors.env.atari.make_atari`` stacks them on an ALE env built with ``frameskip=1`` and greyscale
+screens: ``NoopReset`` -> ``MaxPoolFrameSkip`` -> ``EpisodicLife`` -> ``AreaResize`` -> reward sign.
+
+Written here rather than taken from gymnasium's ``AtariPreprocessing`` for two reasons: its resize
+needs OpenCV (a large dependency for one call; ``AreaResize`` is exact area averaging in numpy), and
+its ``terminal_on_life_loss`` restarts the whole game at every lost life, so a policy would never see
+the later lives. ``EpisodicLife`` ends the episode on a lost life but lets the game go on at the next
+``reset()``, as DeepMind's and the baselines' wrappers do. Reward clipping is gymnasium's
+``TransformReward``.
+
+No frame stacking here on purpose: a stack of k frames per observation would make every stored and
+shipped step k frames big. Stacks are built where they are used (the frame-stacking connectors).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+NOOP = 0
+"""ALE's action 0 is NOOP in every game's minimal action set (``NoopReset`` checks it)."""
+
+
+def area_weights(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+    """Area-averaging ``n_in`` samples down to ``n_out``: ``(index [n_out, k], weight [n_out, k])`` such that
+    ``out[i] = sum_j weight[i, j] * x[index[i, j]]``, each output the mean of the input interval it covers
+    (the fractions of the samples at its edges weighted by their overlap), as OpenCV's INTER_AREA."""
+    if not 0 < n_out <= n_in:
+        raise ValueError(f"area resize shrinks only: cannot map {n_in} samples to {n_out}")
+    scale = n_in / n_out
+    k = int(np.ceil(scale)) + 1  # the most input samples one output interval can touch
+    index = np.zeros((n_out, k), np.int64)
+    weight = np.zeros((n_out, k), np.float32)
+    for i in range(n_out):
+        lo, hi = i * scale, (i + 1) * scale
+        first = int(np.floor(lo))
+        for j in range(k):
+            src = first + j
+            overlap = min(hi, src + 1) - max(lo, src)
+            if src < n_in and overlap > 1e-9:
+                index[i, j], weight[i, j] = src, overlap / scale
+    return index, weight
+
+
+class AreaResize(gym.ObservationWrapper):
+    """Greyscale ``(H, W)`` uint8 frames -> ``(size, size, 1)`` uint8 by area averaging: a channel axis,
+    so the frame is an image (``H, W, C``) to the default CNN and frame stacking appends along it."""
+
+    def __init__(self, env: gym.Env, size: int = 84) -> None:
+        super().__init__(env)
+        space = env.observation_space
+        if not (isinstance(space, gym.spaces.Box) and len(space.shape) == 2 and space.dtype == np.uint8):
+            raise ValueError(f"AreaResize needs greyscale uint8 frames (a Box of shape (H, W)), got {space}: build "
+                             f"the ALE env with obs_type='grayscale'")
+        h, w = space.shape
+        self.rows, self.row_weights = area_weights(h, size)
+        self.cols, self.col_weights = area_weights(w, size)
+        self.row_weights = self.row_weights[:, :, None]
+        self.observation_space = gym.spaces.Box(0, 255, (size, size, 1), np.uint8)
+
+    def observation(self, frame: np.ndarray) -> np.ndarray:
+        tall = (frame[self.rows] * self.row_weights).sum(1)  # [size, W]: a few rows per output row
+        small = (tall[:, self.cols] * self.col_weights).sum(2)  # [size, size]
+        return np.rint(small, out=small).astype(np.uint8)[:, :, None]
+
+
+class NoopReset(gym.Wrapper):
+    """After every real reset, a random number (1 to ``noop_max``) of NOOP frames: the episode starts in
+    one of many states, so a policy cannot memorise one action sequence."""
+
+    def __init__(self, env: gym.Env, noop_max: int = 30) -> None:
+        super().__init__(env)
+        meanings = env.unwrapped.get_action_meanings()
+        if meanings[NOOP] != "NOOP":
+            raise ValueError(f"NoopReset needs action {NOOP} to be NOOP; this game's actions are {meanings}")
+        self.noop_max = noop_max
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict]:
+        obs, info = self.env.reset(**kwargs)
+        if self.noop_max < 1:
+            return obs, info
+        for _ in range(int(self.np_random.integers(1, self.noop_max + 1))):
+            obs, _, terminated, truncated, info = self.env.step(NOOP)
+            if terminated or truncated:
+                obs, info = self.env.reset()
+        return obs, info
+
+
+class MaxPoolFrameSkip(gym.Wrapper):
+    """Each action repeated for ``skip`` frames; rewards summed; the observation is the element-wise max
+    of the last two frames (Atari sprites flicker: some are drawn only on odd or even frames)."""
+
+    def __init__(self, env: gym.Env, skip: int = 4) -> None:
+        super().__init__(env)
+        self.skip = skip
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        total = 0.0
+        before_last = None
+        for i in range(self.skip):
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            total += float(reward)
+            if terminated or truncated:
+                break
+            if i == self.skip - 2:
+                before_last = obs  # the ALE env returns a new array every frame: keeping it is safe
+        frame = obs if before_last is None else np.maximum(before_last, obs)
+        return frame, total, terminated, truncated, info
+
+
+class EpisodicLife(gym.Wrapper):
+    """A lost life ends the episode (terminated) while the game goes on: the next ``reset()`` continues
+    the game with one NOOP step instead of restarting it. The game restarts when it is over, when it
+    was truncated, or when ``reset()`` comes without a lost life (a runner starting afresh).
+
+    Value targets stop at a lost life, which speeds up learning that losing a life is bad; the
+    episode returns a runner reports are then per life (evaluation plays whole games)."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.ale = env.unwrapped.ale
+        self.lives = 0
+        self.life_lost = False
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        lives = self.ale.lives()
+        # lives > 0: some games show 0 lives for a few frames before the game is over
+        self.life_lost = not (terminated or truncated) and 0 < lives < self.lives
+        self.lives = lives
+        return obs, reward, terminated or self.life_lost, truncated, info
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict]:
+        # a seed asks for a reproducible episode; the continuing game is reproducible from its own start
+        if self.life_lost:
+            obs, _, terminated, truncated, info = self.env.step(NOOP)
+            if terminated or truncated:
+                obs, info = self.env.reset(**kwargs)
+        else:
+            obs, info = self.env.reset(**kwargs)
+        self.life_lost = False
+        self.lives = self.ale.lives()
+        return obs, info
+
+
+def reward_sign(reward: float) -> float:
+    """-1, 0 or +1: the reward clipping of DQN and its successors (scores differ by orders of magnitude
+    between games; one learning rate serves them all)."""
+    return float(np.sign(reward))
+
+
+def clip_rewards(env: gym.Env) -> gym.Env:
+    return gym.wrappers.TransformReward(env, reward_sign)
