@@ -4,6 +4,7 @@ round trip, bad frames, back-pressure, runner streaming.
 Everything runs in this process (no Ray): a ChunkSender or a local EnvRunner pushes to a
 ChunkReceiver over TCP on loopback. Waits poll for a condition with a deadline; nothing is timed.
 """
+import dataclasses
 import logging
 import threading
 import time
@@ -230,8 +231,10 @@ def test_stalled_consumer_blocks_the_sender_and_memory_stays_bounded():
     stop = threading.Event()
 
     def produce():  # a fresh frame each time, as a runner encodes each fragment (zero-copy sends of one
-        while not stop.is_set():  # bytes object would hide any growth)
-            if not sender.send(chunk, stop):
+        index = 0  # bytes object would hide any growth); the next chunk of the episode each time (a
+        while not stop.is_set():  # repeated one is dropped as a duplicate)
+            index += 1
+            if not sender.send(dataclasses.replace(chunk, chunk_index=index), stop):
                 return
 
     rss0 = rss_bytes()

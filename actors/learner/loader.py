@@ -167,9 +167,22 @@ class ChunkReceiver:
         """Train batches waiting in the learner queue."""
         return self._queue.qsize()
 
+    def sender_lost(self, sender: str) -> int:
+        """``sender``'s actor died while streaming: its open episodes end here (counted as cut, see
+        ``protocols.stream_ledger``). Returns how many were cut."""
+        return self.puller.ledger.sender_lost(sender)
+
+    def forget_episodes(self) -> None:
+        """Accept again chunks already received (runners restored to a checkpoint sample them anew)."""
+        self.puller.ledger.forget()
+
     def stats(self) -> dict[str, Any]:
+        """The puller's counters (received, dropped, duplicates, episodes cut...), batches built, and the
+        steps they hold (``num_env_steps_batched``): every step received is batched, still pending or dropped
+        as stale (``num_env_steps_dropped_stale``)."""
         out = dict(self.puller.counters)
         out["num_batches_built"] = self.num_batches_built
+        out["num_env_steps_batched"] = self.num_batches_built * self.batch_size
         out["learner_queue_size"] = self._queue.qsize()
         out["num_env_steps_pending"] = self._pending_steps
         out["num_chunks_dropped_stale"] = self.num_chunks_dropped_stale

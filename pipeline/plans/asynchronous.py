@@ -15,7 +15,11 @@ weights are ``ray.put`` once and sent to every runner without waiting; runners a
 fragments. The env runner group polls the runners (metrics, health) and recreates failed ones.
 
 While streaming, env steps count as sampled when the loader receives them, so nothing is counted
-as sampled before it can be trained on.
+as sampled before it can be trained on. The loader drops a chunk it has already received and counts it
+(``stream/num_chunks_dropped_duplicate``); every step received is batched once or still pending
+(``stream/num_env_steps_batched``, ``stream/num_env_steps_pending``); a runner lost while streaming (its
+actor or node died) is reported to the loader, which counts the episodes it left unfinished
+(``stream/num_episodes_cut``) and the fragment it was sampling (``stream/num_fragments_lost``).
 
 With ``num_learners=n > 0`` there is no loader in the driver: each learner actor receives its own share
 of the streams (runner i pushes to learner ``i mod n``), cuts its own batches and keeps its own batch
@@ -44,6 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from actors.env.streaming import stream_sender_id
 from actors.learner import ChunkBatch
 from actors.learner.feed import BatchSource, FeedSettings, FreshBatches
 from actors.learner.loader import ChunkReceiver, ModuleBatches
@@ -199,6 +204,10 @@ class AsyncPlan:
                 self._update_remote()
             self._follow_moved_learners()
         self.env_runners.poll(self.metrics, self.config.env_runner_metrics_interval_s)
+        lost = self.env_runners.take_lost_streams()
+        if self.receiver is not None:  # remote learners' feeds keep their own counts of what arrived
+            for i in lost:
+                self.receiver.sender_lost(stream_sender_id(i))
         self._log_stream()
 
     def _take(self, timeout: float) -> ChunkBatch | ModuleBatches | None:
@@ -290,7 +299,8 @@ class AsyncPlan:
             m.log_value(f"stream/runner_{key}", 0, reduce="lifetime_sum")
         for key in ("num_frames_received", "num_chunks_received", "num_frames_dropped_decode_error",
                     "num_frames_dropped_bad_envelope", "num_frames_dropped_not_chunks", "num_chunks_dropped_invalid",
-                    "num_env_steps_dropped", "num_env_steps_dropped_stale"):
+                    "num_env_steps_dropped", "num_chunks_dropped_duplicate", "num_chunks_missing", "num_episodes_cut",
+                    "num_fragments_lost", "num_env_steps_batched", "num_env_steps_pending", "num_env_steps_dropped_stale"):
             m.log_value(f"stream/{key}", s.get(key, 0), reduce="max", window=1)  # window=1: the latest value
         for sender, n in dropped_by_sender.items():
             m.log_value(f"stream/num_dropped_by_sender/{sender.replace('/', '_')}", n, reduce="max", window=1)
@@ -303,7 +313,8 @@ class AsyncPlan:
         return {}  # what is in flight is re-sampled after a restore
 
     def set_state(self, state: dict[str, Any]) -> None:
-        pass
+        if self.receiver is not None:  # restored runners sample again chunks the loader has had
+            self.receiver.forget_episodes()
 
     def stop(self) -> None:
         """Stop the runners' sampling threads, then the loader thread(s) and socket(s)."""
