@@ -62,6 +62,7 @@ def test_a_run_too_short_for_its_warm_up_says_so():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~3 min: make test-long
 def test_a_short_soak_samples_every_process_and_catches_a_leak_planted_in_the_driver(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tests/benchmarks/soak.py"), "--minutes", "2", "--interval-s", "10",
                            "--warmup-minutes", "0.5", "--checkpoint-every-s", "30", "--plant-leak-mb", "2"],
