@@ -226,9 +226,9 @@ def test_configs_validate_and_register():
     with pytest.raises(ConfigError, match=r"max_weights_lag must be 'auto', None or an int >= 0, got -1"):
         IMPALAConfig().environment("CartPole-v1").training(max_weights_lag=-1).validate()
     IMPALAConfig().environment("CartPole-v1").training(max_weights_lag=None).validate()
-    # "auto": 4x a fresh fragment's lag (runners x envs x fragment steps / steps per update), at least 16
+    # "auto": 4x a fresh fragment's lag (runners x envs x fragment steps / steps per update), at least 32
     small = IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2).training(train_batch_size_per_learner=500)
-    assert max_weights_lag(small) == 16 and max_weights_lag(small.copy().training(max_weights_lag=7)) == 7
+    assert max_weights_lag(small) == 32 and max_weights_lag(small.copy().training(max_weights_lag=7)) == 7
     big = small.copy().env_runners(num_env_runners=64).learners(num_learners=2).training(train_batch_size_per_learner=250)
     assert max_weights_lag(big) == math.ceil(4 * 64 * 16 * 50 / 500) == 410
     assert APPOConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()

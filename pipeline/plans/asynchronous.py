@@ -92,7 +92,8 @@ class AsyncPlanSettings:
     slower than its runners otherwise trains on fragments that waited in the socket buffers for dozens of
     updates (measured: a lag of ~90 updates with two learners on a loaded machine, and no learning).
     "auto": 4x the lag a fragment has when nothing waits -- the updates the other runners' fragments pay
-    for while it is sampled, ``runners * envs * fragment / (learners * batch)`` -- and at least 16; it
+    for while it is sampled, ``runners * envs * fragment / (learners * batch)`` -- and at least 32 (healthy CartPole runs lag ~5
+    updates, up to ~30 now and then); it
     grows with the number of runners, so a large cluster keeps its healthy data. None keeps every fragment."""
     stream_compress: bool | str = "auto"
     """LZ4-compress streamed frames: True, False, or "auto" = compress when observations hold integer
@@ -142,7 +143,7 @@ def max_weights_lag(config: Any) -> int | None:
     runners = max(1, config.num_env_runners)  # 0: the local runner streams
     fragment = config.num_envs_per_env_runner * config.get_rollout_fragment_length()
     update = max(1, config.num_learners) * config.train_batch_size_per_learner
-    return max(16, math.ceil(4 * runners * fragment / update))
+    return max(32, math.ceil(4 * runners * fragment / update))
 
 
 class AsyncPlan:
