@@ -3,7 +3,8 @@
 #                              ARGS='--episodes 3 --render' passes more flags to runnel evaluate)
 #               make test    (set up, then run the test suite; .ci/run calls this)
 #               make test-seeds   (the learning tests' further seeds: DQN and SAC seeds 1-2, IMPALA from clients; 1-2 min each)
-#               make test-long    (the multi-agent learning runs of several minutes: tic-tac-toe self-play, mpe2; ~10 min)
+#               make test-long    (runs of several minutes: multi-agent tic-tac-toe self-play, mpe2, nodes lost on a simulated cluster,
+#                                  learner recovery, two-learner IMPALA/APPO, the 3-minute soak; 30-40 min)
 #               make test-fast   (the edit loop: unit, property and protocol tests, no learning or slow runs; ~2 min)
 #               make help    (this text)
 # Any other runnel command in a fresh shell: .venv/bin/runnel ..., or '. .venv/bin/activate' first.
@@ -31,7 +32,7 @@ evaluate: setup
 	$(BIN)/runnel evaluate $(CHECKPOINT) $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=40 tests
 
 test-seeds: setup
 	$(BIN)/python -m pytest -q -m seeds tests

@@ -16,6 +16,16 @@ to the caller as that exception, naming the member, and the member -- healthy --
 restored through ``on_restart``), or, when restarts are off and failures are ignored, left out
 while the healthy rest go on; with neither, the first failure raises ``ActorGroupError`` naming
 the actor and the cause.
+
+Restarts never hold the caller up: a replacement is created and joins the group (state restored,
+counted) at a later call, once it answers (``actors.replacements``); meanwhile the healthy members
+go on working, and a replacement for an actor of a lost node waits for room until nodes return.
+``wait_for_restarts`` blocks, for a caller with nothing else to do (no member healthy).
+
+A caller with a recovery policy of its own (the learner group, ``pipeline.groups.learner_recovery``)
+restarts nothing through ``probe_unhealthy_and_restart``: it marks members healthy again
+(``mark_healthy``) and replaces dead ones with ``recreate``, which waits for the new actor -- a
+learner group cannot update, nor re-form its gradient all-reduce group, without all its members.
 """
 from __future__ import annotations
 
@@ -25,11 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from actors.core import UserCodeError
+from actors.replacements import Replacements, describe as _describe, kill as _kill
 
 log = logging.getLogger(__name__)
+
+READY_FETCH_TIMEOUT_S = 60.0
+"""A result ``ray.wait`` called ready is already on this node; the bound only keeps an object lost with
+its node from holding the driver up (a timeout fails the member like any other lost answer)."""
 
 USER_CODE_METHODS = ("apply",)
 """Methods that run a function the caller gave: whatever it raises is the caller's error."""
@@ -60,6 +75,9 @@ class FaultToleranceSettings:
     """How long a new actor -- the first or a replacement -- may take to come up (a process that
     imports torch can take seconds on a busy machine: far longer than a probe should wait)."""
     max_requests_in_flight: int = 2
+    actor_resources: dict = field(default_factory=dict)
+    """What Ray reserves for each member (``{"CPU": 1.0}``): a replacement that has not started while
+    the cluster has less than this free is waiting for room, not failing to start."""
     fatal_hint: str = ("Set restart_failed_env_runners=True to recreate failed runners, or "
                        "ignore_env_runner_failures=True to go on without them.")
     """Appended to the error raised when a member fails and neither restarts nor ignoring are on."""
@@ -94,9 +112,14 @@ class ActorManager:
         self.make_actor, self.settings, self.on_restart, self.name = make_actor, settings, on_restart, name
         self.in_process = in_process
         self.members: dict[int, _Member] = {i: _Member(make_actor(i, False)) for i in actor_ids}
+        self.starting = Replacements(make_actor, max(settings.start_timeout_s, settings.probe_timeout_s or 0.0),
+                                     settings.actor_resources)
+        """Replacements created and not yet up (starting, or waiting for room on the cluster)."""
         self.num_restarts = 0
         self.num_failures = 0
         self.num_dropped_results = 0
+        self.restart_wait_s = 0.0
+        """Seconds callers spent in restart handling (creating replacements, restoring their state)."""
 
     # --- views --------------------------------------------------------------------------------
     def healthy_ids(self) -> list[int]:
@@ -108,6 +131,10 @@ class ActorManager:
     def handle(self, actor_id: int) -> Any:
         """The Ray actor handle, or the object itself when hosted in-process."""
         return self.members[actor_id].handle
+
+    def num_starting(self) -> int:
+        """Replacements created and not yet up."""
+        return len(self.starting)
 
     def num_in_flight(self, actor_id: int) -> int:
         return len(self.members[actor_id].in_flight)
@@ -160,7 +187,7 @@ class ActorManager:
         for ref in ready:
             i = refs[ref]
             try:
-                results[i] = CallResult(i, True, ray.get(ref))
+                results[i] = CallResult(i, True, ray.get(ref, timeout=READY_FETCH_TIMEOUT_S))
             except RayError as err:
                 results[i] = CallResult(i, False, error=err)
                 if _is_user_error(err, user_code):
@@ -214,7 +241,7 @@ class ActorManager:
                 out.append(CallResult(i, True, ref.value, tag=tag))
                 continue
             try:
-                out.append(CallResult(i, True, ray.get(ref), tag=tag))
+                out.append(CallResult(i, True, ray.get(ref, timeout=READY_FETCH_TIMEOUT_S), tag=tag))
             except RayError as err:
                 if _is_user_error(err):
                     raise self._caller_error(i, err) from None
@@ -239,7 +266,7 @@ class ActorManager:
                     f"{what} each. Lower their number or resources, or add nodes.")
             for ref in ready:
                 try:
-                    ray.get(ref)
+                    ray.get(ref, timeout=READY_FETCH_TIMEOUT_S)
                 except RayError as err:
                     cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
                     raise RuntimeError(f"{self.name} {refs[ref]} failed to start: {cause}") from None
@@ -264,38 +291,67 @@ class ActorManager:
             raise ActorGroupError(f"{self.name} {actor_id} failed: {m.last_error}. {s.fatal_hint}".rstrip() + trace) from err
 
     def probe_unhealthy_and_restart(self, force: bool = False) -> list[int]:
-        """Recreate failed actors whose restart delay has passed; returns the indices recreated."""
+        """Swap in the replacements that came up (their state restored through ``on_restart``), and create
+        replacements for failed actors whose restart delay has passed (``force``: at once). Returns the
+        indices that rejoined the group now; never waits for a replacement to start."""
         s = self.settings
-        restarted: list[int] = []
         if not s.restart_failed:
             if not s.ignore_failures and any(not m.healthy for m in self.members.values()):
                 bad = [i for i, m in self.members.items() if not m.healthy]
                 raise ActorGroupError(f"{self.name}(s) {bad} failed: {self.members[bad[0]].last_error}")
             if self.members and not self.healthy_ids():
                 raise ActorGroupError(f"all {self.name}s failed; last error: {self._last_error()}")
+            return []
+        t0 = time.perf_counter()
+        try:
+            restarted = self._take_started()
+            for i, m in self.members.items():
+                if m.healthy or i in self.starting or (not force and time.monotonic() - m.failed_at < s.restart_delay_s):
+                    continue
+                if m.restarts >= s.max_restarts:
+                    if not s.ignore_failures and not self.healthy_ids() and not self.starting:
+                        raise ActorGroupError(f"{self.name} {i} exceeded max restarts ({s.max_restarts}): {m.last_error}")
+                    continue
+                _kill(m.handle)
+                self.starting.start(i)
             return restarted
-        for i, m in self.members.items():
-            if m.healthy or (not force and time.monotonic() - m.failed_at < s.restart_delay_s):
-                continue
-            if m.restarts >= s.max_restarts:
-                if not s.ignore_failures and not self.healthy_ids():
-                    raise ActorGroupError(f"{self.name} {i} exceeded max restarts ({s.max_restarts}): {m.last_error}")
-                continue
-            _kill(m.handle)
-            handle = self.make_actor(i, True)
+        finally:
+            self.restart_wait_s += time.perf_counter() - t0
+
+    def _take_started(self) -> list[int]:
+        outcome = self.starting.take_ready(self.settings.probe_timeout_s)
+        for i, why in outcome.failed.items():
+            self._failed_start(i, why)
+        restarted: list[int] = []
+        for i, handle in outcome.up.items():
+            m = self.members[i]
             try:
-                ray.get(handle.ping.remote(), timeout=max(s.start_timeout_s, s.probe_timeout_s or 0.0))
                 if self.on_restart is not None:
                     self.on_restart(i, handle)
             except (RayError, GetTimeoutError) as err:
-                _kill(handle)  # the replacement did not come up: free its resources before the next try
-                m.failed_at, m.last_error = time.monotonic(), _describe(err)
-                m.restarts += 1
+                _kill(handle)
+                self._failed_start(i, _describe(err))
                 continue
             self.members[i] = _Member(handle, restarts=m.restarts + 1)
             self.num_restarts += 1
             restarted.append(i)
             log.warning("%s %d recreated (restart #%d)", self.name, i, m.restarts + 1)
+        return restarted
+
+    def _failed_start(self, actor_id: int, why: str) -> None:
+        m = self.members[actor_id]
+        m.failed_at, m.last_error = time.monotonic(), why
+        m.restarts += 1
+        log.warning("%s %d: its replacement failed to start: %s", self.name, actor_id, why)
+
+    def wait_for_restarts(self, timeout_s: float) -> list[int]:
+        """Create what is due, then wait up to ``timeout_s`` for a replacement to come up (for a caller
+        with no healthy member to work with); returns the indices that rejoined."""
+        restarted = self.probe_unhealthy_and_restart(force=True)
+        deadline = time.monotonic() + timeout_s
+        while not restarted and len(self.starting) and time.monotonic() < deadline:
+            ray.wait(self.starting.ready_refs(), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            restarted = self.probe_unhealthy_and_restart(force=True)
         return restarted
 
     # --- for callers with a recovery policy of their own (the learner group) ------------------
@@ -305,12 +361,15 @@ class ActorManager:
         self.members[actor_id].healthy = True
 
     def recreate(self, actor_id: int, timeout_s: float) -> Any:
-        """Replace member ``actor_id`` now, whatever the restart settings say: the old actor is killed, a
-        new one made at its index and, once it answers a ping within ``timeout_s``, restored
+        """Replace member ``actor_id`` now, whatever the restart settings say, waiting for it (unlike
+        ``probe_unhealthy_and_restart``: for a caller that cannot go on without it): the old actor is
+        killed, a new one made at its index and, once it answers a ping within ``timeout_s``, restored
         (``on_restart``), counted as a restart and healthy. Returns its handle; raises ActorGroupError
         naming the member when the new one does not come up (its resources are freed first)."""
         old = self.members[actor_id]
         _kill(old.handle)
+        self.starting.cancel(actor_id)  # a replacement started for it by ``probe_unhealthy_and_restart``
+        t0 = time.perf_counter()
         handle = self.make_actor(actor_id, True)
         try:
             ray.get(handle.ping.remote(), timeout=timeout_s)
@@ -320,6 +379,8 @@ class ActorManager:
             _kill(handle)
             raise ActorGroupError(f"{self.name} {actor_id} could not be recreated within {timeout_s:.0f} s: "
                                   f"{_describe(err)}; the cluster has {ray.available_resources()} available") from err
+        finally:
+            self.restart_wait_s += time.perf_counter() - t0
         self.members[actor_id] = _Member(handle, restarts=old.restarts + 1)
         self.num_restarts += 1
         log.warning("%s %d recreated (restart #%d)", self.name, actor_id, old.restarts + 1)
@@ -341,6 +402,7 @@ class ActorManager:
                 m.handle.stop()
             else:
                 _kill(m.handle)
+        self.starting.stop()
         self.members.clear()
 
 
@@ -360,17 +422,3 @@ def _remote_traceback(err: BaseException) -> str:
     if isinstance(err, RayTaskError):
         return "\n--- where it was raised (" + str(err).strip() + ")"
     return ""
-
-
-def _kill(handle: Any) -> None:
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, RayActorError):
-        return f"actor died ({type(err).__name__})"
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[-1] if text else ''}"

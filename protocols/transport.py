@@ -25,6 +25,7 @@ from protocols.codec import Limits, decode, encode
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
 from protocols.schema import ChunkSchema
+from protocols.stream_ledger import StreamLedger
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,8 @@ class ChunkPuller:
     A message that is not ``[sender id, frame]``, a frame that fails bounded decoding, a frame
     that holds no chunks, and a chunk that fails the schema are counted and dropped with one log
     line naming the sender (up to ``max_log_lines_per_sender`` lines each); the puller goes on.
+    A chunk already received (same episode and chunk index) is dropped and counted by ``ledger``
+    (``protocols.stream_ledger``), which also counts what a lost sender leaves unfinished.
     ``address`` is ``tcp://<host>:<random port>``; hand it to the senders.
     """
 
@@ -165,6 +168,7 @@ class ChunkPuller:
             "num_frames_dropped_not_chunks": 0, "num_chunks_dropped_invalid": 0, "num_env_steps_dropped": 0,
         })
         self.dropped_by_sender: collections.Counter = collections.Counter()
+        self.ledger = StreamLedger(self.counters)
 
     @property
     def closed(self) -> bool:
@@ -228,6 +232,9 @@ class ChunkPuller:
             c["num_chunks_dropped_invalid"] += n_bad
             c["num_env_steps_dropped"] += bad_steps
             self._drop(sender, f"{n_bad} of {len(obj)} chunk(s) of a frame", first_error)
-        c["num_chunks_received"] += len(good)
-        c["num_env_steps_received"] += sum(len(ch) for ch in good)
-        return good
+        new = [ch for ch in good if self.ledger.admit(sender, ch)]
+        if len(new) < len(good):
+            self._drop(sender, f"{len(good) - len(new)} chunk(s) already received", "duplicate (episode id, chunk index)")
+        c["num_chunks_received"] += len(new)
+        c["num_env_steps_received"] += sum(len(ch) for ch in new)
+        return new

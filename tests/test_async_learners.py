@@ -256,7 +256,12 @@ def run_to_450(config_cls):
     assert runnel_threads() == []
     return results, streaming
 
+# Both runs are 'long' (make test-long): on 2 cores two learner processes, two runners and the driver
+# share the CPUs, and how fast the learners keep up -- so how far the data lags and how soon 450 comes --
+# depends on the machine's load: measured 450 at 437k env steps on a quiet machine, 457 at 877k and 187
+# at 1M under load 6-14 (IMPALA, max_weights_lag "auto" = 16 here).
 @pytest.mark.learning
+@pytest.mark.long
 def test_appo_with_two_learners_reaches_450(ray_cluster):
     results, streaming = run_to_450(APPOConfig)
     check_cartpole(results, streaming)
@@ -264,6 +269,7 @@ def test_appo_with_two_learners_reaches_450(ray_cluster):
     assert results[-1]["circular_buffer"]["num_batches_added"] > 0
 
 @pytest.mark.learning
+@pytest.mark.long
 def test_impala_with_two_learners_reaches_450(ray_cluster):
     results, streaming = run_to_450(IMPALAConfig)
     check_cartpole(results, streaming)

@@ -269,7 +269,8 @@ def test_a_runner_that_dies_in_foreach_is_still_a_runner_failure(ray_local):
         assert algo.foreach_env_runner(lambda runner: os._exit(1)) == []
         manager = algo.env_runner_group.manager
         assert manager.num_failures == 1 and manager.num_healthy() == 0
-        assert algo.env_runner_group.restart_failed(force=True) == [1]
+        algo.env_runner_group.restart_failed(force=True)  # started, not waited for
+        assert algo.env_runner_group.wait_for_restarts(120) == [1]
         assert algo.foreach_env_runner(lambda runner: runner.worker_index) == [1]
     finally:
         algo.stop()

@@ -57,7 +57,9 @@ def test_curriculum_reaches_every_sub_env_survives_restarts_and_checkpoints(tmp_
             algo.train()
         assert tasks(algo) == [[(3, 5), (3, 5)], [(3, 5), (3, 5)]]
         path = algo.save(str(tmp_path / "ckpt"))
-        ray.kill(algo.env_runner_group.manager.handle(2))  # the next train() recreates runner 2
+        ray.kill(algo.env_runner_group.manager.handle(2))
+        algo.env_runner_group.manager.probe_health()  # finds runner 2 dead
+        assert algo.env_runner_group.wait_until_whole(120)  # recreated with its task, outside train()
         result = algo.train()
         assert result["fault_tolerance"]["num_remote_worker_restarts"] == 1
         # runner 2 came back with task 3, then the curriculum moved everyone to 4
@@ -126,6 +128,7 @@ def test_exploration_schedule_log_level_and_sys_usage_reach_remote_runners(tmp_p
         assert result["perf"]["env_runner_1"]["rss_mb"] > 50 and result["perf"]["driver"]["rss_mb"] > 50
         ray.kill(algo.env_runner_group.manager.handle(1))
         algo.train()
+        assert algo.env_runner_group.wait_until_whole(120)
         # the recreated runner continues the schedule from the run's step count, not from 0
         [recreated] = algo.foreach_env_runner(lambda w: w.timestep, local_env_runner=False)
         assert recreated >= sampled

@@ -290,7 +290,10 @@ def test_dqn_with_the_replay_actor_trains_from_a_client(ray_cluster, tmp_path):
     algo = external(config, address, str(tmp_path)).build()
     clients = Clients(address, 1)
     try:
-        result = train_until(algo, lambda r: r["num_learner_updates"] > 0, 20)
+        # the sampled count comes with the replay actor's metrics (every env_runner_metrics_interval_s), which
+        # on a loaded machine can come after the first updates: wait for both
+        result = train_until(algo, lambda r: r["num_learner_updates"] > 0 and r["num_env_steps_sampled_lifetime"] >= 200,
+                             40)
         assert algo.env_runner_group.local.is_streaming()
         assert result["num_learner_updates"] > 0
         assert result["num_env_steps_sampled_lifetime"] >= 200  # counted as the replay actor inserts them

@@ -1,4 +1,7 @@
-"""Fault injection on the synchronous (PPO) path: killed, crashing and hanging env runners."""
+"""Fault injection on the synchronous (PPO) path: killed, crashing and hanging env runners.
+
+Replacements start without holding training up (``actors.replacements``): a test trains on with the
+healthy rest, then waits for the group to be whole again (``wait_until_whole``) before it checks."""
 import numpy as np
 import pytest
 import ray
@@ -37,6 +40,8 @@ def test_killed_runner_is_recreated_with_current_weights_and_counted():
         algo.train()
         kill_runner(algo, 1)
         results = [algo.train() for _ in range(3)]
+        assert algo.env_runner_group.wait_until_whole(120)
+        results.append(algo.train())
         ft = results[-1]["fault_tolerance"]
         assert ft["num_remote_worker_restarts"] == 1
         assert ft["num_remote_worker_failures"] == 1
@@ -56,6 +61,8 @@ def test_env_raising_in_one_runner_recreates_that_runner():
     algo = config({"fail_on_runners": [2], "fail_at_steps": [30]}).build()
     try:
         results = [algo.train() for _ in range(4)]
+        assert algo.env_runner_group.wait_until_whole(120)
+        results.append(algo.train())
         ft = results[-1]["fault_tolerance"]
         assert ft["num_remote_worker_failures"] == 1 and ft["num_remote_worker_restarts"] == 1
         assert ft["num_healthy_workers"] == 2
@@ -80,6 +87,8 @@ def test_hanging_runner_is_detected_by_the_probe_timeout_and_replaced():
                   env_runner_health_probe_timeout_s=3.0).build()
     try:
         results = [algo.train() for _ in range(3)]
+        assert algo.env_runner_group.wait_until_whole(120)
+        results.append(algo.train())
         ft = results[-1]["fault_tolerance"]
         assert ft["num_remote_worker_failures"] == 1 and ft["num_remote_worker_restarts"] == 1
         assert ft["num_healthy_workers"] == 2

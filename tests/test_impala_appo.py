@@ -4,6 +4,7 @@ CartPole to 450 over streaming runners, weights lag, fault tolerance, checkpoint
 Training is seeded but asynchronous, so runs are not bit-identical; step budgets are generous and
 the tests assert returns and counters, never wall-clock time.
 """
+import math
 import threading
 import time
 
@@ -17,6 +18,7 @@ from actors.env import EnvRunner, EnvRunnerSettings
 from actors.learner import ChunkBatch
 from actors.modules import ActorCriticModule as RLModule
 from pipeline import APPO, APPOConfig, IMPALA, IMPALAConfig, Algorithm, ConfigError, get_algorithm
+from pipeline.plans.asynchronous import max_weights_lag
 from pipeline.algorithms.appo import APPOLearner, CircularBuffer, appo_loss
 from pipeline.algorithms.impala import IMPALALearner, impala_loss
 from tests.envs import FlakyEnv
@@ -221,6 +223,14 @@ def test_configs_validate_and_register():
         IMPALAConfig().environment("CartPole-v1").training(broadcast_intervall=3).validate()
     with pytest.raises(ConfigError, match="clip_param"):
         APPOConfig().environment("CartPole-v1").training(clip_param=1.5).validate()
+    with pytest.raises(ConfigError, match=r"max_weights_lag must be 'auto', None or an int >= 0, got -1"):
+        IMPALAConfig().environment("CartPole-v1").training(max_weights_lag=-1).validate()
+    IMPALAConfig().environment("CartPole-v1").training(max_weights_lag=None).validate()
+    # "auto": 4x a fresh fragment's lag (runners x envs x fragment steps / steps per update), at least 32
+    small = IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2).training(train_batch_size_per_learner=500)
+    assert max_weights_lag(small) == 32 and max_weights_lag(small.copy().training(max_weights_lag=7)) == 7
+    big = small.copy().env_runners(num_env_runners=64).learners(num_learners=2).training(train_batch_size_per_learner=250)
+    assert max_weights_lag(big) == math.ceil(4 * 64 * 16 * 50 / 500) == 410
     assert APPOConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
 
 

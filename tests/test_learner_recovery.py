@@ -7,6 +7,9 @@ twice), a multi-agent run whose modules changed before the death, and DQN's remo
 from its snapshot). Each recovery is counted in the results; past ``max_num_learner_restarts`` /
 ``max_num_replay_restarts`` the run ends naming what died, the count and the setting. Learners are killed
 with ``ray.kill`` on the handle the learner group's manager gives out.
+
+The suite runs the PPO peer case and the replay budget case; the other five take 1-3 minutes each on
+2 cores and are marked ``long`` (``make test-long``).
 """
 import os
 import pathlib
@@ -125,6 +128,7 @@ def test_ppo_learner_killed_is_rebuilt_from_its_peer_and_learning_goes_on(ray_cl
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_single_learner_is_rebuilt_from_the_latest_snapshot(ray_cluster):
     algo = small_ppo(1, learner_snapshot_interval_s=1e-6).build(logdir=None)  # a snapshot after every update
     try:
@@ -142,6 +146,7 @@ def test_a_single_learner_is_rebuilt_from_the_latest_snapshot(ray_cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_learner_death_past_max_num_learner_restarts_ends_the_run_naming_it(ray_cluster):
     algo = small_ppo(2, max_num_learner_restarts=1).build(logdir=None)
     try:
@@ -158,6 +163,7 @@ def test_a_learner_death_past_max_num_learner_restarts_ends_the_run_naming_it(ra
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_multi_agent_learner_is_rebuilt_with_the_modules_the_run_has_now(ray_cluster):
     algo = multi_agent_config().env_runners(num_env_runners=1).learners(num_learners=2).build(logdir=None)
     try:
@@ -177,6 +183,7 @@ def test_a_multi_agent_learner_is_rebuilt_with_the_modules_the_run_has_now(ray_c
 
 # --- APPO ---------------------------------------------------------------------------------------
 @pytest.mark.learning
+@pytest.mark.long
 def test_appo_learner_killed_is_rebuilt_its_runners_repointed_and_learning_goes_on(ray_cluster):
     shutil.rmtree(trained_dir(), ignore_errors=True)
     algo = (APPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2).learners(num_learners=2)
@@ -239,6 +246,7 @@ def replay_size(algo):
 
 
 @pytest.mark.learning
+@pytest.mark.long
 def test_dqn_remote_replay_killed_is_rebuilt_from_its_snapshot_and_learning_goes_on(ray_cluster):
     algo = remote_dqn().build(logdir=None)
     streaming = algo.plan.streaming

@@ -270,7 +270,9 @@ def test_add_and_remove_with_ray_runners_and_two_learners(ray_cluster):
         assert first.keys() == second.keys() and all((first[k] == second[k]).all() for k in first)
         algo.remove_module("p1", new_agent_to_module_mapping_fn=against_snapshot)
         assert algo.foreach_env_runner(lambda runner: runner.module_ids) == [["p0", "p0_v1"]] * 2
-        ray_cluster.kill(algo.env_runner_group.manager.handle(2))  # the next train() recreates runner 2
+        ray_cluster.kill(algo.env_runner_group.manager.handle(2))
+        algo.train()  # finds runner 2 dead and starts its replacement (which gets the weights synced next)
+        assert algo.env_runner_group.wait_until_whole(120)
         r = algo.train()
         assert r["fault_tolerance"]["num_remote_worker_restarts"] == 1
         assert r["learners"]["__all_modules__"]["num_modules_trained"] == 1

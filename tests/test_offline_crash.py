@@ -161,6 +161,8 @@ def test_a_runner_restart_records_every_trained_chunk_exactly_once(tmp_path, ray
         algo.train()
         ray.kill(algo.env_runner_group.manager.handle(1), no_restart=True)
         results = [algo.train() for _ in range(3)]
+        assert algo.env_runner_group.wait_until_whole(120)
+        results.append(algo.train())
         assert results[-1]["fault_tolerance"]["num_remote_worker_restarts"] == 1
     finally:
         algo.stop()

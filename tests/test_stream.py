@@ -4,6 +4,7 @@ round trip, bad frames, back-pressure, runner streaming.
 Everything runs in this process (no Ray): a ChunkSender or a local EnvRunner pushes to a
 ChunkReceiver over TCP on loopback. Waits poll for a condition with a deadline; nothing is timed.
 """
+import dataclasses
 import logging
 import threading
 import time
@@ -122,6 +123,36 @@ def test_round_trip_keeps_chunks_intact_and_cuts_exact_batches(receiver, sender)
     assert s["num_frames_dropped_decode_error"] == s["num_chunks_dropped_invalid"] == 0
 
 
+def test_chunks_older_than_max_weights_lag_are_dropped_and_counted():
+    """The consumer at version 10 with max_weights_lag=3: fragments of versions 5 and 6 are dropped and
+    counted, 7 and 8 batched; with no bound (the default) nothing is dropped."""
+    fragments = counting_chunks()  # 4 fragments of 3 envs x 5 steps
+    for bound, kept_versions in ((3, [7, 8]), (None, [5, 6, 7, 8])):
+        rec = ChunkReceiver(OBS_SPACE, ACT_SPACE, batch_size=15, queue_size=8, hwm=8, host="127.0.0.1",
+                            max_weights_lag=bound).start()
+        sender = ChunkSender(rec.address, "env-runner-1", hwm=8)
+        try:
+            rec.set_weights_version(10)
+            for k, frag in enumerate(fragments):
+                for c in frag:
+                    c.weights_version = 5 + k
+                assert sender.send(frag)
+            batches = drain(rec, 15 * len(kept_versions))
+            # the receiver has read every frame once it counted them all; nothing more is batched after
+            wait_for(lambda: rec.stats()["num_frames_received"] == 4, what="all four frames read")
+            assert rec.get_batch(timeout=0) is None
+            assert sorted({c.weights_version for b in batches for c in b}) == kept_versions
+            s = rec.stats()
+            stale = [c for frag in fragments for c in frag if c.weights_version not in kept_versions]
+            assert s["num_chunks_dropped_stale"] == len(stale)
+            assert s["num_env_steps_dropped_stale"] == sum(len(c) for c in stale) == 15 * (4 - len(kept_versions))
+        finally:
+            sender.close()
+            rec.close()
+    with pytest.raises(ValueError, match=r"max_weights_lag must be None or an int >= 0, got -1"):
+        ChunkReceiver(OBS_SPACE, ACT_SPACE, batch_size=15, max_weights_lag=-1)
+
+
 def test_bad_frames_are_counted_dropped_and_logged_once_naming_the_sender(receiver, caplog):
     good = counting_chunks(fragments=1)[0]  # 15 steps
     frame = encode(good)
@@ -200,8 +231,10 @@ def test_stalled_consumer_blocks_the_sender_and_memory_stays_bounded():
     stop = threading.Event()
 
     def produce():  # a fresh frame each time, as a runner encodes each fragment (zero-copy sends of one
-        while not stop.is_set():  # bytes object would hide any growth)
-            if not sender.send(chunk, stop):
+        index = 0  # bytes object would hide any growth); the next chunk of the episode each time (a
+        while not stop.is_set():  # repeated one is dropped as a duplicate)
+            index += 1
+            if not sender.send(dataclasses.replace(chunk, chunk_index=index), stop):
                 return
 
     rss0 = rss_bytes()

@@ -29,13 +29,18 @@ from protocols.transport import ChunkSender
 log = logging.getLogger(__name__)
 
 
+def stream_sender_id(worker_index: int) -> str:
+    """How runner ``worker_index``'s frames name their sender (a receiver's drops and losses by sender)."""
+    return f"env-runner-{worker_index}"
+
+
 class RunnerStream:
     def __init__(self, runner: Any, address: str, *, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
                  stall_timeout_s: float = 60.0) -> None:
         self.runner, self.address = runner, address
         self.hwm, self.compress, self.sndbuf = hwm, compress, sndbuf
         self.stall_timeout_s = stall_timeout_s
-        self.sender_id = f"env-runner-{runner.worker_index}"
+        self.sender_id = stream_sender_id(runner.worker_index)
         self._stop = threading.Event()
         self._sender: ChunkSender | None = None
         self._counters_lock = threading.Lock()

@@ -78,6 +78,8 @@ class FeedSettings:
     """ZeroMQ high-water mark per sender, in frames (``stream_hwm``)."""
     rcvbuf: int = 0
     """Kernel receive buffer of the socket (``stream_socket_buffer_bytes``)."""
+    max_weights_lag: int | None = None
+    """Drop chunks acted by weights more than this many versions old (``max_weights_lag``)."""
 
 
 @dataclass
@@ -121,7 +123,7 @@ class LearnerFeed:
         self.learner, self.source = learner, source
         self.receiver = ChunkReceiver(learner.observation_space, learner.action_space, settings.batch_size,
                                       queue_size=settings.queue_size, hwm=settings.hwm, rcvbuf=settings.rcvbuf,
-                                      device=learner.device).start()
+                                      device=learner.device, max_weights_lag=settings.max_weights_lag).start()
         self.address = self.receiver.address
         self._staged: ChunkBatch | ModuleBatches | None = None  # taken off the queue by a "ready" answer
         # batches taken off the queue and not trained on yet (a circular buffer may evict one unused:
@@ -158,8 +160,11 @@ class LearnerFeed:
         stats["source"] = self.source.stats()
         return FeedStatus(ready, stats)
 
-    def update(self, timestep: int) -> FeedUpdate:
-        """One update on the next batch of the source; the driver calls it only after ``ready``."""
+    def update(self, timestep: int, weights_version: int | None = None) -> FeedUpdate:
+        """One update on the next batch of the source; the driver calls it only after ``ready``.
+        ``weights_version``: the group's version before this update (the reference for stale chunks)."""
+        if weights_version is not None:
+            self.receiver.set_weights_version(weights_version + 1)  # what the runners get after this update
         batch = self.source.next(self._take) if self.ready(0.0) else None
         if batch is None:  # the driver's protocol rules this out; raising beats entering the all-reduce empty
             raise RuntimeError(f"learner {self.learner.rank} was asked to update but holds no train batch: "
@@ -190,8 +195,8 @@ class FedByStreams:
     def feed_status(self, timeout: float = 0.0) -> FeedStatus:
         return self._open_feed().status(timeout)
 
-    def update_from_feed(self, timestep: int) -> FeedUpdate:
-        return self._open_feed().update(timestep)
+    def update_from_feed(self, timestep: int, weights_version: int | None = None) -> FeedUpdate:
+        return self._open_feed().update(timestep, weights_version)
 
     def close_feed(self) -> None:
         if self.feed is not None:

@@ -9,6 +9,15 @@ decoding, batching and learning overlap.
 Back-pressure: while a finished batch waits for room in the queue, the loader reads nothing; the
 PULL socket's queue fills, then the senders' PUSH queues, and the runners block.
 
+Stale chunks: what waits in the sockets' kernel buffers is bounded in bytes, not in policy versions.
+A learner slower than its runners (a loaded machine, two learners meeting in an all-reduce on few
+cores) trains on fragments that sat there for many updates -- measured: a weights lag of ~90 updates
+that kept IMPALA's CartPole return at its random level. With ``max_weights_lag`` set (Sample Factory's
+``max_policy_lag``), a chunk acted by weights older than that many versions behind the one the consumer
+last reported (``set_weights_version``) is dropped and counted (``num_env_steps_dropped_stale``) rather
+than batched. Dropping costs almost nothing, so the backlog drains at decode speed and what is trained
+stays within the bound.
+
 Multi-agent streams (``module_spaces`` given): each chunk is checked against its module's spaces
 (``ModuleSchemas``; a chunk of a module the run does not have is dropped and counted like any bad
 chunk), and a train batch is one ``ModuleBatches``: the next ``batch_size`` agent steps of the stream,
@@ -81,16 +90,26 @@ class ChunkReceiver:
                  queue_size: int = 8, hwm: int = 4, host: str | None = None, limits: Limits = STREAM_LIMITS,
                  rcvbuf: int = 0, device: str | torch.device = "cpu", prebuild: bool = True,
                  required_extra: tuple[str, ...] = ("action_logp",), max_log_lines_per_sender: int = 100,
-                 module_spaces: dict[str, tuple[gym.Space, gym.Space]] | None = None) -> None:
+                 module_spaces: dict[str, tuple[gym.Space, gym.Space]] | None = None,
+                 max_weights_lag: int | None = None) -> None:
         """``module_spaces``: module id -> (observation, action space) of a multi-agent run's modules:
         batches are ``ModuleBatches`` of ``batch_size`` agent steps (``observation_space`` and
-        ``action_space`` are then not used)."""
+        ``action_space`` are then not used). ``max_weights_lag``: drop chunks acted by weights more than
+        this many versions older than the consumer's (None: keep all)."""
         if batch_size < 1 or queue_size < 1 or hwm < 1:
             raise ValueError(f"batch_size, queue_size and hwm must be >= 1, got {batch_size}, {queue_size}, {hwm}")
         if module_spaces is not None and not module_spaces:
             raise ValueError("module_spaces is empty: give each module's (observation, action) spaces, or None "
                              "for a single-agent stream")
+        if max_weights_lag is not None and (isinstance(max_weights_lag, bool) or not isinstance(max_weights_lag, int)
+                                            or max_weights_lag < 0):
+            raise ValueError(f"max_weights_lag must be None or an int >= 0, got {max_weights_lag!r}")
         self.batch_size = batch_size
+        self.max_weights_lag = max_weights_lag
+        self.weights_version = 0
+        """The consumer's current weights version (``set_weights_version``), the reference for staleness."""
+        self.num_chunks_dropped_stale = 0
+        self.num_env_steps_dropped_stale = 0
         self.device = torch.device(device)
         self.prebuild = prebuild
         self.multi_module = module_spaces is not None
@@ -139,15 +158,35 @@ class ChunkReceiver:
         except queue.Empty:
             return None
 
+    def set_weights_version(self, version: int) -> None:
+        """The learner's weights version now: chunks acted more than ``max_weights_lag`` versions before it
+        are dropped from here on (the loader thread reads it; an int store is atomic)."""
+        self.weights_version = int(version)
+
     def qsize(self) -> int:
         """Train batches waiting in the learner queue."""
         return self._queue.qsize()
 
+    def sender_lost(self, sender: str) -> int:
+        """``sender``'s actor died while streaming: its open episodes end here (counted as cut, see
+        ``protocols.stream_ledger``). Returns how many were cut."""
+        return self.puller.ledger.sender_lost(sender)
+
+    def forget_episodes(self) -> None:
+        """Accept again chunks already received (runners restored to a checkpoint sample them anew)."""
+        self.puller.ledger.forget()
+
     def stats(self) -> dict[str, Any]:
+        """The puller's counters (received, dropped, duplicates, episodes cut...), batches built, and the
+        steps they hold (``num_env_steps_batched``): every step received is batched, still pending or dropped
+        as stale (``num_env_steps_dropped_stale``)."""
         out = dict(self.puller.counters)
         out["num_batches_built"] = self.num_batches_built
+        out["num_env_steps_batched"] = self.num_batches_built * self.batch_size
         out["learner_queue_size"] = self._queue.qsize()
         out["num_env_steps_pending"] = self._pending_steps
+        out["num_chunks_dropped_stale"] = self.num_chunks_dropped_stale
+        out["num_env_steps_dropped_stale"] = self.num_env_steps_dropped_stale
         return out
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -187,7 +226,19 @@ class ChunkReceiver:
             self.error = f"{type(err).__name__}: {err}"
             log.error("chunk loader thread failed:\n%s", traceback.format_exc())
 
+    def _fresh(self, chunks: list[EpisodeChunk]) -> list[EpisodeChunk]:
+        """``chunks`` without those acted by weights more than ``max_weights_lag`` versions old (counted)."""
+        if self.max_weights_lag is None:
+            return chunks
+        oldest = self.weights_version - self.max_weights_lag
+        fresh = [c for c in chunks if c.weights_version >= oldest]
+        if len(fresh) < len(chunks):
+            self.num_chunks_dropped_stale += len(chunks) - len(fresh)
+            self.num_env_steps_dropped_stale += sum(len(c) for c in chunks if c.weights_version < oldest)
+        return fresh
+
     def _add(self, chunks: list[EpisodeChunk]) -> None:
+        chunks = self._fresh(chunks)
         self._pending.extend(chunks)
         self._pending_steps += sum(len(c) for c in chunks)
         b = self.batch_size

@@ -8,10 +8,14 @@ Ray actors. Either way an ``ActorManager`` hosts them, and the group only says w
   is re-requested from the rest, so no batch comes up short;
 * weights (``sync_weights``): one ``ray.put``, read by every runner; a recreated runner gets the
   latest weights before it is used again;
+* restarts never hold the driver up: a replacement joins when it has come up (``actors.replacements``),
+  and until then the healthy runners take its share -- a runner of a lost node waits for room and the
+  group grows back when nodes return; only with no runner healthy does ``sample`` wait for one;
 * streaming (``start_streaming``/``poll``/``stop_streaming``): runners sample in their own
   threads and push frames to a receiver; ``poll`` folds their metrics, probes runners that stopped
   answering, recreates failed ones and sets them streaming again -- without ever waiting on a
-  healthy runner.
+  healthy runner. Runners lost while streaming are kept for the plan to ask (``take_lost_streams``):
+  the episodes they were sampling end there, and the receiver counts them as cut.
 
 Central inference (``inference``): the group also owns the inference servers
 (``pipeline.groups.inference_group``); its runners act through them, the weights go to the servers
@@ -23,6 +27,7 @@ keys under ``env_runners/``, ``section/key`` keys under their own section (``fau
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -76,6 +81,8 @@ class EnvRunnerGroup:
                 settings, worker_index=i, recreated=recreated, **extra)
         else:
             remote_cls = ray.remote(num_cpus=num_cpus_per_env_runner, max_restarts=0)(runner_cls)
+            # a replacement waiting for this much free is waiting for room (a node), not failing to start
+            fault_tolerance = dataclasses.replace(fault_tolerance, actor_resources={"CPU": num_cpus_per_env_runner})
             make = lambda i, recreated: remote_cls.remote(settings, worker_index=i, recreated=recreated, **extra)  # noqa: E731
         ids = [0] if num_env_runners == 0 else list(range(1, num_env_runners + 1))
         name = ("policy server" if self.servers else "offline reader" if offline is not None else
@@ -101,7 +108,8 @@ class EnvRunnerGroup:
         self._last_answer: dict[int, float] = {}  # runner -> when it last answered any request
         self._last_metrics_at = 0.0
         self._ft_logged = {"num_remote_worker_restarts": 0, "num_remote_worker_failures": 0,
-                           "num_dropped_requests": 0}  # manager counts already in the metrics
+                           "num_dropped_requests": 0, "restart_wait_s": 0.0}  # manager counts already in the metrics
+        self._lost_streams: list[int] = []  # runners that failed while streaming, not yet taken by the plan
         self._tasks: dict[int, list] = {}  # curriculum: each runner's sub-env tasks, for recreated runners
         self._last_delivered: dict[int, list] = {}  # policy servers: chunk ids of each slot's latest answer
 
@@ -135,15 +143,34 @@ class EnvRunnerGroup:
             self.manager.submit("set_weights", self._weights, version, timestep, tag="weights")
 
     def _restore(self, index: int, handle: Any) -> None:
-        if self._weights is not None or self.inference is not None:
-            ray.get(handle.set_weights.remote(self._weights, self._weights_version, self._timestep))
+        # the replacement has answered a ping: these are quick, and bounded in case its node goes too
+        timeout = self.manager.settings.probe_timeout_s
+        if self._weights is not None or self.inference is not None:  # central: the version and timestep only
+            ray.get(handle.set_weights.remote(self._weights, self._weights_version, self._timestep), timeout=timeout)
         if index in self._tasks:
-            ray.get(handle.set_env_tasks.remote(self._tasks[index]))
+            ray.get(handle.set_env_tasks.remote(self._tasks[index]), timeout=timeout)
         if index in self._last_delivered:  # what the dead server handed on but could not acknowledge
-            ray.get(handle.confirm_delivered.remote(self._last_delivered[index]))
+            ray.get(handle.confirm_delivered.remote(self._last_delivered[index]), timeout=timeout)
 
     def restart_failed(self, force: bool = False) -> list[int]:
-        restarted = self.manager.probe_unhealthy_and_restart(force=force)
+        """Swap in replacements that came up and start new ones for failed runners (never waits)."""
+        return self._rejoined(self.manager.probe_unhealthy_and_restart(force=force))
+
+    def wait_for_restarts(self, timeout_s: float) -> list[int]:
+        """Wait up to ``timeout_s`` for a replacement to come up (nothing else to do: no runner healthy)."""
+        return self._rejoined(self.manager.wait_for_restarts(timeout_s))
+
+    def wait_until_whole(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until every runner is healthy again (each failed one replaced and up);
+        False if some are not (restarts off, or replacements still waiting for room on the cluster)."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_healthy() < len(self.manager.members) and time.monotonic() < deadline:
+            self.wait_for_restarts(deadline - time.monotonic())
+            if not self.manager.num_starting():
+                break  # nothing on its way: restarts are off, or over their limit
+        return self.num_healthy() == len(self.manager.members)
+
+    def _rejoined(self, restarted: list[int]) -> list[int]:
         for i in restarted:
             self._streaming.discard(i)
             self._metrics_pending.discard(i)
@@ -161,9 +188,10 @@ class EnvRunnerGroup:
         while collected < num_timesteps:
             self.restart_failed()
             ids = self.manager.healthy_ids()
-            if not ids:
-                time.sleep(self.manager.settings.restart_delay_s)
-                self.restart_failed(force=True)
+            if not ids:  # nothing can sample until a replacement is up
+                log.warning("no %s is healthy: waiting for a replacement to start (%d starting)",
+                            self.manager.name, self.manager.num_starting())
+                self.wait_for_restarts(max(self.manager.settings.restart_delay_s, 5.0))
                 continue
             per_runner = -(-(num_timesteps - collected) // len(ids))
             for res in self.manager.foreach_actor("sample_encoded", actor_ids=ids, num_timesteps=per_runner,
@@ -221,6 +249,7 @@ class EnvRunnerGroup:
             if not manager.members[i].healthy:
                 self._streaming.discard(i)
                 self._metrics_pending.discard(i)
+                self._lost_streams.append(i)
         if force or now - self._last_metrics_at >= interval_s:
             self._last_metrics_at = now
             for i in manager.healthy_ids():
@@ -237,10 +266,18 @@ class EnvRunnerGroup:
                 self._last_answer[i] = time.monotonic()
                 if i in failed:
                     self._metrics_pending.discard(i)
-                    self._streaming.discard(i)
+                    if i in self._streaming:
+                        self._streaming.discard(i)
+                        self._lost_streams.append(i)
         self.restart_failed()
         if self._stream_args is not None:
             self.start_streaming(**self._stream_args)
+
+    def take_lost_streams(self) -> list[int]:
+        """Runners that failed while streaming since the last call (the plan tells its receiver: their
+        open episodes end there)."""
+        lost, self._lost_streams = self._lost_streams, []
+        return lost
 
     def stop_streaming(self, timeout_s: float = 15.0) -> None:
         """Stop every healthy runner's sampling thread (best effort: the actors are killed next anyway)."""
@@ -269,14 +306,21 @@ class EnvRunnerGroup:
 
     # --- results, user functions, shutdown ----------------------------------------------------
     def log_fault_tolerance(self, metrics: MetricsLogger) -> None:
+        """``fault_tolerance/``: healthy runners and replacements still starting (at the end of the
+        iteration), restarts, failures and dropped requests (lifetime), and the seconds this iteration
+        spent in restart handling (``restart_wait_s``: creating replacements never waits for them)."""
         m = self.manager
         metrics.log_value("fault_tolerance/num_healthy_workers", 0 if m.in_process else m.num_healthy(),
                           reduce="max")
+        metrics.log_value("fault_tolerance/num_workers_starting", m.num_starting(), reduce="max")
         for key, value in (("num_remote_worker_restarts", m.num_restarts),
                            ("num_remote_worker_failures", m.num_failures),
                            ("num_dropped_requests", m.num_dropped_results)):
             metrics.log_value(f"fault_tolerance/{key}", value - self._ft_logged[key], reduce="lifetime_sum")
             self._ft_logged[key] = value
+        metrics.log_value("fault_tolerance/restart_wait_s", m.restart_wait_s - self._ft_logged["restart_wait_s"],
+                          reduce="sum")
+        self._ft_logged["restart_wait_s"] = m.restart_wait_s
         metrics.log_value("fault_tolerance/num_sub_env_restarts", 0, reduce="lifetime_sum")  # runners add theirs
         if self.inference is not None:
             self.inference.log_metrics(metrics)

@@ -15,7 +15,11 @@ weights are ``ray.put`` once and sent to every runner without waiting; runners a
 fragments. The env runner group polls the runners (metrics, health) and recreates failed ones.
 
 While streaming, env steps count as sampled when the loader receives them, so nothing is counted
-as sampled before it can be trained on.
+as sampled before it can be trained on. The loader drops a chunk it has already received and counts it
+(``stream/num_chunks_dropped_duplicate``); every step received is batched once or still pending
+(``stream/num_env_steps_batched``, ``stream/num_env_steps_pending``); a runner lost while streaming (its
+actor or node died) is reported to the loader, which counts the episodes it left unfinished
+(``stream/num_episodes_cut``) and the fragment it was sampling (``stream/num_fragments_lost``).
 
 With ``num_learners=n > 0`` there is no loader in the driver: each learner actor receives its own share
 of the streams (runner i pushes to learner ``i mod n``), cuts its own batches and keeps its own batch
@@ -37,12 +41,14 @@ steps trained are its agent steps times the runners' env-to-agent step ratio so 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from actors.env.streaming import stream_sender_id
 from actors.learner import ChunkBatch
 from actors.learner.feed import BatchSource, FeedSettings, FreshBatches
 from actors.learner.loader import ChunkReceiver, ModuleBatches
@@ -80,6 +86,15 @@ class AsyncPlanSettings:
     stream_socket_buffer_bytes: int = 256 * 1024
     """Kernel send/receive buffer of each stream socket: bounds the data in flight beyond the high-water
     marks (0 = the OS default, which on loopback holds many MB, i.e. hundreds of stale fragments)."""
+    max_weights_lag: int | str | None = "auto"
+    """Drop streamed fragments acted by weights more than this many updates older than the learner's,
+    counted in ``stream/num_env_steps_dropped_stale`` (Sample Factory's ``max_policy_lag``): a learner
+    slower than its runners otherwise trains on fragments that waited in the socket buffers for dozens of
+    updates (measured: a lag of ~90 updates with two learners on a loaded machine, and no learning).
+    "auto": 4x the lag a fragment has when nothing waits -- the updates the other runners' fragments pay
+    for while it is sampled, ``runners * envs * fragment / (learners * batch)`` -- and at least 32 (healthy CartPole runs lag ~5
+    updates, up to ~30 now and then); it
+    grows with the number of runners, so a large cluster keeps its healthy data. None keeps every fragment."""
     stream_compress: bool | str = "auto"
     """LZ4-compress streamed frames: True, False, or "auto" = compress when observations hold integer
     (pixel-like) arrays, which shrink 20x and more, and not for float vectors, which shrink ~1.3x
@@ -94,6 +109,9 @@ class AsyncPlanSettings:
         for key in ("broadcast_interval", "learner_queue_size", "stream_hwm"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
+        lag = self.max_weights_lag
+        if lag is not None and lag != "auto" and (not is_int(lag) or lag < 0):
+            problems.append(f"max_weights_lag must be 'auto', None or an int >= 0, got {lag!r}")
         for key in ("learner_queue_timeout",):
             if not is_number(getattr(self, key)) or getattr(self, key) <= 0:
                 problems.append(f"{key} must be a number > 0, got {getattr(self, key)!r}")
@@ -116,6 +134,16 @@ class AsyncPlanSettings:
                     f"env runners (runner i feeds learner i mod {n}), got num_env_runners={runners}; raise "
                     f"num_env_runners or lower num_learners"]
         return []
+
+
+def max_weights_lag(config: Any) -> int | None:
+    """``config.max_weights_lag`` with "auto" worked out (see its docstring)."""
+    if config.max_weights_lag != "auto":
+        return config.max_weights_lag
+    runners = max(1, config.num_env_runners)  # 0: the local runner streams
+    fragment = config.num_envs_per_env_runner * config.get_rollout_fragment_length()
+    update = max(1, config.num_learners) * config.train_batch_size_per_learner
+    return max(32, math.ceil(4 * runners * fragment / update))
 
 
 class AsyncPlan:
@@ -145,11 +173,12 @@ class AsyncPlan:
             self.receiver = ChunkReceiver(
                 observation_space, action_space, config.train_batch_size_per_learner,
                 queue_size=config.learner_queue_size, hwm=config.stream_hwm, rcvbuf=config.stream_socket_buffer_bytes,
-                device=learners.local.device, module_spaces=module_spaces).start()
+                device=learners.local.device, module_spaces=module_spaces,
+                max_weights_lag=max_weights_lag(config)).start()
             address: str | list[str] = self.receiver.address
         else:
             settings = FeedSettings(config.train_batch_size_per_learner, config.learner_queue_size, config.stream_hwm,
-                                    config.stream_socket_buffer_bytes)
+                                    config.stream_socket_buffer_bytes, max_weights_lag(config))
             self.feeds = LearnerFeeds(learners, settings, self.batches, config.learner_queue_timeout)
             address = self.feeds.addresses  # runner i streams to learner i mod n
             metrics.log_value("fault_tolerance/num_env_steps_lost_with_learners", 0, reduce="lifetime_sum")
@@ -176,6 +205,10 @@ class AsyncPlan:
                 self._update_remote()
             self._follow_moved_learners()
         self.env_runners.poll(self.metrics, self.config.env_runner_metrics_interval_s)
+        lost = self.env_runners.take_lost_streams()
+        if self.receiver is not None:  # remote learners' feeds keep their own counts of what arrived
+            for i in lost:
+                self.receiver.sender_lost(stream_sender_id(i))
         self._log_stream()
 
     def _take(self, timeout: float) -> ChunkBatch | ModuleBatches | None:
@@ -205,6 +238,7 @@ class AsyncPlan:
         env_steps = {} if self.multi_agent is None else {"num_env_steps": self._env_steps_of(batch.num_steps)}
         with m.log_time("timers/learner_update", reduce="sum"):
             self.learners.update(batch, timestep, m, **env_steps)
+        self.receiver.set_weights_version(self.learners.weights_version)
         self._broadcast_if_due(timestep)
 
     def _update_remote(self) -> None:
@@ -266,7 +300,8 @@ class AsyncPlan:
             m.log_value(f"stream/runner_{key}", 0, reduce="lifetime_sum")
         for key in ("num_frames_received", "num_chunks_received", "num_frames_dropped_decode_error",
                     "num_frames_dropped_bad_envelope", "num_frames_dropped_not_chunks", "num_chunks_dropped_invalid",
-                    "num_env_steps_dropped"):
+                    "num_env_steps_dropped", "num_chunks_dropped_duplicate", "num_chunks_missing", "num_episodes_cut",
+                    "num_fragments_lost", "num_env_steps_batched", "num_env_steps_pending", "num_env_steps_dropped_stale"):
             m.log_value(f"stream/{key}", s.get(key, 0), reduce="max", window=1)  # window=1: the latest value
         for sender, n in dropped_by_sender.items():
             m.log_value(f"stream/num_dropped_by_sender/{sender.replace('/', '_')}", n, reduce="max", window=1)
@@ -279,7 +314,8 @@ class AsyncPlan:
         return {}  # what is in flight is re-sampled after a restore
 
     def set_state(self, state: dict[str, Any]) -> None:
-        pass
+        if self.receiver is not None:  # restored runners sample again chunks the loader has had
+            self.receiver.forget_episodes()
 
     def stop(self) -> None:
         """Stop the runners' sampling threads, then the loader thread(s) and socket(s)."""

@@ -93,7 +93,7 @@ class LearnerFeeds:
     def update(self, timestep: int, weights_version: int, metrics: MetricsLogger) -> None:
         """One update of every learner, each on its own batch (call after ``wait_ready`` said yes);
         logs the weights lag, the queue depth and the update's statistics."""
-        results = self._call("update_from_feed", timestep)
+        results = self._call("update_from_feed", timestep, weights_version)
         if results is None:  # a learner died in it: this update is dropped, the group rebuilt
             return
         updates: list[FeedUpdate] = [r.value for r in results]

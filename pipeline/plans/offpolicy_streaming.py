@@ -56,7 +56,8 @@ class StreamingReplay:
         # no limit of the manager's own: the run's limit is checked here, with a message naming its setting
         ft = FaultToleranceSettings(restart_failed=True, probe_timeout_s=config.env_runner_health_probe_timeout_s,
                                     max_requests_in_flight=self.prefetch + 4, restart_delay_s=0.0,
-                                    max_restarts=config.max_num_replay_restarts + 1)
+                                    max_restarts=config.max_num_replay_restarts + 1,
+                                    actor_resources={"CPU": c.get("num_cpus", 1)})
         self.group = ActorManager(lambda i, recreated: cls.remote(settings), [1], ft, on_restart=self._restore,
                                   name="replay stage")
         self.group.check_started(ft.start_timeout_s, f"{c.get('num_cpus', 1)} CPU(s)")
@@ -77,8 +78,9 @@ class StreamingReplay:
 
     # --- the replay actor ---------------------------------------------------------------------
     def _restore(self, index: int, handle: Any) -> None:
-        if self.last_state:
-            ray.get(handle.set_state.remote(self.last_state))
+        if self.last_state:  # bounded (a whole buffer may take a while): the replacement's node may go too
+            s = self.group.settings
+            ray.get(handle.set_state.remote(self.last_state), timeout=max(s.start_timeout_s, s.probe_timeout_s or 0.0))
 
     def _point_runners(self) -> None:
         """(Re)start the replay stage's intake and have every runner stream to it."""
@@ -123,6 +125,7 @@ class StreamingReplay:
             self._snapshot_pending = bool(group.submit("snapshot", self.snapshot_max_bytes, tag="snapshot"))
         self._recover_if_dead()
         self.env_runners.poll(m, self.config.env_runner_metrics_interval_s)
+        self.env_runners.take_lost_streams()  # the replay actor's intake keeps its own (capped) episode ledger
 
     def _recover_if_dead(self) -> None:
         """Recreate a dead replay actor from the latest snapshot, count it and what was lost, re-point the runners."""

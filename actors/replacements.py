@@ -1,0 +1,121 @@
+"""Replacements: new actors for the failed members of a stage group, started without waiting for them.
+
+A replacement is created at once, but a process that imports torch takes seconds to come up, and one
+for an actor of a lost node may have to wait until the cluster has room again (a node coming back).
+So the group (``actors.manager.ActorManager``) only asks, at each of its calls, which replacements have
+answered their first ping (``take_ready``) and goes on with its healthy members meanwhile. A replacement
+not up within the start timeout counts as a failed start only while the cluster has the resources it
+asks for free: without them it is queued by Ray, waiting for room, and stays so -- which is how a group
+grows back to its configured size when nodes return.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+
+@dataclass
+class Replacement:
+    """A new actor for a failed member's index: created, not yet answering its first ping."""
+
+    handle: Any
+    ready: Any
+    """The object ref of its first ping."""
+    since: float
+    """When the start timeout began (moved on while the cluster has no room for it)."""
+
+
+@dataclass
+class StartOutcome:
+    """What ``take_ready`` found: replacements up (index -> handle) and failed starts (index -> why)."""
+
+    up: dict[int, Any]
+    failed: dict[int, str]
+
+
+class Replacements:
+    def __init__(self, make_actor: Callable[[int, bool], Any], start_timeout_s: float,
+                 actor_resources: dict[str, float]) -> None:
+        """``make_actor(index, True)`` creates a replacement; ``actor_resources``: what Ray reserves for
+        each (``{"CPU": 1.0}``), to tell a replacement waiting for room from one that fails to start."""
+        self.make_actor, self.start_timeout_s = make_actor, start_timeout_s
+        self.actor_resources = {k: float(v) for k, v in actor_resources.items() if v > 0}
+        self.pending: dict[int, Replacement] = {}
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.pending
+
+    def start(self, index: int) -> None:
+        handle = self.make_actor(index, True)
+        self.pending[index] = Replacement(handle, handle.ping.remote(), time.monotonic())
+
+    def ready_refs(self) -> list[Any]:
+        """The first-ping refs still outstanding (to ``ray.wait`` on)."""
+        return [r.ready for r in self.pending.values()]
+
+    def take_ready(self, answer_timeout_s: float | None) -> StartOutcome:
+        """Take the replacements that answered (or failed) -- without waiting for those still starting."""
+        out = StartOutcome({}, {})
+        if not self.pending:
+            return out
+        refs = {r.ready: i for i, r in self.pending.items()}
+        ready, waiting = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            i = refs[ref]
+            new = self.pending.pop(i)
+            try:
+                ray.get(ref, timeout=answer_timeout_s)  # ready: the answer (or the actor's death) is here
+                out.up[i] = new.handle
+            except (RayError, GetTimeoutError) as err:
+                kill(new.handle)
+                out.failed[i] = describe(err)
+        now = time.monotonic()
+        overdue = [refs[r] for r in waiting if now - self.pending[refs[r]].since > self.start_timeout_s]
+        if overdue and self.room_for_one():
+            for i in overdue:
+                kill(self.pending.pop(i).handle)  # free its resources before the next try
+                out.failed[i] = f"did not start within {self.start_timeout_s:.0f} s"
+        else:  # queued for resources the cluster does not have free: it starts when a node comes back
+            for i in overdue:
+                self.pending[i].since = now
+        return out
+
+    def room_for_one(self) -> bool:
+        """Whether the cluster has one replacement's resources free (in all: which node has them is not
+        known here, so a fragmented cluster reads as room)."""
+        if not self.actor_resources:
+            return True
+        free = ray.available_resources()
+        return all(free.get(k, 0.0) >= v for k, v in self.actor_resources.items())
+
+    def cancel(self, index: int) -> None:
+        """Kill the replacement for ``index``, if one is starting (its caller replaces the member itself)."""
+        new = self.pending.pop(index, None)
+        if new is not None:
+            kill(new.handle)
+
+    def stop(self) -> None:
+        for new in self.pending.values():
+            kill(new.handle)
+        self.pending.clear()
+
+
+def kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+def describe(err: BaseException) -> str:
+    if isinstance(err, RayActorError):
+        return f"actor died ({type(err).__name__})"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[-1] if text else ''}"

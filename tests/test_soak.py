@@ -1,0 +1,81 @@
+"""The soak benchmark's leak check (tests/benchmarks/soak.py): its summary catches what grows -- planted
+in made-up samples, and, in a short real run, in the driver -- and passes what only fluctuates."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.benchmarks.soak import summarize
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def samples(runner_mb_per_hour=0.0, runner_fds_per_sample=0, raylet_mb_per_hour=0.0, n=40, every_s=30.0):
+    """``n`` samples of a driver, an env runner and a raylet: flat but noisy, unless told to grow."""
+    rng = np.random.default_rng(0)
+    out = []
+    for k in range(n):
+        t = k * every_s
+        hours = t / 3600
+        out.append({"t_s": t, "env_steps_per_s": 5000 * (1 + 0.01 * rng.normal()), "object_store": {"used_mb": 0.0},
+                    "processes": {
+                        "driver#1": {"rss_mb": 900 + 3 * rng.normal(), "fds": 60 + int(rng.integers(0, 3)),
+                                     "threads": 40 + int(rng.integers(0, 2))},
+                        "env_runner_1#2": {"rss_mb": 400 + runner_mb_per_hour * hours + rng.normal(),
+                                           "fds": 49 + runner_fds_per_sample * k, "threads": 27},
+                        "raylet#3": {"rss_mb": 30 + raylet_mb_per_hour * hours, "fds": 63, "threads": 28}}})
+    return out
+
+
+def test_flat_noisy_series_pass_and_rays_own_growth_is_reported_outside_the_verdict():
+    out = summarize(samples(raylet_mb_per_hour=20.0), warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
+    assert out["verdict"] == "pass", out["failures"]
+    assert set(out["processes"]) == {"driver#1", "env_runner_1#2"} and set(out["ray_processes"]) == {"raylet#3"}
+    assert out["ray_growth"] and out["ray_growth"][0].startswith("raylet#3: RSS grows")
+    assert abs(out["processes"]["env_runner_1#2"]["rss_mb_per_hour"]) < 10
+
+
+def test_a_planted_rss_leak_and_an_fd_leak_fail_naming_the_process():
+    out = summarize(samples(runner_mb_per_hour=200.0), warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
+    assert out["verdict"] == "fail"
+    [failure] = out["failures"]
+    assert failure.startswith("env_runner_1#2: RSS grows") and "% over the window" in failure
+    assert 180 < out["processes"]["env_runner_1#2"]["rss_mb_per_hour"] < 220
+    assert 11 < out["processes"]["env_runner_1#2"]["rss_growth_pct"] < 14  # 50 MB in the 15-minute window
+    slow = summarize(samples(runner_mb_per_hour=40.0), warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
+    assert slow["verdict"] == "pass"  # 2.5 % over the window: the per-hour bar, if asked for, catches it
+    per_hour = summarize(samples(runner_mb_per_hour=40.0), warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0,
+                         max_rss_pct_per_hour=5.0)
+    assert per_hour["failures"] and "%/h" in per_hour["failures"][0]
+    fds = summarize(samples(runner_fds_per_sample=1), warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
+    assert fds["verdict"] == "fail" and fds["failures"][0].startswith("env_runner_1#2: fds grow")
+
+
+def test_a_run_too_short_for_its_warm_up_says_so():
+    out = summarize(samples(n=4), warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
+    assert out["verdict"] == "too short" and "warm-up" in out["why"]
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~3 min: make test-long
+def test_a_short_soak_samples_every_process_and_catches_a_leak_planted_in_the_driver(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/benchmarks/soak.py"), "--minutes", "2", "--interval-s", "10",
+                           "--warmup-minutes", "0.5", "--checkpoint-every-s", "30", "--plant-leak-mb", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    kinds = [line["kind"] for line in lines]
+    assert kinds[0] == "machine" and kinds[-1] == "summary" and kinds.count("sample") >= 8, proc.stderr[-3000:]
+    summary = lines[-1]
+    assert proc.returncode == 1 and summary["verdict"] == "fail"
+    assert any(f.startswith("driver#") and "RSS grows" in f for f in summary["failures"]), summary["failures"]
+    labels = {key.split("#")[0] for key in summary["processes"]}
+    assert {"driver", "env_runner_1", "env_runner_2", "evaluator_1"} <= labels
+    assert "raylet" in {key.split("#")[0] for key in summary["ray_processes"]}
+    assert summary["checkpoints"] >= 2 and summary["iterations"] > 0
+    last = [line for line in lines if line["kind"] == "sample"][-1]
+    assert "used_mb" in last["object_store"] and last["learner_queue"]["capacity"] > 0
