@@ -123,6 +123,23 @@ class ReplayRole(Stage, Saveable, MetricsSource):
         """New priorities for sampled rows (prioritized replay)."""
 
 
+class InferenceRole(Stage, Saveable, MetricsSource):
+    """Holds a module and answers env runners' observations with actions (central inference): requests
+    from many runners batched into one forward pass, exploration applied per runner."""
+
+    @abstractmethod
+    def address(self) -> str:
+        """Where runners connect (``tcp://<node ip>:<port>``)."""
+
+    @abstractmethod
+    def set_weights(self, weights: dict[str, Any], weights_version: int = 0, timestep: int | None = None) -> None:
+        """New weights, used from the next batch on (and stamped on its answers); returns once applied."""
+
+    @abstractmethod
+    def get_weights(self) -> dict[str, Any]:
+        ...
+
+
 def call_user_fn(fn: Callable[[Any], Any], stage: Any) -> Any:
     """``fn(stage)``; an error it raises is marked as the user's (``runnel_user_code``), which a stage
     group hands to the caller instead of restarting the stage (it would only repeat)."""

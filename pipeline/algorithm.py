@@ -47,6 +47,7 @@ from pipeline.groups.env_runners import runner_settings
 from pipeline.envs import env_creator
 from pipeline.groups.evaluation import Evaluators
 from pipeline.config.external import external_settings
+from pipeline.config.inference import inference_settings
 from pipeline.config.offline import mixes_sampler, reader_settings, recording_settings
 from actors.offline import write_manifest
 from pipeline.groups.learner_group import LearnerGroup
@@ -158,7 +159,7 @@ class Algorithm(Trainable):
             self.env_runner_group = EnvRunnerGroup(
                 self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
                 self.fault_tolerance_settings(), compress_frames=self.compress_frames(), external=self.external,
-                offline=self.offline_input if readers_in_slots else None,
+                offline=self.offline_input if readers_in_slots else None, inference=inference_settings(config),
                 on_recreated=lambda ids: self._hook(
                     "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
                     env_runner_indices=ids, is_evaluation=False), **multi_agent_runners)

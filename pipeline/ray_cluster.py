@@ -18,6 +18,7 @@ import ray
 
 from pipeline.config.checks import ConfigError
 from pipeline.config.cluster import CLIENT_SCHEME, RayTarget, address_problem, ray_target
+from pipeline.config.inference import inference_settings
 
 log = logging.getLogger("runnel")
 
@@ -64,15 +65,20 @@ class ActorNeeds:
 
 def actor_needs(config: Any) -> ActorNeeds:
     """Every Ray actor ``config`` may start: env runners, evaluation env runners (whether built at set-up or
-    at the first ``evaluate()``), learner actors and a remote replay actor. The driver runs outside Ray's
-    accounting; with ``num_learners=0`` its learner's GPU is the driver machine's own."""
+    at the first ``evaluate()``), learner actors, a remote replay actor and central inference servers. The
+    driver runs outside Ray's accounting; with ``num_learners=0`` its learner's GPU is the driver machine's
+    own (and so are an inference server's, with ``num_env_runners=0``: it runs in the driver too)."""
     replay = getattr(config, "replay_buffer_config", None)
     remote_replay = isinstance(replay, dict) and replay.get("remote") is True
+    inference = inference_settings(config) if config.num_env_runners > 0 else None
     return ActorNeeds((
         ActorGroup("env runner", config.num_env_runners, config.num_cpus_per_env_runner),
         ActorGroup("evaluation env runner", config.evaluation_num_env_runners, config.num_cpus_per_env_runner),
         ActorGroup("learner", config.num_learners, config.num_cpus_per_learner, config.num_gpus_per_learner),
         ActorGroup("replay actor", int(remote_replay), float(replay.get("num_cpus", 1)) if remote_replay else 0.0),
+        ActorGroup("inference server", 0 if inference is None else inference.num_inference_servers,
+                   0.0 if inference is None else inference.num_cpus_per_inference_server,
+                   0.0 if inference is None else inference.num_gpus_per_inference_server),
     ))
 
 

@@ -21,9 +21,13 @@ _LOCK = threading.Lock()
 
 
 def actor_cpus(config: Any) -> float:
-    """CPUs the actors of ``config`` reserve (runners, learners, evaluators; not the driver)."""
+    """CPUs the actors of ``config`` reserve (runners, learners, evaluators, inference servers; not the driver)."""
+    from pipeline.config.inference import inference_settings
+
+    inference = inference_settings(config) if config.num_env_runners > 0 else None  # else servers run in the driver
+    servers = 0.0 if inference is None else inference.num_inference_servers * inference.num_cpus_per_inference_server
     return ((config.num_env_runners + config.evaluation_num_env_runners * bool(config.evaluation_interval))
-            * config.num_cpus_per_env_runner + config.num_learners * config.num_cpus_per_learner)
+            * config.num_cpus_per_env_runner + config.num_learners * config.num_cpus_per_learner + servers)
 
 
 def held(algorithm: Any, cpus: float) -> None:

@@ -108,6 +108,11 @@ class ChunkSchema:
         if self.obs_spec is not None:
             _check("observation", self.obs_spec, obs, None)
 
+    def check_observation_rows(self, obs: Any, rows: int) -> None:
+        """A block of ``rows`` observations (a leading row dimension); raise ProtocolError naming the first mismatch."""
+        if self.obs_spec is not None:
+            _check("obs", self.obs_spec, obs, rows)
+
     def check_action(self, action: Any) -> None:
         """One action (no time dimension), in the module's form."""
         if self.act_spec is not None:

@@ -139,3 +139,31 @@ class EvalFaultEnv(FlakyEnv):
             "eval_fail_on", [])
         self.fail_at = {20} if failing else set()
         self.hang = config.get("hang", False)
+
+
+class FrameEnv(gym.Env):
+    """Atari-sized frames, cheap to step (benchmarks of the inference path): 84x84x4 uint8 observations
+    drawn from a few frames made at construction -- a flat background with a few bright blocks, so they
+    compress about as well as Atari screens do --, 6 actions, reward 1 for action 0, ``length`` steps
+    (default 500) an episode."""
+
+    def __init__(self, config=None):
+        config = config or {}
+        self.length = int(config.get("length", 500))
+        self.observation_space = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)
+        self.action_space = gym.spaces.Discrete(6)
+        rng = np.random.default_rng(0)
+        self.frames = np.full((8, 84, 84, 4), 40, np.uint8)
+        for frame in self.frames:
+            for y, x in rng.integers(0, 76, (6, 2)):
+                frame[y:y + 8, x:x + 8] = rng.integers(100, 256)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.frames[0], {}
+
+    def step(self, action):
+        self.t += 1
+        return self.frames[self.t % 8], float(action == 0), False, self.t >= self.length, {}

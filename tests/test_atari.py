@@ -310,6 +310,36 @@ def test_appo_on_pong_streams_uint8_frames_from_a_ray_runner(ray_cluster):
     assert results[-1]["num_env_steps_sampled_lifetime"] >= 128
 
 
+@pytest.mark.slow
+def test_appo_on_pong_acts_through_a_central_inference_server(ray_cluster):
+    """The case central inference is for: a torch-free Ray runner sends uint8 frames, the server acts with
+    the default Nature CNN and the learner's weights. (No FrameCheck callbacks: the runner would import this
+    module, and torch with it, to unpickle them.)"""
+    from tests.inference_probes import torch_loaded
+
+    algo = (APPOConfig().environment("ale_py:ALE/Pong-v5")
+            .env_runners(num_env_runners=1, num_envs_per_env_runner=4, rollout_fragment_length=32)
+            .training(train_batch_size_per_learner=128, minibatch_size=128, broadcast_interval=1)
+            .inference(mode="central").debugging(seed=0).build())
+    try:
+        results = []
+        while not results or results[-1]["num_learner_updates"] < 1:
+            assert len(results) < 60, "APPO made no update in 60 iterations"
+            results.append(algo.train())
+        assert algo.foreach_env_runner(torch_loaded, local_env_runner=False) == [False]
+        servers = algo.env_runner_group.inference.manager
+        [encoder] = [r.value for r in servers.foreach_actor("apply", lambda s: type(s.forward.module.encoder))]
+    finally:
+        algo.stop()
+    learner = results[-1]["learners"]["default_policy"]
+    assert all(np.isfinite(learner[k]) for k in ("policy_loss", "vf_loss", "entropy", "total_loss"))
+    assert encoder is CNNEncoder
+    served = results[-1]["inference"]
+    # the runner streams: it acted for steps the learner has not received yet
+    assert served["num_actions"] >= results[-1]["num_env_steps_sampled_lifetime"] >= 128
+    assert served["weights_version"] >= 1 and served["num_bad_requests"] == served["num_failed_batches"] == 0
+
+
 def test_the_tuned_pong_file_is_a_valid_appo_config():
     import yaml
 

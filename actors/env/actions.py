@@ -4,8 +4,6 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
-from actors.modules.distributions import ActionDistSpec
-
 
 class EnvActions:
     """Box actions: the policy acts in [-1, 1] and ``normalize_actions`` rescales to the space's
@@ -13,12 +11,11 @@ class EnvActions:
 
     def __init__(self, space: gym.Space, normalize_actions: bool = True, clip_actions: bool = False) -> None:
         self.space, self.normalize, self.clip = space, normalize_actions, clip_actions
-        self.dist_spec = ActionDistSpec(space)
         self.box = isinstance(space, gym.spaces.Box)
 
     def __call__(self, actions: np.ndarray) -> np.ndarray:
-        if not self.box:
-            return self.dist_spec.to_env(actions)
+        if not self.box:  # torch-free: a runner under central inference converts actions too
+            return actions.astype(self.space.dtype, copy=False)
         low, high = self.space.low, self.space.high
         if self.normalize:
             actions = low + (np.clip(actions, -1.0, 1.0) + 1.0) * 0.5 * (high - low)

@@ -1,7 +1,9 @@
 """EnvRunner: steps a vector of environments with an inference-only module and emits episode chunks.
 
-The per-step path (``sampling.FragmentSampler``) does one batched forward pass, one exploration
-call and one vector-env step; nothing per sub-env except the env's own ``step``. Steps go into
+The per-step path (``sampling.FragmentSampler``) does one call of the acting piece
+(``actors.env.acting``: one batched forward pass and one exploration call here, or -- central
+inference -- one round trip to an inference server) and one vector-env step; nothing per sub-env
+except the env's own ``step``. Steps go into
 time-major buffers (``[T, num_envs]``) that are cut into one chunk per episode segment at the end
 of each run (``episode_slots.EpisodeSlots``). This class is the stage around those pieces: what it
 is asked to do (sample, weights, state, streaming, curriculum) and what it reports.
@@ -21,14 +23,13 @@ from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
-import torch
 
 from actors.callbacks import build_callbacks, call_hook, overrides
 from actors.core import EnvRunnerRole, call_user_fn
+from actors.env.acting import make_acting
 from actors.env.actions import EnvActions
 from actors.env.episode_hooks import EpisodeHooks
 from actors.env.episode_slots import EpisodeSlots
-from actors.env.exploration import make_exploration
 from actors.env.process import prepare_process
 from actors.env.sampling import FragmentSampler
 from actors.env.settings import EnvRunnerSettings
@@ -47,7 +48,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0, recreated: bool = False) -> None:
         self.s = settings
         self.worker_index = worker_index
-        prepare_process(settings, worker_index)
+        prepare_process(settings, worker_index, uses_torch=settings.inference is None)
         self.where = f"{'evaluation ' if settings.in_evaluation else ''}env runner {worker_index}"
         self.metrics = MetricsLogger()
         self.callback_metrics = MetricsLogger()
@@ -62,10 +63,10 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         )
         self.observation_space = settings.observation_space or self.env.single_observation_space
         self.action_space = settings.action_space or self.env.single_action_space
-        self.module = settings.module_class(self.observation_space, self.action_space, settings.model_config,
-                                            inference_only=True, **settings.module_kwargs)
-        self.module.eval()
-        self.exploration = make_exploration(settings.exploration_config, self.module.dist_spec)
+        self.acting = make_acting(settings, self.observation_space, self.action_space, worker_index)
+        self.module = self.acting.module
+        """The inference-only module this runner acts with (None under central inference: the server holds it)."""
+        self.exploration = self.acting.exploration
         self.env_actions = EnvActions(self.action_space, settings.normalize_actions, settings.clip_actions)
         self.weights_version = 0
         self.num_env_steps_sampled_lifetime = 0
@@ -86,8 +87,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         with_infos = settings.recording is not None and settings.recording.output_write_infos
         if with_infos:
             self.env.keep_infos = True
-        self.sampler = FragmentSampler(self.env, self.module, self.exploration, self.env_actions, self.slots,
-                                       self.hooks, with_infos)
+        self.sampler = FragmentSampler(self.env, self.acting, self.env_actions, self.slots, self.hooks, with_infos)
         self.recorder = (Recorder(settings.recording, f"{'eval' if settings.in_evaluation else 'runner'}{worker_index:03d}")
                          if settings.recording is not None else None)
         self._postprocess = overrides(cb, "on_postprocess_trajectory")
@@ -190,12 +190,12 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
             self.sampler.obs = None  # unfinished episodes are dropped; the next sample() starts fresh ones
         return done
 
-    @torch.inference_mode()  # over the loop and the cut: postprocessing hooks run in it too
     def _run(self, steps: int, explore: bool, hold_back: bool) -> list[EpisodeChunk]:
-        fragment = self.sampler.run(steps, explore, self.timestep)
-        self.num_env_steps_sampled_lifetime += steps * self.s.num_envs
-        self._log_steps(steps * self.s.num_envs)
-        return self.slots.cut(fragment, hold_back, self.weights_version)
+        with self.acting.session():  # over the loop and the cut: postprocessing hooks run in it too
+            fragment = self.sampler.run(steps, explore, self.timestep)
+            self.num_env_steps_sampled_lifetime += steps * self.s.num_envs
+            self._log_steps(steps * self.s.num_envs)
+            return self.slots.cut(fragment, hold_back, self.sampler.oldest_version)
 
     def _log_steps(self, steps: int) -> None:
         m = self.metrics
@@ -217,15 +217,17 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
 
     # --- weights, metrics, state ------------------------------------------------------------
     # set_weights (held back while streaming) comes from StreamingRunner
-    def _apply_weights(self, weights: dict[str, np.ndarray], weights_version: int, timestep: int | None) -> None:
-        self.module.set_state(weights)
+    def _apply_weights(self, weights: dict[str, np.ndarray] | None, weights_version: int, timestep: int | None) -> None:
+        """``weights`` None: only the version and timestep (central inference: the servers get the weights)."""
+        if weights is not None:
+            self.acting.set_weights(weights, weights_version)
         self.weights_version = weights_version
         if timestep is not None:
             self._timestep_offset = max(0, timestep - self.num_env_steps_sampled_lifetime)
         self.metrics.log_value("weights_version", weights_version, reduce="max")
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        return self.module.get_state()
+        return self.acting.get_weights()
 
     @property
     def timestep(self) -> int:
@@ -242,6 +244,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
                 self.metrics.log_value(f"perf/env_runner_{self.worker_index}/{key}", value)
         if self.recorder is not None:
             self.recorder.log_metrics(self.metrics)
+        self.acting.log_metrics(self.metrics)
         out = self.metrics.export()
         out.update({f"env_runners/{k}": v for k, v in self.callback_metrics.export().items()})
         return out
@@ -252,10 +255,10 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         continue exactly where it was. Plain data, arrays, tensors and codec frames only."""
         # a streaming runner's episodes move in its sampling thread: it resumes with fresh ones
         episodes = self.sampler.obs is not None and not self.is_streaming()
-        return {"weights": self.get_weights(), "weights_version": self.weights_version,
+        return {"weights": None if self.module is None else self.get_weights(), "weights_version": self.weights_version,
                 "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
-                "timestep_offset": self._timestep_offset, "exploration": self.exploration.get_state(),
-                "torch_rng": torch.get_rng_state().numpy(), "episode_ids": self.slots.get_ids_state(),
+                "timestep_offset": self._timestep_offset, **self.acting.get_state(),
+                "episode_ids": self.slots.get_ids_state(),
                 "slots": self.slots.get_state() if episodes else None,
                 "env": self.env.get_state() if episodes else None, "env_tasks": self.tasks.tasks}
 
@@ -263,9 +266,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         self.set_weights(state["weights"], state.get("weights_version", 0))
         self.num_env_steps_sampled_lifetime = state.get("num_env_steps_sampled_lifetime", 0)
         self._timestep_offset = state.get("timestep_offset", 0)
-        self.exploration.set_state(state.get("exploration", {}))
-        if state.get("torch_rng") is not None:
-            torch.set_rng_state(torch.as_tensor(np.array(state["torch_rng"], np.uint8)))  # a writable copy
+        self.acting.set_state(state)
         if state.get("episode_ids"):
             self.slots.set_ids_state(state["episode_ids"])
         if state.get("env_tasks") is not None:
@@ -321,3 +322,4 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         if self.recorder is not None:
             self.recorder.close()
         self.env.close()
+        self.acting.close()

@@ -10,8 +10,6 @@ import os
 import sys
 from typing import Any
 
-import torch
-
 
 def set_log_level(level: str) -> None:
     """runnel's loggers in this process at ``level``, printing to stderr (Ray forwards it to the driver)."""
@@ -40,12 +38,17 @@ def lower_priority(niceness: int) -> None:
             pass
 
 
-def prepare_process(settings: Any, worker_index: int) -> None:
-    """Seed torch for this runner, and set up the process a remote runner (``worker_index > 0``) owns."""
-    if settings.seed is not None:
-        torch.manual_seed(settings.seed + 7919 * worker_index)
-    if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
-        torch.set_num_threads(settings.torch_threads)
+def prepare_process(settings: Any, worker_index: int, uses_torch: bool = True) -> None:
+    """Seed torch for this runner, and set up the process a remote runner (``worker_index > 0``) owns.
+    ``uses_torch=False`` (a runner under central inference): torch is neither imported nor set up."""
+    if uses_torch:
+        import torch
+
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed + 7919 * worker_index)
+        if worker_index > 0:  # a remote actor owns its core; intra-op threads only add contention
+            torch.set_num_threads(settings.torch_threads)
+    if worker_index > 0:
         set_log_level(settings.log_level)
         if settings.niceness:
             lower_priority(settings.niceness)

@@ -1,6 +1,7 @@
 """FragmentSampler: an env runner's per-step loop, and the observations the next step starts from.
 
-Each step is one batched forward pass, one exploration call and one vector-env step, written into
+Each step is one call of the acting piece (``actors.env.acting``: a batched forward pass and an
+exploration call in this process, or one round trip to an inference server) and one vector-env step, written into
 time-major buffers (a ``Fragment``, ``[T, num_envs]``); nothing runs per sub-env except the env's
 own ``step`` (and episode hooks, when callbacks asked for them). Cutting the buffers into chunks
 happens once per fragment, in ``EpisodeSlots.cut``.
@@ -10,30 +11,29 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from actors.env.actions import EnvActions
 from actors.env.episode_hooks import EpisodeHooks
 from actors.env.episode_slots import EpisodeSlots, Fragment
-from actors.env.exploration import Exploration
 from actors.env.vector_env import AsyncVectorEnv, SyncVectorEnv
-from actors.modules import RLModule
 from protocols import nested
 
 
 class FragmentSampler:
-    """Steps every sub-env with the module. ``obs`` is None until the first reset (and again after
+    """Steps every sub-env with the acting piece. ``obs`` is None until the first reset (and again after
     ``sample(num_episodes=n)``, whose unfinished episodes are dropped)."""
 
-    def __init__(self, env: SyncVectorEnv | AsyncVectorEnv, module: RLModule, exploration: Exploration,
-                 env_actions: EnvActions, slots: EpisodeSlots, hooks: EpisodeHooks | None, with_infos: bool) -> None:
-        self.env, self.module, self.exploration, self.env_actions = env, module, exploration, env_actions
+    def __init__(self, env: SyncVectorEnv | AsyncVectorEnv, acting: Any, env_actions: EnvActions,
+                 slots: EpisodeSlots, hooks: EpisodeHooks | None, with_infos: bool) -> None:
+        self.env, self.acting, self.env_actions = env, acting, env_actions
         self.slots, self.hooks = slots, hooks
         self.num_envs = slots.num_envs
         self.with_infos = with_infos
         """Keep each step's infos for the chunks (a recording that writes them)."""
         self.obs: Any = None
         self.obs_infos: list[dict] | None = None  # the info of each sub-env's current observation
+        self.oldest_version = 0
+        """The oldest weights version that acted in the last ``run`` (what its chunks are stamped with)."""
 
     def reset(self) -> None:
         """Reset every sub-env; each starts a fresh episode."""
@@ -53,7 +53,7 @@ class FragmentSampler:
 
     def run(self, steps: int, explore: bool, t0: int) -> Fragment:
         """``steps`` steps of every sub-env from ``obs``; ``t0`` is the timestep exploration
-        schedules start from. The caller runs this under ``torch.inference_mode``."""
+        schedules start from. The caller runs this in the acting piece's ``session()``."""
         n = self.num_envs
         obs_rows, act_rows, logp_rows, dist_rows = [], [], [], []
         rewards = np.zeros((steps, n), np.float32)
@@ -63,17 +63,16 @@ class FragmentSampler:
         info_rows: list[list[dict]] | None = [self.obs_infos or [{}] * n] if self.with_infos else None
         final_infos: dict[tuple[int, int], dict] = {}
         obs = self.obs
-        module, spec, exploration = self.module, self.module.dist_spec, self.exploration
-        forward = module.forward_exploration if explore else module.forward_inference
+        act = self.acting.act
+        oldest = None
         for t in range(steps):
             obs_rows.append(obs)
-            dist_inputs = forward(nested.map_structure(torch.from_numpy, obs))["action_dist_inputs"]
-            dist = spec.build(dist_inputs)
-            actions = exploration.actions(dist, explore, t0 + t * n)
-            act_np = actions.numpy()
+            act_np, logp, dist_inputs, version = act(obs, explore, t0 + t * n)
+            if oldest is None or version < oldest:
+                oldest = version
             act_rows.append(act_np)
-            logp_rows.append(dist.logp(actions).numpy())
-            dist_rows.append(dist_inputs.numpy())
+            logp_rows.append(logp)
+            dist_rows.append(dist_inputs)
             res = self.env.step(self.env_actions(act_np))
             rewards[t], terminated[t], truncated[t] = res.rewards, res.terminated, res.truncated
             for i, o in res.final_obs.items():
@@ -91,6 +90,7 @@ class FragmentSampler:
                                   for i in range(n)])
             obs = res.obs
         self.obs = obs
+        self.oldest_version = oldest if oldest is not None else self.acting.weights_version
         obs_rows.append(obs)
         if info_rows is not None:
             self.obs_infos = info_rows[-1]

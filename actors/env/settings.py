@@ -6,14 +6,17 @@ can fill it in without reading the sampling code.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import gymnasium as gym
 
 from actors.callbacks import CallbacksSpec
 from actors.env.vector_env import EnvContext
-from actors.modules import ActorCriticModule, RLModule
 from actors.offline.recorder import RecordingSettings
+
+if TYPE_CHECKING:  # torch-free at run time: a runner under central inference unpickles these settings
+    from actors.inference.settings import InferenceClientSettings
+    from actors.modules import RLModule
 
 
 @dataclass
@@ -27,7 +30,8 @@ class EnvRunnerSettings:
     rollout_fragment_length: int = 200
     batch_mode: str = "truncate_episodes"
     explore: bool = True
-    module_class: type[RLModule] = ActorCriticModule
+    module_class: type[RLModule] | None = None
+    """The module runners act with; None: ``ActorCriticModule`` (``module_class_of``)."""
     model_config: dict = field(default_factory=dict)
     module_kwargs: dict = field(default_factory=dict)
     observation_space: gym.Space | None = None
@@ -52,6 +56,18 @@ class EnvRunnerSettings:
     """Report this process's CPU and resident memory under ``perf/env_runner_<index>/``."""
     recording: RecordingSettings | None = None
     """Record every chunk this runner returns (``config.offline_data(output=...)``); None: off."""
+    inference: InferenceClientSettings | None = None
+    """Central inference: ask an inference server for actions instead of acting with a module of one's own
+    (such a runner imports no torch); None acts locally."""
     niceness: int = 0
     """Raise this runner's OS niceness by this much (a remote runner only): evaluators running beside
     training take the CPU time training leaves idle instead of slowing it down."""
+
+
+def module_class_of(settings: Any) -> type:
+    """The module class ``settings`` name, ``ActorCriticModule`` when they name none."""
+    if settings.module_class is not None:
+        return settings.module_class
+    from actors.modules import ActorCriticModule
+
+    return ActorCriticModule

@@ -17,12 +17,11 @@ and weights that arrive while its thread samples held back until the next fragme
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import traceback
 from typing import Any
-
-import torch
 
 from actors.core import UserCodeError
 from protocols.transport import ChunkSender
@@ -53,8 +52,10 @@ class RunnerStream:
         self._status = ("starting", time.monotonic())  # (state, since): one tuple, replaced atomically
         # torch.set_num_threads only reaches the thread that calls it (OpenMP's per-thread
         # setting): a new thread would run with one intra-op thread per core, which on a busy
-        # machine makes each small forward pass dozens of times slower. Carry the setting over.
-        self._torch_threads = torch.get_num_threads()
+        # machine makes each small forward pass dozens of times slower. Carry the setting over
+        # (a runner under central inference has no torch to set).
+        torch = sys.modules.get("torch")
+        self._torch_threads = torch.get_num_threads() if torch is not None else None
         self._thread = threading.Thread(target=self._loop, name=f"runnel-stream-{runner.worker_index}", daemon=True)
 
     def start(self) -> None:
@@ -68,7 +69,8 @@ class RunnerStream:
 
     def _loop(self) -> None:
         try:
-            torch.set_num_threads(self._torch_threads)
+            if self._torch_threads is not None:
+                sys.modules["torch"].set_num_threads(self._torch_threads)
             self._sender = ChunkSender(self.address, self.sender_id, hwm=self.hwm, compress=self.compress,
                                        sndbuf=self.sndbuf)
             while not self._stop.is_set() and self._step(self._sender):

@@ -1,8 +1,9 @@
 """ActBatcher: the remote-inference path -- act requests taken in, gathered across clients, answered
 from one forward pass.
 
-Separate from the server loop, which only says when to run a batch (``max_batch`` rows queued, or
-``batch_wait_s`` passed); everything here runs on the server thread, apart from ``hold``/``release``,
+The queue, the cut of a batch and the stacking of its rows are the batching engine central inference
+uses too (``actors.inference.batching``). Separate from the server loop, which only says when to run
+a batch (``max_batch`` rows queued, or ``batch_wait_s`` passed); everything here runs on the server thread, apart from ``hold``/``release``,
 which the driver's thread calls (``hold_acts_while_training``: acts wait while the driver trains on
 the batch it took, and are answered with the weights trained on it).
 """
@@ -18,8 +19,8 @@ from actors.env.settings import EnvRunnerSettings
 from actors.external.endpoint import Conn, ServerEndpoint
 from actors.external.inference import ServerPolicy
 from actors.external.settings import ExternalSettings
+from actors.inference.batching import RequestQueue, stack_blocks
 from protocols import external as wire
-from protocols import nested
 from protocols.codec import Limits, decode
 from protocols.errors import ProtocolError
 from protocols.schema import ChunkSchema
@@ -68,11 +69,15 @@ class ActBatcher:
         self._counts = counts
         self.act_limits = Limits(max_frame_bytes=8 << 20, max_decoded_bytes=16 << 20, max_buffer_size=1 << 20,
                                  max_array_len=4096, max_map_len=256, max_depth=16)
-        self.requests: list[_Act] = []
-        self.rows = 0  # observations in self.requests
-        self.first_act_at = 0.0
+        self.queue = RequestQueue(external.max_batch, external.batch_wait_s)
+        """Act requests waiting for a forward pass (the server loop asks it when one is due)."""
         self.held_until = 0.0  # monotonic time; set by the driver's thread (a float store is atomic)
         self._wake = endpoint.wake
+
+    @property
+    def requests(self) -> list:
+        """The act requests waiting for a forward pass (the queue's)."""
+        return self.queue.requests
 
     # --- the driver's thread ------------------------------------------------------------------
     def hold(self) -> None:
@@ -127,11 +132,8 @@ class ActBatcher:
 
     def _queue(self, conn: Conn, act: _Act) -> None:
         """An act request waits for the next forward pass."""
-        if not self.requests:
-            self.first_act_at = time.monotonic()
         conn.in_flight += 1
-        self.requests.append(act)
-        self.rows += len(act.obs)
+        self.queue.add(act, len(act.obs))
 
     def on_act(self, route: bytes, conn: Conn, rid: int, h: dict, body: bytes | None) -> None:
         if body is None:  # small observations travel in the header as plain msgpack
@@ -221,18 +223,7 @@ class ActBatcher:
     def _next_batch(self) -> list:
         """The queued requests the next forward pass answers: ``max_batch`` rows at most (a request's
         rows stay together), the rest wait."""
-        if self.rows <= self.x.max_batch:
-            acts, self.requests = self.requests, []
-            self.rows = 0
-            return acts
-        rows = count = 0
-        for a in self.requests:
-            if count and rows + len(a.obs) > self.x.max_batch:
-                break
-            rows, count = rows + len(a.obs), count + 1
-        acts, self.requests = self.requests[:count], self.requests[count:]
-        self.rows -= rows
-        return acts
+        return self.queue.take()
 
     def on_multi_agent(self, route: bytes, conn: Conn, rid: int, h: dict) -> None:
         """A multi-agent op: this server trains one policy (``MultiAgentActs`` serves them)."""
@@ -241,17 +232,14 @@ class ActBatcher:
     def _forward(self, acts: list[_Act]) -> _Answers:
         """One forward pass for ``acts``."""
         blocks = [a.obs for a in acts]
-        if len(acts) == 1 and len(blocks[0]) == 1:  # one client acting alone: no gathering, no stacking
-            rows = blocks[0]
-            obs = rows[0][None] if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+        if len(acts) == 1 and len(blocks[0]) == 1:  # one client acting alone: no gathering
+            obs = stack_blocks(blocks)
             explore = [acts[0].explore]
             given = {} if acts[0].given[0] is None else {0: acts[0].given[0]}
         else:
-            if all(type(b) is np.ndarray for b in blocks):  # batched requests' rows, stacked at intake
-                obs = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
-            else:
-                rows = [o for b in blocks for o in b]
-                obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
+            if not all(type(b) is np.ndarray for b in blocks):  # rows of both kinds: one list of rows
+                blocks = [list(b) for b in blocks]
+            obs = stack_blocks(blocks)
             explore = [a.explore for a in acts for _ in range(len(a.obs))]
             given = {i: g for i, g in enumerate(g for a in acts for g in a.given) if g is not None}
         n = len(explore)

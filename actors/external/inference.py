@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from actors.env.actions import EnvActions
-from actors.env.settings import EnvRunnerSettings
+from actors.env.settings import EnvRunnerSettings, module_class_of
 from actors.env.exploration import make_exploration
-from actors.modules import ModuleSpec, to_torch
+from actors.inference.forward import PolicyForward
+from actors.modules import ModuleSpec
 from protocols.numpy_policy import NumpyPolicy
 
 
@@ -29,12 +30,12 @@ class ServerPolicy:
         self.inference_backend = inference_backend
         if spec is None:
             self.observation_space, self.action_space = settings.observation_space, settings.action_space
-            self.module = settings.module_class(self.observation_space, self.action_space, settings.model_config,
-                                                inference_only=True, **settings.module_kwargs)
+            self.module = module_class_of(settings)(self.observation_space, self.action_space, settings.model_config,
+                                                    inference_only=True, **settings.module_kwargs)
         else:
             self.observation_space, self.action_space = spec.observation_space, spec.action_space
             self.module = spec.build(inference_only=True)
-        self.module.eval()
+        self.torch_forward = PolicyForward(self.module)  # the torch backend's forward pass, as every acting stage's
         self.exploration = make_exploration(settings.exploration_config, self.module.dist_spec)
         self.env_actions = EnvActions(self.action_space, settings.normalize_actions, settings.clip_actions)
         self.box_actions = self.env_actions.box
@@ -128,7 +129,7 @@ class ServerPolicy:
     def _compute_torch(self, obs: Any, explore: list[bool], given: dict[int, np.ndarray]
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = len(explore)
-        dist_inputs = self.module.forward_exploration(to_torch(obs))["action_dist_inputs"]
+        dist_inputs = self.torch_forward.dist_inputs(obs, True)
         dist = self.module.dist_spec.build(dist_inputs)
         actions = self.exploration.actions(dist, True, self.timestep)
         if not all(explore):

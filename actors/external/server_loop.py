@@ -61,7 +61,7 @@ class ServerLoop:
         self._thread.join(timeout=timeout)
 
     def _serve(self) -> None:
-        endpoint, acts = self.endpoint, self.acts
+        endpoint, acts, queue = self.endpoint, self.acts, self.acts.queue
         poller = zmq.Poller()
         poller.register(endpoint.sock, zmq.POLLIN)
         poller.register(endpoint.wake_rx, zmq.POLLIN)
@@ -70,10 +70,10 @@ class ServerLoop:
             while not self._stopping.is_set():
                 timeout = 100
                 held = acts.held()
-                if acts.requests:
+                if queue.requests:
                     timeout = (min(100, int(held * 1000) + 1) if held else
-                               max(0, int((acts.first_act_at + self.x.batch_wait_s - time.monotonic()) * 1000)))
-                parts = endpoint.spin() if self.x.spin_s > 0 and not acts.requests else None
+                               max(0, int((queue.first_at + self.x.batch_wait_s - time.monotonic()) * 1000)))
+                parts = endpoint.spin() if self.x.spin_s > 0 and not queue.requests else None
                 if parts is None:
                     events = dict(poller.poll(timeout))
                     if endpoint.wake_rx in events:
@@ -87,12 +87,12 @@ class ServerLoop:
                     if not sock.getsockopt(EVENTS) & POLLIN:
                         break
                     self._on_message(recv())
-                    if acts.rows >= self.x.max_batch and not held:
+                    if queue.full() and not held:
                         acts.infer()
-                if acts.requests and not acts.held():
-                    if time.monotonic() >= acts.first_act_at + self.x.batch_wait_s:
+                if queue.requests and not acts.held():
+                    if queue.due(time.monotonic()):
                         acts.infer()
-                    while acts.rows >= self.x.max_batch:  # a backlog left by a hold, max_batch rows a pass
+                    while queue.full():  # a backlog left by a hold, max_batch rows a pass
                         acts.infer()
                 self._flush_outbox()
                 if time.monotonic() - last_sweep > 1.0:

@@ -247,6 +247,11 @@ class AlgorithmConfig:
     """Record to / train from shard files: ``RecordingSettings`` keys (``output``, ``output_max_file_size``...)
     and ``ReaderSettings`` keys (``input_``, ``shuffle_buffer_size``...), set with ``.offline_data(...)``; None: off."""
 
+    # inference (runnel's own)
+    inference_config: dict | None = None
+    """Local or central (SEED-style) inference: ``InferenceSettings`` keys (``mode``, ``num_inference_servers``,
+    ``max_batch``...), set with ``.inference(...)``; None: each env runner acts with its own module."""
+
     _unknown: dict = field(default_factory=dict, repr=False, compare=False)
 
     # --- builders -----------------------------------------------------------------------------
@@ -310,6 +315,12 @@ class AlgorithmConfig:
         """``output="DIR"``: record every chunk the runners sample; ``input_="DIR"``: train from a
         recording (readers take the env runners' place). Keys: ``pipeline.config.offline.KEYS``."""
         self.offline_data_config = {**(self.offline_data_config or {}), **kwargs}
+        return self
+
+    def inference(self, **kwargs: Any) -> "AlgorithmConfig":
+        """runnel's own: ``mode="central"`` has env runners send observations to inference servers that batch
+        them across runners (on a GPU when given one); keys: ``actors.inference.settings.InferenceSettings``."""
+        self.inference_config = {**(self.inference_config or {}), **kwargs}
         return self
 
     def env_runners(self, **kwargs: Any) -> "AlgorithmConfig":
@@ -495,6 +506,9 @@ class AlgorithmConfig:
         from pipeline.config.offline import offline_problems
 
         problems += offline_problems(self)
+        from pipeline.config.inference import inference_problems
+
+        problems += inference_problems(self)
         problems += estimation_problems(self)
         problems += function_problems(self)
         problems += exploration_problems(self)

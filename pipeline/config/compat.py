@@ -56,6 +56,11 @@ class Name:
     """renamed: what the message says to use, where that is not ``runnel`` itself (a key inside a dict setting)."""
 
 
+GPU_HOW = ("env runners run on CPU in runnel; give the GPU to the learner: .learners(num_gpus_per_learner=1), "
+           "or to inference servers that act for every runner (runnel's own): "
+           ".inference(mode='central', num_gpus_per_inference_server=1)")
+
+
 def _entries() -> list[Name]:
     A, R, U, I = ACCEPTED_KIND, RENAMED_KIND, UNSUPPORTED_KIND, IGNORED_KIND
     one_stack = "runnel has one API stack (RLModule, Learner, EnvRunner), always on"
@@ -102,10 +107,8 @@ def _entries() -> list[Name]:
         Name("num_workers", R, "num_env_runners", ".env_runners(num_env_runners={value})"),
         Name("num_envs_per_worker", R, "num_envs_per_env_runner", ".env_runners(num_envs_per_env_runner={value})"),
         Name("num_cpus_per_worker", R, "num_cpus_per_env_runner", ".env_runners(num_cpus_per_env_runner={value})"),
-        Name("num_gpus_per_worker", U, how="env runners run on CPU in runnel; give the GPU to the learner: "
-                                           ".learners(num_gpus_per_learner=1)"),
-        Name("num_gpus_per_env_runner", U, how="env runners run on CPU in runnel; give the GPU to the learner: "
-                                               ".learners(num_gpus_per_learner=1)"),
+        Name("num_gpus_per_worker", U, how=GPU_HOW),
+        Name("num_gpus_per_env_runner", U, how=GPU_HOW),
         Name("remote_worker_envs", U, how="use .env_runners(gym_env_vectorize_mode='async') to step each "
                                           "sub-environment in a process of its own"),
         Name("remote_env_batch_wait_ms", U, how="the async vector env steps all sub-environments together; "

@@ -11,12 +11,12 @@ fields of ``ExternalSettings`` (documented there); they are checked here at ``bu
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any
 from urllib.parse import urlsplit
 
 from actors.external.security import SecurityError, ServerSecurity, is_loopback
 from actors.external.settings import ExternalSettings
+from pipeline.config.keys import dict_setting_problems
 from pipeline.config.multi_agent import settings_used
 
 KEYS = tuple(f.name for f in dataclasses.fields(ExternalSettings))
@@ -52,14 +52,7 @@ def external_problems(config: Any) -> list[str]:
     d = config.external_clients_config
     if d is None:
         return []
-    if not isinstance(d, dict):
-        return [f"external_clients settings must be a dict, got {type(d).__name__}"]
-    problems = []
-    for key in d:
-        if key not in KEYS:
-            close = difflib.get_close_matches(key, KEYS, n=2, cutoff=0.5)
-            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"valid keys: {list(KEYS)}"
-            problems.append(f"unknown external_clients setting {key!r}; {hint}")
+    problems = dict_setting_problems(d, KEYS, "external_clients")
     if problems:
         return problems
     x = external_settings(config)

@@ -44,8 +44,23 @@ GROUPS: dict[str, tuple[str, ...]] = {
                    "always_attach_evaluation_results", "off_policy_estimation_methods",
                    "off_policy_estimation_episodes"),
 }
-OWN_BUILDERS = {"external_clients_config": "external_clients", "offline_data_config": "offline_data"}
+OWN_BUILDERS = {"external_clients_config": "external_clients", "offline_data_config": "offline_data",
+                "inference_config": "inference"}
 """Settings outside ``GROUPS`` that have a builder of their own."""
+
+
+def dict_setting_problems(d: Any, keys: tuple[str, ...], group: str) -> list[str]:
+    """A dict-valued setting group (``external_clients``, ``offline_data``, ``inference``): not a dict, or
+    keys it does not know (each with the closest valid ones)."""
+    if not isinstance(d, dict):
+        return [f"{group} settings must be a dict, got {type(d).__name__}"]
+    problems = []
+    for key in d:
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=2, cutoff=0.5)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"valid keys: {list(keys)}"
+            problems.append(f"unknown {group} setting {key!r}; {hint}")
+    return problems
 
 
 def setting_names(config: Any) -> list[str]:

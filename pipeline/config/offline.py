@@ -10,12 +10,12 @@ recording's manifest unless given. The keys are the fields of those two settings
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any
 
 from actors.offline import READERS, ReaderSettings, RecordingSettings, manifest_for, resolve_input
 from actors.offline.reader import SAMPLER, input_sources
 from actors.offline.recorder import FSYNC_CHOICES
+from pipeline.config.keys import dict_setting_problems
 from protocols.errors import ProtocolError
 from protocols.spaces import space_from_dict
 
@@ -59,14 +59,7 @@ def offline_problems(config: Any) -> list[str]:
     d = config.offline_data_config
     if d is None:
         return []
-    if not isinstance(d, dict):
-        return [f"offline_data settings must be a dict, got {type(d).__name__}"]
-    problems = []
-    for key in d:
-        if key not in KEYS:
-            close = difflib.get_close_matches(key, KEYS, n=2, cutoff=0.5)
-            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"valid keys: {list(KEYS)}"
-            problems.append(f"unknown offline_data setting {key!r}; {hint}")
+    problems = dict_setting_problems(d, KEYS, "offline_data")
     if problems:
         return problems
     rec, read = recording_settings(config), reader_settings(config)

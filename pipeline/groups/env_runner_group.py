@@ -17,6 +17,10 @@ Ray actors. Either way an ``ActorManager`` hosts them, and the group only says w
   healthy runner. Runners lost while streaming are kept for the plan to ask (``take_lost_streams``):
   the episodes they were sampling end there, and the receiver counts them as cut.
 
+Central inference (``inference``): the group also owns the inference servers
+(``pipeline.groups.inference_group``); its runners act through them, the weights go to the servers
+(the runners get only the version and timestep), and the servers' figures join the results.
+
 Runner metrics (``EnvRunner.get_metrics()``) are merged into the driver's ``MetricsLogger``: bare
 keys under ``env_runners/``, ``section/key`` keys under their own section (``fault_tolerance/``,
 ``stream/``).
@@ -45,11 +49,20 @@ class EnvRunnerGroup:
                  fault_tolerance: FaultToleranceSettings, *, compress_frames: bool = False,
                  on_recreated: Callable[[list[int]], None] | None = None, external: Any = None,
                  offline: Any = None, runner_class: type | None = None, runner_kwargs: dict[str, Any] | None = None,
-                 count_steps: Callable[[list[EpisodeChunk], dict[str, Any]], int] | None = None) -> None:
+                 count_steps: Callable[[list[EpisodeChunk], dict[str, Any]], int] | None = None,
+                 inference: Any = None) -> None:
         """``external`` (``actors.external.settings.ExternalSettings``): the slots host policy servers for
         remote clients instead of env runners. ``runner_class`` / ``runner_kwargs``: another runner and
         its arguments (multi-agent); ``count_steps(chunks, runner_metrics)``: the steps one answer brought
-        towards ``sample``'s count (default: the chunks' lengths)."""
+        towards ``sample``'s count (default: the chunks' lengths). ``inference``
+        (``actors.inference.settings.InferenceSettings``): central inference servers act for the runners."""
+        self.inference: Any = None
+        if inference is not None:
+            from pipeline.groups.inference_group import InferenceGroup
+
+            self.inference = InferenceGroup(settings, inference, in_process=num_env_runners == 0,
+                                            probe_timeout_s=fault_tolerance.probe_timeout_s)
+            settings = self.inference.runner_settings(settings)
         self.settings = settings
         self.compress_frames = compress_frames
         self.on_recreated = on_recreated
@@ -74,10 +87,15 @@ class EnvRunnerGroup:
         ids = [0] if num_env_runners == 0 else list(range(1, num_env_runners + 1))
         name = ("policy server" if self.servers else "offline reader" if offline is not None else
                 "evaluation env runner" if settings.in_evaluation else "env runner")
-        self.manager = ActorManager(make, ids, fault_tolerance, on_restart=self._restore, name=name,
-                                    in_process=num_env_runners == 0)
-        self.manager.check_started(max(fault_tolerance.start_timeout_s, fault_tolerance.probe_timeout_s or 0.0),
-                                   f"num_cpus_per_env_runner={num_cpus_per_env_runner}")
+        try:
+            self.manager = ActorManager(make, ids, fault_tolerance, on_restart=self._restore, name=name,
+                                        in_process=num_env_runners == 0)
+            self.manager.check_started(max(fault_tolerance.start_timeout_s, fault_tolerance.probe_timeout_s or 0.0),
+                                       f"num_cpus_per_env_runner={num_cpus_per_env_runner}")
+        except BaseException:
+            if self.inference is not None:
+                self.inference.stop()
+            raise
         self._weights: Any = None  # what a recreated runner gets (an object ref, or the dict in-process)
         self._weights_version = 0
         self._timestep: int | None = None
@@ -115,6 +133,9 @@ class EnvRunnerGroup:
         to every healthy runner. ``wait=False`` (streaming): fire and forget -- a streaming runner
         applies them between fragments, and ``poll`` collects the answers."""
         self._weights, self._weights_version, self._timestep = self.manager.share(weights), version, timestep
+        if self.inference is not None:  # the servers act with the weights; runners need only version and timestep
+            self.inference.set_weights(self._weights, version, timestep)
+            self._weights = None
         if wait:
             self.manager.foreach_actor("set_weights", self._weights, version, timestep)
             self.restart_failed()
@@ -124,7 +145,7 @@ class EnvRunnerGroup:
     def _restore(self, index: int, handle: Any) -> None:
         # the replacement has answered a ping: these are quick, and bounded in case its node goes too
         timeout = self.manager.settings.probe_timeout_s
-        if self._weights is not None:
+        if self._weights is not None or self.inference is not None:  # central: the version and timestep only
             ray.get(handle.set_weights.remote(self._weights, self._weights_version, self._timestep), timeout=timeout)
         if index in self._tasks:
             ray.get(handle.set_env_tasks.remote(self._tasks[index]), timeout=timeout)
@@ -301,6 +322,8 @@ class EnvRunnerGroup:
                           reduce="sum")
         self._ft_logged["restart_wait_s"] = m.restart_wait_s
         metrics.log_value("fault_tolerance/num_sub_env_restarts", 0, reduce="lifetime_sum")  # runners add theirs
+        if self.inference is not None:
+            self.inference.log_metrics(metrics)
 
     def foreach_env_runner(self, fn: Callable[[EnvRunner], Any] | None = None, local: bool = True,
                            remote_worker_ids: list[int] | None = None, **kwargs: Any) -> list[Any]:
@@ -343,6 +366,8 @@ class EnvRunnerGroup:
             except Exception as err:  # noqa: BLE001 - they are killed next anyway
                 log.warning("stopping the %ss: %s", self.manager.name, err)
         self.manager.stop()
+        if self.inference is not None:
+            self.inference.stop()
 
 
 def _chunk_steps(chunks: list[EpisodeChunk], runner_metrics: dict[str, Any]) -> int:

@@ -18,12 +18,18 @@ log = logging.getLogger("runnel")
 
 def resource_request(config: Any) -> PlacementGroupFactory:
     """Bundles: the driver (with the learner when ``num_learners=0``), then each env runner,
-    learner actor and evaluator; packed onto as few nodes as fit."""
+    learner actor, evaluator and inference server; packed onto as few nodes as fit."""
     local_gpus = config.num_gpus_per_learner if config.num_learners == 0 else 0
     bundles = [{"CPU": config.num_cpus_for_main_process, "GPU": local_gpus}]
     bundles += [{"CPU": config.num_cpus_per_env_runner}] * config.num_env_runners
     bundles += [{"CPU": config.num_cpus_per_learner, "GPU": config.num_gpus_per_learner}] * config.num_learners
     bundles += [{"CPU": config.num_cpus_per_env_runner}] * config.evaluation_num_env_runners
+    from pipeline.config.inference import inference_settings
+
+    inference = inference_settings(config) if config.num_env_runners > 0 else None
+    if inference is not None:  # central inference servers (with runners in the driver, they are too)
+        bundles += [{"CPU": inference.num_cpus_per_inference_server,
+                     "GPU": inference.num_gpus_per_inference_server}] * inference.num_inference_servers
     return PlacementGroupFactory([{k: v for k, v in b.items() if v} or {"CPU": 0.01} for b in bundles],
                                  strategy="PACK")
 

@@ -1,0 +1,72 @@
+"""PolicyForward: one batched forward pass of an inference-only module, and the actions chosen from it.
+
+Every stage that acts with a torch module goes through this: an env runner acting locally
+(``actors.env.acting.LocalActing``), the central inference server (``actors.inference.server``) and
+the external-client policy server's torch backend (``actors.external.inference``). The forward pass
+runs on the module's device (CUDA for a server given a GPU: observations go up through pinned host
+buffers, reused from batch to batch, with non-blocking copies); the distribution inputs come back to the CPU, where exploration
+draws its noise from the CPU generator -- the same draws wherever the module ran, which is what lets
+central inference reproduce a runner's own actions (``actors.inference.streams``).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import torch
+
+from actors.env.exploration import Exploration
+from actors.modules import RLModule
+from protocols import nested
+
+
+class PolicyForward:
+    def __init__(self, module: RLModule, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.module = module.to(self.device)
+        self.module.eval()
+        self.dist_spec = module.dist_spec
+        self.cuda = self.device.type == "cuda"
+        self._pinned: dict[tuple, torch.Tensor] = {}  # (leaf, dtype, row shape) -> a pinned host buffer
+
+    def dist_inputs(self, obs: Any, explore: bool) -> torch.Tensor:
+        """The action distribution inputs for a batch of numpy observations, on the CPU. The caller
+        holds ``torch.inference_mode``."""
+        module = self.module
+        forward = module.forward_exploration if explore else module.forward_inference
+        if not self.cuda:
+            return forward(nested.map_structure(_tensor, obs))["action_dist_inputs"]
+        leaf = itertools.count()
+        inputs = forward(nested.map_structure(lambda a: self._upload(next(leaf), a), obs))["action_dist_inputs"]
+        # waits for the pass (the answers are needed now); the pinned buffers are free again after it
+        return inputs.to("cpu")
+
+    def _upload(self, leaf: int, a: np.ndarray) -> torch.Tensor:
+        """``a`` on the GPU through a pinned buffer kept for this leaf (grown as batches grow)."""
+        key = (leaf, a.dtype.str, a.shape[1:])
+        buf = self._pinned.get(key)
+        if buf is None or len(buf) < len(a):
+            buf = self._pinned[key] = torch.empty((max(len(a), 64), *a.shape[1:]),
+                                                  dtype=_tensor(a[:0]).dtype).pin_memory()
+        part = buf[:len(a)]
+        part.numpy()[...] = a
+        return part.to(self.device, non_blocking=True)
+
+    def choose(self, inputs: torch.Tensor, exploration: Exploration, explore: bool, timestep: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(actions, their log-probabilities) for CPU distribution inputs, as ``exploration`` picks them."""
+        dist = self.dist_spec.build(inputs)
+        actions = exploration.actions(dist, explore, timestep)
+        return actions, dist.logp(actions)
+
+    def set_state(self, weights: dict[str, Any]) -> None:
+        self.module.set_state(weights)
+
+    def get_state(self) -> dict[str, np.ndarray]:
+        return self.module.get_state()
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """``a`` as a CPU tensor sharing its memory (a copy for read-only arrays, such as decoded codec views)."""
+    return torch.from_numpy(a) if a.flags.writeable else torch.from_numpy(np.array(a))

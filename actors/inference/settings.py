@@ -1,0 +1,52 @@
+"""Settings of central inference: the servers' (``InferenceSettings``) and what a runner needs to reach
+its server (``InferenceClientSettings``). Torch-free: runners unpickle these."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MODES = ("local", "central")
+
+
+@dataclass
+class InferenceSettings:
+    """``config.inference(...)``'s keys (runnel's own; RLlib has no inference server)."""
+
+    mode: str = "local"
+    """"local": each env runner acts with its own copy of the module (RLlib's way); "central": runners
+    send observations to inference servers, which batch them across runners and answer with actions."""
+    num_inference_servers: int = 1
+    """Servers; env runner i asks server ``i % num_inference_servers``."""
+    num_cpus_per_inference_server: float = 1
+    """CPUs Ray reserves for each server actor (its torch intra-op threads use as many)."""
+    num_gpus_per_inference_server: float = 0
+    """GPUs per server; > 0 runs the module on CUDA."""
+    max_batch: int = 256
+    """Most observations (sub-env rows) one forward pass serves; a runner's request is never split."""
+    max_wait_s: float = 0.0
+    """How long the oldest queued request may wait for a fuller batch (0: serve what is queued at once;
+    requests arriving during a forward pass form the next batch anyway)."""
+    resend_after_s: float = 5.0
+    """A runner without an answer after this long asks where its server is now and resends (same
+    request number: an answer arriving twice is used once)."""
+    reply_timeout_s: float = 120.0
+    """A runner without an answer after this long fails (its group recreates it)."""
+    health_check_interval_s: float = 1.0
+    """How often the driver pings the servers; a dead one is recreated and runners are told its address."""
+
+
+@dataclass
+class InferenceClientSettings:
+    """What an env runner needs to ask for actions centrally (``EnvRunnerSettings.inference``)."""
+
+    num_servers: int
+    directory: Any
+    """Where the servers' addresses are published: the ``InferenceDirectory`` itself (runners in the
+    driver's process) or the name of its Ray actor."""
+    namespace: str | None = None
+    """The Ray namespace of the directory actor."""
+    resend_after_s: float = 5.0
+    reply_timeout_s: float = 120.0
+
+    def server_of(self, worker_index: int) -> int:
+        return worker_index % self.num_servers

@@ -1,0 +1,91 @@
+"""RunnerStreams: each env runner's exploration, kept on the inference server that acts for it.
+
+A runner acting locally explores with its own ``Exploration`` piece (its schedule state, an OU
+process per sub-env...) and draws noise from its own process's torch generator, seeded with
+``seed + 7919 * worker_index`` and then advanced by building its module. The server keeps the same
+per runner: an ``Exploration`` piece, and -- in a seeded run -- a CPU generator state that starts
+where that runner's own would (the server seeds, builds a throwaway module, and keeps the state),
+swapped in around that runner's exploration call. The server answers each runner's rows with the
+same draws, in the same order, as the runner would have made itself: with the same seed and
+weights, central and local inference take the same actions. Unseeded, every runner draws from the
+server's one generator.
+
+Unseeded, with a built-in exploration piece that keeps no state of its own (``STATELESS``), one piece
+chooses for a whole batch at once (``shared``), at the batch's oldest ``timestep``: one sampling call
+per forward pass instead of one per runner, and the same schedule within a fraction of an iteration.
+
+A recreated server starts each runner's noise afresh from its seed (exploration schedules follow
+the runner's ``timestep``, which every request carries, so they are unaffected).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from actors.env.exploration import EpsilonGreedy, Exploration, GaussianNoise, SoftQ, StochasticSampling
+
+STATELESS = (StochasticSampling, EpsilonGreedy, SoftQ, GaussianNoise)
+"""Built-in pieces whose choice depends only on the distribution, the timestep and the generator
+(``OrnsteinUhlenbeckNoise`` keeps a process per row; a user's piece may keep anything)."""
+
+
+class RunnerStream:
+    __slots__ = ("exploration", "rng")
+
+    def __init__(self, exploration: Exploration, rng: torch.Tensor | None) -> None:
+        self.exploration, self.rng = exploration, rng
+
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Within: torch's CPU generator is this runner's (seeded runs); after, the server's again."""
+        if self.rng is None:
+            yield
+            return
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.rng)
+        try:
+            yield
+        finally:
+            self.rng = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+class RunnerStreams:
+    def __init__(self, make_exploration: Callable[[], Exploration], build_module: Callable[[], Any],
+                 seed: int | None) -> None:
+        """``build_module()`` builds the module exactly as a runner does (the draws it takes advance a
+        runner's generator before its first action)."""
+        self.make_exploration, self.build_module, self.seed = make_exploration, build_module, seed
+        self.streams: dict[int, RunnerStream] = {}
+        piece = make_exploration()
+        self.shared: Exploration | None = piece if seed is None and type(piece) in STATELESS else None
+        """The one piece that chooses for whole batches, or None: each runner's own, per request."""
+
+    def of(self, runner: int) -> RunnerStream:
+        stream = self.streams.get(runner)
+        if stream is None:
+            stream = self.streams[runner] = RunnerStream(self.make_exploration(), self._first_state(runner))
+        return stream
+
+    def _first_state(self, runner: int) -> torch.Tensor | None:
+        """The generator state runner ``runner`` starts sampling from, as ``actors.env.process`` seeds it."""
+        if self.seed is None:
+            return None
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(self.seed + 7919 * runner)  # CPU only, as a runner's draws are
+            self.build_module()
+            return torch.get_rng_state()
+
+    def get_state(self) -> dict[str, Any]:
+        return {str(i): {"exploration": s.exploration.get_state(),
+                         "rng": None if s.rng is None else s.rng.numpy().copy()} for i, s in self.streams.items()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            stream = self.of(int(key))
+            stream.exploration.set_state(value.get("exploration", {}))
+            if value.get("rng") is not None:
+                stream.rng = torch.as_tensor(np.array(value["rng"], np.uint8))

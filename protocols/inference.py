@@ -1,0 +1,124 @@
+"""The inference protocol: env runners ask a central inference server for their actions (SEED style).
+
+A runner holds a ZeroMQ DEALER socket connected to the server's ROUTER. Each message is one part:
+one codec frame (``protocols.codec``; no compression, checksummed) holding a plain message.
+
+* runner -> server, ``act``: ``{"op": "act", "runner": int, "seq": int, "explore": bool,
+  "timestep": int, "obs": nested arrays [k, ...]}`` -- the observations of the runner's k sub-envs
+  at one step; ``runner`` is the runner's worker index (exploration noise is drawn per runner),
+  ``seq`` counts the runner's requests (a resent request keeps its number), ``timestep`` is the
+  run's env steps as the runner knows them (exploration schedules);
+* server -> runner, ``actions``: ``{"op": "actions", "seq": int, "weights_version": int,
+  "actions": [k, ...], "logp": [k], "dist_inputs": [k, d]}`` -- the module's actions (before the
+  env's rescaling), their log-probabilities and the distribution inputs, which the chunks carry;
+* server -> runner, ``error``: ``{"op": "error", "seq": int, "message": str}`` -- the request
+  could not be served (a malformed frame, observations that do not fit the space); the runner
+  raises, naming the message, so its stage group recreates it.
+
+Replies echo ``seq``; a runner drops a reply whose ``seq`` is not the one it waits for (the answer
+to a request it has since resent). Nothing here is pickled; only numpy, msgpack, lz4 and zmq.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from protocols.codec import Limits, decode, encode
+from protocols.errors import ProtocolError
+
+ACT, ACTIONS, ERROR = "act", "actions", "error"
+
+LIMITS = Limits(max_frame_bytes=256 << 20, max_decoded_bytes=256 << 20, max_buffer_size=1 << 20,
+                max_str_len=64 << 10, max_bin_len=1 << 20, max_array_len=4096, max_map_len=256, max_depth=16)
+"""Decode bounds: a request of a few thousand Atari frames fits; a forged frame claiming more is refused."""
+
+
+@dataclass
+class ActRequest:
+    runner: int
+    seq: int
+    explore: bool
+    timestep: int
+    obs: Any
+    """Nested arrays with one leading row per sub-env."""
+    rows: int
+
+
+@dataclass
+class ActReply:
+    seq: int
+    weights_version: int
+    actions: np.ndarray
+    logp: np.ndarray
+    dist_inputs: np.ndarray
+
+
+def act_request(runner: int, seq: int, obs: Any, explore: bool, timestep: int) -> bytes:
+    return encode({"op": ACT, "runner": int(runner), "seq": int(seq), "explore": bool(explore),
+                   "timestep": int(timestep), "obs": obs}, compress=False)
+
+
+def actions_reply(seq: int, weights_version: int, actions: np.ndarray, logp: np.ndarray,
+                  dist_inputs: np.ndarray) -> bytes:
+    return encode({"op": ACTIONS, "seq": int(seq), "weights_version": int(weights_version), "actions": actions,
+                   "logp": logp, "dist_inputs": dist_inputs}, compress=False)
+
+
+def error_reply(seq: int, message: str) -> bytes:
+    return encode({"op": ERROR, "seq": int(seq), "message": str(message)[:4000]}, compress=False)
+
+
+def _fields(frame: bytes, op: str, types: dict[str, type]) -> dict:
+    msg = decode(frame, limits=LIMITS)
+    if not isinstance(msg, dict) or msg.get("op") not in (op, ERROR):
+        got = msg.get("op") if isinstance(msg, dict) else type(msg).__name__
+        raise ProtocolError(f"expected an {op!r} message, got {got!r}")
+    if msg["op"] == ERROR:
+        return msg
+    for key, kind in types.items():
+        value = msg.get(key)
+        if type(value) is not kind:  # bool is not int here: a flag where a count belongs is malformed
+            raise ProtocolError(f"{op!r} message field {key!r} must be {kind.__name__}, got {type(value).__name__}")
+    return msg
+
+
+def read_request(frame: bytes) -> ActRequest:
+    """A runner's frame -> its request; raise ProtocolError if it is not a well-formed ``act``."""
+    msg = _fields(frame, ACT, {"runner": int, "seq": int, "explore": bool, "timestep": int})
+    if msg["op"] == ERROR:
+        raise ProtocolError("a runner sent an 'error' message")
+    rows = _rows(msg.get("obs"), "obs")
+    return ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], msg["obs"], rows)
+
+
+def read_reply(frame: bytes) -> ActReply | str:
+    """A server's frame -> the actions, or the error message it sent (a str)."""
+    msg = _fields(frame, ACTIONS, {"seq": int, "weights_version": int})
+    if msg["op"] == ERROR:
+        return f"seq {msg.get('seq')}: {msg.get('message')}"
+    arrays = [msg.get(k) for k in ("actions", "logp", "dist_inputs")]
+    if not all(isinstance(a, np.ndarray) for a in arrays) or len({len(a) for a in arrays}) != 1:
+        raise ProtocolError("an 'actions' message needs arrays 'actions', 'logp' and 'dist_inputs' of one length")
+    return ActReply(msg["seq"], msg["weights_version"], *arrays)
+
+
+def _rows(obs: Any, where: str) -> int:
+    """The one leading dimension every array of ``obs`` shares (at least 1 row)."""
+    if isinstance(obs, np.ndarray):
+        if obs.ndim == 0 or len(obs) == 0:
+            raise ProtocolError(f"{where} must hold at least one row, got shape {obs.shape}")
+        return len(obs)
+    if isinstance(obs, dict):
+        leaves = list(obs.values())
+    elif isinstance(obs, (list, tuple)):
+        leaves = list(obs)
+    else:
+        raise ProtocolError(f"{where} must be arrays (nested in dicts/lists), got {type(obs).__name__}")
+    if not leaves:
+        raise ProtocolError(f"{where} is empty")
+    counts = {_rows(v, where) for v in leaves}
+    if len(counts) != 1:
+        raise ProtocolError(f"{where}: arrays with different numbers of rows {sorted(counts)}")
+    return counts.pop()

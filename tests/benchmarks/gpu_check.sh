@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 28 (central inference, learners on CUDA), for a lent GPU machine: one short run,
+# under 6 minutes, that prints JSON lines and one PASS/FAIL line per check.
+#
+#   1. environment: the wheels from .whl/ installed into /tmp/site (the machine has Python 3.12 and torch
+#      with CUDA but no Ray, gymnasium, pyzmq or lz4); torch sees a GPU.
+#   2. engine: tests/test_inference_server.py in full (the CUDA server among them).
+#   3. cuda tests: every test selected by -k cuda in the test files that skip without CUDA (grep
+#      'cuda.is_available'): learners of PPO/APPO/DQN/SAC on CUDA whose weights reach the runner or an
+#      inference server on CUDA (tests/test_gpu_paths.py, no Ray), a CUDA server answering as the CPU module
+#      does, APPO with a remote learner and two servers sharing the GPU through Ray. FAIL if one fails, or
+#      if one skips other than the CPU-only '..._without_cuda_...' tests.
+#   4. benchmark: tests/benchmarks/inference.py on the frame env with the default CNN (8 runners x 4
+#      envs, 2 s a point): local inference, central on the GPU (GPU_CHECK_BENCH_ARGS="... --cpu-modes
+#      local,central" adds central on 8 CPU servers, ~30 s more), the server's
+#      round trips at batch 32 and 256 (CPU and CUDA), APPO end to end with learner and server on the
+#      GPU. Its JSON lines, then the issue's targets as PASS/FAIL lines: central on CUDA >= 2x local CPU
+#      inference, p50 round trip <= 2 ms at batch 256 on CUDA.
+#
+# Here, from the repository root:   bash tests/benchmarks/gpu_wheels.sh     (fills .whl/, about 50 MiB)
+# There (device run, carry [".whl"], timeout_s 480):   bash tests/benchmarks/gpu_check.sh
+# Expected about 4 minutes; each step has its own time limit (60 + 60 + 150 + 180 s at most), so a hang
+# costs one step, never the run.
+# What it wrote comes back from $OUT: gpu_check.log (everything), cuda_tests.xml, inference_bench.jsonl.
+# A dry run without a GPU (the CUDA cases skip, the benchmark runs on CPU only, smaller):
+#   GPU_CHECK_DRY=1 GPU_CHECK_BENCH_ARGS="--runners 2 --envs 2 --servers 1" PYTHON=.venv/bin/python \
+#       bash tests/benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 RAY_DEDUP_LOGS=0
+unset RAY_ADDRESS
+DRY=${GPU_CHECK_DRY:-0}
+GPU_CHECK_BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---runners 8 --envs 4 --servers 8 --cpu-modes local}
+failed=()
+started=$(date +%s)
+
+elapsed() { echo $(( $(date +%s) - started )); }
+result() {  # result NAME ok|fail DETAIL
+    local name=$1 ok=$2 detail=$3
+    if [ "$ok" = ok ]; then echo "PASS $name: $detail"; else echo "FAIL $name: $detail"; failed+=("$name"); fi
+    echo "{\"check\": \"$name\", \"ok\": $([ "$ok" = ok ] && echo true || echo false), \"elapsed_s\": $(elapsed)}"
+}
+
+main() {
+# --- 1. environment ---------------------------------------------------------------------------------
+if compgen -G ".whl/*.whl" > /dev/null; then
+    if timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl; then
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        result wheels fail "pip could not install .whl/*.whl into /tmp/site"
+    fi
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+if "$PY" - "$DRY" <<'EOF'
+import json, platform, sys
+import gymnasium, lz4, ray, torch, zmq
+cuda = torch.cuda.is_available()
+print(json.dumps({"check": "environment_info", "python": platform.python_version(), "torch": torch.__version__,
+                  "ray": ray.__version__, "gymnasium": gymnasium.__version__, "pyzmq": zmq.__version__,
+                  "lz4": lz4.__version__, "cuda": torch.cuda.get_device_name(0) if cuda else None}))
+sys.exit(0 if cuda or sys.argv[1] == "1" else 3)
+EOF
+then
+    result environment ok "the packages import$([ "$DRY" = 1 ] && echo ' (dry run: a GPU is not required)')"
+else
+    result environment fail "a package does not import, or torch sees no CUDA device (output above)"
+    echo "RESULT FAIL (${failed[*]}) after $(elapsed) s"
+    return 1
+fi
+
+# --- 2. the engine, in full ---------------------------------------------------------------------------
+if timeout 60 "$PY" -m pytest -q -p no:cacheprovider --timeout=30 -rs tests/test_inference_server.py; then
+    result engine ok "tests/test_inference_server.py"
+else
+    result engine fail "tests/test_inference_server.py (output above)"
+fi
+
+# --- 3. every CUDA test --------------------------------------------------------------------------------
+mapfile -t cuda_files < <(grep -l "cuda.is_available" tests/test_*.py)
+echo "cuda test files: ${cuda_files[*]}"
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider --timeout=100 -rs -k cuda --junitxml="$OUT/cuda_tests.xml" \
+    "${cuda_files[@]}"
+if "$PY" - "$OUT/cuda_tests.xml" "$DRY" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+try:
+    cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
+except (OSError, ET.ParseError) as err:
+    sys.exit(f"no test report: {err}")
+passed, failed, skipped = [], [], []
+for case in cases:
+    name = f"{case.get('classname')}::{case.get('name')}"
+    if case.find("failure") is not None or case.find("error") is not None:
+        failed.append(name)
+    elif case.find("skipped") is not None:
+        skipped.append(name)
+    else:
+        passed.append(name)
+unexpected = [n for n in skipped if "without_cuda" not in n]
+print(json.dumps({"check": "cuda_tests_detail", "passed": passed, "failed": failed, "skipped": skipped}))
+dry = sys.argv[2] == "1"
+sys.exit(1 if failed or (not dry and (unexpected or not passed)) else 0)
+EOF
+then
+    result cuda_tests ok "every selected CUDA test passed (names in cuda_tests_detail)"
+else
+    result cuda_tests fail "a CUDA test failed or skipped (cuda_tests_detail above)"
+fi
+
+# --- 4. the inference benchmark -------------------------------------------------------------------------
+skip=()
+[ "$DRY" = 1 ] && skip=(--skip-gpu)
+# shellcheck disable=SC2086
+timeout 180 "$PY" tests/benchmarks/inference.py --workloads frames_cnn --seconds 2 --repeats 1 ${GPU_CHECK_BENCH_ARGS} \
+    "${skip[@]}" | tee "$OUT/inference_bench.jsonl"
+if "$PY" - "$OUT/inference_bench.jsonl" "$DRY" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+summary = next((r for r in rows if r.get("bench") == "summary"), None)
+if summary is None:
+    sys.exit("the benchmark printed no summary")
+dry = sys.argv[2] == "1"
+if not dry:
+    ratio = summary.get("frames_cnn_central_cuda_over_local")
+    trip = next((r for r in rows if r.get("bench") == "round_trip" and r["device"] == "cuda" and r["batch"] == 256), {})
+    appo = next((r for r in rows if r.get("bench") == "appo_frames"), {})
+    print(("PASS" if ratio is not None and ratio >= 2.0 else "FAIL")
+          + f" target: frames_cnn env steps/s, central on CUDA / local CPU inference = {ratio} (issue: >= 2)")
+    print(("PASS" if trip.get("p50_ms", 1e9) <= 2.0 else "FAIL")
+          + f" target: round trip p50 at batch 256 on CUDA = {trip.get('p50_ms')} ms (issue: <= 2 ms)")
+    print(f"INFO APPO on frames, learner and server on the GPU: {appo.get('env_steps_per_s')} env steps/s, "
+          f"{appo.get('per_cpu_core')} per CPU core (Sample Factory: ~3.8k FPS/core on Atari)")
+EOF
+then
+    result benchmark ok "tests/benchmarks/inference.py ran to its summary (targets: the PASS/FAIL target lines)"
+else
+    result benchmark fail "tests/benchmarks/inference.py did not finish (output above)"
+fi
+
+if [ ${#failed[@]} -eq 0 ]; then
+    echo "RESULT PASS after $(elapsed) s"
+else
+    echo "RESULT FAIL (${failed[*]}) after $(elapsed) s"
+    return 1
+fi
+}
+
+main 2>&1 | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"

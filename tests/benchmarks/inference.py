@@ -1,0 +1,222 @@
+"""Central vs local inference: env steps sampled per second, and an inference server's round trips.
+
+Prints one JSON object per line:
+  {"bench": "machine", ...}
+  {"bench": "sampling", "workload": "frames_cnn"|"cartpole_mlp", "mode": "local"|"central", "device",
+   "runners", "envs", "repeat", "env_steps_per_s", "batch_size_mean" (central: rows per forward pass)}
+        ``runners`` env runner actors x ``envs`` sub-envs each, sampled through the env runner group (no
+        training): "frames_cnn" is an 84x84x4 uint8 frame env that costs next to nothing to step
+        (``tests.envs.FrameEnv``) with the default CNN; "cartpole_mlp" CartPole-v1 with PPO's default
+        MLP. "local": every runner runs its own module (one torch thread each); "central": ``--servers``
+        inference servers (``--server-cpus`` torch threads each) act for them. Modes alternate within each
+        repeat.
+  {"bench": "round_trip", "workload", "device", "batch", "p50_ms", "p99_ms", "n"}
+        one client sending ``batch`` observations at a time to a server actor and waiting for the answer
+        (encode, ZeroMQ over loopback, decode, forward pass, exploration, answer)
+  {"bench": "summary", ...}          medians, central / local per workload (of the medians, and the median of
+                                     each repeat's central / local)
+  GPU section (only where torch sees CUDA; runs unchanged on a GPU machine):
+  {"bench": "sampling", ..., "mode": "central", "device": "cuda"}   the server on the GPU
+  {"bench": "round_trip", ..., "device": "cuda"}
+  {"bench": "appo_frames", "device": "cuda", "env_steps_per_s", "per_cpu_core", "cpus"}
+        APPO end to end on the frame env: runners stream, the server acts on the GPU, the learner trains
+        on the GPU; env steps sampled per second over ``--seconds`` after a warm-up, and per CPU core
+        (Sample Factory reports about 3.8k frames/s per core for Atari).
+
+    python tests/benchmarks/inference.py [--seconds 8] [--repeats 3] [--runners 8] [--envs 4]
+        [--workloads frames_cnn,cartpole_mlp] [--cpu-modes local,central] [--skip-gpu]
+    (tests/benchmarks/gpu_check.sh runs a short pass on a GPU machine: frames_cnn, 2 s a point)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from actors.env import EnvRunnerSettings  # noqa: E402
+from actors.inference.client import RemoteActing  # noqa: E402
+from actors.inference.directory import InferenceDirectory  # noqa: E402
+from actors.inference.server import InferenceServer  # noqa: E402
+from actors.inference.settings import InferenceClientSettings, InferenceSettings  # noqa: E402
+from actors.metrics import MetricsLogger  # noqa: E402
+from actors.modules import ActorCriticModule  # noqa: E402
+from pipeline import APPOConfig, PPOConfig  # noqa: E402
+from tests.envs import FrameEnv  # noqa: E402
+
+WORKLOADS = {"frames_cnn": FrameEnv, "cartpole_mlp": "CartPole-v1"}
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespace) -> tuple[float, float | None]:
+    """Env steps per second the runner group samples (median over ``--seconds`` of sample calls), and the
+    servers' mean batch size (central)."""
+    steps = args.runners * args.envs * args.fragment
+    config = (PPOConfig().environment(WORKLOADS[workload])
+              .env_runners(num_env_runners=args.runners, num_envs_per_env_runner=args.envs,
+                           rollout_fragment_length=args.fragment)
+              .training(train_batch_size_per_learner=steps, minibatch_size=min(128, steps)))
+    if mode == "central":
+        cuda = device == "cuda"  # one server on the GPU; on CPU, a server per core (at most one per runner)
+        config.inference(mode="central", num_inference_servers=1 if cuda else min(args.servers, args.runners),
+                         num_cpus_per_inference_server=args.server_cpus, max_batch=args.runners * args.envs,
+                         max_wait_s=args.max_wait_s,
+                         num_gpus_per_inference_server=1 if cuda else 0)
+    algo = config.build(logdir=None)
+    try:
+        group, metrics = algo.env_runner_group, MetricsLogger()
+        for _ in range(2):  # warm-up: first forward passes, socket connections
+            group.sample(steps, metrics)
+        rates, started = [], time.perf_counter()
+        while time.perf_counter() - started < args.seconds:
+            t = time.perf_counter()
+            got = sum(len(c) for c in group.sample(steps, metrics))
+            rates.append(got / (time.perf_counter() - t))
+        batch = None
+        if group.inference is not None:
+            served = [r.value for r in group.inference.manager.foreach_actor("get_metrics") if r.ok]
+            actions = sum(m["inference/num_actions"]["value"] for m in served)
+            batch = actions / max(1, sum(m["inference/num_batches"]["value"] for m in served))
+        return statistics.median(rates), batch
+    finally:
+        algo.stop()
+
+
+def round_trips(workload: str, device: str, batch: int, args: argparse.Namespace) -> dict:
+    """p50/p99 of one client's act round trips at ``batch`` rows against a server actor."""
+    env = FrameEnv() if workload == "frames_cnn" else __import__("gymnasium").make("CartPole-v1")
+    obs_space, act_space = env.observation_space, env.action_space
+    settings = EnvRunnerSettings(env_creator=None, observation_space=obs_space, action_space=act_space)
+    inference = InferenceSettings("central", max_batch=max(batch, 256),
+                                  num_gpus_per_inference_server=1 if device == "cuda" else 0)
+    server = ray.remote(num_cpus=args.server_cpus, num_gpus=1 if device == "cuda" else 0)(InferenceServer).remote(
+        settings, inference, 0, torch_threads=args.server_cpus)
+    directory = InferenceDirectory()
+    directory.publish(0, ray.get(server.address.remote()))
+    weights = ActorCriticModule(obs_space, act_space, inference_only=True).get_state()
+    ray.get(server.set_weights.remote(weights, 1))
+    client = RemoteActing(InferenceClientSettings(1, directory), 1)
+    obs = np.stack([obs_space.sample() for _ in range(batch)])
+    try:
+        for _ in range(10):
+            client.act(obs, True, 0)
+        times, started = [], time.perf_counter()
+        while time.perf_counter() - started < args.seconds / 2 or len(times) < 50:
+            t = time.perf_counter()
+            client.act(obs, True, 0)
+            times.append(time.perf_counter() - t)
+    finally:
+        client.close()
+        ray.kill(server)
+    ms = np.array(times) * 1000
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3),
+            "n": len(times)}
+
+
+def appo_frames(args: argparse.Namespace, device: str = "cuda") -> dict:
+    """APPO on the frame env, inference and learner on ``device`` (the GPU: half of it each): env steps
+    sampled per second."""
+    gpus = 0.5 if device == "cuda" else 0
+    config = (APPOConfig().environment(FrameEnv)
+              .env_runners(num_env_runners=args.runners, num_envs_per_env_runner=args.envs)
+              .inference(mode="central", num_cpus_per_inference_server=1, num_gpus_per_inference_server=gpus,
+                         max_batch=args.runners * args.envs)
+              .learners(num_gpus_per_learner=gpus).reporting(min_time_s_per_iteration=1.0))
+    algo = config.build(logdir=None)
+    try:
+        started = time.perf_counter()
+        while time.perf_counter() - started < args.seconds:  # warm-up
+            algo.train()
+        before, t = algo.train()["num_env_steps_sampled_lifetime"], time.perf_counter()
+        while time.perf_counter() - t < args.seconds:
+            after = algo.train()["num_env_steps_sampled_lifetime"]
+        rate = (after - before) / (time.perf_counter() - t)
+    finally:
+        algo.stop()
+    cpus = os.cpu_count() or 1
+    return {"env_steps_per_s": round(rate, 1), "per_cpu_core": round(rate / cpus, 1), "cpus": cpus}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=8.0, help="measuring time per sampling run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--runners", type=int, default=8)
+    p.add_argument("--envs", type=int, default=4)
+    p.add_argument("--fragment", type=int, default=50, help="steps per sub-env in one sample call")
+    p.add_argument("--servers", type=int, default=os.cpu_count() or 1,
+                   help="inference servers on CPU (central mode); one on the GPU")
+    p.add_argument("--server-cpus", type=int, default=1, help="CPUs (torch threads) of each inference server")
+    p.add_argument("--max-wait-s", type=float, default=0.0, help="the servers' max_wait_s")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--cpu-modes", default="local,central",
+                   help="the CPU sampling runs: local inference, central inference on CPU servers, or both")
+    p.add_argument("--skip-gpu", action="store_true")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available() and not args.skip_gpu
+    ray.init(address="local", num_cpus=args.runners + (args.servers + 1) * args.server_cpus + 2,
+             num_gpus=1 if cuda else 0, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    emit(bench="machine", cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
+         torch=torch.__version__, ray=ray.__version__, cuda=torch.cuda.get_device_name(0) if cuda else None,
+         load_avg=os.getloadavg(), runners=args.runners, envs=args.envs, servers=args.servers,
+         server_cpus=args.server_cpus, max_wait_s=args.max_wait_s)
+    workloads = args.workloads.split(",")
+    rates: dict = {}
+    for r in range(args.repeats):
+        for workload in workloads:
+            for mode in args.cpu_modes.split(","):
+                rate, batch = sampling_rate(workload, mode, "cpu", args)
+                rates.setdefault((workload, mode, "cpu"), []).append(rate)
+                emit(bench="sampling", workload=workload, mode=mode, device="cpu", runners=args.runners,
+                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1),
+                     **({} if batch is None else {"batch_size_mean": round(batch, 1)}))
+    devices = ["cpu"] + (["cuda"] if cuda else [])
+    trips = {}
+    for device in devices:
+        for workload in workloads:
+            for batch in (32, 256):
+                row = round_trips(workload, device, batch, args)
+                trips[(workload, device, batch)] = row
+                emit(bench="round_trip", workload=workload, device=device, batch=batch, **row)
+    if cuda:
+        for r in range(args.repeats):
+            for workload in workloads:
+                rate, batch = sampling_rate(workload, "central", "cuda", args)
+                rates.setdefault((workload, "central", "cuda"), []).append(rate)
+                emit(bench="sampling", workload=workload, mode="central", device="cuda", runners=args.runners,
+                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1), batch_size_mean=round(batch, 1))
+        emit(bench="appo_frames", device="cuda", **appo_frames(args))
+    summary = {f"{w}_{m}_{d}_env_steps_per_s": round(statistics.median(v), 1) for (w, m, d), v in rates.items()}
+    for workload in workloads:
+        local = rates.get((workload, "local", "cpu"))
+        if not local:
+            continue
+        for device in devices:
+            central = rates.get((workload, "central", device))
+            if central:
+                summary[f"{workload}_central_{device}_over_local"] = round(statistics.median(central)
+                                                                           / statistics.median(local), 2)
+        if (workload, "central", "cpu") in rates:
+            # each repeat's central run beside the local run just before it: less exposed to a load that drifts
+            summary[f"{workload}_central_cpu_over_local_paired"] = round(statistics.median(
+                c / l for c, l in zip(rates[(workload, "central", "cpu")], local)), 2)
+    emit(bench="summary", **summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Central inference with Ray: runners that import no torch, the same actions as local inference for the
+same seeds and weights, the weights of remote learners (learner 0's) reaching every server, a server
+killed mid-sample: recreated, runners reconnected, every chunk delivered once (counted by ids). Learning:
+PPO to 450 on CartPole within its local test's budget; marked long (make test-long), as the suite keeps one
+central-inference learning run: APPO to 450, DQN with epsilon-greedy applied by the server, and training
+on to 450 after a killed server. Learning tests are seeded and assert returns and counts, never time.
+The GPU case (a server and a learner on CUDA) runs where torch sees a CUDA device."""
+import functools
+import os
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from actors.metrics import MetricsLogger
+from pipeline import APPOConfig, DQNConfig, PPOConfig
+from pipeline.config.base import ConfigError
+from pipeline.ray_cluster import actor_needs
+from tests.helpers import train_until
+from tests.inference_probes import kill_server_once, torch_loaded
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def cartpole(config_cls, runners=2, envs=None, seed=0):
+    config = config_cls().environment("CartPole-v1").env_runners(num_env_runners=runners).debugging(seed=seed)
+    if envs is not None:
+        config.env_runners(num_envs_per_env_runner=envs)
+    return config
+
+
+def servers(algo):
+    return algo.env_runner_group.inference.manager
+
+
+# --- thin runners, the same actions -------------------------------------------------------------
+def test_runners_under_central_inference_import_no_torch():
+    """Two runners, two servers: runner i asks server i % 2, and each server acts for its runner."""
+    algo = cartpole(PPOConfig, runners=2, envs=2).inference(mode="central", num_inference_servers=2).build()
+    try:
+        assert algo.foreach_env_runner(torch_loaded, local_env_runner=False) == [False, False]
+        chunks = algo.env_runner_group.sample(200, MetricsLogger())
+        assert sum(len(c) for c in chunks) >= 200 and all("action_logp" in c.extra for c in chunks)
+        served = [r.value["inference/num_actions"]["value"] for r in servers(algo).foreach_actor("get_metrics")]
+        assert len(served) == 2 and all(n > 0 for n in served) and sum(served) == sum(len(c) for c in chunks)
+        assert [r.value for r in servers(algo).foreach_actor("apply", torch_loaded)] == [True, True]  # probe works
+    finally:
+        algo.stop()
+
+
+def sample_twice(config, steps=400):
+    algo = config.build()
+    try:
+        return [c for _ in range(2) for c in algo.env_runner_group.sample(steps, MetricsLogger())]
+    finally:
+        algo.stop()
+
+
+@pytest.mark.parametrize("config_cls", [PPOConfig, DQNConfig])
+def test_same_seed_and_weights_give_the_same_actions_with_central_and_local_inference(config_cls):
+    """Two runners share one server (their requests batched together); each runner's actions,
+    log-probabilities and distribution inputs equal those it takes acting with its own module.
+    PPO samples from the policy; DQN's epsilon-greedy runs in the server."""
+    config = cartpole(config_cls, runners=2, envs=4, seed=3).env_runners(rollout_fragment_length=25)
+    local = sample_twice(config.copy())
+    central = sample_twice(config.copy().inference(mode="central"))
+    assert len(local) == len(central) > 8
+    for a, b in zip(local, central):
+        assert (a.env_runner_index, a.env_index, a.chunk_index, len(a)) == (b.env_runner_index, b.env_index,
+                                                                            b.chunk_index, len(b))
+        np.testing.assert_array_equal(a.actions, b.actions)
+        np.testing.assert_array_equal(a.obs, b.obs)
+        np.testing.assert_allclose(a.extra["action_logp"], b.extra["action_logp"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a.extra["action_dist_inputs"], b.extra["action_dist_inputs"], rtol=1e-5, atol=1e-6)
+    assert len({int(a) for c in central for a in c.actions}) == 2  # both actions taken: the draws matter
+
+
+def test_central_inference_config_is_checked_at_build():
+    with pytest.raises(ConfigError, match=r"inference mode='remote' is not one of \['local', 'central'\]"):
+        cartpole(PPOConfig).inference(mode="remote").build()
+    with pytest.raises(ConfigError, match="unknown inference setting 'max_batch_size'; did you mean 'max_batch'"):
+        cartpole(PPOConfig).inference(mode="central", max_batch_size=8).build()
+    with pytest.raises(ConfigError, match="num_inference_servers=3 is more than num_env_runners=2"):
+        cartpole(PPOConfig).inference(mode="central", num_inference_servers=3).build()
+    with pytest.raises(ConfigError, match="inference max_wait_s must be a number >= 0, got -1"):
+        cartpole(PPOConfig).inference(mode="central", max_wait_s=-1).build()
+    with pytest.raises(ConfigError, match=r"inference mode='central' serves single-agent runs.*"
+                                          r"\.inference\(mode='local'\)"):
+        cartpole(PPOConfig).multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a") \
+            .inference(mode="central").validate()
+
+
+def test_servers_count_in_what_a_joined_cluster_must_hold():
+    """The ``ray_address`` check of a joined cluster and the local Ray's size count the servers' CPUs and
+    GPUs; with the runner in the driver, its server is there too, outside Ray's accounting."""
+    config = cartpole(PPOConfig).inference(mode="central", num_inference_servers=2, num_gpus_per_inference_server=0.5)
+    needs = actor_needs(config)
+    assert (needs.cpus, needs.gpus) == (2 * 1 + 2 * 1, 1.0)
+    assert needs.describe() == "2 env runners x 1 CPU, 2 inference servers x 1 CPU + 0.5 GPU"
+    in_driver = cartpole(PPOConfig, runners=0).inference(mode="central", num_gpus_per_inference_server=1)
+    assert (actor_needs(in_driver).cpus, actor_needs(in_driver).gpus) == (0, 0)
+
+
+# --- remote learners ----------------------------------------------------------------------------
+@pytest.mark.parametrize("num_learners,device", [(2, "cpu"), pytest.param(1, "cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_remote_learners_weights_reach_every_server(num_learners, device):
+    """APPO with learners in Ray actors (num_learners > 0): the weights go out from learner 0, and every
+    server acts with them, stamped with their version, once an iteration ends. On CUDA: the learner and the
+    server share the GPU."""
+    cuda = device == "cuda"  # one GPU: half for the learner, a quarter for each server
+    config = (cartpole(APPOConfig).learners(num_learners=num_learners, num_gpus_per_learner=0.5 if cuda else 0)
+              .training(train_batch_size_per_learner=200, minibatch_size=200, broadcast_interval=1)
+              .inference(mode="central", num_inference_servers=2, num_cpus_per_inference_server=0,
+                         num_gpus_per_inference_server=0.25 if cuda else 0))
+    algo = config.build()
+    try:
+        for _ in range(3):
+            result = algo.train()
+        learner = algo.learner_group.get_weights(inference_only=True)
+        served = [r.value for r in servers(algo).foreach_actor("get_state")]
+        devices = [r.value for r in servers(algo).foreach_actor("apply", lambda s: s.forward.device.type)]
+    finally:
+        algo.stop()
+    assert devices == [device, device]
+    assert algo.weights_version >= 2 and result["inference"]["weights_version"] == algo.weights_version
+    for state in served:
+        assert state["weights_version"] == algo.weights_version and sorted(state["weights"]) == sorted(learner)
+        for k, w in learner.items():
+            np.testing.assert_array_equal(state["weights"][k], w, err_msg=k)
+
+
+# --- learning ------------------------------------------------------------------------------------
+def learn_centrally(config_cls, budget):
+    """``config_cls``'s local learning test run (2 remote runners, seed 0, the same budget), acting centrally."""
+    algo = cartpole(config_cls).inference(mode="central").build()
+    try:
+        best, result = train_until(algo, 450, budget)
+    finally:
+        algo.stop()
+    assert best >= 450, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
+    inference = result["inference"]
+    assert inference["batch_size_mean"] > 0 and inference["num_bad_requests"] == inference["num_failed_batches"] == 0
+    assert inference["weights_version"] >= 1
+    return result
+
+
+@pytest.mark.learning
+def test_ppo_with_central_inference_reaches_450_within_the_local_budget():
+    """test_ppo_train's run: PPO's defaults, 400k steps."""
+    result = learn_centrally(PPOConfig, 400_000)
+    assert result["inference"]["num_actions"] == result["num_env_steps_sampled_lifetime"]  # every step acted on once
+
+
+@pytest.mark.learning
+@pytest.mark.long
+def test_appo_with_central_inference_reaches_450_within_the_local_budget():
+    """test_impala_appo's APPO run: streaming runners, 1M steps."""
+    result = learn_centrally(APPOConfig, 1_000_000)
+    assert result["stream"]["num_chunks_dropped_invalid"] == 0
+
+
+@pytest.mark.learning
+@pytest.mark.long
+def test_dqn_with_central_inference_learns():
+    """DQN's tuned CartPole settings, the runner in the driver and its server in a thread: epsilon-greedy
+    in the server follows the runner's timestep; the return climbs well above a random policy's ~22."""
+    config = (DQNConfig().environment("CartPole-v1").debugging(seed=0)
+              .env_runners(num_env_runners=0, num_envs_per_env_runner=8, rollout_fragment_length=4)
+              .training(lr=0.0005, train_batch_size_per_learner=64, training_intensity=16,
+                        num_steps_sampled_before_learning_starts=1000, target_network_update_freq=500, n_step=[2, 5],
+                        epsilon=[[0, 1.0], [10000, 0.02]],
+                        replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 50000,
+                                              "alpha": 0.6, "beta": 0.4})
+              .rl_module(model_config={"fcnet_hiddens": [64, 64], "fcnet_activation": "relu"})
+              .inference(mode="central"))
+    algo = config.build()
+    try:
+        best, result = train_until(algo, 150, 60_000)
+    finally:
+        algo.stop()
+    assert best >= 150, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
+    assert result["inference"]["num_actions"] == result["num_env_steps_sampled_lifetime"]
+
+
+# --- a server killed mid-run ----------------------------------------------------------------------
+def run_with_a_killed_server(tmp_path, target=None):
+    """PPO (2 runners, one server) whose server runner 1 kills at its first episode end after the first
+    iteration, mid-sample; then 3 iterations, or training on to ``target``. Returns what the group's sample
+    calls returned (episode id, chunk index, length, done), the first and the last result, the best return."""
+    pid_file = str(tmp_path / "server.pid")
+    config = (cartpole(PPOConfig).inference(mode="central", resend_after_s=1.0, health_check_interval_s=0.5)
+              .callbacks(on_episode_end=functools.partial(kill_server_once, pid_file)))
+    algo = config.build()
+    seen = []
+    sample = algo.env_runner_group.sample
+
+    def recording(*args, **kwargs):
+        chunks = sample(*args, **kwargs)
+        seen.extend((c.episode_id, c.chunk_index, len(c), c.terminated or c.truncated) for c in chunks)
+        return chunks
+
+    algo.env_runner_group.sample = recording
+    best = -np.inf
+    try:
+        first = algo.train()
+        pid = servers(algo).foreach_actor("apply", lambda server: os.getpid())[0].value
+        with open(pid_file, "w") as f:  # runner 1 kills the server at its next episode's end, mid-sample
+            f.write(str(pid))
+        if target is None:
+            for _ in range(3):
+                result = algo.train()
+        else:
+            best, result = train_until(algo, target, 400_000)
+    finally:
+        algo.stop()
+    assert os.path.exists(pid_file + ".taken"), "the server was never killed"
+    return seen, first, result, best
+
+
+def check_recovered_and_every_chunk_once(seen, first, result):
+    assert first["fault_tolerance"]["num_inference_server_restarts"] == 0
+    ft = result["fault_tolerance"]
+    assert ft["num_inference_server_restarts"] >= 1
+    assert ft["num_remote_worker_failures"] == 0 and ft["num_healthy_workers"] == 2  # no runner was lost
+    assert result["inference"]["runner_num_reconnects"] >= 1  # runner 1 resent its pending request elsewhere
+    # every chunk once, every episode's chunks 0, 1, 2... without a gap, ended ones closed by their last chunk
+    keys = [(e, i) for e, i, _, _ in seen]
+    assert len(keys) == len(set(keys)), "a chunk was delivered twice"
+    by_episode = defaultdict(dict)
+    for e, i, _, done in seen:
+        by_episode[e][i] = done
+    for e, chunks in by_episode.items():
+        assert sorted(chunks) == list(range(len(chunks))), f"episode {e} lost chunks: has {sorted(chunks)}"
+        assert not any(chunks[i] for i in range(len(chunks) - 1)), f"episode {e} goes on after its end"
+    assert sum(n for _, _, n, _ in seen) == result["num_env_steps_sampled_lifetime"]
+
+
+@pytest.mark.slow
+def test_killed_server_is_recreated_runners_reconnect_and_no_chunk_is_lost_or_doubled(tmp_path):
+    seen, first, result, _ = run_with_a_killed_server(tmp_path)
+    check_recovered_and_every_chunk_once(seen, first, result)
+    assert result["training_iteration"] == 4 and result["inference"]["weights_version"] == 4
+
+
+@pytest.mark.learning
+@pytest.mark.long
+def test_training_reaches_450_after_a_killed_server(tmp_path):
+    seen, first, result, best = run_with_a_killed_server(tmp_path, target=450)
+    check_recovered_and_every_chunk_once(seen, first, result)
+    assert best >= 450, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"

@@ -1,0 +1,78 @@
+"""Learners and inference servers on a device, in one process (no Ray actors): PPO, APPO, DQN and SAC
+train a few iterations with the learner on ``device``; its weights change, and what acts for the runner in
+the driver -- its own module, or (central inference) an inference server on the same device -- acts with
+the learner's latest weights and version.
+
+The "cpu" cases run everywhere and keep the test itself honest; the "cuda" cases run only where torch sees
+a CUDA device (``tests/benchmarks/gpu_check.sh`` runs them on a GPU machine)."""
+import numpy as np
+import pytest
+import torch
+
+from pipeline import APPOConfig, DQNConfig, PPOConfig, SACConfig
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def small(algo: str):
+    """A few hundred steps an iteration, updates from the first one on."""
+    if algo == "PPO":
+        return PPOConfig().environment("CartPole-v1").training(train_batch_size_per_learner=256, minibatch_size=128,
+                                                               num_epochs=2)
+    if algo == "APPO":
+        return APPOConfig().environment("CartPole-v1").training(train_batch_size_per_learner=100, minibatch_size=100,
+                                                                broadcast_interval=1)
+    if algo == "DQN":
+        return DQNConfig().environment("CartPole-v1").training(train_batch_size_per_learner=32,
+                                                               num_steps_sampled_before_learning_starts=64)
+    return SACConfig().environment("Pendulum-v1").training(train_batch_size_per_learner=32, training_intensity=8,
+                                                           num_steps_sampled_before_learning_starts=64)
+
+
+def build(algo: str, device: str, central: bool):
+    gpus = 1 if device == "cuda" else 0
+    config = (small(algo).env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=50)
+              .rl_module(model_config={"fcnet_hiddens": [32, 32]}).learners(num_gpus_per_learner=gpus)
+              .debugging(seed=0))
+    if central:
+        config.inference(mode="central", num_gpus_per_inference_server=gpus)
+    return config.build(logdir=None)
+
+
+def actor_weights(algo) -> tuple[dict, int]:
+    """The weights and version that act for the driver's runner: its module's, or its server's."""
+    group = algo.env_runner_group
+    if group.inference is not None:
+        server = group.inference.manager.handle(0)
+        return server.get_weights(), server.weights_version
+    runner = algo.foreach_env_runner(lambda r: r)[0]
+    assert runner.stop_streaming()  # a streaming runner (APPO) takes new weights between fragments: now
+    return runner.get_weights(), runner.weights_version
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo,central", [("PPO", False), ("PPO", True), ("APPO", False), ("APPO", True),
+                                          ("DQN", False), ("DQN", True), ("SAC", False), ("SAC", True)])
+def test_learner_on_device_trains_and_what_acts_gets_its_weights(algo, central, device):
+    a = build(algo, device, central)
+    try:
+        learner = a.learner_group.local
+        assert {p.device.type for p in learner.module.parameters()} == {device}
+        if central:
+            assert a.env_runner_group.inference.manager.handle(0).forward.device.type == device
+        before = a.learner_group.get_weights(inference_only=True)
+        for _ in range(3):
+            result = a.train()
+        after = a.learner_group.get_weights(inference_only=True)
+        assert result["num_env_steps_sampled_lifetime"] >= 3 * 100 and a.weights_version >= 2
+        assert all(np.isfinite(w).all() for w in after.values())
+        changed = [k for k in after if not np.allclose(before[k], after[k])]
+        assert changed, "no weight changed in 3 iterations of training"
+        acting, version = actor_weights(a)
+        assert version == a.weights_version
+        assert sorted(acting) == sorted(after)
+        for k in after:
+            np.testing.assert_allclose(acting[k], after[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    finally:
+        a.stop()
