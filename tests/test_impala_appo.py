@@ -227,7 +227,9 @@ def test_configs_validate_and_register():
         IMPALAConfig().environment("CartPole-v1").training(max_weights_lag=-1).validate()
     IMPALAConfig().environment("CartPole-v1").training(max_weights_lag=None).validate()
     # "auto": 4x a fresh fragment's lag (runners x envs x fragment steps / steps per update), at least 32
-    small = IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2).training(train_batch_size_per_learner=500)
+    assert IMPALAConfig().max_weights_lag is None  # off by default (see its docstring)
+    small = (IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2)
+             .training(train_batch_size_per_learner=500, max_weights_lag="auto"))
     assert max_weights_lag(small) == 32 and max_weights_lag(small.copy().training(max_weights_lag=7)) == 7
     big = small.copy().env_runners(num_env_runners=64).learners(num_learners=2).training(train_batch_size_per_learner=250)
     assert max_weights_lag(big) == math.ceil(4 * 64 * 16 * 50 / 500) == 410
