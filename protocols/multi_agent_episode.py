@@ -127,6 +127,9 @@ class MultiAgentEpisode:
         self._module_steps: dict[str, int] = {}
         self._ready = 0  # agents holding an observation they have not acted on
         self._playing: set[AgentID] = set()  # agents joined and not done
+        self.plain_steps = True
+        """Record the commonest step (every observing agent paid, nobody else) in one pass; False: the
+        general recording, which gives the same chunks (tests compare the two)."""
 
     # --- what the episode is and holds ------------------------------------------------------
     @property
@@ -283,13 +286,27 @@ class MultiAgentEpisode:
                  infos: Mapping[AgentID, dict] | None = None) -> None:
         """The env's ``step()`` result. Agents that got an observation complete their step (or join);
         agents done without one are closed on their last observation."""
-        self._check_running("add_step")
+        if not self._started or self.is_terminated or self.is_truncated:
+            self._check_running("add_step")
         agents = self._agents
         if self._ready:
             raise ValueError(f"add_step while agents {self.agents_to_act()} have not acted on their observations: "
                              "give every agent in agents_to_act() an action (add_actions) before stepping the env")
         if self._plain_step(obs, rewards, terminateds, truncateds):
             self._env_steps += 1
+            if self.plain_steps and rewards.keys() == obs.keys() and not self.record_infos:
+                # the commonest step in one pass: every agent that observes is paid, and nobody else
+                for aid, o in obs.items():
+                    a = agents[aid]
+                    r = rewards[aid]
+                    a.ret += r
+                    a.rewards.append(a.pending_reward + r)
+                    a.obs.append(o)
+                    a.pending_reward, a.last_obs, a.ready = 0.0, o, True
+                    if a.last_info:
+                        a.last_info = {}
+                self._ready += len(obs)
+                return
             for aid, r in rewards.items():
                 a = agents[aid]
                 a.pending_reward += r
