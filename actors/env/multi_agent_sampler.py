@@ -36,7 +36,7 @@ from actors.env.sampling import plain_info
 from actors.env.space_values import BatchProblemFinder, batch_problem_finder
 from actors.metrics import MetricsLogger
 from actors.modules import RLModule
-from actors.modules.fused import FusedActors, fusion_key
+from actors.modules.fused import FusedActors, fusion_key, pad_rows
 from protocols import nested
 from protocols.episode import EpisodeChunk
 from protocols.multi_agent_episode import AgentID, MultiAgentEpisode
@@ -233,7 +233,7 @@ class MultiAgentSampler:
                 agent_steps += len(who)
             for i, ep in enumerate(self.episodes):
                 ep.add_step(*self._step(i, to_env[i]))
-                if ep.is_done:
+                if ep.is_terminated or ep.is_truncated:  # is_done, without a property call per env
                     _add(chunks, ep.take_chunks())
                     ended.append(ep)
                     if self.listener is not None:
@@ -271,12 +271,14 @@ class MultiAgentSampler:
     def _act_fused(self, fused: FusedActors, mids: tuple[str, ...], counts: list[int], who: list[tuple[int, AgentID]],
                    obs: list[Any], explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
         """Several modules' rows (grouped by module, ``counts`` each) in one pass; as ``_act``."""
-        tensors = self._tensors(mids[0], who, obs)
-        dist_inputs = fused.dist_inputs(tensors, counts)
+        # padded as a list, stacked once: the modules' rows side by side for one batched matmul per layer
+        tensors = self._tensors(mids[0], who, pad_rows(obs, counts), obs)
+        dist_inputs = fused.dist_inputs(tensors, counts, padded=True)
         return self._choose(mids[0], dist_inputs, {}, explore, timestep)
 
-    def _tensors(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any]) -> Any:
-        """The observations as one batch of tensors, cast to the module's observation space's dtypes."""
+    def _tensors(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], values: list[Any] | None = None) -> Any:
+        """The observations as one batch of tensors, cast to the module's observation space's dtypes.
+        ``values``: the agents' own observations when ``obs`` repeats some of them (``pad_rows``)."""
         module = self.modules[mid]
         dtypes = self._dtypes.get(mid)
         if dtypes is None or dtypes[0] is not module:
@@ -290,7 +292,7 @@ class MultiAgentSampler:
             except ValueError:  # ragged: the check below names the agent, or the message below the shapes
                 flat = False
         if self.check_observations:
-            self._check_batch(mid, batch, who, obs)
+            self._check_batch(mid, batch, who, obs if values is None else values)
         try:
             if flat:
                 tensors = torch.from_numpy(_cast(batch, dtypes))
@@ -346,10 +348,14 @@ class MultiAgentSampler:
 
     def _step(self, index: int, actions: dict[AgentID, Any]) -> tuple:
         result = self.envs[index].step(actions)
-        if not isinstance(result, tuple) or len(result) != 5:
-            raise ValueError(f"env {index}'s step() returned {_short(result)}; a multi-agent env's step returns "
-                             "(observations, rewards, terminateds, truncateds, infos), dicts keyed by agent id "
-                             "with '__all__' in terminateds and truncateds")
+        if type(result) is not tuple or len(result) != 5:
+            if not isinstance(result, tuple) or len(result) != 5:
+                raise ValueError(f"env {index}'s step() returned {_short(result)}; a multi-agent env's step returns "
+                                 "(observations, rewards, terminateds, truncateds, infos), dicts keyed by agent id "
+                                 "with '__all__' in terminateds and truncateds")
+            result = tuple(result)  # a tuple subclass (a named tuple): plain, as the episode takes it
+        if not self.record_infos:
+            return result
         obs, rewards, terminateds, truncateds, infos = result
         return obs, rewards, terminateds, truncateds, self._infos(infos)
 

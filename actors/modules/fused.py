@@ -71,15 +71,23 @@ class FusedActors:
             self.biases = [torch.stack([ls[k].bias for ls in linears]).unsqueeze(1).contiguous()
                            for k in range(len(linears[0]))]
 
-    def dist_inputs(self, obs: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    def dist_inputs(self, obs: torch.Tensor, counts: Sequence[int], padded: bool = False) -> torch.Tensor:
         """Distribution inputs ``[N, D]`` for ``obs`` ``[N, ...]`` whose rows are grouped by module:
-        the first ``counts[0]`` rows are ``module_ids[0]``'s, and so on."""
+        the first ``counts[0]`` rows are ``module_ids[0]``'s, and so on. ``padded``: ``obs`` is laid out
+        as ``pad_rows`` gives it, ``max(counts)`` rows per module (the result is the real rows only)."""
         # one flat Box leaf (fusion_key's condition): the encoder would only flatten and cast to float
         feats = obs.reshape(obs.shape[0], -1)
         if feats.dtype != torch.float32:
             feats = feats.float()
         n_modules, widest = len(counts), max(counts)
-        h = feats if all(c == widest for c in counts) else self._padded(feats, counts, widest)
+        if padded:
+            rows = sum(counts)
+            if feats.shape[0] != n_modules * widest:
+                raise ValueError(f"padded rows: {feats.shape[0]} for {n_modules} modules of at most {widest}; "
+                                 f"give pad_rows(items, counts)'s layout")
+        else:
+            rows = feats.shape[0]
+        h = feats if padded or all(c == widest for c in counts) else self._padded(feats, counts, widest)
         h = h.reshape(n_modules, widest, -1)
         k = 0
         for layer in self.pattern:
@@ -89,7 +97,7 @@ class FusedActors:
             else:
                 h = layer(h)
         h = h.reshape(n_modules * widest, -1)
-        return h if h.shape[0] == feats.shape[0] else h.index_select(0, self._rows(counts, widest))
+        return h if h.shape[0] == rows else h.index_select(0, self._rows(counts, widest))
 
     def _padded(self, feats: torch.Tensor, counts: Sequence[int], widest: int) -> torch.Tensor:
         """``feats`` laid out ``[module * widest + row]`` with zero rows where a module has fewer."""
@@ -105,3 +113,18 @@ class FusedActors:
                 self._layouts.clear()
             rows = self._layouts[key] = torch.cat([torch.arange(c) + k * widest for k, c in enumerate(counts)])
         return rows
+
+
+def pad_rows(items: list, counts: Sequence[int]) -> list:
+    """``items`` (grouped by module, ``counts`` each) laid out ``max(counts)`` per module, the gaps filled
+    with ``items[0]``: padding a list before the one stack costs less than padding the tensor after it, and
+    a real row (not zeros) keeps the padded batch inside the observation space that is checked on it."""
+    widest = max(counts)
+    if all(c == widest for c in counts):
+        return items
+    out, start = [], 0
+    for c in counts:
+        out += items[start:start + c]
+        out += [items[0]] * (widest - c)
+        start += c
+    return out
