@@ -132,6 +132,7 @@ class MultiAgentSampler:
         self.check_observations = check_observations
         """Check each batch of observations against its module's observation space before acting on it
         (the runner's step checker leaves these to this batched check)."""
+        self._fast_path = True
         self._batch_checks: dict[str, tuple[RLModule, BatchProblemFinder]] = {}
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
@@ -151,6 +152,18 @@ class MultiAgentSampler:
         for ep in self.episodes:
             ep.weights_version = version
 
+    @property
+    def fast_path(self) -> bool:
+        """Whether the shortcuts for the commonest steps are taken (the episodes' one-pass recording, the fused
+        pass's rows padded as a list); False: the general path throughout, which gives the same chunks."""
+        return self._fast_path
+
+    @fast_path.setter
+    def fast_path(self, on: bool) -> None:
+        self._fast_path = on
+        for ep in self.episodes:
+            ep.plain_steps = on
+
     def reset(self, seed: int | None = None) -> None:
         """Reset every env (env ``i`` with ``seed + i`` when a seed is given); each starts a fresh
         episode, and the running ones are dropped with whatever they had not handed out."""
@@ -159,6 +172,7 @@ class MultiAgentSampler:
     def _start(self, index: int, seed: int | None) -> MultiAgentEpisode:
         ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
                                env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
+        ep.plain_steps = self._fast_path
         if self.listener is not None:  # RLlib's order: the episode object exists before the env resets
             self.listener.episode_created(index, ep)
         result = self.envs[index].reset(seed=seed)
@@ -271,9 +285,10 @@ class MultiAgentSampler:
     def _act_fused(self, fused: FusedActors, mids: tuple[str, ...], counts: list[int], who: list[tuple[int, AgentID]],
                    obs: list[Any], explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
         """Several modules' rows (grouped by module, ``counts`` each) in one pass; as ``_act``."""
-        # padded as a list, stacked once: the modules' rows side by side for one batched matmul per layer
-        tensors = self._tensors(mids[0], who, pad_rows(obs, counts), obs)
-        dist_inputs = fused.dist_inputs(tensors, counts, padded=True)
+        if self._fast_path:  # padded as a list, stacked once: the modules' rows side by side for one matmul per layer
+            dist_inputs = fused.dist_inputs(self._tensors(mids[0], who, pad_rows(obs, counts), obs), counts, padded=True)
+        else:
+            dist_inputs = fused.dist_inputs(self._tensors(mids[0], who, obs), counts)
         return self._choose(mids[0], dist_inputs, {}, explore, timestep)
 
     def _tensors(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], values: list[Any] | None = None) -> Any:
