@@ -35,7 +35,7 @@ each agent's chunks apart.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -485,6 +485,34 @@ class MultiAgentEpisode:
         a.actions, a.extra_rows = a.actions[steps:], a.extra_rows[steps:]
         if a.infos:
             a.infos = a.infos[-1:]
+
+
+def add_action_batch(episodes: Sequence[MultiAgentEpisode], who: Sequence[tuple[int, AgentID]], actions: Sequence[Any],
+                     keys: tuple[str, ...], rows: Sequence[tuple]) -> bool:
+    """``add_action_rows`` for one batch of agents of many episodes (a sampler's forward pass): agent
+    ``who[j] = (episode index, agent id)`` took ``actions[j]`` with the outputs ``rows[j]``. Only the common
+    case, every agent running, to act and with these ``keys`` (or none yet), each episode taking
+    ``plain_steps``: then recorded in one pass over the batch, and True; otherwise nothing is recorded and
+    False says to give each episode its rows (``add_action_rows``, which names what is wrong)."""
+    records = []
+    for i, aid in who:  # everything checked before anything changes, as add_action_rows does
+        ep = episodes[i]
+        a = ep._agents.get(aid)
+        if (a is None or not a.ready or (a.extra_keys is not None and a.extra_keys != keys) or not ep.plain_steps
+                or not ep._started or ep.is_terminated or ep.is_truncated):
+            return False
+        records.append((ep, a))
+    for (ep, a), action, row in zip(records, actions, rows):
+        a.actions.append(action)
+        a.extra_rows.append(row)
+        a.ready = False
+        if a.extra_keys is None:
+            a.extra_keys = keys
+        module_steps = ep._module_steps
+        module_steps[a.module_id] = module_steps.get(a.module_id, 0) + 1
+        ep._ready -= 1
+        ep._agent_steps += 1
+    return True
 
 
 def _flags(aid: AgentID, terminateds: Mapping, truncateds: Mapping, all_term: bool, all_trunc: bool) -> tuple[bool, bool]:

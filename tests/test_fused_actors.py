@@ -115,3 +115,19 @@ def test_padded_rows_give_the_same_inputs(counts):
                                    rtol=0, atol=0)
         with pytest.raises(ValueError, match="padded rows"):
             fused.dist_inputs(obs[:1], [1, 1, 1], padded=True)
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu", "linear", "elu", "swish"])
+def test_numpy_and_torch_passes_equal_each_modules_own(activation):
+    # tanh, relu and linear trunks run in numpy (cheaper per op for small layers), the others in torch
+    torch.manual_seed(0)
+    mods = {f"m{k}": ActorCriticModule(BOX, ACTS, {"fcnet_hiddens": [16, 16], "fcnet_activation": activation},
+                                       inference_only=True) for k in range(2)}
+    fused = FusedActors(mods)
+    assert (fused._numpy_pattern is not None) == (activation in ("tanh", "relu", "linear"))
+    obs = torch.randn(7, 4)
+    with torch.inference_mode():
+        for counts in ([4, 3], [0, 7]):
+            torch.testing.assert_close(fused.dist_inputs(obs, counts), separate(mods, obs, counts), rtol=1e-5, atol=1e-6)
+            padded = torch.stack(pad_rows(list(obs), counts))
+            assert torch.equal(fused.dist_inputs(padded, counts, padded=True), fused.dist_inputs(obs, counts))

@@ -39,7 +39,7 @@ from actors.modules import RLModule
 from actors.modules.fused import FusedActors, fusion_key, pad_rows
 from protocols import nested
 from protocols.episode import EpisodeChunk
-from protocols.multi_agent_episode import AgentID, MultiAgentEpisode
+from protocols.multi_agent_episode import AgentID, MultiAgentEpisode, add_action_batch
 
 PolicyMappingFn = Callable[[AgentID, MultiAgentEpisode], str]
 
@@ -239,9 +239,13 @@ class MultiAgentSampler:
                     acts, env_acts, columns = self._act_fused(fused, mids, counts, who, obs, explore, timestep)
                 keys = tuple(columns)
                 rows = list(zip(*columns.values()))  # each agent's policy outputs, in keys' order
-                for i, (agents, acts_i, rows_i, env_acts_i) in _by_env(who, acts, rows, env_acts).items():
-                    self.episodes[i].add_action_rows(agents, acts_i, keys, rows_i)
-                    to_env[i].update(zip(agents, env_acts_i))
+                if self._fast_path and add_action_batch(self.episodes, who, acts, keys, rows):
+                    for (i, aid), env_action in zip(who, env_acts):
+                        to_env[i][aid] = env_action
+                else:
+                    for i, (agents, acts_i, rows_i, env_acts_i) in _by_env(who, acts, rows, env_acts).items():
+                        self.episodes[i].add_action_rows(agents, acts_i, keys, rows_i)
+                        to_env[i].update(zip(agents, env_acts_i))
                 for m in present:
                     module_steps[m] = module_steps.get(m, 0) + len(waiting[m][0])
                 agent_steps += len(who)

@@ -15,9 +15,10 @@ fused; ``fusable`` says why not, and the caller runs each module alone.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import gymnasium as gym
+import numpy as np
 import torch
 from torch import nn
 
@@ -26,6 +27,9 @@ from actors.modules.encoders import ObsEncoder
 from actors.modules.rl_module import RLModule
 
 _ELEMENTWISE = (nn.Tanh, nn.ReLU, nn.ELU, nn.SiLU, nn.Identity)
+_NUMPY_TWINS: dict[type, Callable[[np.ndarray], np.ndarray]] = {
+    nn.Tanh: np.tanh, nn.ReLU: lambda h: np.maximum(h, 0), nn.Identity: lambda h: h}
+"""The activations the numpy pass knows; a trunk with another one is run by torch."""
 
 
 def fusion_key(module: RLModule) -> tuple | None:
@@ -61,6 +65,12 @@ class FusedActors:
         self.weights: list[torch.Tensor] = []
         self.biases: list[torch.Tensor] = []
         self._layouts: dict[tuple[int, ...], torch.Tensor] = {}
+        twins = [None if layer is None else _NUMPY_TWINS.get(type(layer)) for layer in self.pattern]
+        self._numpy_pattern = None if any(layer is not None and twin is None for layer, twin in zip(self.pattern, twins)) \
+            else twins
+        """The pass in numpy (None: an activation without a numpy twin): for these few rows and small layers
+        each torch op costs its dispatch, several times numpy's call, and the pass is a dozen ops."""
+        self._np_weights: list[tuple[np.ndarray, np.ndarray]] = []
         self.refresh()
 
     def refresh(self) -> None:
@@ -70,11 +80,14 @@ class FusedActors:
             self.weights = [torch.stack([ls[k].weight.t() for ls in linears]).contiguous() for k in range(len(linears[0]))]
             self.biases = [torch.stack([ls[k].bias for ls in linears]).unsqueeze(1).contiguous()
                            for k in range(len(linears[0]))]
+        self._np_weights = [(w.numpy(), b.numpy()) for w, b in zip(self.weights, self.biases)]  # views, no copies
 
     def dist_inputs(self, obs: torch.Tensor, counts: Sequence[int], padded: bool = False) -> torch.Tensor:
         """Distribution inputs ``[N, D]`` for ``obs`` ``[N, ...]`` whose rows are grouped by module:
         the first ``counts[0]`` rows are ``module_ids[0]``'s, and so on. ``padded``: ``obs`` is laid out
         as ``pad_rows`` gives it, ``max(counts)`` rows per module (the result is the real rows only)."""
+        if self._numpy_pattern is not None and obs.device.type == "cpu":
+            return self._numpy_pass(obs, counts, padded)
         # one flat Box leaf (fusion_key's condition): the encoder would only flatten and cast to float
         feats = obs.reshape(obs.shape[0], -1)
         if feats.dtype != torch.float32:
@@ -98,6 +111,35 @@ class FusedActors:
                 h = layer(h)
         h = h.reshape(n_modules * widest, -1)
         return h if h.shape[0] == rows else h.index_select(0, self._rows(counts, widest))
+
+    def _numpy_pass(self, obs: torch.Tensor, counts: Sequence[int], padded: bool) -> torch.Tensor:
+        """``dist_inputs`` in numpy: the same layers on the same ``[module, row]`` layout (the same numbers up
+        to float rounding, as the torch pass's are up to its own)."""
+        feats = obs.numpy().reshape(obs.shape[0], -1)
+        if feats.dtype != np.float32:
+            feats = feats.astype(np.float32)
+        n_modules, widest = len(counts), max(counts)
+        rows = sum(counts)
+        if padded:
+            if feats.shape[0] != n_modules * widest:
+                raise ValueError(f"padded rows: {feats.shape[0]} for {n_modules} modules of at most {widest}; "
+                                 f"give pad_rows(items, counts)'s layout")
+        elif rows != n_modules * widest:
+            out = np.zeros((n_modules * widest, feats.shape[1]), np.float32)
+            out[self._rows(counts, widest).numpy()] = feats
+            feats = out
+        h = feats.reshape(n_modules, widest, -1)
+        k = 0
+        for twin in self._numpy_pattern:
+            if twin is None:
+                weight, bias = self._np_weights[k]
+                h = np.matmul(h, weight)
+                h += bias
+                k += 1
+            else:
+                h = twin(h)
+        h = h.reshape(n_modules * widest, -1)
+        return torch.from_numpy(h if h.shape[0] == rows else h[self._rows(counts, widest).numpy()])
 
     def _padded(self, feats: torch.Tensor, counts: Sequence[int], widest: int) -> torch.Tensor:
         """``feats`` laid out ``[module * widest + row]`` with zero rows where a module has fewer."""
