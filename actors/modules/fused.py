@@ -8,7 +8,9 @@ mask, their layers are stacked once per weights update into ``[M, in, out]`` ten
 of every module goes through ``torch.baddbmm`` together: rows are laid out ``[module, row]``, padded
 to the largest module's rows, and read back in the order they came. The result is the rows' own
 module's distribution inputs, the same numbers each module's ``forward_inference`` gives (a test
-compares them).
+compares them). For the activations numpy has (tanh, relu, linear) the pass runs in numpy on views of the
+stacked weights: a dozen ops on a few rows cost their call overhead, and numpy's is a fraction of torch's
+dispatch; the numbers are the same up to float rounding.
 
 Anything else -- another module class, a masked or nested observation, differing configs -- is not
 fused; ``fusable`` says why not, and the caller runs each module alone.
@@ -80,26 +82,21 @@ class FusedActors:
             self.weights = [torch.stack([ls[k].weight.t() for ls in linears]).contiguous() for k in range(len(linears[0]))]
             self.biases = [torch.stack([ls[k].bias for ls in linears]).unsqueeze(1).contiguous()
                            for k in range(len(linears[0]))]
-        self._np_weights = [(w.numpy(), b.numpy()) for w, b in zip(self.weights, self.biases)]  # views, no copies
+        on_cpu = all(w.device.type == "cpu" for w in self.weights)
+        self._np_weights = [(w.numpy(), b.numpy()) for w, b in zip(self.weights, self.biases)] if on_cpu else []
 
     def dist_inputs(self, obs: torch.Tensor, counts: Sequence[int], padded: bool = False) -> torch.Tensor:
         """Distribution inputs ``[N, D]`` for ``obs`` ``[N, ...]`` whose rows are grouped by module:
         the first ``counts[0]`` rows are ``module_ids[0]``'s, and so on. ``padded``: ``obs`` is laid out
         as ``pad_rows`` gives it, ``max(counts)`` rows per module (the result is the real rows only)."""
-        if self._numpy_pattern is not None and obs.device.type == "cpu":
+        if self._numpy_pattern is not None and self._np_weights and obs.device.type == "cpu":  # views of the weights
             return self._numpy_pass(obs, counts, padded)
         # one flat Box leaf (fusion_key's condition): the encoder would only flatten and cast to float
         feats = obs.reshape(obs.shape[0], -1)
         if feats.dtype != torch.float32:
             feats = feats.float()
         n_modules, widest = len(counts), max(counts)
-        if padded:
-            rows = sum(counts)
-            if feats.shape[0] != n_modules * widest:
-                raise ValueError(f"padded rows: {feats.shape[0]} for {n_modules} modules of at most {widest}; "
-                                 f"give pad_rows(items, counts)'s layout")
-        else:
-            rows = feats.shape[0]
+        rows = _real_rows(feats.shape[0], counts, padded)
         h = feats if padded or all(c == widest for c in counts) else self._padded(feats, counts, widest)
         h = h.reshape(n_modules, widest, -1)
         k = 0
@@ -119,12 +116,8 @@ class FusedActors:
         if feats.dtype != np.float32:
             feats = feats.astype(np.float32)
         n_modules, widest = len(counts), max(counts)
-        rows = sum(counts)
-        if padded:
-            if feats.shape[0] != n_modules * widest:
-                raise ValueError(f"padded rows: {feats.shape[0]} for {n_modules} modules of at most {widest}; "
-                                 f"give pad_rows(items, counts)'s layout")
-        elif rows != n_modules * widest:
+        rows = _real_rows(feats.shape[0], counts, padded)
+        if not padded and rows != n_modules * widest:
             out = np.zeros((n_modules * widest, feats.shape[1]), np.float32)
             out[self._rows(counts, widest).numpy()] = feats
             feats = out
@@ -155,6 +148,14 @@ class FusedActors:
                 self._layouts.clear()
             rows = self._layouts[key] = torch.cat([torch.arange(c) + k * widest for k, c in enumerate(counts)])
         return rows
+
+
+def _real_rows(given: int, counts: Sequence[int], padded: bool) -> int:
+    """How many of the ``given`` rows are real; padded rows must be laid out as ``pad_rows`` lays them."""
+    if padded and given != len(counts) * max(counts):
+        raise ValueError(f"padded rows: {given} for {len(counts)} modules of at most {max(counts)}; give "
+                         f"pad_rows(items, counts)'s layout")
+    return sum(counts) if padded else given
 
 
 def pad_rows(items: list, counts: Sequence[int]) -> list:
