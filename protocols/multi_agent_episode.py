@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import is_
 from typing import Any
 
 from protocols.episode import EpisodeChunk, chunk_from_steps, new_episode_id
@@ -411,7 +413,7 @@ class MultiAgentEpisode:
         agent that is playing (joined, not done), rewards are floats, and no flag is set."""
         playing = self._playing
         return (obs.keys() <= playing and rewards.keys() <= playing
-                and all(type(r) is float for r in rewards.values())
+                and all(map(is_, map(type, rewards.values()), repeat(float)))  # no Python frame per reward
                 and not any(terminateds.values()) and not any(truncateds.values()))
 
     def _check_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],

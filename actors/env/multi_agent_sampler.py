@@ -249,8 +249,12 @@ class MultiAgentSampler:
                 for m in present:
                     module_steps[m] = module_steps.get(m, 0) + len(waiting[m][0])
                 agent_steps += len(who)
+            envs, plain_results = self.envs, not self.record_infos
             for i, ep in enumerate(self.episodes):
-                ep.add_step(*self._step(i, to_env[i]))
+                result = envs[i].step(to_env[i])
+                if type(result) is not tuple or len(result) != 5 or not plain_results:  # else it is as the episode takes it
+                    result = self._step_result(i, result)
+                ep.add_step(*result)
                 if ep.is_terminated or ep.is_truncated:  # is_done, without a property call per env
                     _add(chunks, ep.take_chunks())
                     ended.append(ep)
@@ -365,8 +369,8 @@ class MultiAgentSampler:
         # Discrete actions as Python ints: every env accepts them, and gymnasium checks them fastest
         return acts, env_acts.tolist() if env_acts.ndim == 1 else list(env_acts), columns
 
-    def _step(self, index: int, actions: dict[AgentID, Any]) -> tuple:
-        result = self.envs[index].step(actions)
+    def _step_result(self, index: int, result: Any) -> tuple:
+        """Env ``index``'s step result as the episode takes it: a plain 5-tuple, infos kept as plain data."""
         if type(result) is not tuple or len(result) != 5:
             if not isinstance(result, tuple) or len(result) != 5:
                 raise ValueError(f"env {index}'s step() returned {_short(result)}; a multi-agent env's step returns "
