@@ -296,23 +296,13 @@ class MultiAgentEpisode:
                              "give every agent in agents_to_act() an action (add_actions) before stepping the env")
         if self._plain_step(obs, rewards, terminateds, truncateds):
             self._env_steps += 1
-            if self.plain_steps and rewards.keys() == obs.keys() and not self.record_infos:
-                # the commonest step in one pass: every agent that observes is paid, and nobody else
-                for aid, o in obs.items():
+            # the commonest step, every agent that observes paid and nobody else, in one pass (no rewards loop)
+            one_pass = self.plain_steps and not self.record_infos and rewards.keys() == obs.keys()
+            if not one_pass:
+                for aid, r in rewards.items():
                     a = agents[aid]
-                    r = rewards[aid]
+                    a.pending_reward += r
                     a.ret += r
-                    a.rewards.append(a.pending_reward + r)
-                    a.obs.append(o)
-                    a.pending_reward, a.last_obs, a.ready = 0.0, o, True
-                    if a.last_info:
-                        a.last_info = {}
-                self._ready += len(obs)
-                return
-            for aid, r in rewards.items():
-                a = agents[aid]
-                a.pending_reward += r
-                a.ret += r
             if self.record_infos:
                 infos = infos or {}
                 for aid, o in obs.items():
@@ -320,7 +310,12 @@ class MultiAgentEpisode:
                 return
             for aid, o in obs.items():  # _complete's common case inline: a step of a running agent
                 a = agents[aid]
-                a.rewards.append(a.pending_reward)
+                if one_pass:
+                    r = rewards[aid]
+                    a.ret += r
+                    a.rewards.append(a.pending_reward + r)
+                else:
+                    a.rewards.append(a.pending_reward)
                 a.obs.append(o)
                 a.pending_reward, a.last_obs, a.ready = 0.0, o, True
                 if a.last_info:

@@ -1,8 +1,9 @@
 """The multi-agent sampling shortcuts give exactly the chunks of the general path.
 
 Every shortcut for the commonest step -- the step checker's one pass (``MultiAgentStepChecker.fast``),
-the episode's one-pass recording and the fused pass's rows padded as a list
-(``MultiAgentSampler.fast_path``) -- has a switch that sends every step through the general path. Two
+the episode's one-pass recording, a forward pass's actions recorded across episodes in one pass
+(``add_action_batch``) and the fused pass's rows padded as a list (``MultiAgentSampler.use_fast_path``)
+-- has a switch that sends every step through the general path. Two
 runners, seeded alike, one with the shortcuts and one without, sample the same envs (two CartPole
 copies whose agents finish apart, agents moving in turns, finishing early, joining late) and must cut
 the same chunks: observations, actions, rewards, extras, flags, indices, agents and modules.
@@ -32,7 +33,7 @@ def runner(creator: Any, mapping: Any, fast: bool, num_envs: int = 3) -> MultiAg
     torch.manual_seed(0)  # the modules' weights alike
     r = MultiAgentEnvRunner(EnvRunnerSettings(env_creator=creator, num_envs=num_envs, rollout_fragment_length=7,
                                               seed=3), specs, mapping, worker_index=1)
-    r.sampler.fast_path = fast
+    r.sampler.use_fast_path(fast)
     for checked in r.envs:
         checked.checker.fast = fast
     return r

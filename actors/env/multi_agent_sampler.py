@@ -152,14 +152,9 @@ class MultiAgentSampler:
         for ep in self.episodes:
             ep.weights_version = version
 
-    @property
-    def fast_path(self) -> bool:
-        """Whether the shortcuts for the commonest steps are taken (the episodes' one-pass recording, the fused
-        pass's rows padded as a list); False: the general path throughout, which gives the same chunks."""
-        return self._fast_path
-
-    @fast_path.setter
-    def fast_path(self, on: bool) -> None:
+    def use_fast_path(self, on: bool) -> None:
+        """Take the shortcuts for the commonest steps (the episodes' one-pass recording, the fused pass's rows
+        padded as a list), the default; False: the general path throughout, which gives the same chunks."""
         self._fast_path = on
         for ep in self.episodes:
             ep.plain_steps = on
