@@ -128,6 +128,7 @@ def test_numpy_and_torch_passes_equal_each_modules_own(activation):
     obs = torch.randn(7, 4)
     with torch.inference_mode():
         for counts in ([4, 3], [0, 7]):
-            torch.testing.assert_close(fused.dist_inputs(obs, counts), separate(mods, obs, counts), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(fused.dist_inputs(obs, counts), separate(mods, obs, counts), rtol=1e-5,
+                                       atol=1e-6)
             padded = torch.stack(pad_rows(list(obs), counts))
             assert torch.equal(fused.dist_inputs(padded, counts, padded=True), fused.dist_inputs(obs, counts))

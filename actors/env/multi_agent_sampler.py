@@ -247,7 +247,8 @@ class MultiAgentSampler:
             envs, plain_results = self.envs, not self.record_infos
             for i, ep in enumerate(self.episodes):
                 result = envs[i].step(to_env[i])
-                if type(result) is not tuple or len(result) != 5 or not plain_results:  # else it is as the episode takes it
+                # a plain 5-tuple with infos not kept goes to the episode as it is
+                if type(result) is not tuple or len(result) != 5 or not plain_results:
                     result = self._step_result(i, result)
                 ep.add_step(*result)
                 if ep.is_terminated or ep.is_truncated:  # is_done, without a property call per env
@@ -288,13 +289,15 @@ class MultiAgentSampler:
     def _act_fused(self, fused: FusedActors, mids: tuple[str, ...], counts: list[int], who: list[tuple[int, AgentID]],
                    obs: list[Any], explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
         """Several modules' rows (grouped by module, ``counts`` each) in one pass; as ``_act``."""
-        if self._fast_path:  # padded as a list, stacked once: the modules' rows side by side for one matmul per layer
-            dist_inputs = fused.dist_inputs(self._tensors(mids[0], who, pad_rows(obs, counts), obs), counts, padded=True)
+        if self._fast_path:  # padded as a list, stacked once: the modules' rows side by side for one matmul a layer
+            tensors = self._tensors(mids[0], who, pad_rows(obs, counts), obs)
+            dist_inputs = fused.dist_inputs(tensors, counts, padded=True)
         else:
             dist_inputs = fused.dist_inputs(self._tensors(mids[0], who, obs), counts)
         return self._choose(mids[0], dist_inputs, {}, explore, timestep)
 
-    def _tensors(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], values: list[Any] | None = None) -> Any:
+    def _tensors(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any],
+                 values: list[Any] | None = None) -> Any:
         """The observations as one batch of tensors, cast to the module's observation space's dtypes.
         ``values``: the agents' own observations when ``obs`` repeats some of them (``pad_rows``)."""
         module = self.modules[mid]

@@ -68,8 +68,8 @@ class FusedActors:
         self.biases: list[torch.Tensor] = []
         self._layouts: dict[tuple[int, ...], torch.Tensor] = {}
         twins = [None if layer is None else _NUMPY_TWINS.get(type(layer)) for layer in self.pattern]
-        self._numpy_pattern = None if any(layer is not None and twin is None for layer, twin in zip(self.pattern, twins)) \
-            else twins
+        missing = any(layer is not None and twin is None for layer, twin in zip(self.pattern, twins))
+        self._numpy_pattern = None if missing else twins
         """The pass in numpy (None: an activation without a numpy twin): for these few rows and small layers
         each torch op costs its dispatch, several times numpy's call, and the pass is a dozen ops."""
         self._np_weights: list[tuple[np.ndarray, np.ndarray]] = []
