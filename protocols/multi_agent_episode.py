@@ -35,8 +35,10 @@ each agent's chunks apart.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import is_
 from typing import Any
 
 from protocols.episode import EpisodeChunk, chunk_from_steps, new_episode_id
@@ -127,6 +129,9 @@ class MultiAgentEpisode:
         self._module_steps: dict[str, int] = {}
         self._ready = 0  # agents holding an observation they have not acted on
         self._playing: set[AgentID] = set()  # agents joined and not done
+        self.plain_steps = True
+        """Record the commonest step (every observing agent paid, nobody else) in one pass; False: the
+        general recording, which gives the same chunks (tests compare the two)."""
 
     # --- what the episode is and holds ------------------------------------------------------
     @property
@@ -283,17 +288,21 @@ class MultiAgentEpisode:
                  infos: Mapping[AgentID, dict] | None = None) -> None:
         """The env's ``step()`` result. Agents that got an observation complete their step (or join);
         agents done without one are closed on their last observation."""
-        self._check_running("add_step")
+        if not self._started or self.is_terminated or self.is_truncated:
+            self._check_running("add_step")
         agents = self._agents
         if self._ready:
             raise ValueError(f"add_step while agents {self.agents_to_act()} have not acted on their observations: "
                              "give every agent in agents_to_act() an action (add_actions) before stepping the env")
         if self._plain_step(obs, rewards, terminateds, truncateds):
             self._env_steps += 1
-            for aid, r in rewards.items():
-                a = agents[aid]
-                a.pending_reward += r
-                a.ret += r
+            # the commonest step, every agent that observes paid and nobody else, in one pass (no rewards loop)
+            one_pass = self.plain_steps and not self.record_infos and rewards.keys() == obs.keys()
+            if not one_pass:
+                for aid, r in rewards.items():
+                    a = agents[aid]
+                    a.pending_reward += r
+                    a.ret += r
             if self.record_infos:
                 infos = infos or {}
                 for aid, o in obs.items():
@@ -301,7 +310,12 @@ class MultiAgentEpisode:
                 return
             for aid, o in obs.items():  # _complete's common case inline: a step of a running agent
                 a = agents[aid]
-                a.rewards.append(a.pending_reward)
+                if one_pass:
+                    r = rewards[aid]
+                    a.ret += r
+                    a.rewards.append(a.pending_reward + r)
+                else:
+                    a.rewards.append(a.pending_reward)
                 a.obs.append(o)
                 a.pending_reward, a.last_obs, a.ready = 0.0, o, True
                 if a.last_info:
@@ -394,7 +408,7 @@ class MultiAgentEpisode:
         agent that is playing (joined, not done), rewards are floats, and no flag is set."""
         playing = self._playing
         return (obs.keys() <= playing and rewards.keys() <= playing
-                and all(type(r) is float for r in rewards.values())
+                and all(map(is_, map(type, rewards.values()), repeat(float)))  # no Python frame per reward
                 and not any(terminateds.values()) and not any(truncateds.values()))
 
     def _check_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
@@ -468,6 +482,34 @@ class MultiAgentEpisode:
         a.actions, a.extra_rows = a.actions[steps:], a.extra_rows[steps:]
         if a.infos:
             a.infos = a.infos[-1:]
+
+
+def add_action_batch(episodes: Sequence[MultiAgentEpisode], who: Sequence[tuple[int, AgentID]], actions: Sequence[Any],
+                     keys: tuple[str, ...], rows: Sequence[tuple]) -> bool:
+    """``add_action_rows`` for one batch of agents of many episodes (a sampler's forward pass): agent
+    ``who[j] = (episode index, agent id)`` took ``actions[j]`` with the outputs ``rows[j]``. Only the common
+    case, every agent running, to act and with these ``keys`` (or none yet), each episode taking
+    ``plain_steps``: then recorded in one pass over the batch, and True; otherwise nothing is recorded and
+    False says to give each episode its rows (``add_action_rows``, which names what is wrong)."""
+    records = []
+    for i, aid in who:  # everything checked before anything changes, as add_action_rows does
+        ep = episodes[i]
+        a = ep._agents.get(aid)
+        if (a is None or not a.ready or (a.extra_keys is not None and a.extra_keys != keys) or not ep.plain_steps
+                or not ep._started or ep.is_terminated or ep.is_truncated):
+            return False
+        records.append((ep, a))
+    for (ep, a), action, row in zip(records, actions, rows):
+        a.actions.append(action)
+        a.extra_rows.append(row)
+        a.ready = False
+        if a.extra_keys is None:
+            a.extra_keys = keys
+        module_steps = ep._module_steps
+        module_steps[a.module_id] = module_steps.get(a.module_id, 0) + 1
+        ep._ready -= 1
+        ep._agent_steps += 1
+    return True
 
 
 def _flags(aid: AgentID, terminateds: Mapping, truncateds: Mapping, all_term: bool, all_trunc: bool) -> tuple[bool, bool]:

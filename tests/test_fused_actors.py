@@ -10,7 +10,7 @@ from actors.env.actions import EnvActions
 from actors.env.exploration import EpsilonGreedy, StochasticSampling
 from actors.env.multi_agent_sampler import MultiAgentSampler
 from actors.modules import ActorCriticModule
-from actors.modules.fused import FusedActors, fusion_key
+from actors.modules.fused import FusedActors, fusion_key, pad_rows
 from actors.modules.q_module import QModule
 from pipeline import make_multi_agent
 
@@ -101,3 +101,34 @@ def test_sampler_records_each_agents_own_module_outputs():
                                            atol=1e-6)
                 logp = mods[mid].dist_spec.build(inputs).logp(torch.from_numpy(c.actions))
                 torch.testing.assert_close(torch.from_numpy(c.extra["action_logp"]), logp, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("counts", [[4, 4, 4], [5, 2, 3], [0, 3, 1], [1, 0, 0]])
+def test_padded_rows_give_the_same_inputs(counts):
+    mods = modules(3)
+    obs = torch.randn(sum(counts), 4)
+    with torch.inference_mode():
+        fused = FusedActors(mods)
+        padded = torch.stack(pad_rows(list(obs), counts))
+        assert len(padded) == 3 * max(counts)
+        torch.testing.assert_close(fused.dist_inputs(padded, counts, padded=True), fused.dist_inputs(obs, counts),
+                                   rtol=0, atol=0)
+        with pytest.raises(ValueError, match="padded rows"):
+            fused.dist_inputs(obs[:1], [1, 1, 1], padded=True)
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu", "linear", "elu", "swish"])
+def test_numpy_and_torch_passes_equal_each_modules_own(activation):
+    # tanh, relu and linear trunks run in numpy (cheaper per op for small layers), the others in torch
+    torch.manual_seed(0)
+    mods = {f"m{k}": ActorCriticModule(BOX, ACTS, {"fcnet_hiddens": [16, 16], "fcnet_activation": activation},
+                                       inference_only=True) for k in range(2)}
+    fused = FusedActors(mods)
+    assert (fused._numpy_pattern is not None) == (activation in ("tanh", "relu", "linear"))
+    obs = torch.randn(7, 4)
+    with torch.inference_mode():
+        for counts in ([4, 3], [0, 7]):
+            torch.testing.assert_close(fused.dist_inputs(obs, counts), separate(mods, obs, counts), rtol=1e-5,
+                                       atol=1e-6)
+            padded = torch.stack(pad_rows(list(obs), counts))
+            assert torch.equal(fused.dist_inputs(padded, counts, padded=True), fused.dist_inputs(obs, counts))

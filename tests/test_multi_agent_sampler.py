@@ -198,11 +198,11 @@ def spy_passes(s: MultiAgentSampler, monkeypatch) -> dict[str, list[int]]:
     sizes = {mid: spy(m) for mid, m in s.modules.items()}
     fused_pass = FusedActors.dist_inputs
 
-    def recorded(fused: FusedActors, obs: Any, counts: list[int]) -> torch.Tensor:
+    def recorded(fused: FusedActors, obs: Any, counts: list[int], **kwargs: Any) -> torch.Tensor:
         for mid, count in zip(fused.module_ids, counts):
             if count:
                 sizes[mid].append(count)
-        return fused_pass(fused, obs, counts)
+        return fused_pass(fused, obs, counts, **kwargs)
 
     monkeypatch.setattr(FusedActors, "dist_inputs", recorded)
     return sizes

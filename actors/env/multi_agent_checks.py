@@ -47,7 +47,9 @@ How a sampler turns this into per-agent trajectories (the rules the env runner m
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import repeat
 from math import isfinite
+from operator import is_
 from typing import Any
 
 import gymnasium as gym
@@ -59,6 +61,7 @@ ALL = "__all__"
 """The key of ``terminateds``/``truncateds`` that ends the episode for every agent."""
 COMMON_INFO = "__common__"
 """The ``infos`` key for information about no agent in particular."""
+_FALSES, _FLOATS = repeat(False), repeat(float)  # endless: map() stops at the values' end
 
 
 class MultiAgentEnvError(ValueError):
@@ -93,6 +96,9 @@ class MultiAgentStepChecker:
         of them at once (``MultiAgentSampler(check_observations=True)``); resets and the other steps are
         checked here value by value."""
         self.plain_step_values = plain_step_values
+        self.fast = True
+        """Take ``_lockstep``'s one pass for the commonest step (False: every step through every rule, the
+        general path that ``_lockstep`` must agree with; tests compare the two)."""
         self.possible_agents = check_agent_ids(observation_spaces, "possible_agents")
         if not self.possible_agents:
             raise MultiAgentEnvError("the env has no possible agents: set possible_agents (every agent id that may "
@@ -154,6 +160,8 @@ class MultiAgentStepChecker:
 
     def check_step(self, result: Any) -> Any:
         """Check what ``env.step(actions)`` returned and advance the episode; returns ``result``."""
+        if self.fast and self._lockstep(result):
+            return result
         if self.episode_over:
             raise MultiAgentEnvError("step() result after the episode ended (or before the first reset()): "
                                      "reset() the env first")
@@ -204,6 +212,33 @@ class MultiAgentStepChecker:
                 f"terminateds['__all__'] and truncateds['__all__'] are False, so no agent can act again: set "
                 f"'__all__' True in the step where the last agent finishes")
         return result
+
+    def _lockstep(self, result: Any) -> bool:
+        """The commonest step checked and recorded in one pass, or False having changed nothing: a tuple of
+        five dicts, observations for playing agents only (at least one), every flag ``False`` (the bool) with
+        ``"__all__"`` in both flag dicts, rewards finite floats of playing agents, infos of known keys, and
+        the observation values left to the sampler (``plain_step_values`` off). What ``check_step``'s rules
+        would pass and record the same way; anything else goes through them."""
+        if type(result) is not tuple or len(result) != 5 or self.plain_step_values or self.episode_over:
+            return False
+        obs, rewards, terminateds, truncateds, infos = result
+        if not (type(obs) is dict and type(rewards) is dict and type(terminateds) is dict
+                and type(truncateds) is dict and type(infos) is dict and obs and ALL in terminateds
+                and ALL in truncateds):
+            return False
+        playing, flag_keys = self._playing, self._flag_keys
+        # map(is_, ..., repeat(False)): every flag is the bool False itself, with no Python frame per flag
+        if not (obs.keys() <= playing and rewards.keys() <= playing and terminateds.keys() <= flag_keys
+                and truncateds.keys() <= flag_keys and infos.keys() <= self._info_keys
+                and all(map(is_, terminateds.values(), _FALSES)) and all(map(is_, truncateds.values(), _FALSES))
+                and all(map(is_, map(type, rewards.values()), _FLOATS)) and isfinite(sum(rewards.values()))):
+            return False
+        step = self.step_index = self.step_index + 1
+        last_seen = self.last_seen
+        for agent in obs:
+            last_seen[agent] = step
+        self.agents_to_act = list(obs)
+        return True
 
     def _plain_step(self, obs: dict, rewards: dict, terminateds: dict, truncateds: dict, infos: dict) -> bool:
         """Whether this is the common step that needs no rule looked at one by one: only agents already

@@ -138,18 +138,22 @@ class SingleAgentCopies(MultiAgentEnv):
             raise MultiAgentEnvError(f"step() got no actions; the agents not done, {self.agents}, act every step")
         obs, rewards, terminateds, truncateds, infos = {}, {}, {}, {}, {}
         ended = False
+        spaces, done, envs = self.observation_spaces, self.ended, self.envs  # once, not once per agent
         for agent, action in action_dict.items():
-            if agent not in self.observation_spaces:
+            if agent not in spaces:
                 raise MultiAgentEnvError(f"an action for agent {agent!r}; this env's agents are "
                                          f"{self.possible_agents}", agent)
-            if agent in self.ended:
-                raise MultiAgentEnvError(f"an action for agent {agent!r}, which is {self.ended[agent]}: a done agent "
+            if agent in done:
+                raise MultiAgentEnvError(f"an action for agent {agent!r}, which is {done[agent]}: a done agent "
                                          f"does not act (the agents still playing: {self.agents})", agent)
-            result = self.envs[agent].step(action)
-            obs[agent], rewards[agent], terminateds[agent], truncateds[agent], infos[agent] = result
-            if terminateds[agent] or truncateds[agent]:
-                self.ended[agent] = "terminated" if terminateds[agent] else "truncated"
+            obs[agent], rewards[agent], term, trunc, infos[agent] = envs[agent].step(action)
+            terminateds[agent], truncateds[agent] = term, trunc
+            if term or trunc:
+                done[agent] = "terminated" if term else "truncated"
                 ended = True
+        if not ended and self.agents:  # nobody finished: the episode goes on
+            terminateds[ALL] = truncateds[ALL] = False
+            return obs, rewards, terminateds, truncateds, infos
         if ended:
             self.agents = [a for a in self.possible_agents if a not in self.ended]
         over = not self.agents

@@ -36,10 +36,10 @@ from actors.env.sampling import plain_info
 from actors.env.space_values import BatchProblemFinder, batch_problem_finder
 from actors.metrics import MetricsLogger
 from actors.modules import RLModule
-from actors.modules.fused import FusedActors, fusion_key
+from actors.modules.fused import FusedActors, fusion_key, pad_rows
 from protocols import nested
 from protocols.episode import EpisodeChunk
-from protocols.multi_agent_episode import AgentID, MultiAgentEpisode
+from protocols.multi_agent_episode import AgentID, MultiAgentEpisode, add_action_batch
 
 PolicyMappingFn = Callable[[AgentID, MultiAgentEpisode], str]
 
@@ -132,6 +132,7 @@ class MultiAgentSampler:
         self.check_observations = check_observations
         """Check each batch of observations against its module's observation space before acting on it
         (the runner's step checker leaves these to this batched check)."""
+        self._fast_path = True
         self._batch_checks: dict[str, tuple[RLModule, BatchProblemFinder]] = {}
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
@@ -151,6 +152,13 @@ class MultiAgentSampler:
         for ep in self.episodes:
             ep.weights_version = version
 
+    def use_fast_path(self, on: bool) -> None:
+        """Take the shortcuts for the commonest steps (the episodes' one-pass recording, the fused pass's rows
+        padded as a list), the default; False: the general path throughout, which gives the same chunks."""
+        self._fast_path = on
+        for ep in self.episodes:
+            ep.plain_steps = on
+
     def reset(self, seed: int | None = None) -> None:
         """Reset every env (env ``i`` with ``seed + i`` when a seed is given); each starts a fresh
         episode, and the running ones are dropped with whatever they had not handed out."""
@@ -159,6 +167,7 @@ class MultiAgentSampler:
     def _start(self, index: int, seed: int | None) -> MultiAgentEpisode:
         ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
                                env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
+        ep.plain_steps = self._fast_path
         if self.listener is not None:  # RLlib's order: the episode object exists before the env resets
             self.listener.episode_created(index, ep)
         result = self.envs[index].reset(seed=seed)
@@ -225,15 +234,24 @@ class MultiAgentSampler:
                     acts, env_acts, columns = self._act_fused(fused, mids, counts, who, obs, explore, timestep)
                 keys = tuple(columns)
                 rows = list(zip(*columns.values()))  # each agent's policy outputs, in keys' order
-                for i, (agents, acts_i, rows_i, env_acts_i) in _by_env(who, acts, rows, env_acts).items():
-                    self.episodes[i].add_action_rows(agents, acts_i, keys, rows_i)
-                    to_env[i].update(zip(agents, env_acts_i))
+                if self._fast_path and add_action_batch(self.episodes, who, acts, keys, rows):
+                    for (i, aid), env_action in zip(who, env_acts):
+                        to_env[i][aid] = env_action
+                else:
+                    for i, (agents, acts_i, rows_i, env_acts_i) in _by_env(who, acts, rows, env_acts).items():
+                        self.episodes[i].add_action_rows(agents, acts_i, keys, rows_i)
+                        to_env[i].update(zip(agents, env_acts_i))
                 for m in present:
                     module_steps[m] = module_steps.get(m, 0) + len(waiting[m][0])
                 agent_steps += len(who)
+            envs, plain_results = self.envs, not self.record_infos
             for i, ep in enumerate(self.episodes):
-                ep.add_step(*self._step(i, to_env[i]))
-                if ep.is_done:
+                result = envs[i].step(to_env[i])
+                # a plain 5-tuple with infos not kept goes to the episode as it is
+                if type(result) is not tuple or len(result) != 5 or not plain_results:
+                    result = self._step_result(i, result)
+                ep.add_step(*result)
+                if ep.is_terminated or ep.is_truncated:  # is_done, without a property call per env
                     _add(chunks, ep.take_chunks())
                     ended.append(ep)
                     if self.listener is not None:
@@ -271,12 +289,17 @@ class MultiAgentSampler:
     def _act_fused(self, fused: FusedActors, mids: tuple[str, ...], counts: list[int], who: list[tuple[int, AgentID]],
                    obs: list[Any], explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
         """Several modules' rows (grouped by module, ``counts`` each) in one pass; as ``_act``."""
-        tensors = self._tensors(mids[0], who, obs)
-        dist_inputs = fused.dist_inputs(tensors, counts)
+        if self._fast_path:  # padded as a list, stacked once: the modules' rows side by side for one matmul a layer
+            tensors = self._tensors(mids[0], who, pad_rows(obs, counts), obs)
+            dist_inputs = fused.dist_inputs(tensors, counts, padded=True)
+        else:
+            dist_inputs = fused.dist_inputs(self._tensors(mids[0], who, obs), counts)
         return self._choose(mids[0], dist_inputs, {}, explore, timestep)
 
-    def _tensors(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any]) -> Any:
-        """The observations as one batch of tensors, cast to the module's observation space's dtypes."""
+    def _tensors(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any],
+                 values: list[Any] | None = None) -> Any:
+        """The observations as one batch of tensors, cast to the module's observation space's dtypes.
+        ``values``: the agents' own observations when ``obs`` repeats some of them (``pad_rows``)."""
         module = self.modules[mid]
         dtypes = self._dtypes.get(mid)
         if dtypes is None or dtypes[0] is not module:
@@ -290,7 +313,7 @@ class MultiAgentSampler:
             except ValueError:  # ragged: the check below names the agent, or the message below the shapes
                 flat = False
         if self.check_observations:
-            self._check_batch(mid, batch, who, obs)
+            self._check_batch(mid, batch, who, obs if values is None else values)
         try:
             if flat:
                 tensors = torch.from_numpy(_cast(batch, dtypes))
@@ -344,12 +367,16 @@ class MultiAgentSampler:
         # Discrete actions as Python ints: every env accepts them, and gymnasium checks them fastest
         return acts, env_acts.tolist() if env_acts.ndim == 1 else list(env_acts), columns
 
-    def _step(self, index: int, actions: dict[AgentID, Any]) -> tuple:
-        result = self.envs[index].step(actions)
-        if not isinstance(result, tuple) or len(result) != 5:
-            raise ValueError(f"env {index}'s step() returned {_short(result)}; a multi-agent env's step returns "
-                             "(observations, rewards, terminateds, truncateds, infos), dicts keyed by agent id "
-                             "with '__all__' in terminateds and truncateds")
+    def _step_result(self, index: int, result: Any) -> tuple:
+        """Env ``index``'s step result as the episode takes it: a plain 5-tuple, infos kept as plain data."""
+        if type(result) is not tuple or len(result) != 5:
+            if not isinstance(result, tuple) or len(result) != 5:
+                raise ValueError(f"env {index}'s step() returned {_short(result)}; a multi-agent env's step returns "
+                                 "(observations, rewards, terminateds, truncateds, infos), dicts keyed by agent id "
+                                 "with '__all__' in terminateds and truncateds")
+            result = tuple(result)  # a tuple subclass (a named tuple): plain, as the episode takes it
+        if not self.record_infos:
+            return result
         obs, rewards, terminateds, truncateds, infos = result
         return obs, rewards, terminateds, truncateds, self._infos(infos)
 
