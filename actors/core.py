@@ -90,6 +90,13 @@ class EnvRunnerRole(Stage, Saveable, MetricsSource):
     def is_streaming(self) -> bool:
         ...
 
+    def pop_connector_deltas(self) -> list[Any] | None:
+        """What the runner's env-to-module connectors learned since the last call (None: nothing to share)."""
+        return None
+
+    def sync_connectors(self, state: list[dict[str, Any]]) -> None:
+        """The driver's merged connector state (runners without stateful connectors ignore it)."""
+
 
 class LearnerRole(Stage, Saveable):
     """Owns trainable modules, their optimizers and targets; turns batches into updates."""

@@ -33,12 +33,13 @@ from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec, RLModule
 from actors.env.actions import EnvActions
 from actors.sys_usage import SysUsage
-from pipeline.algorithm_actions import DriverPolicy, batch_of_one, single_action
+from pipeline.algorithm_actions import DriverPolicy, as_arrays, batch_of_one, single_action
 from pipeline.algorithm_evaluation import AlgorithmEvaluation
 from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
-from pipeline.algorithm_setup import algorithm_config, frame_compression, function_setting, policy_spaces, runner_fault_tolerance
+from pipeline.algorithm_setup import (algorithm_config, connector_pipeline, frame_compression, function_setting,
+                                      policy_spaces, runner_fault_tolerance)
 from pipeline.checkpoints.save_restore import (build_from_checkpoint, driver_state, load_into, save_algorithm,
                                                set_driver_state)
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -57,6 +58,7 @@ from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
 from pipeline.tune.support import resource_request
 from pipeline.version import runnel_version
+from protocols import nested
 
 log = logging.getLogger("runnel")
 
@@ -119,6 +121,16 @@ class Algorithm(Trainable):
             obs_space, act_space = policy_spaces(config, self.env_creator, readers_in_slots)
         else:
             obs_space, act_space = self.multi_agent.first_spaces()
+        self.env_observation_space = obs_space
+        """The env's observations (what an env-to-module pipeline starts from)."""
+        self.connector = connector_pipeline(config, obs_space, act_space, self.multi_agent is not None)
+        """The driver's copy of the env-to-module pipeline: its state is what runners sync to and
+        checkpoints hold; ``compute_single_action`` applies it. None without ``env_to_module_connector``."""
+        self.chunk_observation_space = obs_space if self.connector is None else self.connector.recorded_space
+        """What chunks carry (recordings, streams): the module's observations, or a view's input (frame stacks
+        are rebuilt where they are used)."""
+        if self.connector is not None:
+            obs_space = self.connector.observation_space
         self.observation_space, self.action_space = obs_space, act_space
         self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class,
                                       config.module_kwargs())
@@ -148,11 +160,13 @@ class Algorithm(Trainable):
         self.env_runner_group: EnvRunnerGroup | None = None
         self.plan: Any = None
         if self.recording is not None:
-            write_manifest(self.recording.output, obs_space, act_space, self.name, json_safe(config.to_dict()),
+            write_manifest(self.recording.output, self.chunk_observation_space, act_space, self.name, json_safe(config.to_dict()),
                            runnel_version(), actions_normalized=bool(config.normalize_actions))
         try:
             if self.multi_agent is None:
-                self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space)
+                view = self.connector.observation_view() if self.connector is not None else None
+                self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space,
+                                                  learner_kwargs={"observation_view": view} if view else None)
             else:
                 self.learner_group = self.multi_agent.learner_group(self.learner_class, config)
             multi_agent_runners = self.multi_agent.runner_group_args() if self.multi_agent is not None else {}
@@ -197,7 +211,8 @@ class Algorithm(Trainable):
         recording = (self.recording if self.recording is not None
                      and (not in_evaluation or self.recording.output_include_evaluation) else None)
         return runner_settings(c, self.env_creator, self.learner_class.module_class, self.observation_space,
-                               self.action_space, in_evaluation=in_evaluation, recording=recording)
+                               self.action_space, in_evaluation=in_evaluation, recording=recording,
+                               env_observation_space=self.env_observation_space)
 
     def fault_tolerance_settings(self, config: AlgorithmConfig | None = None) -> FaultToleranceSettings:
         return runner_fault_tolerance(config or self.config)
@@ -205,7 +220,7 @@ class Algorithm(Trainable):
     def compress_frames(self) -> bool:
         """LZ4 for chunk frames: as configured (``stream_compress`` where an algorithm has it), or
         by the observations' dtype ("auto")."""
-        return frame_compression(self.config, self.observation_space)
+        return frame_compression(self.config, self.chunk_observation_space)
 
     def build_evaluators(self) -> Evaluators:
         """The evaluators (built at set-up with ``evaluation_interval``, else at the first ``evaluate()``)."""
@@ -246,6 +261,14 @@ class Algorithm(Trainable):
         if self.multi_agent is not None:  # multi-agent runners follow their schedules in count_steps_by units
             timestep = self.multi_agent.runner_timestep(self.metrics, timestep)
         self.env_runner_group.sync_weights(weights, self.weights_version, timestep)
+
+    def sync_connectors(self) -> None:
+        """Merge what every training runner's connectors learned (running statistics) into the driver's
+        copy and send the merged state to all runners and evaluators (after each iteration)."""
+        if self.connector is None or not self.connector.stateful:
+            return
+        self.connector.absorb(self.env_runner_group.pop_connector_deltas())
+        self.env_runner_group.sync_connectors(self.connector.get_state())
 
     def get_weights(self) -> dict[str, np.ndarray]:
         return self.learner_group.get_weights()
@@ -313,6 +336,7 @@ class Algorithm(Trainable):
                                                           "num_env_steps_trained_lifetime"))
         evaluating = bool(c.evaluation_interval) and (self.iteration + 1) % c.evaluation_interval == 0
         steps = self.evaluation.beside(evaluating, lambda: self._train_steps(t0, sampled0, trained0))
+        self.sync_connectors()
         if evaluating and not c.evaluation_parallel_to_training:
             self.evaluate()
         self.iteration += 1
@@ -370,12 +394,33 @@ class Algorithm(Trainable):
         if self.multi_agent is None:
             if policy_id not in (None, "default_policy"):
                 raise KeyError(f"policy_id={policy_id!r}: this run has one module, 'default_policy'")
+            if self.connector is not None:  # env observations, as the runners' modules get them
+                if self.connector.views:
+                    raise ValueError(f"this run's module acts on what {self.connector.views[0]!r} builds from the "
+                                     f"episode so far, which one observation does not give: evaluate with "
+                                     f"algo.evaluate(), or call algo.get_module() on stacked observations")
+                obs = as_arrays(obs, self.env_observation_space)
+                obs = self.connector.record(obs, np.zeros(nested.batch_len(obs), bool), update=False)
             return self.driver_policy.compute_actions(self.learner_group, obs, explore, timestep)
         return self.multi_agent.compute_actions(self.learner_group, obs, explore, timestep, policy_id)
 
-    def compute_single_action(self, obs: Any, explore: bool | None = None, policy_id: str | None = None) -> Any:
-        """One observation (no batch dim) -> one action the env accepts (``policy_id``: multi-agent runs)."""
-        space = self.observation_space
+    def compute_single_action(self, obs: Any, explore: bool | None = None, policy_id: str | None = None, *,
+                              state: Any = None) -> Any:
+        """One observation (no batch dim) -> one action the env accepts (``policy_id``: multi-agent runs).
+        A recurrent module (``use_lstm``) returns ``(action, state_out, {})``: pass ``state_out`` back as
+        ``state`` with the next observation of the episode (None starts one)."""
+        if getattr(self.driver_policy.module, "is_recurrent", False) and self.multi_agent is None:
+            explore = self.config.explore if explore is None else explore
+            batch = batch_of_one(obs, self.env_observation_space)
+            if self.connector is not None:
+                batch = self.connector.record(batch, np.zeros(1, bool), update=False)
+            actions, state_out = self.driver_policy.compute_recurrent(
+                self.learner_group, batch, None if state is None else np.asarray(state, np.float32)[None],
+                explore, self.counters["num_env_steps_sampled_lifetime"])
+            return single_action(actions), state_out[0], {}
+        if state is not None:
+            raise ValueError("state= is for recurrent modules (model_config use_lstm=True); this one has none")
+        space = self.env_observation_space
         if self.multi_agent is not None:
             space = self.multi_agent.policy(policy_id, "compute_single_action").observation_space
         return single_action(self.compute_actions(batch_of_one(obs, space), explore=explore, policy_id=policy_id))

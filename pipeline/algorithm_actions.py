@@ -64,6 +64,22 @@ class DriverPolicy:
         return self.env_actions(actions.numpy())
 
 
+    def compute_recurrent(self, learner_group: LearnerGroup, obs: Any, state: Any, explore: bool,
+                          timestep: int) -> tuple[np.ndarray, np.ndarray]:
+        """A recurrent module: (env actions, next states) for a batch of observations and their states
+        ``[B, 2, cell]`` (None: fresh ones)."""
+        module = self.current_module(learner_group)
+        with torch.inference_mode():
+            t_obs = to_torch(as_arrays(obs, self.observation_space))
+            n = nested.batch_len(t_obs)
+            if state is None:
+                state = module.initial_state(n)
+            t_state = torch.as_tensor(np.asarray(state, np.float32))
+            out = module.forward_inference(t_obs, t_state)
+            actions = self.exploration.actions(module.action_dist(out["action_dist_inputs"]), explore, timestep)
+        return self.env_actions(actions.numpy()), out["state_out"].numpy()
+
+
 def batch_of_one(obs: Any, space: Any) -> Any:
     """One observation (no batch dim) as a batch of one."""
     return nested.map_structure(lambda a: a[None], as_arrays(obs, space))

@@ -74,6 +74,8 @@ class AlgorithmEvaluation:
         evaluators = self.build_evaluators()
         evaluators.sync_weights(algo.learner_group.get_weights(inference_only=True), algo.weights_version,
                                 algo.counters["num_env_steps_sampled_lifetime"], wait=wait)  # evaluators count env steps
+        if algo.connector is not None and algo.connector.stateful:  # normalise as the training runners do
+            evaluators.group.sync_connectors(algo.connector.get_state(), wait=wait)
 
     def beside(self, evaluating: bool, train: Callable[[], Any]) -> Any:
         """``train()``, with an evaluation beside it in the evaluation thread when ``evaluating`` and

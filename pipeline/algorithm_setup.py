@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from actors.connectors.base import ConnectorPipeline, build_pipeline
 from actors.manager import FaultToleranceSettings
 from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.config.plain import resolve_import_path
@@ -74,3 +75,36 @@ def function_setting(value: Any, name: str) -> Callable | None:
     if isinstance(value, str):
         return resolve_import_path(value, name)
     return value
+
+
+def connector_pipeline(config: AlgorithmConfig, observation_space: Any, action_space: Any,
+                       multi_agent: bool) -> ConnectorPipeline | None:
+    """The driver's copy of the env-to-module pipeline (None without ``env_to_module_connector``); a
+    factory that fails, or pieces that do not fit the env's spaces, are a ConfigError naming the cause."""
+    factory = function_setting(config.env_to_module_connector, "env_to_module_connector")
+    if factory is None:
+        return None
+    if multi_agent:
+        raise ConfigError("env_to_module_connector is single-agent for now: a multi-agent run would need one "
+                          "pipeline per agent; preprocess in the MultiAgentEnv, or leave env_to_module_connector unset")
+    if config.external_clients_config:
+        raise ConfigError("env_to_module_connector runs in env runners, and with external_clients the observations "
+                          "come from clients: preprocess in the client, or leave env_to_module_connector unset")
+    if (config.offline_data_config or {}).get("input_") not in (None, "sampler"):
+        raise ConfigError("env_to_module_connector runs in env runners, and with offline_data(input_=...) the "
+                          "observations come from a recording: leave env_to_module_connector unset (a recording "
+                          "made with connectors holds what they recorded)")
+    try:
+        pipeline = build_pipeline(factory, observation_space, action_space)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"env_to_module_connector: {err}") from err
+    if pipeline is not None and pipeline.views:
+        view = pipeline.views[0]
+        where = ("a replay buffer (DQN, SAC, CQL) keeps transitions, not the look-back rows"
+                 if getattr(config, "replay_buffer_config", None) is not None else
+                 "central inference servers are not built for the stacks yet"
+                 if (config.inference_config or {}).get("mode", "local") == "central" else None)
+        if where is not None:
+            raise ConfigError(f"env_to_module_connector: {view!r} is a view rebuilt where it is used, and {where}; "
+                              f"stack frames in the env instead (gymnasium.wrappers.FrameStackObservation)")
+    return pipeline

@@ -18,10 +18,13 @@ from protocols.errors import ProtocolError
 # An EpisodeChunk travels as a msgpack array of its fields in this (wire) order.
 CHUNK_FIELDS = ("episode_id", "chunk_index", "obs", "actions", "rewards", "terminated",
                 "truncated", "extra", "infos", "t_started", "weights_version",
-                "env_runner_index", "env_index", "agent_id", "module_id")
+                "env_runner_index", "env_index", "agent_id", "module_id", "look_back", "state_in")
 if CHUNK_FIELDS != tuple(f.name for f in dataclasses.fields(EpisodeChunk)):
     raise ImportError("EpisodeChunk's fields changed: update the codec's wire order and VERSION")
 _N_FIELDS = len(CHUNK_FIELDS)
+# look_back and state_in are new and usually None: left off the wire then (trailing Nones dropped), so
+# peers that predate them read these chunks
+_N_REQUIRED = _N_FIELDS - 2
 
 _CONTAINERS = (dict, list, tuple)
 
@@ -60,7 +63,16 @@ def chunk_to_list(chunk: EpisodeChunk, packer: ArrayPacker) -> list[Any]:
         check_keys(infos, "chunk infos")
     return [f["episode_id"], f["chunk_index"], obs, actions, packer.array(f["rewards"]),
             f["terminated"], f["truncated"], extra, infos, f["t_started"], f["weights_version"],
-            f["env_runner_index"], f["env_index"], f["agent_id"], f["module_id"]]
+            f["env_runner_index"], f["env_index"], f["agent_id"], f["module_id"],
+            *_optional(packer, f["look_back"], f["state_in"])]
+
+
+def _optional(packer: ArrayPacker, *arrays: Any) -> list[Any]:
+    """The optional trailing fields, without the Nones at the end."""
+    out = [None if a is None else packer.array(a) for a in arrays]
+    while out and out[-1] is None:
+        out.pop()
+    return out
 
 
 _LEAVES = frozenset({str, int, float, bool, bytes, type(None), np.ndarray})
@@ -107,11 +119,15 @@ def _structure(obj: Any, depth: int, max_depth: int, where: str) -> Any:
 
 def chunk_from_list(v: Any, max_depth: int) -> EpisodeChunk:
     """A decoded chunk array -> a validated EpisodeChunk (``max_depth``: ``Limits.max_depth``)."""
-    if type(v) is not list or len(v) != _N_FIELDS:
+    if type(v) is not list or not _N_REQUIRED <= len(v) <= _N_FIELDS:
         got = f"{len(v)} fields" if type(v) is list else type(v).__name__
-        raise ProtocolError(f"an episode chunk must be an array of {_N_FIELDS} fields, got {got}")
+        raise ProtocolError(f"an episode chunk must be an array of {_N_REQUIRED} to {_N_FIELDS} fields, got {got}")
     (episode_id, chunk_index, obs, actions, rewards, terminated, truncated, extra, infos,
-     t_started, weights_version, env_runner_index, env_index, agent_id, module_id) = v
+     t_started, weights_version, env_runner_index, env_index, agent_id, module_id) = v[:_N_REQUIRED]
+    look_back, state_in = (list(v[_N_REQUIRED:]) + [None, None])[:2]
+    for name, value in (("look_back", look_back), ("state_in", state_in)):
+        if value is not None and type(value) is not np.ndarray:
+            raise ProtocolError(f"chunk {name} must be an array or absent, got {type(value).__name__}")
     if type(terminated) is not bool or type(truncated) is not bool:
         raise ProtocolError(f"chunk terminated/truncated must be bools, got {terminated!r:.20}/{truncated!r:.20}")
     if agent_id is not None and type(agent_id) is not str:
@@ -135,4 +151,4 @@ def chunk_from_list(v: Any, max_depth: int) -> EpisodeChunk:
     # validate() checks ids, the int fields (msgpack gives exact ints), flags and row counts
     return EpisodeChunk(episode_id, chunk_index, obs, actions, rewards, terminated, truncated,
                         extra, infos, t_started, weights_version, env_runner_index, env_index,
-                        agent_id, module_id).validate()
+                        agent_id, module_id, look_back, state_in).validate()

@@ -69,6 +69,13 @@ class EpisodeChunk:
     """Agent that acted (multi-agent); None for single-agent episodes."""
     module_id: str | None = None
     """Module (policy) that acted (multi-agent); None for the default module."""
+    look_back: Any = None
+    """Observations of the episode before this chunk's first, oldest first (``[L, ...]``, the first
+    observation repeated where the episode had fewer): carried only for views that look back, such as
+    frame stacking, so a learner can rebuild them; None otherwise. Not steps of this chunk."""
+    state_in: Any = None
+    """A recurrent policy's state when it acted this chunk's first step (float32, e.g. ``[2, cell]``), so a
+    learner can unroll the chunk from there; None for stateless policies."""
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -126,6 +133,21 @@ class EpisodeChunk:
             _check_rows(f"extra[{key!r}]", value, steps)
         if self.infos and len(self.infos) != steps + 1:
             raise ProtocolError(f"infos has {len(self.infos)} entries; expected 0 or {steps + 1}")
+        if self.look_back is not None:
+            first = self.obs[0] if isinstance(self.obs, np.ndarray) else None
+            lb = self.look_back
+            if (first is None or not isinstance(lb, np.ndarray) or lb.ndim != first.ndim + 1
+                    or lb.shape[1:] != first.shape or lb.dtype != first.dtype):
+                raise ProtocolError(f"look_back must be an array of observation rows like obs "
+                                    f"({'nested' if first is None else first.shape}, "
+                                    f"{'-' if first is None else first.dtype}), got "
+                                    f"{getattr(lb, 'shape', type(lb).__name__)} {getattr(lb, 'dtype', '')}")
+        if self.state_in is not None:
+            st = self.state_in
+            if not isinstance(st, np.ndarray) or st.dtype != np.float32 or st.ndim < 1:
+                raise ProtocolError(f"state_in must be a float32 array, got {getattr(st, 'dtype', type(st).__name__)}")
+            if not np.isfinite(st).all():
+                raise ProtocolError("state_in holds NaN or infinite values")
         return self
 
     def slice(self, start: int, stop: int, chunk_index: int | None = None) -> "EpisodeChunk":
@@ -149,6 +171,10 @@ class EpisodeChunk:
             extra={k: nested.map_structure(lambda a: a[start:stop], v) for k, v in self.extra.items()},
             infos=self.infos[start : stop + 1] if self.infos else [],
             t_started=self.t_started + start,
+            look_back=(self.look_back if self.look_back is None or start == 0 else
+                       np.concatenate([self.look_back, self.obs[:start]])[-len(self.look_back):]),
+            # the recurrent state mid-chunk was never stored: a later slice has none
+            state_in=self.state_in if start == 0 else None,
         )
 
     def split(self, max_len: int) -> list["EpisodeChunk"]:

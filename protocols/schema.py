@@ -59,6 +59,8 @@ class ChunkSchema:
         self.act_spec = None if action is None else _spec(action)
         self.obs_values, self.act_values = value_spec(observation), value_spec(action, actions=True)
         self.required_extra = tuple(required_extra)
+        self.look_back_rows = 0
+        """Rows of ``look_back`` every chunk must carry (a receiver that rebuilds frame stacks); 0: none."""
         spec = self.obs_spec  # one flat float Box (CartPole's kind): ``observation_row`` has a shortcut for it
         self._flat_obs = (spec.dtype, spec.shape[0], float(np.finfo(spec.dtype).max)) if (
             isinstance(spec, _Leaf) and len(spec.shape) == 1 and spec.dtype.kind == "f" and not spec.whole) else None
@@ -77,6 +79,12 @@ class ChunkSchema:
         steps = len(chunk)
         if self.obs_spec is not None:
             _check("obs", self.obs_spec, chunk.obs, steps + 1)
+            if chunk.look_back is not None:
+                _check("look_back", self.obs_spec, chunk.look_back, len(chunk.look_back))
+        if self.look_back_rows and (chunk.look_back is None or len(chunk.look_back) < self.look_back_rows):
+            got = "none" if chunk.look_back is None else len(chunk.look_back)
+            raise ProtocolError(f"look_back must hold at least {self.look_back_rows} observation rows (the "
+                                f"receiver rebuilds frame stacks from them), got {got}")
         if self.act_spec is not None:
             _check("actions", self.act_spec, chunk.actions, steps)
         for key in self.required_extra:
@@ -90,6 +98,8 @@ class ChunkSchema:
         and the required extras finite (``finite_obs=False``: Box observations may hold infinities
         and NaN); raise ``space_checks.BadValue`` naming the first that is not."""
         check_values("obs", self.obs_values, chunk.obs, finite_obs)
+        if chunk.look_back is not None:
+            check_values("look_back", self.obs_values, chunk.look_back, finite_obs)
         check_values("actions", self.act_values, chunk.actions)
         check_finite("rewards", chunk.rewards)
         for key in self.required_extra:

@@ -167,3 +167,33 @@ class FrameEnv(gym.Env):
     def step(self, action):
         self.t += 1
         return self.frames[self.t % 8], float(action == 0), False, self.t >= self.length, {}
+
+
+class ScaledCartPole(gym.ObservationWrapper):
+    """CartPole-v1 whose observations are shifted and scaled far from unit size (``obs * scale + shift``):
+    what a policy sees raw when a sensor reports in odd units. A running mean/std filter undoes it."""
+
+    SCALE = np.array([40.0, 25.0, 400.0, 15.0], np.float32)
+    SHIFT = np.array([300.0, -200.0, 900.0, 150.0], np.float32)
+
+    def __init__(self, config=None):
+        super().__init__(gym.make("CartPole-v1"))
+        inner = self.env.observation_space
+        self.observation_space = gym.spaces.Box(inner.low * self.SCALE + self.SHIFT,
+                                                inner.high * self.SCALE + self.SHIFT, (4,), np.float32)
+
+    def observation(self, observation):
+        return (observation * self.SCALE + self.SHIFT).astype(np.float32)
+
+
+class StatelessCartPole(gym.ObservationWrapper):
+    """CartPole-v1 with the velocities hidden: the observation is (cart position, pole angle) only, so a
+    policy must remember earlier steps to act well (what a recurrent module is for)."""
+
+    def __init__(self, config=None):
+        super().__init__(gym.make("CartPole-v1"))
+        inner = self.env.observation_space
+        self.observation_space = gym.spaces.Box(inner.low[[0, 2]], inner.high[[0, 2]], (2,), np.float32)
+
+    def observation(self, observation):
+        return observation[[0, 2]].astype(np.float32)

@@ -216,7 +216,7 @@ def gen_chunks(data: st.DataObject, c: Conn) -> Step:
     h: dict[str, Any] = {"op": "chunks", "id": c.rid(), "ids": [key]}
     way = how(data, "valid", "valid codec", "valid pair", "ids missing", "ids wrong type", "ids empty", "bad id item",
               "garbage", "truncated", "corrupt", "plain message", "chunks not a list", "more chunks than ids",
-              "fewer chunks than ids", "no body", "extra part", "T obs rows", "both flags", "14 fields", "16 fields",
+              "fewer chunks than ids", "no body", "extra part", "T obs rows", "both flags", "14 fields", "18 fields",
               "wrong type", "other episode", "other index", *VALUE_BREAKS, "too long", "no steps", "no dist",
               "no logp", "dist width", "obs width")
     if way in ("ids missing", "ids wrong type", "ids empty", "bad id item"):
@@ -258,8 +258,8 @@ def gen_chunks(data: st.DataObject, c: Conn) -> Step:
         fields[2] = Array([0.0] * 12, [3, 4], "<f4")
     elif way == "both flags":
         fields[5] = fields[6] = True
-    elif way in ("14 fields", "16 fields"):
-        fields = chunks[0] = fields[:14] if way == "14 fields" else fields + [None]
+    elif way in ("14 fields", "18 fields"):
+        fields = chunks[0] = fields[:14] if way == "14 fields" else fields + [None] * 3
     elif way == "wrong type":
         at = data.draw(st.integers(0, 14), label="field")
         fields[at] = data.draw(CHUNK_JUNK[at], label=f"field {at}")

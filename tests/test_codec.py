@@ -460,8 +460,10 @@ def setf(meta, **fields):
     (lambda m: setf(m, obs=msgpack.ExtType(7, b"abc")), "unknown msgpack ext type 7"),
     (lambda m: setf(m, obs=[desc(0, 0, (6, 0), b"<f4"), "x"]), "got str"),
     (lambda m: setf(m, obs={"a": {"b": 1}}), "got int"),
-    (lambda m: m[1].pop(), "array of 15 fields, got 14 fields"),
-    (lambda m: m[1].append(1), "array of 15 fields, got 16 fields"),
+    (lambda m: m[1].pop(), "array of 15 to 17 fields, got 14 fields"),
+    (lambda m: m[1].append(1), "look_back must be an array or absent, got int"),
+    (lambda m: m[1].extend([None, 1]), "state_in must be an array or absent, got int"),
+    (lambda m: m[1].extend([None, None, None]), "array of 15 to 17 fields, got 18 fields"),
     (lambda m: setf(m, terminated=1), "terminated/truncated must be bools"),
     (lambda m: setf(m, terminated=True, truncated=True), "both"),
     (lambda m: setf(m, chunk_index=-1), "chunk_index"),
@@ -475,9 +477,9 @@ def setf(meta, **fields):
     (lambda m: m.__setitem__(0, "chunkz"), "unknown message type tag 'chunkz'"),
     (lambda m: m.__setitem__(0, 7), "expected \\[type tag, body\\]"),
     (lambda m: m.append(1), "expected \\[type tag, body\\]"),
-    (lambda m: m.__setitem__(1, {"obs": 1}), "must be an array of 15 fields, got dict"),
+    (lambda m: m.__setitem__(1, {"obs": 1}), "must be an array of 15 to 17 fields, got dict"),
     (lambda m: m.__setitem__(slice(0, 2), ["chunks", {"a": 1}]), "'chunks' body must be a list"),
-    (lambda m: m.__setitem__(0, "chunks"), "an episode chunk must be an array of 15 fields, got str"),
+    (lambda m: m.__setitem__(0, "chunks"), "an episode chunk must be an array of 15 to 17 fields, got str"),
 ])
 def test_bad_chunk_schema(change, message):
     meta, region = chunk_meta()

@@ -55,7 +55,7 @@ BROKEN = {  # name -> body of one chunk with id ["c", 0] that breaks a rule of s
     "T observation rows": lambda: frame("chunks", [with_field(spec_chunk("c", 0), 2, Array([0.0] * 12, [3, 4], "<f4"))]),
     "terminated and truncated": lambda: frame("chunks", [with_field(with_field(spec_chunk("c", 0), 5, True), 6, True)]),
     "14 fields": lambda: frame("chunks", [spec_chunk("c", 0)[:14]]),
-    "16 fields": lambda: frame("chunks", [spec_chunk("c", 0) + [None]]),
+    "18 fields": lambda: frame("chunks", [spec_chunk("c", 0) + [None] * 3]),
     "rewards as a plain list": lambda: frame("chunks", [with_field(spec_chunk("c", 0), 4, [1.0, 1.0, 1.0])]),
     "a str t_started": lambda: frame("chunks", [with_field(spec_chunk("c", 0), 9, "0")]),
 }

@@ -76,3 +76,33 @@ def test_learner_on_device_trains_and_what_acts_gets_its_weights(algo, central, 
             np.testing.assert_allclose(acting[k], after[k], rtol=1e-6, atol=1e-7, err_msg=k)
     finally:
         a.stop()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["PPO lstm", "APPO frame stacking", "PPO mean-std filter"])
+def test_recurrent_and_connector_learners_on_device(case, device):
+    """The learner sides of issue 30 on the device: PPO unrolling LSTM sequences, APPO's loader rebuilding
+    frame stacks, PPO on filtered observations -- weights change and stay finite, nothing is refused."""
+    from pipeline.connectors import FrameStackingEnvToModule, MeanStdFilter
+
+    algo_name = case.split()[0]
+    config = (small(algo_name).env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=50)
+              .learners(num_gpus_per_learner=1 if device == "cuda" else 0).debugging(seed=0))
+    if case == "PPO lstm":
+        config.rl_module(model_config={"use_lstm": True, "lstm_cell_size": 32, "max_seq_len": 10})
+    elif case == "APPO frame stacking":
+        config.env_runners(env_to_module_connector=lambda env: FrameStackingEnvToModule(num_frames=3))
+    else:
+        config.env_runners(env_to_module_connector=lambda env: MeanStdFilter())
+    a = config.build(logdir=None)
+    try:
+        assert {p.device.type for p in a.learner_group.local.module.parameters()} == {device}
+        before = a.learner_group.get_weights()
+        for _ in range(3):
+            result = a.train()
+        after = a.learner_group.get_weights()
+        assert result["learners"]["default_policy"].get("num_batches_refused", 0) == 0
+        assert all(np.isfinite(w).all() for w in after.values())
+        assert [k for k in after if not np.allclose(before[k], after[k])]
+    finally:
+        a.stop()

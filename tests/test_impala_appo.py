@@ -422,7 +422,7 @@ def test_stream_compression_auto_follows_the_observation_dtype():
 
     class Probe:
         def __init__(self, space, setting):
-            self.observation_space = space
+            self.observation_space = self.chunk_observation_space = space
             self.config = IMPALAConfig(stream_compress=setting)
 
     image = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from protocols.nested import first_leaf as nested_first
+
 
 class LocalActing:
     def __init__(self, settings: Any, observation_space: Any, action_space: Any) -> None:
@@ -33,15 +35,36 @@ class LocalActing:
         self.module = self.forward.module
         self.exploration = make_exploration(settings.exploration_config, module.dist_spec)
         self.weights_version = 0
+        self.recurrent = bool(getattr(module, "is_recurrent", False))
+        """The module carries a state from step to step (``model_config`` ``use_lstm``)."""
+        self.state: np.ndarray | None = None  # [num_envs, 2, cell] for a recurrent module, once it acted
 
     def session(self) -> Any:
         """Held around a sampling run (and the chunk cut, whose postprocessing hooks run in it too)."""
         return self._torch.inference_mode()
 
     def act(self, obs: Any, explore: bool, timestep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        if self.recurrent:
+            inputs, self.state = self.forward.recurrent_dist_inputs(obs, self.states(len(nested_first(obs))), explore)
+            actions, logp = self.forward.choose(inputs, self.exploration, explore, timestep)
+            return actions.numpy(), logp.numpy(), inputs.numpy(), self.weights_version
         inputs = self.forward.dist_inputs(obs, explore)
         actions, logp = self.forward.choose(inputs, self.exploration, explore, timestep)
         return actions.numpy(), logp.numpy(), inputs.numpy(), self.weights_version
+
+    def states(self, n: int) -> np.ndarray:
+        """A recurrent module's current state per sub-env ``[n, 2, cell]`` (fresh ones before its first step)."""
+        if self.state is None or len(self.state) != n:
+            self.state = self.module.initial_state(n)
+        return self.state
+
+    def reset_states(self, rows: Any = None) -> None:
+        """Episodes start in these sub-envs (None: all): their recurrent state starts afresh."""
+        if self.state is not None:
+            if rows is None:
+                self.state = None
+            else:
+                self.state[rows] = 0.0
 
     def set_weights(self, weights: dict[str, Any], weights_version: int) -> None:
         self.module.set_state(weights)
@@ -51,11 +74,15 @@ class LocalActing:
         return self.module.get_state()
 
     def get_state(self) -> dict[str, Any]:
-        """Exploration and this process's torch generator: a restored runner draws on where it was."""
-        return {"exploration": self.exploration.get_state(), "torch_rng": self._torch.get_rng_state().numpy()}
+        """Exploration, this process's torch generator and a recurrent module's states: a restored runner
+        draws and remembers on where it was."""
+        return {"exploration": self.exploration.get_state(), "torch_rng": self._torch.get_rng_state().numpy(),
+                "recurrent_state": None if self.state is None else self.state.copy()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.exploration.set_state(state.get("exploration", {}))
+        if self.recurrent and state.get("recurrent_state") is not None:
+            self.state = np.array(state["recurrent_state"], np.float32)
         if state.get("torch_rng") is not None:
             self._torch.set_rng_state(self._torch.as_tensor(np.array(state["torch_rng"], np.uint8)))  # a writable copy
 

@@ -25,6 +25,7 @@ import gymnasium as gym
 import numpy as np
 
 from actors.callbacks import build_callbacks, call_hook, overrides
+from actors.connectors.base import build_pipeline
 from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.acting import make_acting
 from actors.env.actions import EnvActions
@@ -61,8 +62,13 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
             seed=settings.seed, restart_failed=settings.restart_failed_sub_environments, recreated=recreated,
             in_evaluation=settings.in_evaluation, on_created=self._sub_env_created,
         )
-        self.observation_space = settings.observation_space or self.env.single_observation_space
         self.action_space = settings.action_space or self.env.single_action_space
+        self.connector = build_pipeline(settings.env_to_module,
+                                        settings.env_observation_space or self.env.single_observation_space,
+                                        self.action_space)
+        """The env-to-module pipeline (``actors.connectors``); None without ``env_to_module_connector``."""
+        self.observation_space = (self.connector.observation_space if self.connector is not None else
+                                  settings.observation_space or self.env.single_observation_space)
         self.acting = make_acting(settings, self.observation_space, self.action_space, worker_index)
         self.module = self.acting.module
         """The inference-only module this runner acts with (None under central inference: the server holds it)."""
@@ -80,14 +86,17 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
                                           "on_episode_end")):
             self.hooks = EpisodeHooks(self, cb, self.where, self.callback_metrics, settings.metrics_window)
             self.env.keep_infos = True
+        recurrent = getattr(self.acting, "recurrent", False)
         self.slots = EpisodeSlots(settings.num_envs, worker_index, settings.clip_rewards, self.metrics,
-                                  settings.metrics_window, self.hooks, self._postprocessed)
+                                  settings.metrics_window, self.hooks, self._postprocessed,
+                                  max_seq_len=self.module.config.max_seq_len if recurrent else None)
         if self.env.supports_hooks:
             self.env.before_reset = self.slots.begin
         with_infos = settings.recording is not None and settings.recording.output_write_infos
         if with_infos:
             self.env.keep_infos = True
-        self.sampler = FragmentSampler(self.env, self.acting, self.env_actions, self.slots, self.hooks, with_infos)
+        self.sampler = FragmentSampler(self.env, self.acting, self.env_actions, self.slots, self.hooks, with_infos,
+                                       self.connector, update_connector=not settings.in_evaluation)
         self.recorder = (Recorder(settings.recording, f"{'eval' if settings.in_evaluation else 'runner'}{worker_index:03d}")
                          if settings.recording is not None else None)
         self._postprocess = overrides(cb, "on_postprocess_trajectory")
@@ -260,7 +269,8 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
                 "timestep_offset": self._timestep_offset, **self.acting.get_state(),
                 "episode_ids": self.slots.get_ids_state(),
                 "slots": self.slots.get_state() if episodes else None,
-                "env": self.env.get_state() if episodes else None, "env_tasks": self.tasks.tasks}
+                "env": self.env.get_state() if episodes else None, "env_tasks": self.tasks.tasks,
+                "connectors": None if self.connector is None else self.connector.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.set_weights(state["weights"], state.get("weights_version", 0))
@@ -271,18 +281,31 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
             self.slots.set_ids_state(state["episode_ids"])
         if state.get("env_tasks") is not None:
             self.set_env_tasks(state["env_tasks"])
+        if state.get("connectors") is not None and self.connector is not None:
+            self.connector.set_state(state["connectors"])
         slots = state.get("slots")
         if state.get("env") is not None and slots is not None and len(slots) != self.s.num_envs:
             # restored with another num_envs_per_env_runner: the saved episodes have no sub-envs to go on in
             logging.getLogger("runnel").info("env runner %d: the checkpoint ran %d sub-envs, this runner %d; starting fresh episodes",
                      self.worker_index, len(slots), self.s.num_envs)
         elif state.get("env") is not None:
-            self.sampler.obs = self.env.set_state(state["env"])
+            self.sampler.resume(self.env.set_state(state["env"]))
             self.slots.set_state(state["slots"])
             if self.hooks is not None:
                 self.hooks.upcoming.clear()
                 for j, slot in enumerate(self.slots.running):
                     self.hooks.resume(j, slot.episode_id, nested.map_structure(lambda a: a[j], self.sampler.obs))
+
+    # --- connectors ---------------------------------------------------------------------------
+    def pop_connector_deltas(self) -> list[Any] | None:
+        """What this runner's connectors learned since the last call (running statistics), as plain data;
+        None without connectors. The driver merges every runner's and sends the result back (``sync_connectors``)."""
+        return None if self.connector is None else self.connector.pop_deltas()
+
+    def sync_connectors(self, state: list[dict[str, Any]]) -> None:
+        """The driver's merged connector state; what was gathered since ``pop_connector_deltas`` is kept."""
+        if self.connector is not None and state is not None:
+            self.connector.sync(state)
 
     def ping(self) -> str:
         return "ok"

@@ -38,6 +38,12 @@ class Fragment:
     info_rows: list[list[dict]] | None = None
     """``T + 1`` rows of each sub-env's info, when infos are kept (None otherwise)."""
     final_infos: dict[tuple[int, int], dict] = field(default_factory=dict)
+    look_back: np.ndarray | None = None
+    """``[n, L, ...]``: each sub-env's ``L`` recorded observations before the fragment's first (views that
+    look back, like frame stacking); None when the runner's connectors need none."""
+    state_rows: np.ndarray | None = None
+    """``[T, n, ...]``: the recurrent state each sub-env acted from at each step (a recurrent module); None
+    otherwise."""
 
 
 @dataclass
@@ -60,8 +66,11 @@ class EpisodeSlots:
 
     def __init__(self, num_envs: int, worker_index: int, clip_rewards: bool | float | None, metrics: MetricsLogger,
                  metrics_window: int, hooks: EpisodeHooks | None,
-                 postprocess: Callable[[EpisodeChunk], EpisodeChunk]) -> None:
+                 postprocess: Callable[[EpisodeChunk], EpisodeChunk], max_seq_len: int | None = None) -> None:
+        """``max_seq_len``: a recurrent module's chunks are cut to at most this many steps, each carrying the
+        state it started from (``EpisodeChunk.state_in``)."""
         self.num_envs = num_envs
+        self.max_seq_len = max_seq_len
         self.worker_index = worker_index
         self.clip_rewards = clip_rewards
         self.metrics, self.metrics_window = metrics, metrics_window
@@ -142,20 +151,27 @@ class EpisodeSlots:
                     terminated=bool(terminated[t, j]), truncated=bool(truncated[t, j] and not terminated[t, j]),
                     extra={"action_logp": logp[j, start : t + 1], "action_dist_inputs": col(dists, j, start, t + 1)},
                     t_started=slot.t_started, weights_version=weights_version,
+                    look_back=None if f.look_back is None else (
+                        f.look_back[j] if start == 0 else np.repeat(seg_obs[:1], f.look_back.shape[1], axis=0)),
                     env_runner_index=self.worker_index, env_index=j,
                     infos=([row[j] for row in info_rows[start : t + 1 + (not ended)]]
                            + ([final_infos[(t, j)]] if ended else [])) if info_rows is not None else [],
                 )
                 slot.ret += float(raw_rewards[j, start : t + 1].sum())
                 slot.length += t + 1 - start
-                slot.chunk_index += 1
+                pieces = [chunk]
+                if f.state_rows is not None:  # recurrent: sequences of max_seq_len, each with its start state
+                    pieces = chunk.split(self.max_seq_len or len(chunk))
+                    for k, piece in enumerate(pieces):
+                        piece.state_in = np.ascontiguousarray(f.state_rows[start + k * (self.max_seq_len or 0), j])
+                slot.chunk_index += len(pieces)
                 slot.t_started += t + 1 - start
                 if hold_back:
-                    slot.pending.append(chunk)
+                    slot.pending.extend(pieces)
                     if ended and slot.counted:
                         out.append(self.postprocess(EpisodeChunk.concat(slot.pending)))
                 elif slot.counted:
-                    out.append(self.postprocess(chunk))
+                    out.extend(self.postprocess(piece) for piece in pieces)
                 if ended:
                     if slot.counted:
                         ended_returns.append(slot.ret)

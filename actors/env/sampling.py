@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.connectors.base import ConnectorPipeline
 from actors.env.actions import EnvActions
 from actors.env.episode_hooks import EpisodeHooks
 from actors.env.episode_slots import EpisodeSlots, Fragment
@@ -24,8 +25,15 @@ class FragmentSampler:
     ``sample(num_episodes=n)``, whose unfinished episodes are dropped)."""
 
     def __init__(self, env: SyncVectorEnv | AsyncVectorEnv, acting: Any, env_actions: EnvActions,
-                 slots: EpisodeSlots, hooks: EpisodeHooks | None, with_infos: bool) -> None:
+                 slots: EpisodeSlots, hooks: EpisodeHooks | None, with_infos: bool,
+                 connector: ConnectorPipeline | None = None, update_connector: bool = True) -> None:
         self.env, self.acting, self.env_actions = env, acting, env_actions
+        self.connector = connector
+        """The env-to-module pipeline (``actors.connectors``): chunks store its recording pieces' output, the
+        module acts on its views' output; None: observations go through as the env gave them."""
+        self.update_connector = update_connector
+        """The pipeline may learn from what this runner sees (running statistics); evaluators do not."""
+        self.module_obs: Any = None  # what the module acts on next (``obs`` unless the pipeline has views)
         self.slots, self.hooks = slots, hooks
         self.num_envs = slots.num_envs
         self.with_infos = with_infos
@@ -37,8 +45,15 @@ class FragmentSampler:
 
     def reset(self) -> None:
         """Reset every sub-env; each starts a fresh episode."""
+        if getattr(self.acting, "recurrent", False):
+            self.acting.reset_states(None)
         self.slots.clear_next()
         self.obs = self.env.reset()
+        if self.connector is not None:
+            self.connector.reset_stack(self.num_envs)
+            self.obs, self.module_obs = self._observe(self.obs, np.ones(self.num_envs, bool))
+        else:
+            self.module_obs = self.obs
         if not self.env.supports_hooks:
             for j in range(self.num_envs):
                 self.slots.begin(j)
@@ -51,6 +66,28 @@ class FragmentSampler:
             for j in range(self.num_envs):
                 self.hooks.started(j, nested.map_structure(lambda a: a[j], self.obs), infos[j])
 
+    def resume(self, raw_obs: Any) -> None:
+        """Go on from observations a restored vector env gave back (their episodes resume; a view's
+        memory of earlier steps was not saved, so it starts from these)."""
+        self.obs = raw_obs
+        if self.connector is not None:
+            self.connector.reset_stack(self.num_envs)
+            self.obs, self.module_obs = self._observe(raw_obs, np.ones(self.num_envs, bool), update=False)
+        else:
+            self.module_obs = raw_obs
+
+    def _observe(self, raw: Any, starts: np.ndarray, update: bool | None = None) -> tuple[Any, Any]:
+        """Raw env observations -> (what chunks store, what the module acts on)."""
+        update = self.update_connector if update is None else update
+        recorded = self.connector.record(raw, starts, update)
+        return recorded, (self.connector.view(recorded, starts, update) if self.connector.views else recorded)
+
+    def _record_one(self, raw: Any) -> Any:
+        """One episode's last observation through the recording pieces (learning nothing from it)."""
+        batch = nested.map_structure(lambda a: np.asarray(a)[None], raw)
+        out = self.connector.record(batch, np.zeros(1, bool), False)
+        return nested.map_structure(lambda a: a[0], out)
+
     def run(self, steps: int, explore: bool, t0: int) -> Fragment:
         """``steps`` steps of every sub-env from ``obs``; ``t0`` is the timestep exploration
         schedules start from. The caller runs this in the acting piece's ``session()``."""
@@ -62,12 +99,18 @@ class FragmentSampler:
         final_obs: dict[tuple[int, int], Any] = {}
         info_rows: list[list[dict]] | None = [self.obs_infos or [{}] * n] if self.with_infos else None
         final_infos: dict[tuple[int, int], dict] = {}
-        obs = self.obs
+        obs, module_obs = self.obs, self.module_obs
+        conn = self.connector
+        look_back = conn.recent() if conn is not None and conn.look_back else None
+        recurrent = getattr(self.acting, "recurrent", False)
+        state_rows: list[np.ndarray] | None = [] if recurrent else None
         act = self.acting.act
         oldest = None
         for t in range(steps):
             obs_rows.append(obs)
-            act_np, logp, dist_inputs, version = act(obs, explore, t0 + t * n)
+            if state_rows is not None:  # the state each sub-env acts from: a chunk starting here carries it
+                state_rows.append(self.acting.states(n).copy())
+            act_np, logp, dist_inputs, version = act(module_obs, explore, t0 + t * n)
             if oldest is None or version < oldest:
                 oldest = version
             act_rows.append(act_np)
@@ -75,8 +118,10 @@ class FragmentSampler:
             dist_rows.append(dist_inputs)
             res = self.env.step(self.env_actions(act_np))
             rewards[t], terminated[t], truncated[t] = res.rewards, res.terminated, res.truncated
+            if recurrent and res.final_obs:
+                self.acting.reset_states(list(res.final_obs))
             for i, o in res.final_obs.items():
-                final_obs[(t, i)] = o
+                final_obs[(t, i)] = o if conn is None else self._record_one(o)
                 if not self.env.supports_hooks:
                     self.slots.begin(i)
             if self.hooks is not None:
@@ -88,14 +133,20 @@ class FragmentSampler:
                     final_infos[(t, i)] = step_infos[i]
                 info_rows.append([plain_info(reset_infos.get(i, {})) if i in res.final_obs else step_infos[i]
                                   for i in range(n)])
-            obs = res.obs
-        self.obs = obs
+            if conn is None:
+                obs = module_obs = res.obs
+            else:
+                starts = np.zeros(n, bool)
+                starts[list(res.final_obs)] = True
+                obs, module_obs = self._observe(res.obs, starts)
+        self.obs, self.module_obs = obs, module_obs
         self.oldest_version = oldest if oldest is not None else self.acting.weights_version
         obs_rows.append(obs)
         if info_rows is not None:
             self.obs_infos = info_rows[-1]
         return Fragment(obs_rows, act_rows, logp_rows, dist_rows, rewards, terminated, truncated, final_obs,
-                        info_rows, final_infos)
+                        info_rows, final_infos, look_back,
+                        None if state_rows is None else np.stack(state_rows))
 
 
 def plain_info(info: Any) -> dict:

@@ -36,6 +36,12 @@ class EnvRunnerSettings:
     module_kwargs: dict = field(default_factory=dict)
     observation_space: gym.Space | None = None
     action_space: gym.Space | None = None
+    env_to_module: Callable[..., Any] | None = None
+    """The user's ``env_to_module_connector`` factory: each runner builds its own pipeline from it
+    (``actors.connectors``); None: observations go to the module as the env gives them."""
+    env_observation_space: gym.Space | None = None
+    """The env's own observation space, what the pipeline starts from (``observation_space`` is what
+    comes out of it); None: the env's."""
     exploration_config: dict = field(default_factory=dict)
     clip_rewards: bool | float | None = None
     normalize_actions: bool = True

@@ -42,6 +42,19 @@ class PolicyForward:
         # waits for the pass (the answers are needed now); the pinned buffers are free again after it
         return inputs.to("cpu")
 
+    def recurrent_dist_inputs(self, obs: Any, state: np.ndarray, explore: bool) -> tuple[torch.Tensor, np.ndarray]:
+        """A recurrent module's step: (action distribution inputs on the CPU, the next states as numpy)
+        for a batch of observations and the states ``[B, 2, cell]`` they act from."""
+        module = self.module
+        forward = module.forward_exploration if explore else module.forward_inference
+        if not self.cuda:
+            out = forward(nested.map_structure(_tensor, obs), torch.from_numpy(state))
+            return out["action_dist_inputs"], out["state_out"].numpy()
+        leaf = itertools.count()
+        t_obs = nested.map_structure(lambda a: self._upload(next(leaf), a), obs)
+        out = forward(t_obs, self._upload(-1, state))
+        return out["action_dist_inputs"].to("cpu"), out["state_out"].to("cpu").numpy()
+
     def _upload(self, leaf: int, a: np.ndarray) -> torch.Tensor:
         """``a`` on the GPU through a pinned buffer kept for this leaf (grown as batches grow)."""
         key = (leaf, a.dtype.str, a.shape[1:])

@@ -34,6 +34,7 @@ from torch import nn
 
 from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import LearnerRole
+from actors.learner.batch import ChunkBatch
 from actors.learner.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
 from actors.modules import ActorCriticModule, RLModule
@@ -88,7 +89,9 @@ class Learner(FedByStreams, LearnerRole):
 
     def __init__(self, settings: LearnerSettings, observation_space: gym.Space | None = None,
                  action_space: gym.Space | None = None, *, module_spec: Any = None, device: str = "cpu", rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, observation_view: Any = None) -> None:
+        """``observation_view`` (``actors.connectors.ObservationView``): the runners' connectors build a view
+        (frame stacks) that chunks do not store; this learner rebuilds it from each chunk's look-back rows."""
         if module_spec is not None:  # RLlib's spelling: the spaces come with the module spec
             observation_space = observation_space or module_spec.observation_space
             action_space = action_space or module_spec.action_space
@@ -97,6 +100,7 @@ class Learner(FedByStreams, LearnerRole):
                             f"observation_space=, action_space= or module_spec=config.get_multi_rl_module_spec(env=...)")
         self.settings = settings
         self.observation_space, self.action_space = observation_space, action_space
+        self.observation_view = observation_view
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
         if settings.seed is not None:
@@ -115,6 +119,11 @@ class Learner(FedByStreams, LearnerRole):
         self._learn_hook = overrides(self.callbacks, "on_learn_on_batch")
         self.batch_check = BatchCheck(observation_space, action_space, settings.allow_nonfinite_observations)
         self.num_batches_refused = 0
+
+    @property
+    def chunk_observation_space(self) -> gym.Space:
+        """The observations chunks carry (a view's input; the module's own space without a view)."""
+        return self.observation_view.recorded_space if self.observation_view is not None else self.observation_space
 
     # --- what an algorithm provides ---------------------------------------------------------
     def build_module(self) -> nn.Module:
@@ -155,7 +164,15 @@ class Learner(FedByStreams, LearnerRole):
         (how it crosses to a remote learner)."""
         if isinstance(batch, (bytes, bytearray, memoryview)):
             batch = decode(batch)
-        refused = self._refuse(batch)
+        view_problem = None
+        if self.observation_view is not None and isinstance(batch, list) and not isinstance(batch, ChunkBatch):
+            try:  # a stream's batches were rebuilt by its loader already
+                batch = self.observation_view.rebuild(batch)
+            except ValueError as err:
+                view_problem = str(err)
+        if view_problem is None and getattr(self.module, "is_recurrent", False) and isinstance(batch, list):
+            view_problem = self._state_problem(batch)
+        refused = self._refuse(batch, view_problem)
         if refused is not None:
             return refused
         self.timestep = timestep
@@ -171,12 +188,23 @@ class Learner(FedByStreams, LearnerRole):
                       train_batch=batch, result=extra)
         return self.train_on_batch(batch, timestep) | rates | extra
 
-    def _refuse(self, batch: Any) -> dict[str, float] | None:
+    def _state_problem(self, chunks: list[Any]) -> str | None:
+        """A recurrent module unrolls each chunk from its ``state_in``: what is wrong with them, or None."""
+        want = self.module.initial_state(1).shape[1:]
+        for c in chunks:
+            if c.state_in is None or c.state_in.shape != want:
+                got = "none" if c.state_in is None else f"shape {c.state_in.shape}"
+                return (f"chunk {c.chunk_index} of episode {c.episode_id} has state_in {got}; this recurrent "
+                        f"module unrolls each chunk from a state of shape {want}")
+        return None
+
+    def _refuse(self, batch: Any, problem: str | None = None) -> dict[str, float] | None:
         """The statistics of a refused update, or None to train on ``batch``. A batch with a value its
         spaces do not hold (``BatchCheck``: an action out of range, a NaN) is dropped, counted and
         logged rather than trained on: a bug anywhere upstream must not kill a long job, neither by
         an exception in the loss nor by NaN weights. One check per batch, vectorized."""
-        problem = self.batch_check.problem(batch)
+        if problem is None:
+            problem = self.batch_check.problem(batch)
         if self.world_size > 1:  # learners meet at every gradient all-reduce: all drop the batch, or none
             if self.allreduce_mean(np.array([problem is not None], np.float64))[0] > 0 and problem is None:
                 problem = "another learner refused its shard of this batch"

@@ -91,11 +91,13 @@ class ChunkReceiver:
                  rcvbuf: int = 0, device: str | torch.device = "cpu", prebuild: bool = True,
                  required_extra: tuple[str, ...] = ("action_logp",), max_log_lines_per_sender: int = 100,
                  module_spaces: dict[str, tuple[gym.Space, gym.Space]] | None = None,
-                 max_weights_lag: int | None = None) -> None:
+                 max_weights_lag: int | None = None, observation_view: Any = None) -> None:
         """``module_spaces``: module id -> (observation, action space) of a multi-agent run's modules:
         batches are ``ModuleBatches`` of ``batch_size`` agent steps (``observation_space`` and
         ``action_space`` are then not used). ``max_weights_lag``: drop chunks acted by weights more than
-        this many versions older than the consumer's (None: keep all)."""
+        this many versions older than the consumer's (None: keep all). ``observation_view``
+        (``actors.connectors.ObservationView``): chunks are checked against its recorded space and their
+        view is rebuilt here, in the loader thread, before the batch is laid out."""
         if batch_size < 1 or queue_size < 1 or hwm < 1:
             raise ValueError(f"batch_size, queue_size and hwm must be >= 1, got {batch_size}, {queue_size}, {hwm}")
         if module_spaces is not None and not module_spaces:
@@ -106,6 +108,10 @@ class ChunkReceiver:
             raise ValueError(f"max_weights_lag must be None or an int >= 0, got {max_weights_lag!r}")
         self.batch_size = batch_size
         self.max_weights_lag = max_weights_lag
+        self.observation_view = observation_view
+        if observation_view is not None:
+            observation_space = observation_view.recorded_space
+        self.num_chunks_without_look_back = 0
         self.weights_version = 0
         """The consumer's current weights version (``set_weights_version``), the reference for staleness."""
         self.num_chunks_dropped_stale = 0
@@ -116,6 +122,8 @@ class ChunkReceiver:
         schema: ChunkSchema | ModuleSchemas
         if module_spaces is None:
             schema = ChunkSchema.for_spaces(observation_space, action_space, required_extra)
+            if observation_view is not None:
+                schema.look_back_rows = observation_view.piece.look_back
         else:
             schema = ModuleSchemas({mid: ChunkSchema.for_spaces(obs, act, required_extra)
                                     for mid, (obs, act) in module_spaces.items()})
@@ -263,7 +271,21 @@ class ChunkReceiver:
                 self._ready.append(self._make_batch(take))
             self.num_batches_built += 1
 
+    def _rebuilt(self, chunks: list[EpisodeChunk]) -> list[EpisodeChunk]:
+        """The view rebuilt chunk by chunk; a chunk sent without the look-back rows is dropped and counted."""
+        out = []
+        for chunk in chunks:
+            try:
+                out.extend(self.observation_view.rebuild([chunk]))
+            except ValueError as err:
+                self.num_chunks_without_look_back += 1
+                if self.num_chunks_without_look_back <= 10:
+                    log.warning("chunk dropped (%d so far): %s", self.num_chunks_without_look_back, err)
+        return out
+
     def _make_batch(self, chunks: list[EpisodeChunk]) -> ChunkBatch:
+        if self.observation_view is not None:
+            chunks = self._rebuilt(chunks)
         out = ChunkBatch(chunks)
         if not self.prebuild:
             return out

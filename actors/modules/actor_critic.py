@@ -6,11 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 import torch
+from torch import nn
 
 from actors.modules.distributions import apply_log_std_init
 from actors.modules.encoders import ModelConfig, build_encoder, head, mlp
 from actors.modules.rl_module import RLModule
+from protocols import nested
 
 
 class ActorCriticModule(RLModule):
@@ -26,20 +29,84 @@ class ActorCriticModule(RLModule):
         self.encoder = build_encoder(self.encoder_space, cfg)
         feat, hiddens = self.encoder.out_dim, cfg.trunk_hiddens(self.encoder)
         self.pi_trunk, pi_dim = mlp(feat, hiddens, cfg.fcnet_activation)
+        self.lstm: nn.LSTM | None = None
+        if cfg.use_lstm:  # trunk -> LSTM -> both heads
+            self.lstm = nn.LSTM(pi_dim, cfg.lstm_cell_size, batch_first=True)
+            pi_dim = cfg.lstm_cell_size
         self.pi_head = head(pi_dim, self.dist_spec.input_dim, gain=0.01)
         apply_log_std_init(self.pi_head.bias, self.dist_spec, cfg.log_std_init)
         if not inference_only:
             if cfg.vf_share_layers:
                 self.vf_trunk, vf_dim = None, pi_dim
-            else:
-                self.vf_trunk, vf_dim = mlp(feat, hiddens, cfg.fcnet_activation)
+            else:  # with an LSTM: its own trunk on the features and the LSTM's (detached) output
+                self.vf_trunk, vf_dim = mlp(feat + (cfg.lstm_cell_size if cfg.use_lstm else 0), hiddens,
+                                            cfg.fcnet_activation)
             self.vf_head = head(vf_dim, 1, gain=1.0)
 
-    def forward_inference(self, obs: Any) -> dict[str, torch.Tensor]:
+    # --- recurrent (model_config use_lstm) -----------------------------------------------------
+    @property
+    def is_recurrent(self) -> bool:
+        return self.lstm is not None
+
+    def initial_state(self, n: int) -> np.ndarray:
+        """``n`` fresh recurrent states ``[n, 2, cell]`` (hidden and cell state, zeros), float32."""
+        return np.zeros((n, 2, self.config.lstm_cell_size), np.float32)
+
+    def _step_features(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         obs, mask = self.split_mask(obs)
-        return {"action_dist_inputs": self.mask_outputs(self.pi_head(self.pi_trunk(self.encoder(obs))), mask, True)}
+        return self.pi_trunk(self.encoder(obs)), mask
+
+    def _check_state(self, state: torch.Tensor, rows: int) -> None:
+        want = (rows, 2, self.config.lstm_cell_size)
+        if tuple(state.shape) != want:
+            raise ValueError(f"recurrent state of shape {tuple(state.shape)}; this module takes {want} "
+                             f"(rows, hidden and cell, lstm_cell_size)")
+
+    def forward_inference(self, obs: Any, state: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """``action_dist_inputs`` for a batch of observations; a recurrent module also takes the batch's
+        states ``[B, 2, cell]`` (None: fresh ones) and returns the next ones as ``state_out``."""
+        feats, mask = self._step_features(obs)
+        if self.lstm is None:
+            return {"action_dist_inputs": self.mask_outputs(self.pi_head(feats), mask, True)}
+        if state is None:
+            state = torch.zeros((feats.shape[0], 2, self.config.lstm_cell_size), device=feats.device)
+        self._check_state(state, feats.shape[0])
+        h0, c0 = (state[:, i].unsqueeze(0).contiguous() for i in (0, 1))
+        out, (h, c) = self.lstm(feats.unsqueeze(1), (h0, c0))
+        return {"action_dist_inputs": self.mask_outputs(self.pi_head(out[:, 0]), mask, True),
+                "state_out": torch.stack([h[0], c[0]], 1)}
+
+    def forward_exploration(self, obs: Any, state: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return self.forward_inference(obs, state)
+
+    def forward_sequences(self, obs: Any, state_in: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A recurrent module over ``B`` sequences of ``T`` steps: ``obs`` ``[B, T, ...]``, ``state_in``
+        ``[B, 2, cell]`` at each sequence's start -> ``action_dist_inputs`` ``[B, T, ...]`` and (the full
+        module) ``vf_preds`` ``[B, T]``."""
+        if self.lstm is None:
+            raise RuntimeError("forward_sequences is for recurrent modules (model_config use_lstm=True)")
+        first = nested.first_leaf(obs)
+        b, t = first.shape[0], first.shape[1]
+        flat = nested.map_structure(lambda a: a.reshape(b * t, *a.shape[2:]), obs)
+        obs_part, mask = self.split_mask(flat)
+        feats = self.encoder(obs_part)
+        self._check_state(state_in, b)
+        h0, c0 = (state_in[:, i].unsqueeze(0).contiguous() for i in (0, 1))
+        out, _ = self.lstm(self.pi_trunk(feats).reshape(b, t, -1), (h0, c0))
+        out = out.reshape(b * t, -1)
+        dist_inputs = self.mask_outputs(self.pi_head(out), mask, False)
+        result = {"action_dist_inputs": dist_inputs.reshape(b, t, *dist_inputs.shape[1:])}
+        if not self.inference_only:
+            # vf_share_layers: the value head sits on the LSTM, whose training the value loss shares. Else the
+            # value has a trunk of its own that reads the LSTM's memory without training it: value errors,
+            # large where returns are, would otherwise swamp what the policy needs the memory for
+            vf_in = out if self.vf_trunk is None else self.vf_trunk(torch.cat([feats, out.detach()], -1))
+            result["vf_preds"] = self.vf_head(vf_in).reshape(b, t)
+        return result
 
     def forward_train(self, obs: Any) -> dict[str, torch.Tensor]:
+        if self.lstm is not None:
+            raise RuntimeError("a recurrent module trains on sequences: forward_sequences(obs, state_in)")
         if self.inference_only:
             raise RuntimeError("an inference-only module has no value head; build it with inference_only=False")
         obs, mask = self.split_mask(obs)

@@ -44,6 +44,18 @@ class ModelConfig:
     """Fully connected layers that end the CNN, after its flatten (Nature CNN: one of 512)."""
     log_std_init: float = 0.0
     """Initial log standard deviation of Gaussian (Box) action distributions."""
+    use_lstm: bool = False
+    """An LSTM between the MLP trunk and the heads (policy and value share it): the policy remembers
+    across steps. PPO only for now."""
+    lstm_cell_size: int = 256
+    """Units of the LSTM's hidden and cell state."""
+    max_seq_len: int = 20
+    """Runners cut episodes into chunks of at most this many steps, each carrying the recurrent state at
+    its start; learners unroll each chunk from that state."""
+    lstm_use_prev_action: bool = False
+    """Not supported yet (an error if True): feed the previous action to the LSTM."""
+    lstm_use_prev_reward: bool = False
+    """Not supported yet (an error if True): feed the previous reward to the LSTM."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "ModelConfig":
@@ -55,6 +67,12 @@ class ModelConfig:
         for key in ("fcnet_activation", "conv_activation"):
             if key in d and d[key] not in ACTIVATIONS:
                 raise ValueError(f"model_config[{key!r}]={d[key]!r} is not one of {sorted(ACTIVATIONS)}")
+        for key in ("lstm_use_prev_action", "lstm_use_prev_reward"):
+            if d.get(key):
+                raise ValueError(f"model_config[{key!r}]=True is not supported yet; leave it False")
+        for key in ("lstm_cell_size", "max_seq_len"):
+            if key in d and (not isinstance(d[key], int) or isinstance(d[key], bool) or d[key] < 1):
+                raise ValueError(f"model_config[{key!r}] must be an int >= 1, got {d[key]!r}")
         return cls(**d)
 
     def trunk_hiddens(self, after: nn.Module | None) -> list[int]:

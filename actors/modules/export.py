@@ -42,6 +42,9 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
     if getattr(module, "masking", None) is not None:  # the exported layers would act without the mask
         raise ValueError(f"{type(module).__name__} honours an action mask (its observation space has "
                          f"'action_mask'), which the numpy export does not carry -- {_USE_REMOTE}")
+    if getattr(module, "is_recurrent", False):  # the exported layers have no LSTM cell yet
+        raise ValueError(f"{type(module).__name__} is recurrent (model_config use_lstm), which the numpy export "
+                         f"does not carry yet -- {_USE_REMOTE}")
     # exact classes: a subclass may compute its actions differently from the layers exported here
     if type(module) is ActorCriticModule:
         head = _sequential(module.pi_trunk) + [_linear(module.pi_head)]

@@ -12,17 +12,19 @@ The defaults are tuned to solve CartPole-v1 fast and are sound elsewhere; scale
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from actors.learner import Learner, as_batch, piecewise
+from actors.learner.sequences import chunks_to_sequences
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.returns import adapt_kl_coeff, gae
 from pipeline.config.base import AlgorithmConfig
 from pipeline.registry import register_algorithm
+from protocols import nested
 from protocols.episode import EpisodeChunk
 
 
@@ -30,6 +32,8 @@ from protocols.episode import EpisodeChunk
 class PPOConfig(AlgorithmConfig):
     algo_name = "PPO"
     trains_on_policy = True
+    supports_recurrent: ClassVar[bool] = True
+    """``model_config`` ``use_lstm``: the learner unrolls chunks as sequences (``train_on_sequences``)."""
 
     gamma: float = 0.995
     """Discount factor. 0.995 (a ~200-step horizon) rather than 0.99: on CartPole-v1 it reached a mean
@@ -81,13 +85,17 @@ class PPOConfig(AlgorithmConfig):
 
 
 def ppo_loss(module: RLModule, batch: dict[str, Any], config: PPOConfig, kl_coeff: float,
-             entropy_coeff: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             entropy_coeff: float, out: dict[str, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-surrogate PPO loss on one minibatch.
 
     ``batch`` holds ``obs``, ``actions``, ``action_logp`` and ``action_dist_inputs`` (of the
-    policy that sampled), ``advantages`` and ``value_targets``.
+    policy that sampled), ``advantages`` and ``value_targets``. ``out``: the module's outputs for these
+    steps when the caller computed them (a recurrent module unrolls whole sequences); else
+    ``forward_train(obs)``.
     """
-    out = module.forward_train(batch["obs"])
+    if out is None:
+        out = module.forward_train(batch["obs"])
     dist = module.action_dist(out["action_dist_inputs"])
     logp = dist.logp(batch["actions"])
     ratio = torch.exp(logp - batch["action_logp"])
@@ -128,6 +136,8 @@ class PPOLearner(Learner):
         super().__init__(config.learner_settings(), observation_space, action_space, **placement)
 
     def train_on_batch(self, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
+        if getattr(self.module, "is_recurrent", False):
+            return self.train_on_sequences(chunks, timestep)
         cfg = self.config
         b = as_batch(chunks, self.device)
         if cfg.use_critic:
@@ -147,13 +157,52 @@ class PPOLearner(Learner):
         num_minibatches = -(-cfg.train_batch_size_per_learner // cfg.minibatch_size)
         out = self.sgd(tensors, lambda mb: ppo_loss(self.module, mb, cfg, kl_coeff, entropy_coeff),
                        len(b), cfg.minibatch_size, num_minibatches, cfg.num_epochs)
-        if cfg.use_kl_loss:
+        return self._after_sgd(out, kl_coeff, entropy_coeff, len(b))
+
+    def _after_sgd(self, out: dict[str, float], kl_coeff: float, entropy_coeff: float, steps: int) -> dict[str, float]:
+        """The KL coefficient adapted to the update's KL, and the coefficients and step count reported."""
+        if self.config.use_kl_loss:
             kl = float(self.allreduce_mean(np.array([out["mean_kl_loss"]]))[0])
-            self.kl_coeff = adapt_kl_coeff(kl_coeff, kl, cfg.kl_target)
+            self.kl_coeff = adapt_kl_coeff(kl_coeff, kl, self.config.kl_target)
         out["curr_kl_coeff"] = self.kl_coeff
         out["curr_entropy_coeff"] = entropy_coeff
-        out["num_module_steps_trained"] = float(len(b))
+        out["num_module_steps_trained"] = float(steps)
         return out
+
+
+    def train_on_sequences(self, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
+        """A recurrent module: GAE as usual, then minibatches of whole chunks, each unrolled from its
+        ``state_in`` (``actors.learner.sequences``); the loss sees the real steps only."""
+        cfg = self.config
+        b = as_batch(chunks, self.device)
+        seq = chunks_to_sequences(list(chunks), self.device)
+        if cfg.use_critic:
+            with torch.no_grad():
+                values = seq.flat_values(self.module.forward_sequences(seq.obs, seq.state_in)["vf_preds"]).cpu().numpy()
+        else:
+            values = np.zeros(len(b) + len(b.lengths), np.float32)
+        lam = cfg.lambda_ if cfg.use_gae else 1.0
+        adv, targets = gae(b.rewards, values, b.lengths, b.terminated, cfg.gamma, lam)
+        steps = {"actions": b.actions, "action_logp": b.extra["action_logp"],
+                 "action_dist_inputs": b.extra["action_dist_inputs"],
+                 "advantages": torch.as_tensor(adv, device=self.device),
+                 "value_targets": torch.as_tensor(targets, device=self.device)}
+        tmax = seq.max_len
+        tensors = {"obs": nested.map_structure(lambda t: t[:, :tmax], seq.obs), "state_in": seq.state_in,
+                   "mask": seq.mask, **{k: seq.pad_steps(v) for k, v in steps.items()}}
+        kl_coeff, entropy_coeff = self.kl_coeff, piecewise(cfg.entropy_coeff, timestep)
+        num_minibatches = -(-cfg.train_batch_size_per_learner // cfg.minibatch_size)
+        per_minibatch = max(1, round(seq.num_sequences * cfg.minibatch_size / max(1, len(b))))
+
+        def loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+            mask = mb["mask"]
+            out = self.module.forward_sequences(mb["obs"], mb["state_in"])
+            real = {k: nested.map_structure(lambda t: t[mask], mb[k]) for k in steps}
+            return ppo_loss(self.module, real, cfg, kl_coeff, entropy_coeff,
+                            out={k: v[mask] for k, v in out.items()})
+
+        out = self.sgd(tensors, loss, seq.num_sequences, per_minibatch, num_minibatches, cfg.num_epochs)
+        return self._after_sgd(out, kl_coeff, entropy_coeff, len(b))
 
 
 @register_algorithm

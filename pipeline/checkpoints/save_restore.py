@@ -44,7 +44,20 @@ def driver_state(algo: Any) -> dict[str, Any]:
     """The driver's own state (plain data): iteration, time, weights version, metrics, numpy RNG."""
     return {"iteration": algo.iteration, "time_total_s": algo.time_total_s,
             "weights_version": algo.weights_version, "metrics": algo.metrics.get_state(),
-            "numpy_rng": np_rng_state()}
+            "numpy_rng": np_rng_state(),
+            "connectors": None if algo.connector is None else as_lists(algo.connector.get_state())}
+
+
+def as_lists(obj: Any) -> Any:
+    """Arrays as nested lists, for the driver state's JSON (float64 survives exactly: JSON floats are
+    written with Python's shortest round-trip repr)."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: as_lists(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [as_lists(v) for v in obj]
+    return obj
 
 
 def set_driver_state(algo: Any, state: dict[str, Any]) -> None:
@@ -53,6 +66,10 @@ def set_driver_state(algo: Any, state: dict[str, Any]) -> None:
     algo.time_total_s = float(state["time_total_s"])
     algo.weights_version = int(state["weights_version"])
     algo.metrics.set_state(state["metrics"])
+    if state.get("connectors") is not None and algo.connector is not None:
+        algo.connector.set_state(state["connectors"])
+        if algo.env_runner_group is not None:
+            algo.env_runner_group.sync_connectors(algo.connector.get_state())
     if state.get("numpy_rng"):
         name, keys, pos, has_gauss, cached = state["numpy_rng"]
         np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, cached))

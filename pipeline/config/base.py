@@ -34,7 +34,8 @@ from pipeline.config.multi_agent import (MultiAgentFlag, is_multi_agent, multi_a
 from pipeline.config.keys import group_keys, ignore_setting, read_setting, setting_names, unknown_problem
 from pipeline.config.plain import from_plain, function_problems, plain_settings
 from pipeline.config.sampling import env_runner_problems, environment_problems, rollout_fragment_length
-from pipeline.config.training import learner_settings, module_spec, rl_module_problems, training_problems
+from pipeline.config.training import (learner_settings, module_spec, recurrent_problems, rl_module_problems,
+                                      training_problems)
 
 log = logging.getLogger("runnel")
 
@@ -92,6 +93,10 @@ class AlgorithmConfig:
     """Explore while sampling, and the default of ``compute_actions(explore=None)`` (False: greedy)."""
     gym_env_vectorize_mode: str = "sync"
     """sync: sub-envs stepped in the runner's process; async: one process per sub-env."""
+    env_to_module_connector: Any = None
+    """``fn(env) -> piece or [pieces]`` (``pipeline.connectors``: ``MeanStdFilter``, ``FlattenObservations``,
+    your ``ConnectorV2`` subclasses): what each runner does to observations before its module sees them;
+    ``env`` carries the env's spaces. Single-agent runs with env runners."""
 
     # learners
     num_learners: int = 0
@@ -498,6 +503,8 @@ class AlgorithmConfig:
         problems += training_problems(self)
         problems += environment_problems(self)
         problems += rl_module_problems(self)
+        if isinstance(self.model_config, dict) and self.model_config.get("use_lstm"):
+            problems += recurrent_problems(self, is_multi_agent(self))
         problems += multi_agent_problems(self)
         problems += self._evaluation_problems()
         from pipeline.config.external import external_problems

@@ -20,7 +20,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "environment": ("env", "env_config", "observation_space", "action_space", "clip_rewards",
                     "normalize_actions", "clip_actions", "env_task_fn"),
     "env_runners": ("num_env_runners", "num_envs_per_env_runner", "rollout_fragment_length", "batch_mode",
-                    "num_cpus_per_env_runner", "explore", "gym_env_vectorize_mode"),
+                    "num_cpus_per_env_runner", "explore", "gym_env_vectorize_mode", "env_to_module_connector"),
     "learners": ("num_learners", "num_gpus_per_learner", "num_cpus_per_learner", "learner_placement_timeout_s"),
     "training": ("gamma", "lr", "grad_clip", "grad_clip_by", "train_batch_size_per_learner",
                  "minibatch_size", "num_epochs"),

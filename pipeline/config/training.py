@@ -28,6 +28,23 @@ def rl_module_problems(config: Any) -> list[str]:
     return model_config_problems(config.model_config)
 
 
+def recurrent_problems(config: Any, multi_agent: bool) -> list[str]:
+    """Where a recurrent module (``use_lstm``) cannot go yet, each with what to do instead."""
+    out = []
+    if not getattr(type(config), "supports_recurrent", False):
+        out.append(f"model_config use_lstm=True: {config.algo_name} does not train recurrent modules yet (PPO "
+                   f"does); use PPO, or leave use_lstm off")
+    if config.external_clients_config:
+        out.append("model_config use_lstm=True with external_clients: policy servers do not carry client "
+                   "states yet; leave use_lstm off")
+    if (config.inference_config or {}).get("mode", "local") == "central":
+        out.append("model_config use_lstm=True with central inference: servers do not keep runners' states "
+                   "yet; use .inference(mode='local')")
+    if multi_agent:
+        out.append("model_config use_lstm=True in a multi-agent run: not supported yet")
+    return out
+
+
 def model_config_problems(model_config: dict) -> list[str]:
     """``model_config`` keys the default modules do not read (RLlib's old ``model`` keys are named as such)."""
     from actors.modules import ModelConfig

@@ -110,6 +110,7 @@ class EnvRunnerGroup:
         self._ft_logged = {"num_remote_worker_restarts": 0, "num_remote_worker_failures": 0,
                            "num_dropped_requests": 0, "restart_wait_s": 0.0}  # manager counts already in the metrics
         self._lost_streams: list[int] = []  # runners that failed while streaming, not yet taken by the plan
+        self._connector_state: Any = None  # the driver's merged connector state, for replacements
         self._tasks: dict[int, list] = {}  # curriculum: each runner's sub-env tasks, for recreated runners
         self._last_delivered: dict[int, list] = {}  # policy servers: chunk ids of each slot's latest answer
 
@@ -142,6 +143,21 @@ class EnvRunnerGroup:
         else:
             self.manager.submit("set_weights", self._weights, version, timestep, tag="weights")
 
+    # --- connectors ---------------------------------------------------------------------------
+    def pop_connector_deltas(self) -> list[Any]:
+        """Each healthy runner's connector deltas (``EnvRunner.pop_connector_deltas``); a runner that fails
+        meanwhile loses what it had gathered (it is replaced as usual)."""
+        return [res.value for res in self.manager.foreach_actor("pop_connector_deltas") if res.ok]
+
+    def sync_connectors(self, state: Any, wait: bool = True) -> None:
+        """The driver's merged connector state to every runner (and to replacements, when they come up).
+        ``wait=False``: queued like weights (an evaluator may be busy with a request)."""
+        self._connector_state = state
+        if wait:
+            self.manager.foreach_actor("sync_connectors", state)
+        else:
+            self.manager.submit("sync_connectors", state, tag="connectors")
+
     def _restore(self, index: int, handle: Any) -> None:
         # the replacement has answered a ping: these are quick, and bounded in case its node goes too
         timeout = self.manager.settings.probe_timeout_s
@@ -149,6 +165,8 @@ class EnvRunnerGroup:
             ray.get(handle.set_weights.remote(self._weights, self._weights_version, self._timestep), timeout=timeout)
         if index in self._tasks:
             ray.get(handle.set_env_tasks.remote(self._tasks[index]), timeout=timeout)
+        if self._connector_state is not None:
+            ray.get(handle.sync_connectors.remote(self._connector_state), timeout=timeout)
         if index in self._last_delivered:  # what the dead server handed on but could not acknowledge
             ray.get(handle.confirm_delivered.remote(self._last_delivered[index]), timeout=timeout)
 

@@ -7,11 +7,13 @@ from typing import Any, Callable
 from actors.env import EnvRunnerSettings
 from actors.env.env_runner import EnvRunner
 from pipeline.config.base import ALGORITHM_OF, AlgorithmConfig, ConfigError
+from pipeline.config.plain import resolve_import_path
 from pipeline.envs import env_creator, probe_spaces
 
 
 def runner_settings(c: AlgorithmConfig, creator: Callable | None, module_class: type, observation_space: Any,
-                    action_space: Any, in_evaluation: bool = False, recording: Any = None) -> EnvRunnerSettings:
+                    action_space: Any, in_evaluation: bool = False, recording: Any = None,
+                    env_observation_space: Any = None) -> EnvRunnerSettings:
     """What one env runner needs of ``c``: its env, vector, fragment, module, exploration and reporting settings."""
     return EnvRunnerSettings(
         env_creator=creator, env_config=c.env_config, num_envs=c.num_envs_per_env_runner,
@@ -23,6 +25,9 @@ def runner_settings(c: AlgorithmConfig, creator: Callable | None, module_class: 
         num_env_runners=c.num_env_runners, restart_failed_sub_environments=c.restart_failed_sub_environments,
         metrics_window=c.metrics_num_episodes_for_smoothing, callbacks=c.callbacks_spec(),
         in_evaluation=in_evaluation, log_level=c.log_level, log_sys_usage=c.log_sys_usage, recording=recording,
+        env_to_module=(resolve_import_path(c.env_to_module_connector, "env_to_module_connector")
+                       if isinstance(c.env_to_module_connector, str) else c.env_to_module_connector),
+        env_observation_space=env_observation_space,
     )
 
 

@@ -14,10 +14,15 @@ Prints one JSON object per line:
      runnel 1x8      one ``EnvRunner`` in this process, 8 envs, ``rollout_fragment_length`` 64, one torch
                      thread: each step one forward pass of the CNN on the 8 observations, the exploration,
                      the vector-env step, and the chunks cut at the end of each fragment.
+     runnel 1x8 stack4  the same with 4-frame stacking (``pipeline.connectors.atari_frame_stack``): the CNN
+                     gets 84x84x4 stacks; ``cost_over_unstacked`` in the summary is its time per step over
+                     the plain runner's (the issue's bar: <= 1.1).
      runnel 2x8      two Ray env runner actors with 8 envs each (``algo.env_runner_group.sample``, chunks
                      encoded in the actors and decoded in the driver), measured at the driver; per core:
                      divided by the two runner processes.
    Rounds alternate the cases, so a shared machine's drift spreads over all of them.
+   ``shipped_bytes``: bytes per step of the stacking runner's chunks as codec frames (plain and LZ4) against
+   chunks that stored the stacks.
 4. ``sampling_summary`` per case: the median over rounds, and ``runnel_over_bare`` (the issue's target: >= 0.7).
 5. With ``--profile S``: ``profile`` lines, the functions where ``runnel 1x8`` spends its time over S seconds
    (cProfile, by own time), and the share of the CNN forward pass and of the env steps.
@@ -119,6 +124,45 @@ def runner_case():
     return (lambda: sum(len(c) for c in runner.sample())), runner.stop, 1
 
 
+def stacked_runner_case():
+    """``runner_case`` with 4-frame stacking (``FrameStackingEnvToModule``): the CNN gets 84x84x4 stacks, the
+    chunks keep one frame per step."""
+    from actors.env import EnvRunner, EnvRunnerSettings
+    from pipeline.connectors import atari_frame_stack
+    from pipeline.envs import env_creator
+
+    runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator(ENV_ID), num_envs=NUM_ENVS,
+                                         rollout_fragment_length=FRAGMENT, seed=0, env_to_module=atari_frame_stack),
+                       worker_index=1)
+    return (lambda: sum(len(c) for c in runner.sample())), runner.stop, 1
+
+
+def shipped_bytes() -> None:
+    """Bytes per step of the chunks a runner ships (codec frames, uncompressed and LZ4), with 4-frame
+    stacking as runnel does it (one frame per step, 3 look-back frames per chunk) against chunks that
+    would store the stacks."""
+    import dataclasses
+
+    from actors.env import EnvRunner, EnvRunnerSettings
+    from pipeline.connectors import FrameStackingEnvToModule, atari_frame_stack
+    from pipeline.envs import env_creator
+    from protocols.codec import encode
+
+    runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator(ENV_ID), num_envs=NUM_ENVS,
+                                         rollout_fragment_length=FRAGMENT, seed=0, env_to_module=atari_frame_stack),
+                       worker_index=1)
+    chunks = runner.sample() + runner.sample()
+    runner.stop()
+    steps = sum(len(c) for c in chunks)
+    view = FrameStackingEnvToModule(num_frames=4)
+    stacked = [dataclasses.replace(c, obs=view.view_of(c.obs, c.look_back), look_back=None) for c in chunks]
+    for compress in (False, True):
+        one, four = len(encode(chunks, compress=compress)), len(encode(stacked, compress=compress))
+        emit(bench="shipped_bytes", compress=compress, steps=steps, frame_bytes=84 * 84,
+             bytes_per_step=round(one / steps), bytes_per_step_if_stacks_were_stored=round(four / steps),
+             ratio=round(one / four, 3))
+
+
 def ray_case():
     from pipeline import PPOConfig
 
@@ -143,7 +187,7 @@ def sampling(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    makers = [("bare", bare_case), ("runnel 1x8", runner_case)]
+    makers = [("bare", bare_case), ("runnel 1x8", runner_case), ("runnel 1x8 stack4", stacked_runner_case)]
     if not args.no_ray:
         ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False, num_cpus=4)
         makers.append(("runnel 2x8", ray_case))
@@ -163,10 +207,12 @@ def sampling(args: argparse.Namespace) -> None:
         if ray.is_initialized():
             ray.shutdown()
     bare = statistics.median(figures["bare"])
+    plain = statistics.median(figures["runnel 1x8"])
     for name, rates in figures.items():
         med = statistics.median(rates)
         emit(bench="sampling_summary", case=name, median_frames_per_s_per_core=round(med),
-             runnel_over_bare=round(med / bare, 3), rounds=len(rates))
+             runnel_over_bare=round(med / bare, 3), rounds=len(rates),
+             **({"cost_over_unstacked": round(plain / med, 3)} if "stack" in name else {}))
 
 
 def profile(seconds: float) -> None:
@@ -213,6 +259,7 @@ def main() -> None:
     args = parse()
     machine()
     cnn_cost()
+    shipped_bytes()
     sampling(args)
     if args.profile > 0:
         profile(args.profile)

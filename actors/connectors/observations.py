@@ -1,0 +1,123 @@
+"""Observation pieces: ``FlattenObservations`` (records) and ``FrameStackingEnvToModule`` (a view)."""
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from actors.connectors.base import ConnectorV2
+
+
+def _flatten_batch(space: gym.Space, obs: Any, n: int) -> list[np.ndarray]:
+    """One ``[n, d]`` float32 block per leaf, in gymnasium's ``flatten`` order (one-hot for discrete leaves)."""
+    if isinstance(space, gym.spaces.Box) or isinstance(space, gym.spaces.MultiBinary):
+        return [np.asarray(obs, np.float32).reshape(n, -1)]
+    if isinstance(space, gym.spaces.Discrete):
+        idx = np.asarray(obs, np.int64).reshape(n) - int(space.start)
+        out = np.zeros((n, int(space.n)), np.float32)
+        out[np.arange(n), np.clip(idx, 0, int(space.n) - 1)] = 1.0
+        return [out]
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        x = np.asarray(obs, np.int64).reshape(n, -1)
+        blocks = []
+        for i, k in enumerate(np.asarray(space.nvec).ravel()):
+            b = np.zeros((n, int(k)), np.float32)
+            b[np.arange(n), np.clip(x[:, i], 0, int(k) - 1)] = 1.0
+            blocks.append(b)
+        return blocks
+    if isinstance(space, gym.spaces.Dict):
+        return [b for key, sub in space.spaces.items() for b in _flatten_batch(sub, obs[key], n)]
+    if isinstance(space, gym.spaces.Tuple):
+        return [b for sub, o in zip(space.spaces, obs) for b in _flatten_batch(sub, o, n)]
+    raise ValueError(f"FlattenObservations cannot flatten {space}; it takes Box, Discrete, MultiDiscrete, "
+                     f"MultiBinary and Dict/Tuple of these")
+
+
+class FlattenObservations(ConnectorV2):
+    """Dict/Tuple/discrete observations -> one flat float32 vector per step (discrete parts one-hot), as
+    gymnasium's ``flatten`` lays them out. Chunks store the flat vectors."""
+
+    def __init__(self, input_observation_space: gym.Space | None = None, input_action_space: gym.Space | None = None,
+                 *, multi_agent: bool = False, **kwargs: Any) -> None:
+        super().__init__(input_observation_space, input_action_space, **kwargs)
+        if multi_agent:
+            raise ValueError("FlattenObservations(multi_agent=True): runnel's connectors are single-agent for now")
+
+    def recompute_output_observation_space(self, input_observation_space: gym.Space,
+                                           input_action_space: gym.Space) -> gym.Space:
+        flat = gym.spaces.flatten_space(input_observation_space)
+        return gym.spaces.Box(flat.low.astype(np.float32), flat.high.astype(np.float32), flat.shape, np.float32)
+
+    def __call__(self, obs: Any, *, episode_starts: np.ndarray, update: bool) -> Any:
+        n = len(episode_starts)
+        blocks = _flatten_batch(self.input_observation_space, obs, n)
+        return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+
+
+class FrameStackingEnvToModule(ConnectorV2):
+    """The module sees the last ``num_frames`` observations concatenated along their last axis (an
+    ``84x84x1`` frame becomes ``84x84x4``; a CartPole vector of 4 becomes 16). An episode's first
+    observation fills every slot. A view: chunks keep one frame per step plus ``num_frames - 1`` look-back
+    frames, and the learner rebuilds the stacks (``view_of``) -- stored and shipped bytes stay one frame per
+    step. Box observations of at least one dimension."""
+
+    records = False
+
+    def __init__(self, input_observation_space: gym.Space | None = None, input_action_space: gym.Space | None = None,
+                 *, num_frames: int = 4, multi_agent: bool = False, **kwargs: Any) -> None:
+        super().__init__(input_observation_space, input_action_space, **kwargs)
+        if multi_agent:
+            raise ValueError("FrameStackingEnvToModule(multi_agent=True): runnel's connectors are single-agent for now")
+        if not isinstance(num_frames, int) or num_frames < 1:
+            raise ValueError(f"num_frames must be an int >= 1, got {num_frames!r}")
+        self.num_frames = num_frames
+        self.look_back = num_frames - 1
+        self.stack: np.ndarray | None = None  # [num_envs, ..., c * num_frames]: the runner's recent frames
+
+    def recompute_output_observation_space(self, input_observation_space: gym.Space,
+                                           input_action_space: gym.Space) -> gym.Space:
+        s = input_observation_space
+        if not isinstance(s, gym.spaces.Box) or len(s.shape) < 1:
+            raise ValueError(f"FrameStackingEnvToModule stacks Box observations of at least one dimension, got {s}")
+        k = self.num_frames
+        return gym.spaces.Box(np.concatenate([s.low] * k, axis=-1), np.concatenate([s.high] * k, axis=-1),
+                              s.shape[:-1] + (s.shape[-1] * k,), s.dtype)
+
+    def reset_stack(self, num_envs: int) -> None:
+        self.stack = None
+
+    def __call__(self, obs: Any, *, episode_starts: np.ndarray, update: bool) -> Any:
+        x = np.asarray(obs)
+        k, c = self.num_frames, x.shape[-1]
+        if self.stack is None or self.stack.shape[0] != x.shape[0]:
+            self.stack = np.concatenate([x] * k, axis=-1)
+            return self.stack.copy()
+        if c * (k - 1):
+            self.stack[..., : c * (k - 1)] = self.stack[..., c:]
+        self.stack[..., c * (k - 1):] = x
+        starts = np.flatnonzero(episode_starts)
+        if len(starts):
+            self.stack[starts] = np.concatenate([x[starts]] * k, axis=-1)
+        return self.stack.copy()
+
+    def recent(self) -> np.ndarray:
+        """Each sub-env's ``num_frames - 1`` frames before its newest one: ``[num_envs, num_frames - 1, ...]``
+        (the look-back of a chunk that starts at the newest frame)."""
+        n, c, k = self.stack.shape[0], self.stack.shape[-1] // self.num_frames, self.num_frames
+        frames = self.stack.reshape(self.stack.shape[:-1] + (k, c))
+        return np.ascontiguousarray(np.moveaxis(frames, -2, 1)[:, : k - 1])
+
+    def view_of(self, rows: np.ndarray, look_back: np.ndarray | None) -> np.ndarray:
+        k = self.num_frames
+        t1 = rows.shape[0]
+        if look_back is None or len(look_back) < k - 1:
+            raise ValueError(f"frame stacking needs {k - 1} look-back frames before each chunk, got "
+                             f"{0 if look_back is None else len(look_back)}")
+        frames = np.concatenate([look_back[len(look_back) - (k - 1):], rows]) if k > 1 else rows
+        return np.concatenate([frames[i : i + t1] for i in range(k)], axis=-1)
+
+    def __repr__(self) -> str:
+        return f"FrameStackingEnvToModule(num_frames={self.num_frames})"
+
+
