@@ -43,7 +43,27 @@ def usage(pid: int) -> dict[str, float] | None:
     except OSError:
         return None
     rss_kb = int(status.get("VmRSS", "0 kB").split()[0])
-    return {"rss_mb": rss_kb / 1024, "fds": fds, "threads": int(status["Threads"])}
+    return {"rss_mb": rss_kb / 1024, "fds": fds, "threads": int(status["Threads"]), "cpu_s": cpu_seconds(pid)}
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time ``pid`` has used so far (user + system), in seconds; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def machine_cpu_seconds() -> dict[str, float]:
+    """The whole machine's CPU time so far (``/proc/stat``): busy (all but idle and iowait) and stolen by
+    the hypervisor, in seconds summed over cores."""
+    with open("/proc/stat", encoding="ascii") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = (values + [0] * 8)[:8]
+    return {"busy_s": (user + nice + system + irq + softirq + steal) / tick, "steal_s": steal / tick}
 
 
 def command(pid: int) -> list[str]:

@@ -56,6 +56,29 @@ def test_a_planted_rss_leak_and_an_fd_leak_fail_naming_the_process():
     assert fds["verdict"] == "fail" and fds["failures"][0].startswith("env_runner_1#2: fds grow")
 
 
+def test_throughput_is_judged_per_cpu_second_so_other_jobs_taking_the_cpu_do_not_fail_it():
+    """The run's CPU share falls by 40 % in the second half (another job on the machine): steps per wall-clock
+    second fall with it, steps per CPU-second of the run do not -- the "cpu" basis passes, "wall" fails; a run
+    that needs more CPU per step over time (what a leak in the hot path does) fails on either."""
+    def with_cpu(per_cpu_s_over_time, cpu_share_over_time):
+        out = samples()
+        for k, s in enumerate(out):
+            cpu = 60.0 * cpu_share_over_time(k)
+            s["env_steps_per_cpu_s"] = per_cpu_s_over_time(k)
+            s["env_steps_per_s"] = s["env_steps_per_cpu_s"] * cpu / 30.0
+            s["cpu"] = {"run_s": cpu, "machine_busy_s": 60.0, "steal_s": 0.0}
+        return out
+
+    crowded = with_cpu(lambda k: 100.0, lambda k: 1.0 if k < 20 else 0.6)
+    out = summarize(crowded, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
+    assert out["verdict"] == "pass" and out["throughput_drift_pct"] < -30 and out["throughput_per_cpu_drift_pct"] == 0
+    wall = summarize(crowded, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0, drift_basis="wall")
+    assert wall["verdict"] == "fail" and "env steps/s" in wall["failures"][0]
+    slower = with_cpu(lambda k: 100.0 if k < 20 else 80.0, lambda k: 1.0)
+    out = summarize(slower, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
+    assert out["verdict"] == "fail" and "per CPU-second" in out["failures"][0]
+
+
 def test_a_run_too_short_for_its_warm_up_says_so():
     out = summarize(samples(n=4), warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
     assert out["verdict"] == "too short" and "warm-up" in out["why"]

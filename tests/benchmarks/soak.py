@@ -12,7 +12,10 @@ Run: ``.venv/bin/python tests/benchmarks/soak.py --minutes 60 [--interval-s 60] 
 3. ``summary``: over the samples after ``--warmup-minutes`` (the window), each series' least-squares
    slope per hour, the RSS growth over the window that slope makes (% of the fitted start: the issue's
    "growth after the first 10 minutes") and per hour (% of the mean), fds and threads (their range and
-   slope), throughput drift (mean env steps/s of the window's last quarter against its first), and a
+   slope), throughput drift (the window's last quarter against its first, in env steps per CPU-second of
+   the run's processes -- what the run gets done with the CPU it gets, which other jobs on a shared
+   machine do not change -- and in env steps per wall-clock second; ``--drift-basis`` picks the one
+   judged, "cpu" by default; each sample also has the CPU the run and the whole machine used), and a
    ``verdict``: ``pass`` when every runnel process (the driver and the actors runnel starts) grows its
    RSS by less than ``--max-rss-growth-pct`` over the window (and, if given, less than
    ``--max-rss-growth-pct-per-hour``), holds its fds and threads flat (the median of the window's second
@@ -48,7 +51,7 @@ import torch  # noqa: E402
 from actors.env.multi_agent_env import make_multi_agent  # noqa: E402
 from pipeline import APPOConfig, Callbacks  # noqa: E402
 from tests.benchmarks.appo_cartpole import machine as benchmark_machine  # noqa: E402
-from tests.procs import command, descendants, usage  # noqa: E402
+from tests.procs import command, descendants, machine_cpu_seconds, usage  # noqa: E402
 
 PLASMA = re.compile(r"Plasma memory usage (\d+) MiB, (\d+) objects")
 LEAK: list[bytearray] = []
@@ -167,8 +170,24 @@ def flat(values: list[float]) -> bool:
     return float(np.median(values[half:])) <= float(np.median(values[:half])) + 1
 
 
+def cpu_since(prev: dict[str, dict] | None, now: dict[str, dict]) -> float:
+    """CPU seconds the processes of ``now`` used since ``prev`` (a process new since then: all of its time)."""
+    prev = prev or {}
+    return sum(max(0.0, p.get("cpu_s", 0.0) - prev.get(k, {}).get("cpu_s", 0.0)) for k, p in now.items())
+
+
+def drift_of(values: list[float]) -> tuple[float, float, float]:
+    """(mean of the first quarter, of the last quarter, drift of the last against the first in %)."""
+    quarter = max(1, len(values) // 4)
+    first, last = float(np.mean(values[:quarter])), float(np.mean(values[-quarter:]))
+    return first, last, 100.0 * (last - first) / first if first > 0 else 0.0
+
+
 def summarize(samples: list[dict], warmup_s: float, max_rss_pct: float, max_drift_pct: float,
-              max_rss_pct_per_hour: float | None = None) -> dict[str, Any]:
+              max_rss_pct_per_hour: float | None = None, drift_basis: str = "cpu") -> dict[str, Any]:
+    """``drift_basis``: "cpu" judges env steps per CPU-second of the run's processes (what the run gets done
+    with the CPU it gets: on a shared machine other jobs change how much CPU that is, not this), "wall"
+    env steps per second of wall-clock time. Both are reported."""
     window = [s for s in samples if s["t_s"] >= warmup_s]
     if len(window) < 3:
         return {"verdict": "too short", "why": f"{len(window)} samples after the warm-up of {warmup_s:.0f} s; "
@@ -207,18 +226,25 @@ def summarize(samples: list[dict], warmup_s: float, max_rss_pct: float, max_drif
     t = [s["t_s"] for s in window]
     store = [s["object_store"].get("used_mb", 0.0) for s in window]
     rates = [s["env_steps_per_s"] for s in window if s["env_steps_per_s"] is not None]
-    quarter = max(1, len(rates) // 4)
-    first, last = float(np.mean(rates[:quarter])), float(np.mean(rates[-quarter:]))
-    drift = 100.0 * (last - first) / first if first > 0 else 0.0
-    if abs(drift) > max_drift_pct:
-        failures.append(f"throughput drifts {drift:+.1f} % (env steps/s {first:.0f} -> {last:.0f}) "
-                        f"beyond +-{max_drift_pct} %")
+    first, last, drift = drift_of(rates)
+    per_cpu = [s["env_steps_per_cpu_s"] for s in window if s.get("env_steps_per_cpu_s") is not None]
+    cpu_first, cpu_last, cpu_drift = drift_of(per_cpu) if per_cpu else (0.0, 0.0, 0.0)
+    if drift_basis == "cpu" and per_cpu:
+        judged, a, b, unit = cpu_drift, cpu_first, cpu_last, "env steps per CPU-second of the run"
+    else:
+        judged, a, b, unit = drift, first, last, "env steps/s"
+    if abs(judged) > max_drift_pct:
+        failures.append(f"throughput drifts {judged:+.1f} % ({unit} {a:.0f} -> {b:.0f}) beyond +-{max_drift_pct} %")
+    other = [s["cpu"]["machine_busy_s"] - s["cpu"]["run_s"] for s in window if s.get("cpu")]
     return {"window_s": [t[0], t[-1]], "samples": len(window), "processes": series, "ray_processes": ray_series,
             "ray_growth": ray_growth,
             "object_store_mb_per_hour": round(fit_per_hour(t, store), 2),
             "object_store_mb_min_max": [min(store), max(store)],
             "env_steps_per_s_first_last_quarter": [round(first, 1), round(last, 1)],
             "throughput_drift_pct": round(drift, 2),
+            "env_steps_per_cpu_s_first_last_quarter": [round(cpu_first, 1), round(cpu_last, 1)],
+            "throughput_per_cpu_drift_pct": round(cpu_drift, 2), "drift_basis": drift_basis,
+            "other_processes_cpu_s_per_interval_min_max": [round(min(other), 1), round(max(other), 1)] if other else None,
             "verdict": "fail" if failures else "pass", "failures": failures}
 
 
@@ -240,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
             now = time.monotonic()
             if now >= next_sample:
                 labels = actor_pids(algo)
+                procs = processes(labels)
+                machine_cpu = machine_cpu_seconds()
+                run_cpu = cpu_since(last.get("procs"), procs)
                 sampled = int(result.get("num_env_steps_sampled_lifetime", 0))
                 trained = int(result.get("num_env_steps_trained_lifetime", 0))
                 dt = now - last["t"]
@@ -252,10 +281,15 @@ def run(args: argparse.Namespace) -> int:
                           "evaluation_return_mean": (result.get("evaluation") or {}).get(
                               "env_runners", {}).get("episode_return_mean"),
                           "checkpoints": num_checkpoints, "object_store": object_store(),
-                          "loadavg_1m": os.getloadavg()[0], "processes": processes(labels)}
+                          "loadavg_1m": os.getloadavg()[0], "processes": procs}
+                if samples:  # CPU used since the last sample: by this run's processes, and by the whole machine
+                    sample["cpu"] = {"run_s": round(run_cpu, 2),
+                                     "machine_busy_s": round(machine_cpu["busy_s"] - last["machine"]["busy_s"], 2),
+                                     "steal_s": round(machine_cpu["steal_s"] - last["machine"]["steal_s"], 2)}
+                    sample["env_steps_per_cpu_s"] = (sampled - last["sampled"]) / run_cpu if run_cpu > 0 else None
                 samples.append(sample)
                 emit("sample", **sample)
-                last = {"t": now, "sampled": sampled, "trained": trained}
+                last = {"t": now, "sampled": sampled, "trained": trained, "procs": procs, "machine": machine_cpu}
                 next_sample += args.interval_s
             if now >= end:
                 break
@@ -271,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         ray.shutdown()
         shutil.rmtree(ckpt_root, ignore_errors=True)
     summary = summarize(samples, 60 * args.warmup_minutes, args.max_rss_growth_pct, args.max_throughput_drift_pct,
-                        args.max_rss_growth_pct_per_hour)
+                        args.max_rss_growth_pct_per_hour, args.drift_basis)
     emit("summary", minutes=args.minutes, multi_agent=args.multi_agent, iterations=int(result.get("training_iteration", 0)),
          checkpoints=num_checkpoints, **summary)
     return 0 if summary["verdict"] == "pass" else 1
@@ -292,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rss-growth-pct-per-hour", type=float, default=None,
                    help="also judge the growth per hour (noisy on short runs: a one-off step reads as a trend)")
     p.add_argument("--max-throughput-drift-pct", type=float, default=5.0)
+    p.add_argument("--drift-basis", choices=["cpu", "wall"], default="cpu",
+                   help="judge throughput per CPU-second of the run (default: robust to other jobs on the "
+                        "machine) or per wall-clock second")
     p.add_argument("--plant-leak-mb", type=int, default=0, help="MB the driver keeps after every iteration")
     args = p.parse_args(argv)
     if args.warmup_minutes is None:
