@@ -33,7 +33,7 @@ from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec, RLModule
 from actors.env.actions import EnvActions
 from actors.sys_usage import SysUsage
-from pipeline.algorithm_actions import DriverPolicy, as_arrays, batch_of_one, single_action
+from pipeline.algorithm_actions import DriverPolicy, compute_actions, compute_single_action
 from pipeline.algorithm_evaluation import AlgorithmEvaluation
 from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
@@ -58,7 +58,6 @@ from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
 from pipeline.tune.support import resource_request
 from pipeline.version import runnel_version
-from protocols import nested
 
 log = logging.getLogger("runnel")
 
@@ -389,41 +388,14 @@ class Algorithm(Trainable):
         """A batch of observations (leading batch dim, nested like the space) -> a batch of env actions.
         ``explore=None`` follows ``config.explore``; True/False override it for this call. ``policy_id``:
         the module that acts (multi-agent runs)."""
-        explore = self.config.explore if explore is None else explore
-        timestep = self.counters["num_env_steps_sampled_lifetime"]
-        if self.multi_agent is None:
-            if policy_id not in (None, "default_policy"):
-                raise KeyError(f"policy_id={policy_id!r}: this run has one module, 'default_policy'")
-            if self.connector is not None:  # env observations, as the runners' modules get them
-                if self.connector.views:
-                    raise ValueError(f"this run's module acts on what {self.connector.views[0]!r} builds from the "
-                                     f"episode so far, which one observation does not give: evaluate with "
-                                     f"algo.evaluate(), or call algo.get_module() on stacked observations")
-                obs = as_arrays(obs, self.env_observation_space)
-                obs = self.connector.record(obs, np.zeros(nested.batch_len(obs), bool), update=False)
-            return self.driver_policy.compute_actions(self.learner_group, obs, explore, timestep)
-        return self.multi_agent.compute_actions(self.learner_group, obs, explore, timestep, policy_id)
+        return compute_actions(self, obs, explore, policy_id)
 
     def compute_single_action(self, obs: Any, explore: bool | None = None, policy_id: str | None = None, *,
                               state: Any = None) -> Any:
         """One observation (no batch dim) -> one action the env accepts (``policy_id``: multi-agent runs).
         A recurrent module (``use_lstm``) returns ``(action, state_out, {})``: pass ``state_out`` back as
         ``state`` with the next observation of the episode (None starts one)."""
-        if getattr(self.driver_policy.module, "is_recurrent", False) and self.multi_agent is None:
-            explore = self.config.explore if explore is None else explore
-            batch = batch_of_one(obs, self.env_observation_space)
-            if self.connector is not None:
-                batch = self.connector.record(batch, np.zeros(1, bool), update=False)
-            actions, state_out = self.driver_policy.compute_recurrent(
-                self.learner_group, batch, None if state is None else np.asarray(state, np.float32)[None],
-                explore, self.counters["num_env_steps_sampled_lifetime"])
-            return single_action(actions), state_out[0], {}
-        if state is not None:
-            raise ValueError("state= is for recurrent modules (model_config use_lstm=True); this one has none")
-        space = self.env_observation_space
-        if self.multi_agent is not None:
-            space = self.multi_agent.policy(policy_id, "compute_single_action").observation_space
-        return single_action(self.compute_actions(batch_of_one(obs, space), explore=explore, policy_id=policy_id))
+        return compute_single_action(self, obs, explore, policy_id, state)
 
     def foreach_env_runner(self, fn: Callable[[Any], Any], local_env_runner: bool = True) -> list[Any]:
         return self.env_runner_group.foreach_env_runner(fn, local=local_env_runner)

@@ -99,3 +99,42 @@ def as_arrays(obs: Any, space: Any) -> Any:
     if isinstance(space, gym.spaces.Tuple) and isinstance(obs, (list, tuple)):
         return tuple(as_arrays(o, s) for o, s in zip(obs, space.spaces))
     return np.asarray(obs)
+
+
+# --- the Algorithm's actions API (``algo.compute_actions``, ``algo.compute_single_action``) --------------
+def compute_actions(algo: Any, obs: Any, explore: bool | None, policy_id: str | None) -> np.ndarray:
+    """A batch of env observations -> env actions: through the driver's copy of the env-to-module pipeline
+    (recording pieces only, learning nothing), then the module of ``policy_id``."""
+    explore = algo.config.explore if explore is None else explore
+    timestep = algo.counters["num_env_steps_sampled_lifetime"]
+    if algo.multi_agent is not None:
+        return algo.multi_agent.compute_actions(algo.learner_group, obs, explore, timestep, policy_id)
+    if policy_id not in (None, "default_policy"):
+        raise KeyError(f"policy_id={policy_id!r}: this run has one module, 'default_policy'")
+    if algo.connector is not None:  # env observations, as the runners' modules get them
+        if algo.connector.views:
+            raise ValueError(f"this run's module acts on what {algo.connector.views[0]!r} builds from the "
+                             f"episode so far, which one observation does not give: evaluate with "
+                             f"algo.evaluate(), or call algo.get_module() on stacked observations")
+        obs = as_arrays(obs, algo.env_observation_space)
+        obs = algo.connector.record(obs, np.zeros(nested.batch_len(obs), bool), update=False)
+    return algo.driver_policy.compute_actions(algo.learner_group, obs, explore, timestep)
+
+
+def compute_single_action(algo: Any, obs: Any, explore: bool | None, policy_id: str | None, state: Any) -> Any:
+    """One env observation -> one action; a recurrent module's ``(action, state_out, {})``."""
+    if algo.multi_agent is None and getattr(algo.driver_policy.module, "is_recurrent", False):
+        explore = algo.config.explore if explore is None else explore
+        batch = batch_of_one(obs, algo.env_observation_space)
+        if algo.connector is not None:
+            batch = algo.connector.record(batch, np.zeros(1, bool), update=False)
+        actions, state_out = algo.driver_policy.compute_recurrent(
+            algo.learner_group, batch, None if state is None else np.asarray(state, np.float32)[None],
+            explore, algo.counters["num_env_steps_sampled_lifetime"])
+        return single_action(actions), state_out[0], {}
+    if state is not None:
+        raise ValueError("state= is for recurrent modules (model_config use_lstm=True); this one has none")
+    space = algo.env_observation_space
+    if algo.multi_agent is not None:
+        space = algo.multi_agent.policy(policy_id, "compute_single_action").observation_space
+    return single_action(compute_actions(algo, batch_of_one(obs, space), explore, policy_id))
