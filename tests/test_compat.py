@@ -161,8 +161,8 @@ def test_a_setting_given_to_the_wrong_builder_names_its_builder():
 
 
 def test_model_config_keys_are_checked_at_validate():
-    text = problems(PPOConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}))
-    assert "model_config: unknown model_config key(s) ['use_lstm']" in text
+    text = problems(PPOConfig().environment("CartPole-v1").rl_module(model_config={"use_attention": True}))
+    assert "model_config: unknown model_config key(s) ['use_attention']" in text
 
 
 # --- framework and api_stack ------------------------------------------------------------------------------

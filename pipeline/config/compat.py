@@ -120,8 +120,8 @@ def _entries() -> list[Name]:
         Name("create_env_on_driver", U, how="the driver builds one env to read the spaces; "
                                             "evaluation_num_env_runners=0 evaluates in the driver"),
         Name("compress_observations", U, how="episode chunks always travel LZ4-compressed"),
-        Name("observation_filter", U, how="runnel keeps observations as the env gives them; normalise them in "
-                                          "the env (a gymnasium wrapper)",
+        Name("observation_filter", U, how="'MeanStdFilter' is a connector in runnel: "
+                                          ".env_runners(env_to_module_connector=pipeline.connectors.mean_std_filter)",
              harmless=(None, "NoFilter")),
         Name("sample_timeout_s", R, "env_runner_health_probe_timeout_s",
              ".fault_tolerance(env_runner_health_probe_timeout_s={value}) -- a runner that does not answer "
