@@ -131,6 +131,50 @@ def test_ppo_learner_trains_on_sequences_without_an_environment():
     assert refused.get("num_batches_refused") == 1.0  # no state_in: refused, not a crash
 
 
+def _fake_chunks(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [EpisodeChunk(f"e{i}", 0, rng.uniform(-1, 1, (n + 1, 3)).astype(np.float32), rng.integers(0, 3, n),
+                         rng.normal(size=n).astype(np.float32), terminated=bool(i % 2),
+                         extra={"action_logp": np.full(n, np.log(1 / 3), np.float32),
+                                "action_dist_inputs": np.zeros((n, 3), np.float32)},
+                         state_in=np.zeros((2, 16), np.float32)) for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("algo", ["IMPALA", "APPO"])
+def test_vtrace_learners_train_on_sequences_without_an_environment(algo):
+    from pipeline.algorithms.appo import APPOConfig, APPOLearner
+    from pipeline.algorithms.impala import IMPALAConfig, IMPALALearner
+
+    config_cls, learner_cls = (IMPALAConfig, IMPALALearner) if algo == "IMPALA" else (APPOConfig, APPOLearner)
+    config = (config_cls().environment(observation_space=OBS, action_space=ACT).rl_module(model_config=LSTM)
+              .training(train_batch_size_per_learner=60, minibatch_size=30).debugging(seed=0))
+    learner = learner_cls(config, OBS, ACT)
+    before = {k: v.copy() for k, v in learner.get_weights().items()}
+    stats = learner.update(_fake_chunks([7, 7, 3, 7, 5, 7, 7, 7, 5, 5]), timestep=0)
+    assert stats["num_module_steps_trained"] == 60
+    assert all(np.isfinite(stats[k]) for k in ("policy_loss", "vf_loss", "entropy", "total_loss"))
+    after = learner.get_weights()
+    assert any(not np.array_equal(before[k], after[k]) for k in before if k.startswith("lstm."))
+
+
+def test_a_stream_loader_keeps_recurrent_chunks_whole():
+    """Batches are cut from a stream at the batch size, slicing a chunk that straddles two; a recurrent
+    policy's chunk is taken whole instead (its tail would have no start state)."""
+    from actors.learner.loader import ChunkReceiver
+    from protocols.transport import ChunkSender
+
+    rec = ChunkReceiver(OBS, ACT, batch_size=10, host="127.0.0.1", prebuild=False).start()
+    sender = ChunkSender(rec.address, "env-runner-1", hwm=8)
+    try:
+        assert sender.send(_fake_chunks([7, 7, 7]))
+        batch = rec.get_batch(timeout=30)
+        assert batch is not None and [len(c) for c in batch] == [7, 7]
+        assert all(c.state_in is not None for c in batch)
+    finally:
+        sender.close()
+        rec.close()
+
+
 def test_compute_single_action_takes_and_returns_the_state():
     algo = (PPOConfig().environment(StatelessCartPole).env_runners(num_env_runners=0, num_envs_per_env_runner=2)
             .rl_module(model_config=LSTM).training(train_batch_size_per_learner=100, minibatch_size=50, num_epochs=1)
@@ -153,9 +197,11 @@ def test_compute_single_action_takes_and_returns_the_state():
 def test_recurrent_settings_that_cannot_work_are_config_errors():
     from pipeline import APPOConfig, DQNConfig
 
-    for cls in (APPOConfig, DQNConfig):
-        with pytest.raises(ConfigError, match="does not train recurrent modules"):
-            cls().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).validate()
+    with pytest.raises(ConfigError, match="does not train recurrent modules"):
+        DQNConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).validate()
+    with pytest.raises(ConfigError, match="one learner"):
+        APPOConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).learners(
+            num_learners=2).validate()
     with pytest.raises(ConfigError, match="central inference"):
         PPOConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).inference(
             mode="central").validate()
@@ -205,3 +251,26 @@ def test_ppo_with_an_lstm_reaches_350_on_stateless_cartpole_other_seeds(seed):
 def test_the_mlp_does_not_reach_350_on_stateless_cartpole():
     best, steps = _stateless_run({}, 0, 500_000)
     assert best < 350, f"the MLP reached {best} without velocities ({steps} env steps): the task is not a memory test"
+
+
+def _stateless_appo_run(seed: int, budget: int) -> tuple[float, int]:
+    from pipeline import APPOConfig
+    from pipeline.connectors import mean_std_filter
+    from tests.helpers import train_until
+
+    algo = (APPOConfig().environment(StatelessCartPole)
+            .env_runners(num_env_runners=0, num_envs_per_env_runner=8, env_to_module_connector=mean_std_filter)
+            .rl_module(model_config=STATELESS_LSTM)
+            .training(lr=5e-4, vf_loss_coeff=0.05, entropy_coeff=0.005)
+            .debugging(seed=seed).build(logdir=None))
+    try:
+        best, result = train_until(algo, 350, budget)
+    finally:
+        algo.stop()
+    return best, result["num_env_steps_sampled_lifetime"]
+
+
+@pytest.mark.learning
+def test_appo_with_an_lstm_reaches_350_on_stateless_cartpole():
+    best, steps = _stateless_appo_run(0, 1_000_000)
+    assert best >= 350, f"{best} after {steps} env steps"

@@ -255,7 +255,9 @@ class ChunkReceiver:
             n = 0
             while n < b:
                 chunk = self._pending.popleft()
-                if n + len(chunk) <= b:
+                if n + len(chunk) <= b or chunk.state_in is not None:
+                    # a recurrent policy's chunk stays whole: its tail would have no start state to unroll
+                    # from (it is at most max_seq_len steps, so the batch grows by less than that)
                     take.append(chunk)
                     n += len(chunk)
                 else:  # split: the head completes this batch, the tail starts the next one
@@ -263,7 +265,7 @@ class ChunkReceiver:
                     take.append(chunk.slice(0, k))
                     self._pending.appendleft(chunk.slice(k, len(chunk)))
                     n = b
-            self._pending_steps -= b
+            self._pending_steps -= n
             if self.multi_module:
                 self._ready.append(ModuleBatches({mid: self._make_batch(chunks)
                                                   for mid, chunks in sorted(chunks_by_module(take).items())}))

@@ -84,3 +84,33 @@ def chunks_to_sequences(chunks: list[EpisodeChunk], device: torch.device) -> Seq
     return Sequences(obs=obs, state_in=torch.as_tensor(states, device=device),
                      mask=torch.as_tensor(mask, device=device),
                      step_index=torch.as_tensor(steps, device=device), obs_index=torch.as_tensor(rows, device=device))
+
+
+def sequence_outputs(module: Any, seq: Sequences) -> dict[str, torch.Tensor]:
+    """A recurrent module over ``seq`` in the flat layouts: ``vf_all`` (every observation, chunk after chunk,
+    the full module only) and ``action_dist_inputs`` (every step)."""
+    out = module.forward_sequences(seq.obs, seq.state_in)
+    result = {"action_dist_inputs": out["action_dist_inputs"][:, : seq.max_len][seq.mask]}
+    if "vf_preds" in out:
+        result["vf_all"] = seq.flat_values(out["vf_preds"])
+    return result
+
+
+def sequence_sgd(learner: Any, seq: Sequences, steps: dict[str, Any], loss_fn: Any, num_steps: int,
+                 minibatch_size: int, num_minibatches: int, num_epochs: int) -> dict[str, float]:
+    """``learner.sgd`` over whole sequences: ``steps`` (flat per-step tensors) are padded to ``[B, Tmax]``,
+    each minibatch of about ``minibatch_size`` steps' worth of sequences is unrolled from its start states,
+    and ``loss_fn(real_steps, out=real_outputs)`` sees only the real steps (``action_dist_inputs``,
+    ``vf_preds``)."""
+    tmax = seq.max_len
+    tensors = {"obs": nested.map_structure(lambda t: t[:, :tmax], seq.obs), "state_in": seq.state_in,
+               "mask": seq.mask, **{k: seq.pad_steps(v) for k, v in steps.items()}}
+    per_minibatch = max(1, round(seq.num_sequences * minibatch_size / max(1, num_steps)))
+
+    def loss(mb: dict[str, Any]) -> Any:
+        mask = mb["mask"]
+        out = learner.module.forward_sequences(mb["obs"], mb["state_in"])
+        real = {k: nested.map_structure(lambda t: t[mask], mb[k]) for k in steps}
+        return loss_fn(real, out={k: v[mask] for k, v in out.items()})
+
+    return learner.sgd(tensors, loss, seq.num_sequences, per_minibatch, num_minibatches, num_epochs)

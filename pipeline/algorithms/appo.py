@@ -34,7 +34,7 @@ from actors.learner.feed import TakeBatch
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.returns import adapt_kl_coeff
-from pipeline.algorithms.vtrace import VTraceSettings, sgd_epochs, value_pass, vtrace_targets
+from pipeline.algorithms.vtrace import VTraceSettings, policy_inputs, sgd_epochs, value_pass, vtrace_targets
 from pipeline.plans.asynchronous import AsyncPlan, AsyncPlanSettings
 from pipeline.config.base import AlgorithmConfig
 from pipeline.config.checks import is_int, is_number
@@ -83,15 +83,18 @@ class APPOConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
 
 # --- loss -------------------------------------------------------------------------------------
 def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_coeff: float,
-              entropy_coeff: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              entropy_coeff: float | None = None, out: dict[str, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """APPO's loss on one (mini)batch.
 
     ``batch`` holds ``obs``, ``actions``, ``action_logp`` (behaviour policy), ``old_action_logp``
     and ``old_action_dist_inputs`` (target network), and the V-trace ``vtrace_targets`` and
-    ``pg_advantages`` (computed with the target network as V-trace's target policy).
+    ``pg_advantages`` (computed with the target network as V-trace's target policy). ``out``: the
+    module's outputs for these steps when the caller computed them (a recurrent module's sequences).
     """
     entropy_coeff = config.entropy_coeff if entropy_coeff is None else entropy_coeff
-    out = module.forward_train(batch["obs"])
+    if out is None:
+        out = module.forward_train(batch["obs"])
     dist = module.action_dist(out["action_dist_inputs"])
     logp = dist.logp(batch["actions"])
     behaviour_logp, old_logp = batch["action_logp"], batch["old_action_logp"]
@@ -140,17 +143,17 @@ class APPOLearner(Learner):
 
     def train_on_batch(self, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
         cfg, target = self.config, self.target
-        b, values, _ = value_pass(self, chunks)
+        b, values, _, seq = value_pass(self, chunks)
+        old_inputs = policy_inputs(target, b, seq)
         with torch.no_grad():
-            old_inputs = target.forward_inference(b.obs)["action_dist_inputs"]
             old_logp = target.action_dist(old_inputs).logp(b.actions)
         behaviour_logp = b.extra["action_logp"]
         vs, pg_adv = vtrace_targets(cfg, b, behaviour_logp, old_logp, values)
         tensors = {"obs": b.obs, "actions": b.actions, "action_logp": behaviour_logp, "old_action_logp": old_logp,
                    "old_action_dist_inputs": old_inputs, "vtrace_targets": vs, "pg_advantages": pg_adv}
         kl_coeff, entropy_coeff = self.kl_coeff, piecewise(cfg.entropy_coeff, timestep)
-        out = sgd_epochs(self, cfg, tensors, lambda mb: appo_loss(self.module, mb, cfg, kl_coeff, entropy_coeff),
-                         len(b))
+        out = sgd_epochs(self, cfg, tensors,
+                         lambda mb, out: appo_loss(self.module, mb, cfg, kl_coeff, entropy_coeff, out), len(b), seq)
         self.updates_since_target_update += 1
         if self.updates_since_target_update >= cfg.target_network_update_freq:
             target.set_state(self.module.get_state(inference_only=True))

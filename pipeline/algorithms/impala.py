@@ -37,16 +37,19 @@ class IMPALAConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
 
 
 def impala_loss(module: RLModule, batch: dict[str, Any], config: IMPALAConfig,
-                entropy_coeff: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                entropy_coeff: float | None = None, out: dict[str, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """IMPALA's loss on one (mini)batch.
 
     ``batch`` holds ``obs``, ``actions`` and the V-trace results ``vtrace_targets`` (value
     targets v_s) and ``pg_advantages`` (``clip(rho_s) * (r_s + gamma * v_{s+1} - V(x_s))``).
     Policy loss ``-mean(logp * pg_advantages)``, value loss ``0.5 * mean((V - v_s)^2)``, minus
-    the entropy bonus. ``entropy_coeff`` defaults to ``config.entropy_coeff`` (a number).
+    the entropy bonus. ``entropy_coeff`` defaults to ``config.entropy_coeff`` (a number). ``out``: the
+    module's outputs for these steps when the caller computed them (a recurrent module's sequences).
     """
     entropy_coeff = config.entropy_coeff if entropy_coeff is None else entropy_coeff
-    out = module.forward_train(batch["obs"])
+    if out is None:
+        out = module.forward_train(batch["obs"])
     dist = module.action_dist(out["action_dist_inputs"])
     logp = dist.logp(batch["actions"])
     policy_loss = -(logp * batch["pg_advantages"]).mean()
@@ -70,14 +73,15 @@ class IMPALALearner(Learner):
 
     def train_on_batch(self, chunks: list[EpisodeChunk], timestep: int) -> dict[str, float]:
         cfg = self.config
-        b, values, dist_inputs = value_pass(self, chunks)
+        b, values, dist_inputs, seq = value_pass(self, chunks)
         with torch.no_grad():
             target_logp = self.module.action_dist(dist_inputs).logp(b.actions)
         behaviour_logp = b.extra["action_logp"]
         vs, pg_adv = vtrace_targets(cfg, b, behaviour_logp, target_logp, values)
         tensors = {"obs": b.obs, "actions": b.actions, "vtrace_targets": vs, "pg_advantages": pg_adv}
         entropy_coeff = piecewise(cfg.entropy_coeff, timestep)
-        out = sgd_epochs(self, cfg, tensors, lambda mb: impala_loss(self.module, mb, cfg, entropy_coeff), len(b))
+        out = sgd_epochs(self, cfg, tensors, lambda mb, out: impala_loss(self.module, mb, cfg, entropy_coeff, out),
+                         len(b), seq)
         rho = torch.exp(target_logp - behaviour_logp)
         out["mean_rho"] = float(rho.mean())
         out["rho_clipped_fraction"] = float((rho > cfg.vtrace_clip_rho_threshold).float().mean())

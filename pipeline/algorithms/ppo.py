@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from actors.learner import Learner, as_batch, piecewise
-from actors.learner.sequences import chunks_to_sequences
+from actors.learner.sequences import chunks_to_sequences, sequence_outputs, sequence_sgd
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.returns import adapt_kl_coeff, gae
@@ -178,7 +178,7 @@ class PPOLearner(Learner):
         seq = chunks_to_sequences(list(chunks), self.device)
         if cfg.use_critic:
             with torch.no_grad():
-                values = seq.flat_values(self.module.forward_sequences(seq.obs, seq.state_in)["vf_preds"]).cpu().numpy()
+                values = sequence_outputs(self.module, seq)["vf_all"].cpu().numpy()
         else:
             values = np.zeros(len(b) + len(b.lengths), np.float32)
         lam = cfg.lambda_ if cfg.use_gae else 1.0
@@ -187,21 +187,10 @@ class PPOLearner(Learner):
                  "action_dist_inputs": b.extra["action_dist_inputs"],
                  "advantages": torch.as_tensor(adv, device=self.device),
                  "value_targets": torch.as_tensor(targets, device=self.device)}
-        tmax = seq.max_len
-        tensors = {"obs": nested.map_structure(lambda t: t[:, :tmax], seq.obs), "state_in": seq.state_in,
-                   "mask": seq.mask, **{k: seq.pad_steps(v) for k, v in steps.items()}}
         kl_coeff, entropy_coeff = self.kl_coeff, piecewise(cfg.entropy_coeff, timestep)
         num_minibatches = -(-cfg.train_batch_size_per_learner // cfg.minibatch_size)
-        per_minibatch = max(1, round(seq.num_sequences * cfg.minibatch_size / max(1, len(b))))
-
-        def loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict]:
-            mask = mb["mask"]
-            out = self.module.forward_sequences(mb["obs"], mb["state_in"])
-            real = {k: nested.map_structure(lambda t: t[mask], mb[k]) for k in steps}
-            return ppo_loss(self.module, real, cfg, kl_coeff, entropy_coeff,
-                            out={k: v[mask] for k, v in out.items()})
-
-        out = self.sgd(tensors, loss, seq.num_sequences, per_minibatch, num_minibatches, cfg.num_epochs)
+        out = sequence_sgd(self, seq, steps, lambda mb, out: ppo_loss(self.module, mb, cfg, kl_coeff, entropy_coeff, out),
+                           len(b), cfg.minibatch_size, num_minibatches, cfg.num_epochs)
         return self._after_sgd(out, kl_coeff, entropy_coeff, len(b))
 
 

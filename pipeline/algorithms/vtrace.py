@@ -3,11 +3,12 @@ V-trace (the math itself is ``returns.vtrace``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from actors.learner import Batch, Learner, as_batch, step_rows
+from actors.learner.sequences import Sequences, chunks_to_sequences, sequence_outputs, sequence_sgd
 from pipeline.algorithms.returns import vtrace
 from pipeline.config.checks import check_schedule, is_int, is_number
 from protocols.episode import EpisodeChunk
@@ -34,8 +35,15 @@ class VTraceSettings:
     entropy_coeff: float | list = 0.01
     """Weight of the entropy bonus, or a schedule ``[[timestep, coeff], ...]``."""
 
+    supports_recurrent: ClassVar[bool] = True
+    """``model_config`` ``use_lstm``: batches of whole chunks unrolled from their start states (one learner)."""
+
     def vtrace_problems(self) -> list[str]:
         problems = []
+        if isinstance(self.model_config, dict) and self.model_config.get("use_lstm") and self.num_learners > 1:
+            problems.append(f"model_config use_lstm=True with num_learners={self.num_learners}: recurrent "
+                            f"{self.algo_name} trains on one learner for now (its batches of whole sequences "
+                            f"differ in size between learners); use num_learners <= 1")
         for key in ("vtrace_clip_rho_threshold", "vtrace_clip_pg_rho_threshold"):
             if not is_number(getattr(self, key)) or getattr(self, key) <= 0:
                 problems.append(f"{key} must be a number > 0, got {getattr(self, key)!r}")
@@ -49,14 +57,30 @@ class VTraceSettings:
         return problems
 
 
-def value_pass(learner: Learner, chunks: list[EpisodeChunk]) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+def value_pass(learner: Learner, chunks: list[EpisodeChunk]
+               ) -> tuple[Batch, torch.Tensor, torch.Tensor, Sequences | None]:
     """The batch, V(x) of every observation (incl. each chunk's closing one) and the current
-    policy's action distribution inputs at the action rows -- one forward pass, no gradient."""
+    policy's action distribution inputs at the action rows -- one forward pass, no gradient -- and, for a
+    recurrent module, the chunks as sequences (unrolled from their start states; None otherwise)."""
     b = as_batch(chunks, learner.device)
+    if getattr(learner.module, "is_recurrent", False):
+        seq = chunks_to_sequences(list(chunks), learner.device)
+        with torch.no_grad():
+            out = sequence_outputs(learner.module, seq)
+        return b, out["vf_all"], out["action_dist_inputs"], seq
     with torch.no_grad():
         out = learner.module.forward_train(b.all_obs)
     rows = torch.as_tensor(step_rows(b.lengths), device=learner.device)
-    return b, out["vf_preds"], out["action_dist_inputs"][rows]
+    return b, out["vf_preds"], out["action_dist_inputs"][rows], None
+
+
+def policy_inputs(module: Any, b: Batch, seq: Sequences | None) -> torch.Tensor:
+    """``module``'s action distribution inputs at every step of ``b`` (no gradient): one flat pass, or the
+    sequences unrolled from their start states for a recurrent module (APPO's target network)."""
+    with torch.no_grad():
+        if seq is None:
+            return module.forward_inference(b.obs)["action_dist_inputs"]
+        return sequence_outputs(module, seq)["action_dist_inputs"]
 
 
 def vtrace_targets(config: Any, b: Batch, behaviour_logp: torch.Tensor, target_logp: torch.Tensor,
@@ -69,7 +93,13 @@ def vtrace_targets(config: Any, b: Batch, behaviour_logp: torch.Tensor, target_l
     return torch.as_tensor(vs, device=device), torch.as_tensor(pg_adv, device=device)
 
 
-def sgd_epochs(learner: Learner, config: Any, tensors: dict[str, Any], loss_fn: Any, n: int) -> dict[str, float]:
-    """``num_epochs`` passes of ``minibatch_size``-step minibatches over a batch of ``n`` steps."""
+def sgd_epochs(learner: Learner, config: Any, tensors: dict[str, Any], loss_fn: Any, n: int,
+               seq: Sequences | None = None) -> dict[str, float]:
+    """``num_epochs`` passes of ``minibatch_size``-step minibatches over a batch of ``n`` steps;
+    ``loss_fn(minibatch, out)`` gets ``out=None`` (it runs the module itself) or, with ``seq`` (a recurrent
+    module), the outputs of the minibatch's sequences at their real steps (``tensors`` minus ``obs``)."""
     mbs = min(config.minibatch_size, n)
-    return learner.sgd(tensors, loss_fn, n, mbs, -(-n // mbs), config.num_epochs)
+    if seq is None:
+        return learner.sgd(tensors, lambda mb: loss_fn(mb, None), n, mbs, -(-n // mbs), config.num_epochs)
+    steps = {k: v for k, v in tensors.items() if k != "obs"}
+    return sequence_sgd(learner, seq, steps, loss_fn, n, mbs, -(-n // mbs), config.num_epochs)
