@@ -270,7 +270,9 @@ def _stateless_appo_run(seed: int, budget: int) -> tuple[float, int]:
     return best, result["num_env_steps_sampled_lifetime"]
 
 
-@pytest.mark.learning
+@pytest.mark.long
 def test_appo_with_an_lstm_reaches_350_on_stateless_cartpole():
+    """RLlib's APPO example's settings (MeanStdFilter, lr 5e-4, value weight 0.05, entropy 0.005), the same
+    LSTM: seeds 0 and 1 reached 350 at 366k and 359k env steps; seed 2 peaked at 344 within 1M."""
     best, steps = _stateless_appo_run(0, 1_000_000)
     assert best >= 350, f"{best} after {steps} env steps"

@@ -25,16 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workers import emit  # noqa: E402
 
 def config(model: str, seed: int, args: argparse.Namespace):
-    from pipeline import PPOConfig
+    from pipeline import APPOConfig, PPOConfig
     from pipeline.connectors import mean_std_filter
     from tests.envs import StatelessCartPole
 
     lstm = {"use_lstm": True, "lstm_cell_size": args.cell, "max_seq_len": 20, "fcnet_hiddens": [64]}
-    return (PPOConfig().environment(StatelessCartPole)
+    if args.algo == "APPO":  # RLlib's APPO example: lr 5e-4, one epoch, value weight 0.05, entropy 0.005
+        base = APPOConfig().training(lr=5e-4, vf_loss_coeff=0.05, entropy_coeff=0.005)
+    else:
+        base = PPOConfig().training(lr=args.lr, num_epochs=args.epochs, vf_loss_coeff=args.vf_loss_coeff)
+    return (base.environment(StatelessCartPole)
             .env_runners(num_env_runners=0, num_envs_per_env_runner=8,
                          env_to_module_connector=None if args.no_filter else mean_std_filter)
             .rl_module(model_config=lstm if model == "lstm" else {})
-            .training(lr=args.lr, num_epochs=args.epochs, vf_loss_coeff=args.vf_loss_coeff)
             .debugging(seed=seed))
 
 
@@ -51,7 +54,7 @@ def run(model: str, seed: int, args: argparse.Namespace) -> dict:
             steps = result["num_env_steps_sampled_lifetime"]
     finally:
         algo.stop()
-    return {"model": model, "seed": seed, "best_return": round(best, 1), "env_steps": steps,
+    return {"algo": args.algo, "model": model, "seed": seed, "best_return": round(best, 1), "env_steps": steps,
             "reached": best >= target, "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -61,6 +64,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=500_000)
     p.add_argument("--target", type=float, default=350.0)
     p.add_argument("--models", nargs="+", default=["lstm", "mlp"], choices=["lstm", "mlp"])
+    p.add_argument("--algo", choices=["PPO", "APPO"], default="PPO",
+                   help="APPO: RLlib's APPO settings; --lr/--epochs/--vf-loss-coeff are PPO's")
     p.add_argument("--cell", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--epochs", type=int, default=6)
