@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tests.helpers import train_until  # noqa: E402
 from workers import emit  # noqa: E402
 
 def config(model: str, seed: int, args: argparse.Namespace):
@@ -44,16 +45,12 @@ def config(model: str, seed: int, args: argparse.Namespace):
 def run(model: str, seed: int, args: argparse.Namespace) -> dict:
     budget, target = args.budget, args.target
     algo = config(model, seed, args).build(logdir=None)
-    best, steps, t0 = float("-inf"), 0, time.perf_counter()
+    t0 = time.perf_counter()
     try:
-        while best < target and steps < budget:
-            result = algo.train()
-            ret = result["env_runners"]["episode_return_mean"]
-            if ret == ret:
-                best = max(best, ret)
-            steps = result["num_env_steps_sampled_lifetime"]
+        best, result = train_until(algo, target, budget)
     finally:
         algo.stop()
+    steps = result["num_env_steps_sampled_lifetime"]
     return {"algo": args.algo, "model": model, "seed": seed, "best_return": round(best, 1), "env_steps": steps,
             "reached": best >= target, "seconds": round(time.perf_counter() - t0, 1)}
 
