@@ -213,14 +213,16 @@ def test_recurrent_settings_that_cannot_work_are_config_errors():
 
 
 # --- learning: memory where the observation leaves out the velocities ------------------------------
-def _stateless_run(model_config: dict, seed: int, budget: int) -> tuple[float, int]:
+def _stateless_run(model_config: dict, seed: int, budget: int, base=None) -> tuple[float, int]:
+    """Stateless CartPole with MeanStdFilter until a mean return of 350 or ``budget`` env steps; ``base``: the
+    algorithm's config with its training settings (default: PPO with RLlib's tuned example's)."""
     from pipeline.connectors import mean_std_filter
     from tests.helpers import train_until
 
-    algo = (PPOConfig().environment(StatelessCartPole)
+    base = base if base is not None else PPOConfig().training(lr=3e-4, num_epochs=6, vf_loss_coeff=0.05)
+    algo = (base.environment(StatelessCartPole)
             .env_runners(num_env_runners=0, num_envs_per_env_runner=8, env_to_module_connector=mean_std_filter)
-            .rl_module(model_config=model_config).training(lr=3e-4, num_epochs=6, vf_loss_coeff=0.05)
-            .debugging(seed=seed).build(logdir=None))
+            .rl_module(model_config=model_config).debugging(seed=seed).build(logdir=None))
     try:
         best, result = train_until(algo, 350, budget)
     finally:
@@ -253,26 +255,12 @@ def test_the_mlp_does_not_reach_350_on_stateless_cartpole():
     assert best < 350, f"the MLP reached {best} without velocities ({steps} env steps): the task is not a memory test"
 
 
-def _stateless_appo_run(seed: int, budget: int) -> tuple[float, int]:
-    from pipeline import APPOConfig
-    from pipeline.connectors import mean_std_filter
-    from tests.helpers import train_until
-
-    algo = (APPOConfig().environment(StatelessCartPole)
-            .env_runners(num_env_runners=0, num_envs_per_env_runner=8, env_to_module_connector=mean_std_filter)
-            .rl_module(model_config=STATELESS_LSTM)
-            .training(lr=5e-4, vf_loss_coeff=0.05, entropy_coeff=0.005)
-            .debugging(seed=seed).build(logdir=None))
-    try:
-        best, result = train_until(algo, 350, budget)
-    finally:
-        algo.stop()
-    return best, result["num_env_steps_sampled_lifetime"]
-
-
 @pytest.mark.long
 def test_appo_with_an_lstm_reaches_350_on_stateless_cartpole():
     """RLlib's APPO example's settings (MeanStdFilter, lr 5e-4, value weight 0.05, entropy 0.005), the same
     LSTM: seeds 0 and 1 reached 350 at 366k and 359k env steps; seed 2 peaked at 344 within 1M."""
-    best, steps = _stateless_appo_run(0, 1_000_000)
+    from pipeline import APPOConfig
+
+    appo = APPOConfig().training(lr=5e-4, vf_loss_coeff=0.05, entropy_coeff=0.005)
+    best, steps = _stateless_run(STATELESS_LSTM, 0, 1_000_000, base=appo)
     assert best >= 350, f"{best} after {steps} env steps"
