@@ -129,3 +129,11 @@ def test_tensorboard_event_file_has_scalars_by_iteration(tmp_path):
     assert scalars["training_iteration"] == [(1, 1.0), (2, 2.0)]
     assert scalars["env_runners/num_env_steps_sampled"] == [(1, 100.0), (2, 100.0)]
     assert not any(tag.startswith("episode_returns") for tag in scalars)
+
+
+def test_tensorboard_tags_follow_tensorboards_rule(tmp_path):
+    with ResultLogger(tmp_path) as logger:
+        logger.log({"training_iteration": 1, "custom_metrics": {"lap time (s)": 3.5}, "/lead": 1.0})
+    scalars = _read_scalars(glob.glob(str(tmp_path / "events.out.tfevents.*"))[0])
+    assert scalars["custom_metrics/lap_time__s_"] == [(1, 3.5)]
+    assert scalars["lead"] == [(1, 1.0)]
