@@ -1,8 +1,8 @@
 """The learner role: the shared mechanics (``Learner``), batch layout, and the stream loader."""
 from actors.learner.batch import Batch, ChunkBatch, as_batch, chunks_to_batch, step_rows
-from actors.learner.learner import Learner, LearnerSettings, Optimizer
+from actors.learner.learner import Learner, LearnerSettings, Optimizer, batch_slices, combined_stats
 from actors.learner.multi_learner import ALL_MODULES, MultiLearner
 from actors.schedules import piecewise
 
 __all__ = ["ALL_MODULES", "Batch", "ChunkBatch", "Learner", "LearnerSettings", "MultiLearner", "Optimizer",
-           "as_batch", "chunks_to_batch", "piecewise", "step_rows"]
+           "as_batch", "batch_slices", "chunks_to_batch", "combined_stats", "piecewise", "step_rows"]

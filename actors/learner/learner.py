@@ -43,6 +43,8 @@ from protocols import nested
 from protocols.codec import decode
 
 log = logging.getLogger("runnel")
+TOTAL_NORM = getattr(torch.nn.utils, "get_total_norm", None)
+"""torch >= 2.6: the global norm of many tensors in one fused call (older: one norm per tensor, stacked)."""
 
 
 @dataclass
@@ -157,13 +159,16 @@ class Learner(FedByStreams, LearnerRole):
         return {"default_policy": self.update(list(episodes), self.timestep)}
 
     # --- updating -----------------------------------------------------------------------------
-    def update(self, batch: Any, timestep: int) -> dict[str, float]:
+    def update(self, batch: Any, timestep: int, num_batches: int = 1) -> dict[str, float]:
         """Set every optimizer's learning rate for ``timestep`` (env steps sampled so far), then
         run the algorithm's ``train_on_batch``. Returns its statistics plus the current rates.
         ``batch`` is a list of chunks or a replayed batch of transitions, or a codec frame of either
-        (how it crosses to a remote learner)."""
+        (how it crosses to a remote learner). ``num_batches`` > 1: a replayed batch that is that many
+        batches of equal size in a row, one update each (``train_on_batches``)."""
         if isinstance(batch, (bytes, bytearray, memoryview)):
             batch = decode(batch)
+        if num_batches != 1:
+            check_num_batches(batch, num_batches)
         view_problem = None
         if self.observation_view is not None and isinstance(batch, list) and not isinstance(batch, ChunkBatch):
             try:  # a stream's batches were rebuilt by its loader already
@@ -186,7 +191,22 @@ class Learner(FedByStreams, LearnerRole):
         if self._learn_hook:
             call_hook(self.callbacks, "on_learn_on_batch", f"learner {self.rank}", policy=self.module, learner=self,
                       train_batch=batch, result=extra)
-        return self.train_on_batch(batch, timestep) | rates | extra
+        stats = self.train_on_batch(batch, timestep) if num_batches == 1 else \
+            self.train_on_batches(batch, timestep, num_batches)
+        return stats | rates | extra
+
+    def train_on_batches(self, batch: dict[str, Any], timestep: int, num_batches: int) -> dict[str, float]:
+        """``num_batches`` updates in a row, one per consecutive equal slice of a replayed batch (the
+        off-policy plan hands over as many as the replay ratio allows at once); their statistics as one
+        (``combined_stats``), their per-row outputs concatenated. A learner that can do it with less
+        work (one tensor conversion, one read of its statistics) overrides this."""
+        stats, outputs = [], []
+        for part in batch_slices(batch, num_batches):
+            stats.append(self.train_on_batch(part, timestep))
+            outputs.append(self.last_outputs)
+        self.last_outputs = {k: np.concatenate([o[k] for o in outputs]) for k in outputs[0]} \
+            if all(outputs) else {}
+        return combined_stats(stats)
 
     def _state_problem(self, chunks: list[Any]) -> str | None:
         """A recurrent module unrolls each chunk from its ``state_in``: what is wrong with them, or None."""
@@ -216,9 +236,10 @@ class Learner(FedByStreams, LearnerRole):
                     self.num_batches_refused, problem)
         return {"num_batches_refused": 1.0}
 
-    def update_with_outputs(self, batch: Any, timestep: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    def update_with_outputs(self, batch: Any, timestep: int, num_batches: int = 1
+                            ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """``update`` and the per-row outputs it left in ``last_outputs``, in one call."""
-        return self.update(batch, timestep), self.last_outputs
+        return self.update(batch, timestep, num_batches), self.last_outputs
 
     def apply_gradients(self, loss: torch.Tensor, optimizer: str = "default") -> float:
         """Backward, average gradients across learners, clip, step one optimizer. Returns the
@@ -247,6 +268,8 @@ class Learner(FedByStreams, LearnerRole):
                 torch.nn.utils.clip_grad_norm_([p], clip)
         if clip is not None and by == "global_norm":
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        elif TOTAL_NORM is not None:
+            norm = TOTAL_NORM([p.grad for p in params])
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
         slot.optimizer.step()
@@ -354,3 +377,49 @@ class Learner(FedByStreams, LearnerRole):
     def stop(self) -> None:
         self.close_feed()
         self.leave_distributed()
+
+
+SUMMED_STATS = ("num_module_steps_trained",)
+"""Statistics that count what one update did: several updates in a row report their sum."""
+
+
+def check_num_batches(batch: Any, num_batches: Any) -> None:
+    """``num_batches`` must split a replayed batch (a dict of arrays) into equal non-empty slices."""
+    if isinstance(num_batches, bool) or not isinstance(num_batches, (int, np.integer)) or num_batches < 1:
+        raise ValueError(f"num_batches must be an int >= 1, got {num_batches!r}")
+    if not isinstance(batch, dict):
+        raise ValueError(f"num_batches={num_batches} splits a replayed batch (a dict of arrays), not a "
+                         f"{type(batch).__name__}: pass chunks with num_batches=1")
+    rows = len(batch["rewards"])
+    if rows % num_batches or rows == 0:
+        raise ValueError(f"a replayed batch of {rows} rows does not split into num_batches={num_batches} "
+                         f"equal batches: sample num_batches * batch_size rows")
+
+
+def batch_slices(batch: dict[str, Any], num_batches: int) -> list[dict[str, Any]]:
+    """A replayed batch (numpy arrays or tensors, nested where observations are) as ``num_batches``
+    consecutive equal slices (views, no copies)."""
+    size = len(batch["rewards"]) // num_batches
+    return [{k: nested.map_structure(lambda a, lo=i * size: a[lo:lo + size], v) for k, v in batch.items()}
+            for i in range(num_batches)]
+
+
+def combined_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """The statistics of several updates in a row as one: ``SUMMED_STATS`` summed, other counters
+    (``num_...``: lifetime counts) as the last update left them, everything else averaged over the
+    updates that reported it (a phase may add or drop a statistic). Tensor values are stacked and
+    read in one conversion, not one per update."""
+    values: dict[str, list[float]] = {}
+    tensors, owners = [], []
+    for step in steps:
+        for k, v in step.items():
+            if isinstance(v, torch.Tensor):
+                tensors.append(v.detach().float().reshape(()))
+                owners.append(k)
+            else:
+                values.setdefault(k, []).append(float(v))
+    if tensors:
+        for k, v in zip(owners, torch.stack(tensors).tolist()):
+            values.setdefault(k, []).append(v)
+    return {k: float(sum(v)) if k in SUMMED_STATS else v[-1] if k.startswith("num_") else float(np.mean(v))
+            for k, v in values.items()}

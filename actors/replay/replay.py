@@ -200,11 +200,17 @@ class ReplayBuffer(ReplayRole):
                 return self.limiter.can_sample(batch_size)
             return len(self) >= self.settings.min_size_to_sample
 
-    def sample(self, batch_size: int, timeout_s: float | None = None) -> dict[str, Any]:
-        """A batch of ``batch_size`` transitions with n-step returns (see the module docstring)."""
+    def sample(self, batch_size: int, timeout_s: float | None = None, num_batches: int = 1) -> dict[str, Any]:
+        """A batch of ``batch_size`` transitions with n-step returns (see the module docstring).
+        ``num_batches`` > 1: that many batches drawn at once, in a row (``num_batches * batch_size``
+        rows; importance weights normalised within each batch), for a learner that makes several
+        updates in one call; the rate limiter counts every row."""
         if not _int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not _int(num_batches) or num_batches < 1:
+            raise ValueError(f"num_batches must be an int >= 1, got {num_batches!r}")
         s = self.settings
+        per_batch, batch_size = batch_size, batch_size * num_batches
         with self.lock:
             self._wait("sample", batch_size, timeout_s)
             if self.limiter is None and len(self) < s.min_size_to_sample:  # min_size_to_sample >= 1
@@ -212,7 +218,7 @@ class ReplayBuffer(ReplayRole):
                     f"cannot sample: the buffer holds {len(self)} transitions and min_size_to_sample="
                     f"{s.min_size_to_sample}; add more chunks first (check can_sample()), or set "
                     "samples_per_insert so that sample() waits for inserts")
-            rows, weights = self._draw(batch_size)
+            rows, weights = self._draw(batch_size, per_batch)
             n = self.n_hi if self.n_lo == self.n_hi else self.rng.integers(self.n_lo, self.n_hi + 1, batch_size)
             ret, boot, used, term = self.storage.n_step(rows, n, s.gamma)
             batch = {
@@ -232,13 +238,13 @@ class ReplayBuffer(ReplayRole):
             self._log("samples", batch_size)
             return batch
 
-    def _draw(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    def _draw(self, batch_size: int, per_batch: int) -> tuple[np.ndarray, np.ndarray]:
         if self.tree is not None:
             total = self.tree.total()
             rows = self.tree.sample(self.rng.random(batch_size) * total)
             prob = self.tree.get(rows) / total
-            weights = (len(self) * prob) ** -self.settings.beta
-            return rows, (weights / weights.max()).astype(np.float32)
+            weights = ((len(self) * prob) ** -self.settings.beta).reshape(-1, per_batch)
+            return rows, (weights / weights.max(axis=1, keepdims=True)).reshape(-1).astype(np.float32)
         has_action, filled = self.storage.cols["has_action"], self.storage.filled
         parts, need = [], batch_size
         for _ in range(8):

@@ -28,10 +28,10 @@ import torch
 from actors.learner import Optimizer
 from actors.modules import SACModule
 from pipeline.algorithm import Algorithm
-from pipeline.algorithms.sac import SACConfig, SACLearner, sac_actor_loss, sac_alpha_loss, sac_critic_loss
+from pipeline.algorithms.sac import SACConfig, SACLearner, frozen, sac_actor_loss, sac_alpha_loss, sac_critic_loss
 from pipeline.config.checks import is_number
 from pipeline.config.offline import input_required_problems
-from pipeline.plans.offpolicy import OffPolicyPlan, polyak, to_tensors
+from pipeline.plans.offpolicy import OffPolicyPlan, polyak
 from pipeline.registry import register_algorithm
 
 
@@ -139,9 +139,8 @@ class CQLLearner(SACLearner):
                                              [self.log_alpha_prime], self.config.critic_lr)
         return slots
 
-    def train_on_batch(self, batch: dict[str, Any], timestep: int) -> dict[str, float]:
+    def step(self, t: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
         cfg, m = self.config, self.module
-        t = to_tensors(batch, self.device)
         alpha = m.log_alpha.exp().detach()
         critic_loss, stats, td_error = sac_critic_loss(m, self.targets["target"], t, cfg, alpha)
         q_data = m.q_values(t["obs"], t["actions"])
@@ -158,21 +157,19 @@ class CQLLearner(SACLearner):
             reg_term = reg
         stats["cql_loss"] = reg.detach()
         stats["critic_gradients_global_norm"] = self.apply_gradients(critic_loss + reg_term, "critic")
-        if self.num_target_updates < cfg.bc_iters:  # counts batches (num_updates counts optimizer steps)
-            actor_loss, actor_stats, logp = bc_actor_loss(m, t, alpha)
-        else:
-            actor_loss, actor_stats, logp = sac_actor_loss(m, t, cfg, alpha)
-        stats |= actor_stats
-        stats["actor_gradients_global_norm"] = self.apply_gradients(actor_loss, "actor")
+        with frozen(self.optimizers["critic"].params):
+            if self.num_target_updates < cfg.bc_iters:  # counts batches (num_updates counts optimizer steps)
+                actor_loss, actor_stats, logp = bc_actor_loss(m, t, alpha)
+            else:
+                actor_loss, actor_stats, logp = sac_actor_loss(m, t, cfg, alpha)
+            stats |= actor_stats
+            stats["actor_gradients_global_norm"] = self.apply_gradients(actor_loss, "actor")
         alpha_loss = sac_alpha_loss(m.log_alpha, logp, self.target_entropy)
         self.apply_gradients(alpha_loss, "alpha")
         polyak(self.targets["target"], m, cfg.tau, prefixes=("q_encoder.", "qf1.", "qf2."))
         self.num_target_updates += 1
-        self.last_outputs = {"td_error": td_error.cpu().numpy()}
-        out = {k: float(v) for k, v in stats.items()}
-        out |= {"alpha_loss": float(alpha_loss.detach()), "alpha_value": float(alpha),
-                "num_module_steps_trained": float(len(batch["rewards"]))}
-        return out
+        stats |= {"alpha_loss": alpha_loss.detach(), "alpha_value": alpha}
+        return stats, td_error
 
 
 def bc_actor_loss(module: SACModule, batch: dict[str, Any],

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from actors.learner import Learner
+from actors.learner import Learner, batch_slices, combined_stats
 from actors.modules import QModule
 from pipeline.algorithm import Algorithm
 from pipeline.config.base import AlgorithmConfig
@@ -208,17 +208,23 @@ class DQNLearner(Learner):
         return {"target": target}
 
     def train_on_batch(self, batch: dict[str, Any], timestep: int) -> dict[str, float]:
+        return self.train_on_batches(batch, timestep, 1)
+
+    def train_on_batches(self, batch: dict[str, Any], timestep: int, num_batches: int) -> dict[str, float]:
+        """One gradient step per slice, the batch converted to tensors once and the statistics read once."""
         cfg = self.config
-        t = to_tensors(batch, self.device)
-        loss, stats, td_error = dqn_loss(self.module, self.targets["target"], t, cfg)
-        norm = self.apply_gradients(loss)
-        if timestep - self.last_target_update >= cfg.target_network_update_freq:
-            polyak(self.targets["target"], self.module, cfg.tau)
-            self.last_target_update = timestep
-            self.num_target_updates += 1
-        self.last_outputs = {"td_error": td_error.cpu().numpy()}
-        out = dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one conversion, not one per value
-        out["gradients_global_norm"] = norm
+        steps, td_errors = [], []
+        for part in batch_slices(to_tensors(batch, self.device), num_batches):
+            loss, stats, td_error = dqn_loss(self.module, self.targets["target"], part, cfg)
+            stats["gradients_global_norm"] = self.apply_gradients(loss)
+            if timestep - self.last_target_update >= cfg.target_network_update_freq:
+                polyak(self.targets["target"], self.module, cfg.tau)
+                self.last_target_update = timestep
+                self.num_target_updates += 1
+            steps.append(stats)
+            td_errors.append(td_error)
+        self.last_outputs = {"td_error": torch.cat(td_errors).cpu().numpy()}
+        out = combined_stats(steps)
         out["num_target_updates"] = float(self.num_target_updates)
         out["num_module_steps_trained"] = float(len(batch["rewards"]))
         return out

@@ -11,12 +11,13 @@ optimizer and learning rate; the target critics follow by Polyak averaging (``ta
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from actors.learner import Learner, Optimizer
+from actors.learner import Learner, Optimizer, batch_slices, combined_stats
 from actors.modules import SACModule
 from pipeline.algorithm import Algorithm
 from pipeline.config.base import AlgorithmConfig
@@ -137,23 +138,50 @@ class SACLearner(Learner):
                 for name, (params, lr) in slots.items()}
 
     def train_on_batch(self, batch: dict[str, Any], timestep: int) -> dict[str, float]:
+        return self.train_on_batches(batch, timestep, 1)
+
+    def train_on_batches(self, batch: dict[str, Any], timestep: int, num_batches: int) -> dict[str, float]:
+        """One ``step`` per slice, the batch converted to tensors once and the statistics read once."""
+        steps, td_errors = [], []
+        for part in batch_slices(to_tensors(batch, self.device), num_batches):
+            stats, td_error = self.step(part)
+            steps.append(stats)
+            td_errors.append(td_error)
+        self.last_outputs = {"td_error": torch.cat(td_errors).cpu().numpy()}
+        out = combined_stats(steps)
+        out |= {"target_entropy": self.target_entropy, "num_target_updates": float(self.num_target_updates),
+                "num_module_steps_trained": float(len(batch["rewards"]))}
+        return out
+
+    def step(self, t: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        """Critics, actor, temperature and target critics on one batch of tensors; returns the
+        statistics (tensors, read later) and the per-sample TD errors."""
         cfg, m = self.config, self.module
-        t = to_tensors(batch, self.device)
         alpha = m.log_alpha.exp().detach()
         critic_loss, stats, td_error = sac_critic_loss(m, self.targets["target"], t, cfg, alpha)
         stats["critic_gradients_global_norm"] = self.apply_gradients(critic_loss, "critic")
-        actor_loss, actor_stats, logp = sac_actor_loss(m, t, cfg, alpha)
-        stats |= actor_stats
-        stats["actor_gradients_global_norm"] = self.apply_gradients(actor_loss, "actor")
+        with frozen(self.optimizers["critic"].params):  # the actor's loss needs no gradients of the critics' weights
+            actor_loss, actor_stats, logp = sac_actor_loss(m, t, cfg, alpha)
+            stats |= actor_stats
+            stats["actor_gradients_global_norm"] = self.apply_gradients(actor_loss, "actor")
         alpha_loss = sac_alpha_loss(m.log_alpha, logp, self.target_entropy)
         self.apply_gradients(alpha_loss, "alpha")
         polyak(self.targets["target"], m, cfg.tau, prefixes=("q_encoder.", "qf1.", "qf2."))
         self.num_target_updates += 1
-        self.last_outputs = {"td_error": td_error.cpu().numpy()}
-        out = {k: float(v) for k, v in stats.items()}
-        out |= {"alpha_loss": float(alpha_loss.detach()), "alpha_value": float(alpha),
-                "target_entropy": self.target_entropy, "num_module_steps_trained": float(len(batch["rewards"]))}
-        return out
+        stats |= {"alpha_loss": alpha_loss.detach(), "alpha_value": alpha}
+        return stats, td_error
+
+
+@contextmanager
+def frozen(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """``params`` take no gradients inside the block (what flows through them still does)."""
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 @register_algorithm

@@ -32,11 +32,23 @@ def batch_steps(batch: list[EpisodeChunk] | dict[str, Any]) -> int:
     return len(batch["rewards"]) if isinstance(batch, dict) else sum(len(c) for c in batch)
 
 
+def shard_rows(num_rows: int, n: int, num_batches: int = 1) -> list[np.ndarray]:
+    """The rows of each of ``n`` learners' shards of a replayed batch that is ``num_batches`` batches in
+    a row: every batch split into ``n`` contiguous ranges, a learner's shard its range of each batch in
+    order -- so it is ``num_batches`` equal slices again, and all learners step together."""
+    size = num_rows // num_batches
+    bounds = np.linspace(0, size, n + 1).astype(int)
+    starts = np.arange(num_batches)[:, None] * size
+    return [(starts + np.arange(lo, hi)[None, :]).reshape(-1) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def take_rows(batch: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    return {k: nested.map_structure(lambda a: a[rows], v) for k, v in batch.items()}
+
+
 def shard_transitions(batch: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """A replayed batch split into ``n`` contiguous row ranges (outputs concatenate back in order)."""
-    bounds = np.linspace(0, len(batch["rewards"]), n + 1).astype(int)
-    return [{k: nested.map_structure(lambda a: a[lo:hi], v) for k, v in batch.items()}
-            for lo, hi in zip(bounds, bounds[1:])]
+    """A replayed batch split into ``n`` shards of contiguous rows."""
+    return [take_rows(batch, rows) for rows in shard_rows(len(batch["rewards"]), n)]
 
 
 def shard_chunks(chunks: list[EpisodeChunk], n: int) -> list[list[EpisodeChunk]]:
@@ -99,17 +111,23 @@ class LearnerGroup:
         return self.manager.handle(0) if self.manager.in_process else None
 
     def update(self, batch: list[EpisodeChunk] | dict[str, Any], timestep: int, metrics: MetricsLogger | None = None,
-               with_outputs: bool = False) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+               with_outputs: bool = False, num_batches: int = 1) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """One update on ``batch`` -- a list of chunks, or a replayed batch of transitions -- sharded
         across learners; ``timestep`` drives the schedules. Returns the learners' mean statistics
         (also logged into ``metrics``) and, ``with_outputs``, their per-row outputs in batch order
-        (e.g. TD errors for prioritized replay; none when the learners refused the batch)."""
+        (e.g. TD errors for prioritized replay; none when the learners refused the batch).
+        ``num_batches`` > 1: a replayed batch that is that many batches in a row, one update each,
+        all in one call (``Learner.train_on_batches``)."""
         ids = self.manager.healthy_ids()
         transitions = isinstance(batch, dict)
+        rows = None
         if len(ids) == 1:
             shards = [batch]
+        elif transitions:
+            rows = shard_rows(len(batch["rewards"]), len(ids), num_batches)
+            shards = [take_rows(batch, r) for r in rows]
         else:
-            shards = shard_transitions(batch, len(ids)) if transitions else shard_chunks(list(batch), len(ids))
+            shards = shard_chunks(list(batch), len(ids))
         # in-process the batch is handed over as it is (a loader may have laid it out already);
         # to another process it goes as one codec frame
         if self.manager.in_process:
@@ -117,11 +135,17 @@ class LearnerGroup:
         else:
             ship = lambda s: encode(s if transitions else list(s), compress=False)  # noqa: E731
         results = self.call("update_with_outputs" if with_outputs else "update", per_actor_args={
-            i: (ship(s), timestep) for i, s in zip(ids, shards)})
+            i: (ship(s), timestep, num_batches) for i, s in zip(ids, shards)})
         values = [r.value for r in results]
         all_stats = [v[0] for v in values] if with_outputs else values
-        outputs = {k: np.concatenate([v[1][k] for v in values]) for k in values[0][1]} if with_outputs else {}
-        stats = self.record_update(all_stats, batch_steps(batch), metrics)
+        outputs = {}
+        for k in values[0][1] if with_outputs else ():
+            outputs[k] = np.concatenate([v[1][k] for v in values])
+            if rows is not None:  # back in batch order
+                ordered = np.empty_like(outputs[k])
+                ordered[np.concatenate(rows)] = outputs[k]
+                outputs[k] = ordered
+        stats = self.record_update(all_stats, batch_steps(batch), metrics, num_batches)
         self.snapshot_if_due()
         return stats, outputs
 
@@ -159,11 +183,11 @@ class LearnerGroup:
             metrics.log_value(f"fault_tolerance/{key}", value - self._ft_logged[key], reduce="lifetime_sum")
             self._ft_logged[key] = value
 
-    def record_update(self, all_stats: list[dict[str, float]], steps: int, metrics: MetricsLogger | None
-                      ) -> dict[str, float]:
-        """Account for one update the learners made (``all_stats``: each learner's statistics; ``steps``:
-        env steps of all their batches together): the mean statistics, logged into ``metrics``, and a new
-        weights version -- unless the learners refused the batch."""
+    def record_update(self, all_stats: list[dict[str, float]], steps: int, metrics: MetricsLogger | None,
+                      num_updates: int = 1) -> dict[str, float]:
+        """Account for the ``num_updates`` updates the learners made in one call (``all_stats``: each learner's
+        statistics; ``steps``: env steps of all their batches together): the mean statistics, logged into
+        ``metrics``, and a new weights version -- unless the learners refused the batch."""
         if len(all_stats) == 1:  # the common case, per update on the hot path: no mean to take
             stats = {k: float(v) for k, v in all_stats[0].items()}
         else:
@@ -177,7 +201,7 @@ class LearnerGroup:
             metrics.log_dict(stats, prefix="learners/default_policy")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained", steps, reduce="sum")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained_lifetime", steps, reduce="lifetime_sum")
-            metrics.log_value("learners/__all_modules__/num_updates", 1, reduce="sum")
+            metrics.log_value("learners/__all_modules__/num_updates", num_updates, reduce="sum")
         return stats
 
     def _first(self, method: str, *args: Any) -> Any:

@@ -42,6 +42,9 @@ MULTI_AGENT_UNBUILT = {"remote": "the replay actor is fed by runner streams, and
                                  "stream",
                        "prefill_from": "recordings hold single-agent episodes"}
 """replay_buffer_config keys that multi-agent runs refuse, and why."""
+MAX_BATCHES_PER_CALL = 32
+"""Updates one learner call makes at most: a call's batches are drawn together, so a long run of them
+would train on priorities that stale; a training step that allows more makes several calls."""
 BUFFER_KEYS = ("type", "capacity", "alpha", "beta", "epsilon", "samples_per_insert", "min_size_to_sample",
                "error_buffer", "timeout_s", "remote", "prefetch", "num_cpus", "prefill_from", "prefill_steps",
                "snapshot_interval_s", "snapshot_max_bytes")
@@ -282,15 +285,25 @@ class OffPolicyPlan:
             self.replay.add(chunks)
         timestep = m.peek("env_runners/num_env_steps_sampled_lifetime", 0)
         with m.log_time("timers/learner_update_timer", reduce="sum"):
-            while self.replay.can_sample(batch_size):
-                batch = self.replay.sample(batch_size)
-                _, outputs = self.learners.update(batch, timestep, m, with_outputs=self.prioritized)
+            while (k := self.batches_ready(batch_size)) > 0:
+                # all the updates the replay ratio allows now in one call: one draw, one tensor conversion,
+                # one priority update (priorities within the call are those of its start, as with a
+                # learner a few batches behind its replay -- Ape-X, Reverb)
+                batch = self.replay.sample(batch_size, num_batches=k)
+                _, outputs = self.learners.update(batch, timestep, m, with_outputs=self.prioritized, num_batches=k)
                 if self.prioritized and outputs:  # none: the learners refused the batch
                     self.replay.update_priorities(batch["indices"], outputs["td_error"])
         with m.log_time("timers/synch_weights"):
             weights = self.learners.get_weights(inference_only=True)
             self.env_runners.sync_weights(weights, self.learners.weights_version, int(timestep))
         m.merge(self.replay.get_metrics(), prefix="replay")
+
+    def batches_ready(self, batch_size: int) -> int:
+        """How many batches the rate limiter lets the learner take now (at most ``MAX_BATCHES_PER_CALL``)."""
+        k = 0
+        while k < MAX_BATCHES_PER_CALL and self.replay.can_sample(batch_size * (k + 1)):
+            k += 1
+        return k
 
     def get_state(self) -> dict[str, Any]:
         if not self.config.store_buffer_in_checkpoints:
