@@ -379,10 +379,6 @@ class Learner(FedByStreams, LearnerRole):
         self.leave_distributed()
 
 
-SUMMED_STATS = ("num_module_steps_trained",)
-"""Statistics that count what one update did: several updates in a row report their sum."""
-
-
 def check_num_batches(batch: Any, num_batches: Any) -> None:
     """``num_batches`` must split a replayed batch (a dict of arrays) into equal non-empty slices."""
     if isinstance(num_batches, bool) or not isinstance(num_batches, (int, np.integer)) or num_batches < 1:
@@ -405,10 +401,10 @@ def batch_slices(batch: dict[str, Any], num_batches: int) -> list[dict[str, Any]
 
 
 def combined_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
-    """The statistics of several updates in a row as one: ``SUMMED_STATS`` summed, other counters
-    (``num_...``: lifetime counts) as the last update left them, everything else averaged over the
-    updates that reported it (a phase may add or drop a statistic). Tensor values are stacked and
-    read in one conversion, not one per update."""
+    """The statistics of several updates in a row as one, as the metrics would have averaged them: counters
+    (``num_...``) as the last update left them, everything else averaged over the updates that reported
+    it (a phase may add or drop a statistic). Tensor values are stacked and read in one conversion,
+    not one per update."""
     values: dict[str, list[float]] = {}
     tensors, owners = [], []
     for step in steps:
@@ -421,5 +417,4 @@ def combined_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
     if tensors:
         for k, v in zip(owners, torch.stack(tensors).tolist()):
             values.setdefault(k, []).append(v)
-    return {k: float(sum(v)) if k in SUMMED_STATS else v[-1] if k.startswith("num_") else float(np.mean(v))
-            for k, v in values.items()}
+    return {k: v[-1] if k.startswith("num_") else float(np.mean(v)) for k, v in values.items()}

@@ -108,6 +108,11 @@ class ReplaySettings:
         return out + limiter_problems(self.samples_per_insert, min_size, self.error_buffer)
 
 
+MAX_BATCHES_PER_CALL = 32
+"""Batches a plan draws at once for one learner call, at most: they are drawn together, so a long run
+of them would train on stale priorities; a training step that allows more makes several calls."""
+
+
 class ReplayBuffer(ReplayRole):
     def __init__(self, settings: ReplaySettings | None = None) -> None:
         settings = settings if settings is not None else ReplaySettings()

@@ -226,7 +226,7 @@ class DQNLearner(Learner):
         self.last_outputs = {"td_error": torch.cat(td_errors).cpu().numpy()}
         out = combined_stats(steps)
         out["num_target_updates"] = float(self.num_target_updates)
-        out["num_module_steps_trained"] = float(len(batch["rewards"]))
+        out["num_module_steps_trained"] = float(len(batch["rewards"]) // num_batches)  # per update
         return out
 
 

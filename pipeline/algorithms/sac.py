@@ -150,7 +150,7 @@ class SACLearner(Learner):
         self.last_outputs = {"td_error": torch.cat(td_errors).cpu().numpy()}
         out = combined_stats(steps)
         out |= {"target_entropy": self.target_entropy, "num_target_updates": float(self.num_target_updates),
-                "num_module_steps_trained": float(len(batch["rewards"]))}
+                "num_module_steps_trained": float(len(batch["rewards"]) // num_batches)}  # per update
         return out
 
     def step(self, t: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:

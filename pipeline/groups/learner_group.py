@@ -42,6 +42,16 @@ def shard_rows(num_rows: int, n: int, num_batches: int = 1) -> list[np.ndarray]:
     return [(starts + np.arange(lo, hi)[None, :]).reshape(-1) for lo, hi in zip(bounds, bounds[1:])]
 
 
+def in_batch_order(outputs: np.ndarray, rows: list[np.ndarray] | None) -> np.ndarray:
+    """Per-row outputs of the shards (``rows``: each shard's rows, ``shard_rows``), concatenated in shard
+    order, back in the batch's row order (None: one shard, in order already)."""
+    if rows is None:
+        return outputs
+    ordered = np.empty_like(outputs)
+    ordered[np.concatenate(rows)] = outputs
+    return ordered
+
+
 def take_rows(batch: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
     return {k: nested.map_structure(lambda a: a[rows], v) for k, v in batch.items()}
 
@@ -138,13 +148,8 @@ class LearnerGroup:
             i: (ship(s), timestep, num_batches) for i, s in zip(ids, shards)})
         values = [r.value for r in results]
         all_stats = [v[0] for v in values] if with_outputs else values
-        outputs = {}
-        for k in values[0][1] if with_outputs else ():
-            outputs[k] = np.concatenate([v[1][k] for v in values])
-            if rows is not None:  # back in batch order
-                ordered = np.empty_like(outputs[k])
-                ordered[np.concatenate(rows)] = outputs[k]
-                outputs[k] = ordered
+        outputs = {k: in_batch_order(np.concatenate([v[1][k] for v in values]), rows)
+                   for k in (values[0][1] if with_outputs else ())}
         stats = self.record_update(all_stats, batch_steps(batch), metrics, num_batches)
         self.snapshot_if_due()
         return stats, outputs

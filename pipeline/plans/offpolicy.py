@@ -27,7 +27,7 @@ from torch import nn
 
 from actors.metrics import MetricsLogger
 from actors.offline.reader import SAMPLER
-from actors.replay import ReplayBuffer, ReplaySettings
+from actors.replay import MAX_BATCHES_PER_CALL, ReplayBuffer, ReplaySettings
 from pipeline.config.checks import is_int, is_number
 from pipeline.groups.env_runner_group import EnvRunnerGroup
 from pipeline.groups.learner_group import LearnerGroup
@@ -42,9 +42,6 @@ MULTI_AGENT_UNBUILT = {"remote": "the replay actor is fed by runner streams, and
                                  "stream",
                        "prefill_from": "recordings hold single-agent episodes"}
 """replay_buffer_config keys that multi-agent runs refuse, and why."""
-MAX_BATCHES_PER_CALL = 32
-"""Updates one learner call makes at most: a call's batches are drawn together, so a long run of them
-would train on priorities that stale; a training step that allows more makes several calls."""
 BUFFER_KEYS = ("type", "capacity", "alpha", "beta", "epsilon", "samples_per_insert", "min_size_to_sample",
                "error_buffer", "timeout_s", "remote", "prefetch", "num_cpus", "prefill_from", "prefill_steps",
                "snapshot_interval_s", "snapshot_max_bytes")
