@@ -1,7 +1,10 @@
 """Off-policy time-to-target: runnel's DQN and SAC vs RLlib 2.60's and Stable-Baselines3's tuned settings.
 
 Run: ``.venv/bin/python tests/benchmarks/offpolicy.py [--systems runnel,rllib,sb3] [--algos dqn,sac]
-[--seeds 0,1,2] [--max-minutes 30] [--quick]``. Prints one JSON object per line:
+[--seeds 0,1,2] [--max-minutes 30] [--quick] [--runnel-config JSON]``. ``--runnel-config`` puts config
+keys over runnel's tuned file per algo, e.g. SAC with SB3's 256x256 networks:
+``'{"sac": {"model_config": {"fcnet_hiddens": [256, 256], "fcnet_activation": "relu"}}}'``.
+Prints one JSON object per line:
 
 1. ``machine``: CPU count, platform, library versions (runnel's venv and the anchors venv), and
    the task of each algo (env, target, env-step budget, smoothing window) as read from the tuned files.
@@ -63,6 +66,7 @@ are never runnel dependencies)::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -104,6 +108,8 @@ def worker_runnel(a: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     config = get_algorithm(spec["algo"])[0]().environment(spec["env"])
     config.update_from_dict(spec["config"])
+    if a.runnel_config:
+        config.update_from_dict(a.runnel_config)
     config.debugging(seed=a.seed)
     algo = config.build()
 
@@ -289,6 +295,8 @@ def run_one(system: str, t: dict, seed: int, args: argparse.Namespace) -> dict:
     cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--algos", t["algo"], "--seeds", str(seed),
            "--worker-target", str(t["target"]), "--budget", str(t["budget"]), "--smoothing", str(t["smoothing"]),
            "--tuned", t["tuned"]]
+    if system == "runnel" and t["algo"] in args.runnel_config:
+        cmd += ["--runnel-config", json.dumps(args.runnel_config[t["algo"]])]
     base = {"bench": "run", "system": system, "algo": t["algo"], "env": t["env"], "seed": seed,
             "target": t["target"], "budget": t["budget"], "smoothing": t["smoothing"]}
     return run_worker(cmd, base, env=worker_env(args.torch_threads, anchor=system != "runnel"),
@@ -338,6 +346,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--anchors-python", default=ANCHORS_PYTHON, help="the anchors venv's python (rllib, sb3)")
     p.add_argument("--targets", default="",
                    help="override targets for a smoke test of the reached path, e.g. dqn=25,sac=-1400")
+    p.add_argument("--runnel-config", default="",
+                   help='JSON config keys over the tuned file for runnel, per algo, e.g. '
+                        '\'{"sac": {"model_config": {"fcnet_hiddens": [256, 256]}}}\'')
     p.add_argument("--verbose", action="store_true", help="pass the workers' output and progress to stderr")
     # internal: one run in a worker process
     p.add_argument("--worker", choices=["runnel", "rllib", "sb3"], help=argparse.SUPPRESS)
@@ -358,6 +369,12 @@ def parse() -> argparse.Namespace:
         p.error(f"--targets takes algo=value pairs like dqn=25,sac=-1400, got {args.targets!r}")
     if set(args.targets) - set(TUNED):
         p.error(f"--targets: unknown algo(s) {sorted(set(args.targets) - set(TUNED))}")
+    try:
+        args.runnel_config = json.loads(args.runnel_config) if args.runnel_config else {}
+    except json.JSONDecodeError as err:
+        p.error(f"--runnel-config takes JSON like {{\"sac\": {{...}}}}: {err}")
+    if not isinstance(args.runnel_config, dict) or (not args.worker and set(args.runnel_config) - set(TUNED)):
+        p.error(f"--runnel-config takes {{algo: {{key: value}}}} with algo in {sorted(TUNED)}, got {args.runnel_config!r}")
     if args.max_minutes is None:
         args.max_minutes = 3.0 if args.quick else 30.0
     return args
@@ -377,7 +394,7 @@ def main() -> None:
     emit(bench="machine", cpu_count=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
          loadavg=os.getloadavg(), versions=versions_of(sys.executable),
          anchors={"python": args.anchors_python, **versions_of(args.anchors_python)} if anchors else None,
-         tasks=tasks, systems=args.systems, seeds=args.seeds, max_minutes=args.max_minutes, quick=args.quick,
+         tasks=tasks, runnel_config=args.runnel_config, systems=args.systems, seeds=args.seeds, max_minutes=args.max_minutes, quick=args.quick,
          torch_threads=args.torch_threads or "library default")
     runs = []
     for seed in args.seeds:
