@@ -118,22 +118,21 @@ class MultiLearner(LearnerRole):
         return self._learners.pop(module_id)
 
     # --- updating --------------------------------------------------------------------------------
-    def update(self, batches: Mapping[str, Any], timestep: int, num_batches: int = 1) -> dict[str, dict[str, float]]:
+    def update(self, batches: Mapping[str, Any], timestep: int) -> dict[str, dict[str, float]]:
         """One update of every trainable module that got a non-empty batch, in sorted id order, each
         by its own learner (``Learner.update``: the algorithm's step, its schedules at ``timestep``).
         A module's batch is what its learner takes: a list of chunks, replayed transitions, or a
         codec frame of either (one frame per module: how batches cross to a remote learner).
         Returns the statistics per trained module, plus ``__all_modules__``: ``num_modules_trained``
-        and ``num_frozen_batches_dropped`` (batches given for frozen modules, not trained on).
-        ``num_batches`` > 1: each replayed batch is that many in a row (``Learner.train_on_batches``)."""
-        return self._update(batches, timestep, with_outputs=False, num_batches=num_batches)[0]
+        and ``num_frozen_batches_dropped`` (batches given for frozen modules, not trained on)."""
+        return self._update(batches, timestep, with_outputs=False)[0]
 
-    def update_with_outputs(self, batches: Mapping[str, Any], timestep: int, num_batches: int = 1
+    def update_with_outputs(self, batches: Mapping[str, Any], timestep: int
                             ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, np.ndarray]]]:
         """``update`` and, per trained module, the per-row outputs its learner left (e.g. TD errors)."""
-        return self._update(batches, timestep, with_outputs=True, num_batches=num_batches)
+        return self._update(batches, timestep, with_outputs=True)
 
-    def _update(self, batches: Mapping[str, Any], timestep: int, with_outputs: bool, num_batches: int = 1
+    def _update(self, batches: Mapping[str, Any], timestep: int, with_outputs: bool
                 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, np.ndarray]]]:
         if isinstance(batches, (bytes, bytearray, memoryview)):
             raise TypeError("MultiLearner.update takes {module_id: batch}, each batch its own codec frame "
@@ -152,7 +151,7 @@ class MultiLearner(LearnerRole):
         outputs: dict[str, dict[str, np.ndarray]] = {}
         for mid in to_train:
             learner = self._learners[mid]
-            stats[mid] = learner.update(batches[mid], timestep, num_batches)
+            stats[mid] = learner.update(batches[mid], timestep)
             if with_outputs:
                 outputs[mid] = learner.last_outputs
         if dropped:

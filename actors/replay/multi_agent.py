@@ -88,10 +88,9 @@ class MultiAgentReplay:
         return [mid for mid in self.module_ids
                 if len(self.buffers[mid]) >= batch_size and (self.keeps is None or self.keeps(mid))]
 
-    def sample(self, batch_size: int, module_ids: Iterable[str], num_batches: int = 1) -> dict[str, dict[str, Any]]:
-        """One batch of ``batch_size`` n-step transitions from each named module's own buffer
-        (``num_batches`` of them in a row: ``ReplayBuffer.sample``)."""
-        return {mid: self.buffer(mid).sample(batch_size, num_batches=num_batches) for mid in sorted(module_ids)}
+    def sample(self, batch_size: int, module_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """One batch of ``batch_size`` n-step transitions from each named module's own buffer."""
+        return {mid: self.buffer(mid).sample(batch_size) for mid in sorted(module_ids)}
 
     def update_priorities(self, module_id: str, indices: Any, priorities: Any) -> None:
         """Priorities (TD errors) of rows that ``sample`` drew from ``module_id``'s buffer."""

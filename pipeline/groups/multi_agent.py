@@ -32,7 +32,7 @@ from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec
 from actors.modules.multi import SEP
 from pipeline.config.checks import ConfigError
-from pipeline.groups.learner_group import LearnerGroup, in_batch_order, shard_chunks, shard_rows, take_rows
+from pipeline.groups.learner_group import LearnerGroup, shard_chunks, shard_transitions
 from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 
@@ -185,42 +185,35 @@ class MultiLearnerGroup(LearnerGroup):
         return {k[len(prefix):]: v for k, v in flat.items()}
 
     def update_replayed(self, batches: Mapping[str, dict[str, Any]], timestep: int, metrics: MetricsLogger | None = None,
-                        with_outputs: bool = False, num_batches: int = 1
-                        ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, np.ndarray]]]:
+                        with_outputs: bool = False) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, np.ndarray]]]:
         """One update of every module in ``batches`` on its own replayed batch of transitions (off-policy:
         each sampled from that module's buffer), each batch split by rows over the learners. Returns the
         statistics per module and, ``with_outputs``, each trained module's per-row outputs in its batch's
         row order (TD errors, for that module's priorities). A replayed row is one agent step; the env
         steps trained are counted as the largest module batch (each module's rows stand for env steps
-        of its own agents). ``num_batches`` > 1: each module's batch is that many in a row, one update
-        each, all in this call."""
+        of its own agents)."""
         if self.should_update is not None:  # a policies_to_train function decides per batch, here in the driver
             batches = {mid: b for mid, b in batches.items() if bool(self.should_update(mid, b))}
             if not batches:
                 return {}, {}
         ids = self.manager.healthy_ids()
         shards: dict[int, dict[str, Any]] = {i: {} for i in ids}
-        rows = {}
         for mid, batch in batches.items():
-            if len(ids) > 1:
-                rows[mid] = shard_rows(len(batch["rewards"]), len(ids), num_batches)
-            for i, part in zip(ids, [batch] if len(ids) == 1 else [take_rows(batch, r) for r in rows[mid]]):
+            for i, part in zip(ids, [batch] if len(ids) == 1 else shard_transitions(batch, len(ids))):
                 shards[i][mid] = part if self.manager.in_process else encode(part, compress=False)
         method = "update_with_outputs" if with_outputs else "update"
-        answers = [r.value for r in self.call(method, per_actor_args={i: (shards[i], timestep, num_batches)
-                                                                      for i in ids})]
+        answers = [r.value for r in self.call(method, per_actor_args={i: (shards[i], timestep) for i in ids})]
         per_learner = [a[0] for a in answers] if with_outputs else answers
         stats = {mid: {k: float(np.mean([s[mid][k] for s in per_learner])) for k in per_learner[0][mid]}
                  for mid in per_learner[0]}
         outputs: dict[str, dict[str, np.ndarray]] = {}
         for mid in (answers[0][1] if with_outputs else {}):
-            outputs[mid] = {k: in_batch_order(np.concatenate([a[1][mid][k] for a in answers]), rows.get(mid))
-                            for k in answers[0][1][mid]}
+            outputs[mid] = {k: np.concatenate([a[1][mid][k] for a in answers]) for k in answers[0][1][mid]}
         trained = [mid for mid in stats if mid != ALL_MODULES and "num_batches_refused" not in stats[mid]]
         if trained:
             self.weights_version += 1
         if metrics is not None:
-            log_replayed_update(metrics, stats, [len(batches[mid]["rewards"]) for mid in trained], num_batches)
+            log_replayed_update(metrics, stats, [len(batches[mid]["rewards"]) for mid in trained])
         return stats, outputs
 
 
@@ -318,15 +311,13 @@ def steps_counter(count_steps_by: str) -> Callable[[list[EpisodeChunk], dict[str
     return count
 
 
-def log_replayed_update(metrics: MetricsLogger, stats: Mapping[str, Mapping[str, float]], rows: list[int],
-                        num_updates: int = 1) -> None:
-    """A replayed multi-agent update call into ``metrics``: each module's statistics under ``learners/<module>/``
-    and the call's counts (``rows``: the rows of each trained module's batches; ``num_updates``: the
-    updates each made) under ``__all_modules__``."""
+def log_replayed_update(metrics: MetricsLogger, stats: Mapping[str, Mapping[str, float]], rows: list[int]) -> None:
+    """A replayed multi-agent update into ``metrics``: each module's statistics under ``learners/<module>/``
+    and the update's counts (``rows``: the batch size of each trained module) under ``__all_modules__``."""
     for mid, module_stats in stats.items():
         metrics.log_dict(dict(module_stats), prefix=f"learners/{mid}")
     counts = {"num_agent_steps_trained": sum(rows), "num_env_steps_trained": max(rows, default=0)}
     for key, value in counts.items():
         metrics.log_value(f"learners/{ALL_MODULES}/{key}", value, reduce="sum")
         metrics.log_value(f"learners/{ALL_MODULES}/{key}_lifetime", value, reduce="lifetime_sum")
-    metrics.log_value(f"learners/{ALL_MODULES}/num_updates", num_updates if rows else 0, reduce="sum")
+    metrics.log_value(f"learners/{ALL_MODULES}/num_updates", 1 if rows else 0, reduce="sum")
