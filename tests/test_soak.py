@@ -79,6 +79,35 @@ def test_throughput_is_judged_per_cpu_second_so_other_jobs_taking_the_cpu_do_not
     assert out["verdict"] == "fail" and "per CPU-second" in out["failures"][0]
 
 
+def test_a_host_that_slows_down_fails_the_cpu_basis_but_not_the_probe_basis_and_a_slower_run_fails_both():
+    """The host slows by 25 % in the second half (its clock, or neighbours on its memory): the run gets 25 %
+    fewer env steps per CPU-second and the probe 25 % fewer rounds -- "cpu" fails, "probe" (the default)
+    passes. A run that needs more CPU per step on an unchanged host fails the probe basis."""
+    def with_probe(per_cpu_s_over_time, probe_over_time):
+        out = samples()
+        for k, s in enumerate(out):
+            s["env_steps_per_cpu_s"] = per_cpu_s_over_time(k)
+            s["probe_per_cpu_s"] = probe_over_time(k)
+            s["cpu"] = {"run_s": 60.0, "machine_busy_s": 60.0, "steal_s": 0.0}
+        return out
+
+    slow_host = with_probe(lambda k: 100.0 if k < 20 else 75.0, lambda k: 400.0 if k < 20 else 300.0)
+    out = summarize(slow_host, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
+    assert out["verdict"] == "pass" and out["throughput_per_probe_drift_pct"] == 0
+    assert out["probe_drift_pct"] == -25 and out["throughput_per_cpu_drift_pct"] == -25
+    cpu = summarize(slow_host, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0, drift_basis="cpu")
+    assert cpu["verdict"] == "fail" and "per CPU-second of the run" in cpu["failures"][0]
+    slow_run = with_probe(lambda k: 100.0 if k < 20 else 80.0, lambda k: 400.0)
+    out = summarize(slow_run, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
+    assert out["verdict"] == "fail" and "per probe round" in out["failures"][0]
+
+
+def test_the_probe_measures_a_positive_speed():
+    from tests.benchmarks.soak import probe_speed
+
+    assert probe_speed(rounds=2) > 0
+
+
 def test_a_run_too_short_for_its_warm_up_says_so():
     out = summarize(samples(n=4), warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
     assert out["verdict"] == "too short" and "warm-up" in out["why"]

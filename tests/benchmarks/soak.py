@@ -14,8 +14,10 @@ Run: ``.venv/bin/python tests/benchmarks/soak.py --minutes 60 [--interval-s 60] 
    "growth after the first 10 minutes") and per hour (% of the mean), fds and threads (their range and
    slope), throughput drift (the window's last quarter against its first, in env steps per CPU-second of
    the run's processes -- what the run gets done with the CPU it gets, which other jobs on a shared
-   machine do not change -- and in env steps per wall-clock second; ``--drift-basis`` picks the one
-   judged, "cpu" by default; each sample also has the CPU the run and the whole machine used), and a
+   machine do not change -- the same divided by the speed of a fixed probe workload measured in each
+   sample, which a host that slows down moves as much as the run, and in env steps per wall-clock second;
+   ``--drift-basis`` picks the one judged, "probe" by default; each sample also has the CPU the run and the
+   whole machine used), and a
    ``verdict``: ``pass`` when every runnel process (the driver and the actors runnel starts) grows its
    RSS by less than ``--max-rss-growth-pct`` over the window (and, if given, less than
    ``--max-rss-growth-pct-per-hour``), holds its fds and threads flat (the median of the window's second
@@ -54,6 +56,8 @@ from tests.benchmarks.appo_cartpole import machine as benchmark_machine  # noqa:
 from tests.procs import command, descendants, machine_cpu_seconds, usage  # noqa: E402
 
 PLASMA = re.compile(r"Plasma memory usage (\d+) MiB, (\d+) objects")
+PROBE_FLOATS = 1 << 20
+"""The probe's array: 4 MB, beyond the caches, so the memory's speed counts as well as the clock's."""
 LEAK: list[bytearray] = []
 
 
@@ -145,6 +149,24 @@ def object_store() -> dict[str, float]:
     return {"used_mb": float(m.group(1)), "objects": float(m.group(2))} if m else {"error": text[:200]}
 
 
+def probe_speed(rounds: int = 5) -> float:
+    """How fast the machine runs a fixed single-threaded workload now: rounds per CPU-second of the calling
+    thread (the median of ``rounds``), each a Python loop and a few passes over a 4 MB array. A host that
+    slows down (its clock, or neighbours sharing its memory) slows this as much as it slows the run; a run
+    that gets slower by itself leaves it where it was."""
+    a = np.ones(PROBE_FLOATS, np.float32)
+    speeds = []
+    for _ in range(rounds):
+        t = time.thread_time()
+        total = 0
+        for i in range(20_000):
+            total += i * i
+        for _ in range(4):
+            a *= np.float32(1.0000001)
+        speeds.append(1.0 / max(time.thread_time() - t, 1e-9))
+    return float(np.median(speeds))
+
+
 def fit_per_hour(t_s: list[float], values: list[float]) -> float:
     """Least-squares slope of ``values`` against time, per hour."""
     return fit_line(t_s, values)[0]
@@ -184,10 +206,12 @@ def drift_of(values: list[float]) -> tuple[float, float, float]:
 
 
 def summarize(samples: list[dict], warmup_s: float, max_rss_pct: float, max_drift_pct: float,
-              max_rss_pct_per_hour: float | None = None, drift_basis: str = "cpu") -> dict[str, Any]:
-    """``drift_basis``: "cpu" judges env steps per CPU-second of the run's processes (what the run gets done
-    with the CPU it gets: on a shared machine other jobs change how much CPU that is, not this), "wall"
-    env steps per second of wall-clock time. Both are reported."""
+              max_rss_pct_per_hour: float | None = None, drift_basis: str = "probe") -> dict[str, Any]:
+    """``drift_basis``: "probe" judges env steps per CPU-second of the run's processes divided by the
+    probe's speed in the same sample (``probe_speed``: what the run gets done with the CPU it gets, on the
+    machine as fast as it is then; samples without a probe fall back to "cpu"); "cpu" the same without the
+    probe (on a shared machine other jobs change how much CPU the run gets, not this, but a host that
+    slows down moves it); "wall" env steps per second of wall-clock time. All three are reported."""
     window = [s for s in samples if s["t_s"] >= warmup_s]
     if len(window) < 3:
         return {"verdict": "too short", "why": f"{len(window)} samples after the warm-up of {warmup_s:.0f} s; "
@@ -229,7 +253,14 @@ def summarize(samples: list[dict], warmup_s: float, max_rss_pct: float, max_drif
     first, last, drift = drift_of(rates)
     per_cpu = [s["env_steps_per_cpu_s"] for s in window if s.get("env_steps_per_cpu_s") is not None]
     cpu_first, cpu_last, cpu_drift = drift_of(per_cpu) if per_cpu else (0.0, 0.0, 0.0)
-    if drift_basis == "cpu" and per_cpu:
+    per_probe = [s["env_steps_per_cpu_s"] / s["probe_per_cpu_s"] for s in window
+                 if s.get("env_steps_per_cpu_s") is not None and s.get("probe_per_cpu_s")]
+    probe_first, probe_last, probe_drift = drift_of(per_probe) if per_probe else (0.0, 0.0, 0.0)
+    probes = [s["probe_per_cpu_s"] for s in window if s.get("probe_per_cpu_s")]
+    if drift_basis == "probe" and per_probe:
+        judged, a, b = probe_drift, probe_first, probe_last
+        unit = "env steps per CPU-second of the run, per probe round per CPU-second"
+    elif drift_basis in ("cpu", "probe") and per_cpu:
         judged, a, b, unit = cpu_drift, cpu_first, cpu_last, "env steps per CPU-second of the run"
     else:
         judged, a, b, unit = drift, first, last, "env steps/s"
@@ -243,7 +274,10 @@ def summarize(samples: list[dict], warmup_s: float, max_rss_pct: float, max_drif
             "env_steps_per_s_first_last_quarter": [round(first, 1), round(last, 1)],
             "throughput_drift_pct": round(drift, 2),
             "env_steps_per_cpu_s_first_last_quarter": [round(cpu_first, 1), round(cpu_last, 1)],
-            "throughput_per_cpu_drift_pct": round(cpu_drift, 2), "drift_basis": drift_basis,
+            "throughput_per_cpu_drift_pct": round(cpu_drift, 2),
+            "env_steps_per_probe_round_first_last_quarter": [round(probe_first, 2), round(probe_last, 2)],
+            "throughput_per_probe_drift_pct": round(probe_drift, 2),
+            "probe_drift_pct": round(drift_of(probes)[2], 2) if probes else None, "drift_basis": drift_basis,
             "other_processes_cpu_s_per_interval_min_max": [round(min(other), 1), round(max(other), 1)] if other else None,
             "verdict": "fail" if failures else "pass", "failures": failures}
 
@@ -272,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
                 sampled = int(result.get("num_env_steps_sampled_lifetime", 0))
                 trained = int(result.get("num_env_steps_trained_lifetime", 0))
                 dt = now - last["t"]
+                probe = probe_speed()
                 sample = {"t_s": round(now - t0, 1), "iteration": int(result.get("training_iteration", 0)),
                           "env_steps_sampled": sampled, "env_steps_trained": trained,
                           "env_steps_per_s": (sampled - last["sampled"]) / dt if samples and dt > 0 else None,
@@ -281,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
                           "evaluation_return_mean": (result.get("evaluation") or {}).get(
                               "env_runners", {}).get("episode_return_mean"),
                           "checkpoints": num_checkpoints, "object_store": object_store(),
-                          "loadavg_1m": os.getloadavg()[0], "processes": procs}
+                          "loadavg_1m": os.getloadavg()[0], "probe_per_cpu_s": probe, "processes": procs}
                 if samples:  # CPU used since the last sample: by this run's processes, and by the whole machine
                     sample["cpu"] = {"run_s": round(run_cpu, 2),
                                      "machine_busy_s": round(machine_cpu["busy_s"] - last["machine"]["busy_s"], 2),
@@ -326,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rss-growth-pct-per-hour", type=float, default=None,
                    help="also judge the growth per hour (noisy on short runs: a one-off step reads as a trend)")
     p.add_argument("--max-throughput-drift-pct", type=float, default=5.0)
-    p.add_argument("--drift-basis", choices=["cpu", "wall"], default="cpu",
-                   help="judge throughput per CPU-second of the run (default: robust to other jobs on the "
-                        "machine) or per wall-clock second")
+    p.add_argument("--drift-basis", choices=["probe", "cpu", "wall"], default="probe",
+                   help="judge throughput per CPU-second of the run on the machine's speed of the moment (default: "
+                        "robust to other jobs and to a host that slows down), per CPU-second, or per wall-clock second")
     p.add_argument("--plant-leak-mb", type=int, default=0, help="MB the driver keeps after every iteration")
     args = p.parse_args(argv)
     if args.warmup_minutes is None:
