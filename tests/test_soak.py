@@ -56,25 +56,30 @@ def test_a_planted_rss_leak_and_an_fd_leak_fail_naming_the_process():
     assert fds["verdict"] == "fail" and fds["failures"][0].startswith("env_runner_1#2: fds grow")
 
 
+def with_rates(per_cpu_s_over_time, cpu_share_over_time=lambda k: 1.0, probe=None):
+    """``samples()`` with the run's env steps per CPU-second, its CPU share and (optionally) the probe's
+    speed given as functions of the sample index; steps per wall-clock second follow from the first two."""
+    out = samples()
+    for k, s in enumerate(out):
+        cpu = 60.0 * cpu_share_over_time(k)
+        s["env_steps_per_cpu_s"] = per_cpu_s_over_time(k)
+        s["env_steps_per_s"] = s["env_steps_per_cpu_s"] * cpu / 30.0
+        s["cpu"] = {"run_s": cpu, "machine_busy_s": 60.0, "steal_s": 0.0}
+        if probe is not None:
+            s["probe_per_cpu_s"] = probe(k)
+    return out
+
+
 def test_throughput_is_judged_per_cpu_second_so_other_jobs_taking_the_cpu_do_not_fail_it():
     """The run's CPU share falls by 40 % in the second half (another job on the machine): steps per wall-clock
     second fall with it, steps per CPU-second of the run do not -- the "cpu" basis passes, "wall" fails; a run
     that needs more CPU per step over time (what a leak in the hot path does) fails on either."""
-    def with_cpu(per_cpu_s_over_time, cpu_share_over_time):
-        out = samples()
-        for k, s in enumerate(out):
-            cpu = 60.0 * cpu_share_over_time(k)
-            s["env_steps_per_cpu_s"] = per_cpu_s_over_time(k)
-            s["env_steps_per_s"] = s["env_steps_per_cpu_s"] * cpu / 30.0
-            s["cpu"] = {"run_s": cpu, "machine_busy_s": 60.0, "steal_s": 0.0}
-        return out
-
-    crowded = with_cpu(lambda k: 100.0, lambda k: 1.0 if k < 20 else 0.6)
+    crowded = with_rates(lambda k: 100.0, lambda k: 1.0 if k < 20 else 0.6)
     out = summarize(crowded, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
     assert out["verdict"] == "pass" and out["throughput_drift_pct"] < -30 and out["throughput_per_cpu_drift_pct"] == 0
     wall = summarize(crowded, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0, drift_basis="wall")
     assert wall["verdict"] == "fail" and "env steps/s" in wall["failures"][0]
-    slower = with_cpu(lambda k: 100.0 if k < 20 else 80.0, lambda k: 1.0)
+    slower = with_rates(lambda k: 100.0 if k < 20 else 80.0)
     out = summarize(slower, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
     assert out["verdict"] == "fail" and "per CPU-second" in out["failures"][0]
 
@@ -83,21 +88,13 @@ def test_a_host_that_slows_down_fails_the_cpu_basis_but_not_the_probe_basis_and_
     """The host slows by 25 % in the second half (its clock, or neighbours on its memory): the run gets 25 %
     fewer env steps per CPU-second and the probe 25 % fewer rounds -- "cpu" fails, "probe" (the default)
     passes. A run that needs more CPU per step on an unchanged host fails the probe basis."""
-    def with_probe(per_cpu_s_over_time, probe_over_time):
-        out = samples()
-        for k, s in enumerate(out):
-            s["env_steps_per_cpu_s"] = per_cpu_s_over_time(k)
-            s["probe_per_cpu_s"] = probe_over_time(k)
-            s["cpu"] = {"run_s": 60.0, "machine_busy_s": 60.0, "steal_s": 0.0}
-        return out
-
-    slow_host = with_probe(lambda k: 100.0 if k < 20 else 75.0, lambda k: 400.0 if k < 20 else 300.0)
+    slow_host = with_rates(lambda k: 100.0 if k < 20 else 75.0, probe=lambda k: 400.0 if k < 20 else 300.0)
     out = summarize(slow_host, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
     assert out["verdict"] == "pass" and out["throughput_per_probe_drift_pct"] == 0
     assert out["probe_drift_pct"] == -25 and out["throughput_per_cpu_drift_pct"] == -25
     cpu = summarize(slow_host, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0, drift_basis="cpu")
     assert cpu["verdict"] == "fail" and "per CPU-second of the run" in cpu["failures"][0]
-    slow_run = with_probe(lambda k: 100.0 if k < 20 else 80.0, lambda k: 400.0)
+    slow_run = with_rates(lambda k: 100.0 if k < 20 else 80.0, probe=lambda k: 400.0)
     out = summarize(slow_run, warmup_s=300, max_rss_pct=5.0, max_drift_pct=5.0)
     assert out["verdict"] == "fail" and "per probe round" in out["failures"][0]
 
