@@ -121,6 +121,19 @@ def test_async_vectorization_matches_sync_layout():
         r.stop()
 
 
+def test_async_seeds_once_so_later_episodes_differ():
+    """An evaluator resets for every round (``sample(num_episodes=n)``): reseeding each time would play
+    the very same episodes every round. The seed applies to the first reset; later ones go on from it."""
+    r = EnvRunner(EnvRunnerSettings(env_creator=lambda ctx: gym.make("CartPole-v1"), num_envs=2, seed=0,
+                                    vectorize_mode="async"), worker_index=1)
+    try:
+        first = [c.obs[0] for c in r.sample(num_episodes=2, explore=False)]
+        second = [c.obs[0] for c in r.sample(num_episodes=2, explore=False)]
+        assert not any(np.array_equal(a, b) for a in first for b in second)
+    finally:
+        r.stop()
+
+
 class BothFlagsEnv(CountingEnv):
     """Reports terminated and truncated together at the last step, as gymnasium allows."""
 

@@ -3,6 +3,7 @@ in made-up samples, and, in a short real run, in the driver -- and passes what o
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -128,3 +129,20 @@ def test_a_short_soak_samples_every_process_and_catches_a_leak_planted_in_the_dr
     assert summary["checkpoints"] >= 2 and summary["iterations"] > 0
     last = [line for line in lines if line["kind"] == "sample"][-1]
     assert "used_mb" in last["object_store"] and last["learner_queue"]["capacity"] > 0
+
+
+def test_the_host_probe_runs_in_its_own_process_until_stopped():
+    import time
+
+    from tests.benchmarks.soak import HostProbe
+
+    host = HostProbe(period_s=0.01)
+    try:
+        assert host.wait_for(3, timeout_s=60), "the probe process reported nothing"
+        assert host.pid != os.getpid()
+        assert host.mean_between(0.0, time.monotonic()) > 0
+        assert host.mean_between(time.monotonic() + 100, time.monotonic() + 200) is None
+    finally:
+        host.stop()
+    assert host.proc.poll() is not None  # no process left behind
+

@@ -27,6 +27,9 @@ class GymMaker:
     def __call__(self, ctx: EnvContext) -> gym.Env:
         return gym.make(self.env_id, **dict(ctx))
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.env_id!r})"
+
 
 class AtariMaker:
     """Creator for an ALE id: the game with the standard Atari preprocessing (``actors.env.atari``)."""

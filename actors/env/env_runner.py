@@ -45,6 +45,11 @@ from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 
 
+SUB_ENV_HOOKS = ("on_sub_environment_created", "on_episode_created", "on_episode_start", "on_episode_step",
+                 "on_episode_end")
+"""Callbacks that see each sub-env or each episode step by step: they need separate sub-env objects."""
+
+
 class EnvRunner(StreamingRunner, EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0, recreated: bool = False) -> None:
         self.s = settings
@@ -56,8 +61,11 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         """What callbacks log (``metrics_logger`` of the runner hooks); reported under ``env_runners/``."""
         self.callbacks = build_callbacks(settings.callbacks)
         self.tasks = SubEnvTasks(settings.num_envs)  # curriculum task per sub-env, once a task function set them
+        mode = settings.vectorize_mode
+        if mode == "auto" and any(overrides(self.callbacks, h) for h in SUB_ENV_HOOKS):
+            mode = "sync"  # those hooks reach into each sub-env: no env's own vector implementation
         self.env = make_vector_env(
-            settings.vectorize_mode, creator=settings.env_creator, env_config=settings.env_config,
+            mode, creator=settings.env_creator, env_config=settings.env_config,
             num_envs=settings.num_envs, worker_index=worker_index, num_workers=settings.num_env_runners,
             seed=settings.seed, restart_failed=settings.restart_failed_sub_environments, recreated=recreated,
             in_evaluation=settings.in_evaluation, on_created=self._sub_env_created,
@@ -84,6 +92,10 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         self.hooks: EpisodeHooks | None = None
         if any(overrides(cb, h) for h in ("on_episode_created", "on_episode_start", "on_episode_step",
                                           "on_episode_end")):
+            if getattr(self.env, "next_step", False):
+                raise ValueError(f"{self.where}: episode callbacks (on_episode_*) need the episode's steps as they "
+                                 f"happen, and {settings.env_creator!r}'s vector implementation resets its sub-envs "
+                                 f"a step late; use gym_env_vectorize_mode='auto' or 'sync'")
             self.hooks = EpisodeHooks(self, cb, self.where, self.callback_metrics, settings.metrics_window)
             self.env.keep_infos = True
         recurrent = getattr(self.acting, "recurrent", False)
@@ -202,8 +214,8 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
     def _run(self, steps: int, explore: bool, hold_back: bool) -> list[EpisodeChunk]:
         with self.acting.session():  # over the loop and the cut: postprocessing hooks run in it too
             fragment = self.sampler.run(steps, explore, self.timestep)
-            self.num_env_steps_sampled_lifetime += steps * self.s.num_envs
-            self._log_steps(steps * self.s.num_envs)
+            self.num_env_steps_sampled_lifetime += fragment.num_env_steps
+            self._log_steps(fragment.num_env_steps)
             return self.slots.cut(fragment, hold_back, self.sampler.oldest_version)
 
     def _log_steps(self, steps: int) -> None:
@@ -262,14 +274,16 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         """Weights, counters, exploration, this process's torch RNG, and the running episodes
         (slots, and the vector env's record of them) -- what a checkpoint needs for the runner to
         continue exactly where it was. Plain data, arrays, tensors and codec frames only."""
-        # a streaming runner's episodes move in its sampling thread: it resumes with fresh ones
-        episodes = self.sampler.obs is not None and not self.is_streaming()
+        # a streaming runner's episodes move in its sampling thread: it resumes with fresh ones; so does one
+        # whose vector env cannot carry its episodes (one vector object, or sub-envs in other processes)
+        episodes = self.sampler.obs is not None and not self.is_streaming() and self.env.carries_episodes
+        env_state = self.env.get_state() if episodes else None
         return {"weights": None if self.module is None else self.get_weights(), "weights_version": self.weights_version,
                 "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
                 "timestep_offset": self._timestep_offset, **self.acting.get_state(),
                 "episode_ids": self.slots.get_ids_state(),
                 "slots": self.slots.get_state() if episodes else None,
-                "env": self.env.get_state() if episodes else None, "env_tasks": self.tasks.tasks,
+                "env": env_state if episodes else None, "env_tasks": self.tasks.tasks,
                 "connectors": None if self.connector is None else self.connector.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -288,7 +302,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
             # restored with another num_envs_per_env_runner: the saved episodes have no sub-envs to go on in
             logging.getLogger("runnel").info("env runner %d: the checkpoint ran %d sub-envs, this runner %d; starting fresh episodes",
                      self.worker_index, len(slots), self.s.num_envs)
-        elif state.get("env") is not None:
+        elif state.get("env") is not None and self.env.carries_episodes:  # else: fresh episodes at the next sample
             self.sampler.resume(self.env.set_state(state["env"]))
             self.slots.set_state(state["slots"])
             if self.hooks is not None:

@@ -21,6 +21,10 @@ from protocols.codec import decode, encode
 from protocols.episode import EpisodeChunk
 
 
+ID_POOL = 64
+"""Episode ids drawn at a time."""
+
+
 @dataclass
 class Fragment:
     """One run of the sampling loop: ``T`` steps of ``n`` sub-envs, time-major as it was filled."""
@@ -44,6 +48,15 @@ class Fragment:
     state_rows: np.ndarray | None = None
     """``[T, n, ...]``: the recurrent state each sub-env acted from at each step (a recurrent module); None
     otherwise."""
+    skipped: np.ndarray | None = None
+    """``[T, n]``: cells where a sub-env only reset (``StepResult.skipped``): in no chunk and no step count.
+    None: there were none."""
+
+    @property
+    def num_env_steps(self) -> int:
+        """The env steps this fragment holds: every cell but the reset-only ones."""
+        steps = self.rewards.size
+        return steps - int(self.skipped.sum()) if self.skipped is not None else steps
 
 
 @dataclass
@@ -80,6 +93,7 @@ class EpisodeSlots:
         self.running: list[Slot] = []
         # episode ids: unique across runs (OS entropy), yet the same after a resume (state is saved)
         self.ids = np.random.default_rng()
+        self._id_pool: list[str] = []  # drawn ahead, ID_POOL at a time (one draw costs ~10 us; episodes can be short)
         self.next_ids: list[deque] = [deque() for _ in range(num_envs)]  # (id, counted) of started episodes
         self.quota: int | None = None  # sample(num_episodes=n): episodes that count, in the order they start
         self.started = 0
@@ -97,7 +111,10 @@ class EpisodeSlots:
             self.hooks.created(index, episode_id)
 
     def _new_episode_id(self) -> str:
-        return self.ids.bytes(16).hex()
+        if not self._id_pool:
+            raw = self.ids.bytes(16 * ID_POOL).hex()
+            self._id_pool = [raw[i : i + 32] for i in range(32 * (ID_POOL - 1), -1, -32)]  # popped from the end
+        return self._id_pool.pop()
 
     def clear_next(self) -> None:
         """Forget the ids drawn for episodes that have not started (every sub-env is about to reset)."""
@@ -132,8 +149,9 @@ class EpisodeSlots:
         ended_returns: list[float] = []
         ended_lengths: list[int] = []
         steps = f.rewards.shape[0]
+        skipped = f.skipped
         for j, slot in enumerate(self.running):
-            start = 0
+            start = int(skipped is not None and skipped[0, j])  # a reset-only cell is in no episode
             for t in [*np.flatnonzero(dones[j]), steps - 1]:
                 t = int(t)
                 if t < start:
@@ -178,6 +196,8 @@ class EpisodeSlots:
                         ended_lengths.append(slot.length)
                     slot = self.running[j] = Slot(*self.next_ids[j].popleft())
                 start = t + 1
+                if skipped is not None and start < steps and skipped[start, j]:
+                    start += 1
         if ended_returns:  # logged before the chunks leave, so whoever receives them finds them counted
             self.metrics.log_episodes(ended_returns, ended_lengths, self.metrics_window)
             if self.ended_log is not None:
@@ -200,8 +220,12 @@ class EpisodeSlots:
                              [decode(f) for f in s["pending"]]) for s in slots]
 
     def get_ids_state(self) -> str:
-        """Where the episode-id generator stands, as JSON."""
-        return json.dumps(self.ids.bit_generator.state)
+        """Where the episode-id generator stands (and the ids it drew ahead), as JSON."""
+        return json.dumps({"generator": self.ids.bit_generator.state, "pool": self._id_pool})
 
     def set_ids_state(self, state: str) -> None:
-        self.ids.bit_generator.state = json.loads(state)
+        saved = json.loads(state)
+        if "generator" not in saved:  # a checkpoint from before the pool: the generator's state alone
+            saved = {"generator": saved, "pool": []}
+        self.ids.bit_generator.state = saved["generator"]
+        self._id_pool = list(saved["pool"])

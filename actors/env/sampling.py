@@ -106,6 +106,7 @@ class FragmentSampler:
         state_rows: list[np.ndarray] | None = [] if recurrent else None
         act = self.acting.act
         oldest = None
+        skipped: np.ndarray | None = None  # [T, n] reset-only cells (``StepResult.skipped``), once there is one
         for t in range(steps):
             obs_rows.append(obs)
             if state_rows is not None:  # the state each sub-env acts from: a chunk starting here carries it
@@ -118,8 +119,13 @@ class FragmentSampler:
             dist_rows.append(dist_inputs)
             res = self.env.step(self.env_actions(act_np))
             rewards[t], terminated[t], truncated[t] = res.rewards, res.terminated, res.truncated
-            if recurrent and res.final_obs:
-                self.acting.reset_states(list(res.final_obs))
+            if res.skipped is not None:
+                if skipped is None:
+                    skipped = np.zeros((steps, n), bool)
+                skipped[t] = res.skipped
+            started = res.final_obs.keys() if res.started is None else res.started
+            if recurrent and len(res.final_obs) + (res.skipped is not None):
+                self.acting.reset_states(started_rows(started))
             for i, o in res.final_obs.items():
                 final_obs[(t, i)] = o if conn is None else self._record_one(o)
                 if not self.env.supports_hooks:
@@ -137,7 +143,7 @@ class FragmentSampler:
                 obs = module_obs = res.obs
             else:
                 starts = np.zeros(n, bool)
-                starts[list(res.final_obs)] = True
+                starts[started_rows(started)] = True
                 obs, module_obs = self._observe(res.obs, starts)
         self.obs, self.module_obs = obs, module_obs
         self.oldest_version = oldest if oldest is not None else self.acting.weights_version
@@ -146,7 +152,12 @@ class FragmentSampler:
             self.obs_infos = info_rows[-1]
         return Fragment(obs_rows, act_rows, logp_rows, dist_rows, rewards, terminated, truncated, final_obs,
                         info_rows, final_infos, look_back,
-                        None if state_rows is None else np.stack(state_rows))
+                        None if state_rows is None else np.stack(state_rows), skipped)
+
+
+def started_rows(started: Any) -> list[int] | np.ndarray:
+    """The sub-envs a step started episodes in: ``final_obs`` keys, or a ``StepResult.started`` mask."""
+    return np.flatnonzero(started) if isinstance(started, np.ndarray) else list(started)
 
 
 def plain_info(info: Any) -> dict:

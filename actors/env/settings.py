@@ -26,7 +26,8 @@ class EnvRunnerSettings:
     env_creator: Callable[[EnvContext], gym.Env]
     env_config: dict = field(default_factory=dict)
     num_envs: int = 1
-    vectorize_mode: str = "sync"
+    vectorize_mode: str = "auto"
+    """How the sub-envs are stepped (``gym_env_vectorize_mode``: ``actors.env.vector_env.make_vector_env``)."""
     rollout_fragment_length: int = 200
     batch_mode: str = "truncate_episodes"
     explore: bool = True

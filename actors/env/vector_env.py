@@ -64,11 +64,18 @@ class StepResult:
     """Each sub-env's step info (the last step's for an ended episode), when ``keep_infos`` is on."""
     reset_infos: dict[int, dict] | None = None
     """Sub-env index -> the reset info of the episode that started at this step (``keep_infos``)."""
+    skipped: np.ndarray | None = None
+    """Sub-envs whose step was only a reset (an env that resets on the step after an episode ended,
+    ``native_vector_env``): their action was ignored, and the cell belongs to no episode. None: no such sub-env."""
+    started: np.ndarray | None = None
+    """Sub-envs whose observation in ``obs`` is an episode's first; None: those in ``final_obs``."""
 
 
 class SyncVectorEnv:
     supports_hooks = True
     """Calls ``before_reset`` and ``on_created`` (the async vector env's sub-envs live elsewhere)."""
+    carries_episodes = True
+    """``get_state``/``set_state`` carry running episodes across a checkpoint."""
 
     def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
                  worker_index: int, num_workers: int, seed: int | None, restart_failed: bool,
@@ -210,6 +217,7 @@ class AsyncVectorEnv:
     not reach into those processes."""
 
     supports_hooks = False
+    carries_episodes = False
 
     def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
                  worker_index: int, num_workers: int, seed: int | None, restart_failed: bool,
@@ -223,6 +231,7 @@ class AsyncVectorEnv:
         self.num_envs, self.seed, self.restart_failed = num_envs, seed, restart_failed
         self.worker_index = worker_index
         self.num_restarts = 0
+        self._seeded = False
         self._env = self._make()
         self.single_observation_space = self._env.single_observation_space
         self.single_action_space = self._env.single_action_space
@@ -238,7 +247,9 @@ class AsyncVectorEnv:
         return gym.vector.AsyncVectorEnv(self._fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
     def reset(self) -> Any:
-        seed = None if self.seed is None else [self.seed + 10_000 * self.worker_index + i for i in range(self.num_envs)]
+        seed = None
+        if self.seed is not None and not self._seeded:  # once: later resets go on from the seeded streams
+            seed, self._seeded = [self.seed + 10_000 * self.worker_index + i for i in range(self.num_envs)], True
         self._last_obs = self._env.reset(seed=seed)[0]
         return self._last_obs
 
@@ -272,21 +283,47 @@ class AsyncVectorEnv:
             for i in np.flatnonzero(info["_final_obs"]):
                 final_obs[int(i)] = info["final_obs"][i]
         self._last_obs = obs
-        infos = None
-        if self.keep_infos:  # gymnasium batches infos as {key: array over sub-envs}
-            step_info = {k: v for k, v in info.items() if not k.startswith("_") and k not in ("final_obs", "final_info")}
-            final_info = info.get("final_info") or {}
-            infos = [{k: v[i] for k, v in (final_info if i in final_obs else step_info).items()
-                      if not k.startswith("_")} for i in range(self.num_envs)]
+        infos = split_infos(info, self.num_envs, final_obs) if self.keep_infos else None
         return StepResult(obs, rew.astype(np.float32), term, trunc, final_obs, infos=infos, reset_infos={})
 
     def close(self) -> None:
         self._env.close()
 
 
-def make_vector_env(mode: str, **kwargs) -> SyncVectorEnv | AsyncVectorEnv:
+def split_infos(info: dict, n: int, final: Any = ()) -> list[dict]:
+    """gymnasium's batched infos (``{key: array over sub-envs}``) -> one dict per sub-env; a sub-env in
+    ``final`` (its episode ended at this step) gets its ``final_info``."""
+    step_info = {k: v for k, v in info.items() if not k.startswith("_") and k not in ("final_obs", "final_info")}
+    final_info = info.get("final_info") or {}
+    return [{k: v[i] for k, v in (final_info if i in final else step_info).items() if not k.startswith("_")}
+            for i in range(n)]
+
+
+VECTORIZE_MODES = ("auto", "sync", "async", "vector_entry_point")
+
+
+def make_vector_env(mode: str, **kwargs) -> Any:
+    """``auto``: the env's own vector implementation when it has one (``native_vector_env``), else ``sync``."""
+    if mode in ("auto", "vector_entry_point"):
+        from actors.env.native_vector_env import NativeVectorEnv, native_vector_id
+
+        env_id = native_vector_id(kwargs["creator"])
+        if env_id is None:
+            if mode == "vector_entry_point":
+                raise ValueError(f"gym_env_vectorize_mode='vector_entry_point' needs a gymnasium id whose "
+                                 f"registration declares a vector_entry_point; {kwargs['creator']!r} does not. "
+                                 f"Use 'auto' (that implementation where there is one) or 'sync'")
+            return SyncVectorEnv(**kwargs)
+        native = {k: v for k, v in kwargs.items() if k != "creator"}
+        if mode == "vector_entry_point":
+            return NativeVectorEnv(env_id, **native)
+        try:
+            return NativeVectorEnv(env_id, **native)
+        except TypeError as err:  # env_config keys its vector implementation does not take
+            log.info("%s: its vector implementation refused env_config (%s); stepping separate envs", env_id, err)
+            return SyncVectorEnv(**kwargs)
     if mode == "sync":
         return SyncVectorEnv(**kwargs)
     if mode == "async":
         return AsyncVectorEnv(**kwargs)
-    raise ValueError(f"vectorize mode {mode!r} is not one of ['sync', 'async']")
+    raise ValueError(f"gym_env_vectorize_mode {mode!r} is not one of {list(VECTORIZE_MODES)}")

@@ -91,8 +91,11 @@ class AlgorithmConfig:
     """CPUs Ray reserves for each env runner actor."""
     explore: bool = True
     """Explore while sampling, and the default of ``compute_actions(explore=None)`` (False: greedy)."""
-    gym_env_vectorize_mode: str = "sync"
-    """sync: sub-envs stepped in the runner's process; async: one process per sub-env."""
+    gym_env_vectorize_mode: str = "auto"
+    """auto: the env's own vector implementation when its gymnasium id declares one (CartPole's steps every
+    copy in a few numpy calls), else sync; sync: separate sub-envs stepped in the runner's process (each one
+    reachable, running episodes carried across checkpoints); async: one process per sub-env;
+    vector_entry_point: the env's own vector implementation, or an error when it has none."""
     env_to_module_connector: Any = None
     """``fn(env) -> piece or [pieces]`` (``pipeline.connectors``: ``MeanStdFilter``, ``FlattenObservations``,
     your ``ConnectorV2`` subclasses): what each runner does to observations before its module sees them;

@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 CHOICES = {
     "batch_mode": ("truncate_episodes", "complete_episodes"),
     "grad_clip_by": ("value", "norm", "global_norm"),
-    "gym_env_vectorize_mode": ("sync", "async"),
+    "gym_env_vectorize_mode": ("auto", "sync", "async", "vector_entry_point"),
     "log_level": ("DEBUG", "INFO", "WARN", "WARNING", "ERROR"),
     "evaluation_duration_unit": ("episodes", "timesteps"),
 }
@@ -32,7 +32,8 @@ def range_problems(config: Any) -> list[str]:
     """The settings of the range table that are out of range."""
     problems = []
     for key, choices in CHOICES.items():
-        if getattr(config, key) not in choices:
+        value = getattr(config, key)
+        if getattr(value, "value", value) not in choices:  # an enum of those values too (gymnasium's VectorizeMode)
             problems.append(f"{key}={getattr(config, key)!r} is not one of {list(choices)}")
     for key in AT_LEAST_ZERO:
         if not is_int(getattr(config, key)) or getattr(config, key) < 0:

@@ -17,7 +17,7 @@ def runner_settings(c: AlgorithmConfig, creator: Callable | None, module_class: 
     """What one env runner needs of ``c``: its env, vector, fragment, module, exploration and reporting settings."""
     return EnvRunnerSettings(
         env_creator=creator, env_config=c.env_config, num_envs=c.num_envs_per_env_runner,
-        vectorize_mode=c.gym_env_vectorize_mode, rollout_fragment_length=c.get_rollout_fragment_length(),
+        vectorize_mode=vectorize_mode(c), rollout_fragment_length=c.get_rollout_fragment_length(),
         batch_mode=c.batch_mode, explore=c.explore, module_class=module_class,
         model_config=c.model_config, module_kwargs=c.module_kwargs(), exploration_config=c.exploration_settings(),
         observation_space=observation_space, action_space=action_space, clip_rewards=c.clip_rewards,
@@ -29,6 +29,12 @@ def runner_settings(c: AlgorithmConfig, creator: Callable | None, module_class: 
                        if isinstance(c.env_to_module_connector, str) else c.env_to_module_connector),
         env_observation_space=env_observation_space,
     )
+
+
+def vectorize_mode(c: AlgorithmConfig) -> str:
+    """The config's mode, with "auto" kept to separate sub-envs when a curriculum sets each one's task."""
+    mode = getattr(c.gym_env_vectorize_mode, "value", c.gym_env_vectorize_mode)  # gymnasium's VectorizeMode too
+    return "sync" if mode == "auto" and c.env_task_fn is not None else mode
 
 
 class SingleAgentEnvRunner(EnvRunner):

@@ -80,7 +80,7 @@ def sampling_cases():
     spec = ModuleSpec(probe.get_observation_space(0), probe.get_action_space(0), {})
 
     def single():
-        runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator("CartPole-v1"), num_envs=16,
+        runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator("CartPole-v1"), num_envs=16, vectorize_mode="sync",
                                              rollout_fragment_length=64, seed=0), worker_index=1)
         return lambda: sum(len(c) for c in runner.sample()), runner.stop
 
@@ -100,8 +100,10 @@ def ray_sampling_cases():
     from pipeline import PPOConfig, make_multi_agent
 
     def build(multi: str | None):
+        # single-agent steps separate CartPole objects too (not CartPole's own vector implementation, which
+        # "auto" would pick): the ratio compares the runners over the same Python envs
         config = PPOConfig().env_runners(num_env_runners=2, num_envs_per_env_runner=8 if multi else 16,
-                                         rollout_fragment_length=64).debugging(seed=0)
+                                         rollout_fragment_length=64, gym_env_vectorize_mode="sync").debugging(seed=0)
         if multi is None:
             config.environment("CartPole-v1")
         else:

@@ -14,8 +14,9 @@ Run: ``.venv/bin/python tests/benchmarks/soak.py --minutes 60 [--interval-s 60] 
    "growth after the first 10 minutes") and per hour (% of the mean), fds and threads (their range and
    slope), throughput drift (the window's last quarter against its first, in env steps per CPU-second of
    the run's processes -- what the run gets done with the CPU it gets, which other jobs on a shared
-   machine do not change -- the same divided by the speed of a fixed probe workload measured in each
-   sample, which a host that slows down moves as much as the run, and in env steps per wall-clock second;
+   machine do not change -- the same divided by the host's speed over the same interval, measured by a
+   probe process of its own that times a fixed workload four times a second (``HostProbe``; a host that
+   slows down moves it as much as the run), and in env steps per wall-clock second;
    ``--drift-basis`` picks the one judged, "probe" by default; each sample also has the CPU the run and the
    whole machine used), and a
    ``verdict``: ``pass`` when every runnel process (the driver and the actors runnel starts) grows its
@@ -113,11 +114,12 @@ def _pid(_runner: Any) -> int:
     return os.getpid()
 
 
-def processes(labels: dict[int, str]) -> dict[str, dict[str, float]]:
-    """Resident MB, open fds and threads of the driver and every process under it, keyed "label#pid"."""
+def processes(labels: dict[int, str], leave_out: tuple[int, ...] = ()) -> dict[str, dict[str, float]]:
+    """Resident MB, open fds and threads of the driver and every process under it (but ``leave_out``: the
+    host probe), keyed "label#pid"."""
     me = os.getpid()
     out = {}
-    for pid in [me] + descendants(me):
+    for pid in [me] + [p for p in descendants(me) if p not in leave_out]:
         stats = usage(pid)
         if stats is not None:  # gone meanwhile
             label = "driver" if pid == me else labels.get(pid) or title(command(pid))
@@ -165,6 +167,70 @@ def probe_speed(rounds: int = 5) -> float:
             a *= np.float32(1.0000001)
         speeds.append(1.0 / max(time.thread_time() - t, 1e-9))
     return float(np.median(speeds))
+
+
+PROBE_PERIOD_S = 0.25
+"""How often the host probe process runs one round (~1.5 ms of CPU: well under 1 % of a core)."""
+
+PROBE_SCRIPT = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from tests.benchmarks.soak import probe_speed
+period = float(sys.argv[1])
+while True:
+    print(time.monotonic(), probe_speed(rounds=1), flush=True)
+    time.sleep(period)
+"""
+
+
+class HostProbe:
+    """How fast the host runs a fixed workload, measured all along the run: a process of its own (no GIL
+    shared with the driver) times one ``probe_speed`` round every ``PROBE_PERIOD_S``, and ``mean_between``
+    averages the rounds of a sampling interval. A probe taken only at each sample sees one instant of a
+    host whose speed changes from second to second (a shared VM's neighbours come and go)."""
+
+    def __init__(self, period_s: float = PROBE_PERIOD_S) -> None:
+        import subprocess
+        import threading
+
+        root = str(Path(__file__).resolve().parents[2])
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE_SCRIPT, str(period_s), root],
+                                     stdout=subprocess.PIPE, text=True)
+        self.readings: list[tuple[float, float]] = []
+        self.changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name="host-probe", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            t, speed = (float(x) for x in line.split())
+            with self.changed:
+                self.readings.append((t, speed))
+                self.changed.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float) -> bool:
+        """True once ``count`` rounds are in (within ``timeout_s``)."""
+        with self.changed:
+            return self.changed.wait_for(lambda: len(self.readings) >= count, timeout=timeout_s)
+
+    def mean_between(self, t0: float, t1: float) -> float | None:
+        """Mean speed of the rounds run in ``(t0, t1]`` (``time.monotonic`` seconds); None if there were none."""
+        with self.changed:
+            speeds = [v for t, v in self.readings if t0 < t <= t1]
+        return float(np.mean(speeds)) if speeds else None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - stuck: make sure it goes
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
 
 
 def fit_per_hour(t_s: list[float], values: list[float]) -> float:
@@ -288,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
     ray.init(address="local", num_cpus=args.runners + 2, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
     algo = build(args)
+    host = HostProbe()
     ckpt_root = tempfile.mkdtemp(prefix="runnel-soak-")
     samples: list[dict] = []
     t0 = time.monotonic()
@@ -300,13 +367,15 @@ def run(args: argparse.Namespace) -> int:
             now = time.monotonic()
             if now >= next_sample:
                 labels = actor_pids(algo)
-                procs = processes(labels)
+                procs = processes(labels, leave_out=(host.pid,))
                 machine_cpu = machine_cpu_seconds()
                 run_cpu = cpu_since(last.get("procs"), procs)
                 sampled = int(result.get("num_env_steps_sampled_lifetime", 0))
                 trained = int(result.get("num_env_steps_trained_lifetime", 0))
                 dt = now - last["t"]
-                probe = probe_speed()
+                # the host's mean speed over the interval; at the first sample (no interval yet) one instant's
+                probe = host.mean_between(last["t"], now) if samples else None
+                probe = probe or probe_speed()
                 sample = {"t_s": round(now - t0, 1), "iteration": int(result.get("training_iteration", 0)),
                           "env_steps_sampled": sampled, "env_steps_trained": trained,
                           "env_steps_per_s": (sampled - last["sampled"]) / dt if samples and dt > 0 else None,
@@ -336,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
                 next_ckpt += args.checkpoint_every_s
             result = algo.train()
     finally:
+        host.stop()
         algo.stop()
         ray.shutdown()
         shutil.rmtree(ckpt_root, ignore_errors=True)
