@@ -17,7 +17,8 @@ from actors.callbacks import RLlibCallback
 from actors.env import EnvRunner, EnvRunnerSettings
 from actors.env.creators import ClassMaker, GymMaker
 from actors.env.native_vector_env import NativeVectorEnv, native_vector_id
-from actors.env.vector_env import SyncVectorEnv, make_vector_env
+from actors.env.vector_env import SyncVectorEnv
+from actors.env.vector_modes import make_vector_env
 from pipeline import PPOConfig
 from pipeline.config.base import ConfigError
 from pipeline.groups.env_runners import vectorize_mode

@@ -36,7 +36,8 @@ from actors.env.sampling import FragmentSampler
 from actors.env.settings import EnvRunnerSettings
 from actors.env.streaming import StreamingRunner
 from actors.env.task_settable import SubEnvTasks
-from actors.env.vector_env import EnvContext, make_vector_env
+from actors.env.vector_env import EnvContext
+from actors.env.vector_modes import make_vector_env
 from actors.metrics import MetricsLogger
 from actors.sys_usage import SysUsage
 from protocols import nested

@@ -27,7 +27,7 @@ class EnvRunnerSettings:
     env_config: dict = field(default_factory=dict)
     num_envs: int = 1
     vectorize_mode: str = "auto"
-    """How the sub-envs are stepped (``gym_env_vectorize_mode``: ``actors.env.vector_env.make_vector_env``)."""
+    """How the sub-envs are stepped (``gym_env_vectorize_mode``: ``actors.env.vector_modes.make_vector_env``)."""
     rollout_fragment_length: int = 200
     batch_mode: str = "truncate_episodes"
     explore: bool = True

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from actors.env.vector_modes import VECTORIZE_MODES
+
 
 class ConfigError(ValueError):
     """A config key or value is invalid; the message names it and what would be valid."""
@@ -15,7 +17,7 @@ class ConfigError(ValueError):
 CHOICES = {
     "batch_mode": ("truncate_episodes", "complete_episodes"),
     "grad_clip_by": ("value", "norm", "global_norm"),
-    "gym_env_vectorize_mode": ("auto", "sync", "async", "vector_entry_point"),
+    "gym_env_vectorize_mode": VECTORIZE_MODES,
     "log_level": ("DEBUG", "INFO", "WARN", "WARNING", "ERROR"),
     "evaluation_duration_unit": ("episodes", "timesteps"),
 }

@@ -1,4 +1,4 @@
-"""Off-policy time-to-target: runnel's DQN and SAC vs RLlib 2.60's and Stable-Baselines3's tuned settings.
+"""Time to target: runnel's DQN, SAC and PPO vs RLlib 2.60's and Stable-Baselines3's tuned settings.
 
 Run: ``.venv/bin/python tests/benchmarks/offpolicy.py [--systems runnel,rllib,sb3] [--algos dqn,sac]
 [--seeds 0,1,2] [--max-minutes 30] [--quick] [--runnel-config JSON]``. ``--runnel-config`` puts config
@@ -21,6 +21,8 @@ Tasks (target, budget and smoothing come from runnel's tuned files, read when th
   dqn  CartPole-v1, ``env_runners/episode_return_mean >= 450`` within 200_000 env steps
        (``tuned/cartpole-dqn.yaml``; mean of the last 100 episodes).
   sac  Pendulum-v1, ``>= -250`` within 20_000 env steps (``tuned/pendulum-sac.yaml``; last 5 episodes).
+  ppo  CartPole-v1, ``>= 450`` within 400_000 env steps (``tuned/cartpole-ppo.yaml``; last 100 episodes);
+       runnel and sb3 only.
 
 Systems, each run in its own subprocess (killed, with its process group, after ``--max-minutes``;
 then reported ``reached: false``, ``stop: timeout``, with the last progress it printed):
@@ -78,9 +80,10 @@ from workers import Progress, emit, finish, num, run_worker, train_to_target, ve
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
-TUNED = {"dqn": ROOT / "tuned" / "cartpole-dqn.yaml", "sac": ROOT / "tuned" / "pendulum-sac.yaml"}
+TUNED = {"dqn": ROOT / "tuned" / "cartpole-dqn.yaml", "sac": ROOT / "tuned" / "pendulum-sac.yaml",
+         "ppo": ROOT / "tuned" / "cartpole-ppo.yaml"}
 RETURN_KEY = "env_runners/episode_return_mean"
-QUICK_BUDGET = {"dqn": 2_000, "sac": 1_200}
+QUICK_BUDGET = {"dqn": 2_000, "sac": 1_200, "ppo": 4_000}
 
 # RL-Baselines3-Zoo's hyperparameters, from DLR-RM/rl-baselines3-zoo hyperparams/dqn.yml
 # ("CartPole-v1", marked "Almost Tuned") and hyperparams/sac.yml ("Pendulum-v1": only n_timesteps
@@ -94,6 +97,11 @@ ZOO = {
                            policy_kwargs=dict(net_arch=[256, 256]))},
     "sac": {"env": "Pendulum-v1", "cls": "SAC", "n_timesteps": 20_000, "policy": "MlpPolicy",
             "kwargs": dict(learning_rate=1e-3)},
+    # hyperparams/ppo.yml, "CartPole-v1" (marked "Tuned"); learning_rate and clip_range are "lin_0.001" and
+    # "lin_0.2": linear from that value to 0 over the zoo's n_timesteps (``linear`` below keeps them so in env steps)
+    "ppo": {"env": "CartPole-v1", "cls": "PPO", "n_timesteps": 1e5, "policy": "MlpPolicy", "n_envs": 8,
+            "linear": {"learning_rate": 1e-3, "clip_range": 0.2},
+            "kwargs": dict(n_steps=32, batch_size=256, gae_lambda=0.8, gamma=0.98, n_epochs=20, ent_coef=0.0)},
 }
 
 
@@ -256,8 +264,13 @@ def worker_sb3(a: argparse.Namespace) -> None:
                         return False
             return True
 
+    for key, start in zoo.get("linear", {}).items():
+        # SB3 calls schedules with the fraction of learn()'s total_timesteps left; the zoo's reach 0 at its own
+        # n_timesteps, so that is where they reach 0 here too, whatever the budget
+        kwargs[key] = lambda left, start=start: start * max(0.0, 1.0 - (1.0 - left) * a.budget / zoo["n_timesteps"])
+
     t0 = time.perf_counter()
-    env = make_vec_env(zoo["env"], n_envs=1, seed=a.seed)  # Monitor-wrapped: infos carry "episode"
+    env = make_vec_env(zoo["env"], n_envs=zoo.get("n_envs", 1), seed=a.seed)  # Monitor-wrapped: infos carry "episode"
     model = getattr(stable_baselines3, zoo["cls"])(zoo["policy"], env, seed=a.seed, device="cpu", verbose=0, **kwargs)
     build_s = time.perf_counter() - t0
     progress = Progress(t0)
@@ -265,7 +278,7 @@ def worker_sb3(a: argparse.Namespace) -> None:
     model.learn(total_timesteps=a.budget, callback=cb)
     ret = float(np.mean(cb.returns[-a.smoothing:])) if cb.returns else None
     finish(a.budget, t0, build_s, cb.reached, model.num_timesteps, ret, len(cb.returns), episodes=len(cb.returns),
-           sb3_kwargs={k: v for k, v in kwargs.items() if k != "policy_kwargs"})
+           sb3_kwargs={k: v for k, v in kwargs.items() if k != "policy_kwargs" and not callable(v)})
     env.close()
 
 
@@ -390,6 +403,9 @@ def main() -> None:
     for algo, target in args.targets.items():
         if algo in tasks:
             tasks[algo]["target"], tasks[algo]["target_overridden"] = target, True
+    if "ppo" in args.algos and "rllib" in args.systems:
+        raise SystemExit("--algos ppo runs with --systems runnel,sb3 (RLlib's PPO example asks for 4 env runners "
+                         "and a learner: more CPUs than this benchmark's machines have)")
     anchors = any(s != "runnel" for s in args.systems)
     emit(bench="machine", cpu_count=os.cpu_count(), platform=platform.platform(), python=platform.python_version(),
          loadavg=os.getloadavg(), versions=versions_of(sys.executable),

@@ -54,11 +54,10 @@ import torch  # noqa: E402
 from actors.env.multi_agent_env import make_multi_agent  # noqa: E402
 from pipeline import APPOConfig, Callbacks  # noqa: E402
 from tests.benchmarks.appo_cartpole import machine as benchmark_machine  # noqa: E402
+from tests.benchmarks.probe import probe_speed  # noqa: E402
 from tests.procs import command, descendants, machine_cpu_seconds, usage  # noqa: E402
 
 PLASMA = re.compile(r"Plasma memory usage (\d+) MiB, (\d+) objects")
-PROBE_FLOATS = 1 << 20
-"""The probe's array: 4 MB, beyond the caches, so the memory's speed counts as well as the clock's."""
 LEAK: list[bytearray] = []
 
 
@@ -151,31 +150,13 @@ def object_store() -> dict[str, float]:
     return {"used_mb": float(m.group(1)), "objects": float(m.group(2))} if m else {"error": text[:200]}
 
 
-def probe_speed(rounds: int = 5) -> float:
-    """How fast the machine runs a fixed single-threaded workload now: rounds per CPU-second of the calling
-    thread (the median of ``rounds``), each a Python loop and a few passes over a 4 MB array. A host that
-    slows down (its clock, or neighbours sharing its memory) slows this as much as it slows the run; a run
-    that gets slower by itself leaves it where it was."""
-    a = np.ones(PROBE_FLOATS, np.float32)
-    speeds = []
-    for _ in range(rounds):
-        t = time.thread_time()
-        total = 0
-        for i in range(20_000):
-            total += i * i
-        for _ in range(4):
-            a *= np.float32(1.0000001)
-        speeds.append(1.0 / max(time.thread_time() - t, 1e-9))
-    return float(np.median(speeds))
-
-
 PROBE_PERIOD_S = 0.25
 """How often the host probe process runs one round (~1.5 ms of CPU: well under 1 % of a core)."""
 
 PROBE_SCRIPT = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from tests.benchmarks.soak import probe_speed
+from tests.benchmarks.probe import probe_speed  # numpy only: the probe process stays small
 period = float(sys.argv[1])
 while True:
     print(time.monotonic(), probe_speed(rounds=1), flush=True)
