@@ -84,6 +84,20 @@ def test_reset_steps_are_in_no_chunk_and_no_step_count():
     assert total < 12 * 100 * 8  # the reset cells are not counted
 
 
+def test_a_requested_count_is_of_env_steps_and_reset_only_steps_are_reported():
+    r = runner(num_envs=8)
+    for _ in range(5):
+        chunks = r.sample(num_timesteps=1000)
+        assert 1000 <= sum(len(c) for c in chunks) < 1000 + 8  # at most one more step of every sub-env
+    m = r.get_metrics()
+    reset_only = m["num_env_steps_reset_only_lifetime"]["value"]
+    assert reset_only > 0
+    assert m["num_env_steps_sampled_lifetime"]["value"] == r.num_env_steps_sampled_lifetime
+    # no count asked (a streaming runner's loop): one fragment of 64 steps per sub-env, whatever resets it held
+    r2 = runner(num_envs=8, fragment=64)
+    assert sum(len(c) for c in r2.sample()) == 64 * 8 - r2.get_metrics()["num_env_steps_reset_only_lifetime"]["value"]
+
+
 def test_episode_returns_and_lengths_match_their_chunks():
     r = runner(num_envs=4, fragment=50)
     r.slots.ended_log = []

@@ -197,7 +197,9 @@ def test_bad_off_policy_settings_fail_at_build_naming_the_fix(make, needle):
 # --- exact resume --------------------------------------------------------------------------------
 def small_dqn(seed=3):
     return (DQNConfig().environment("CartPole-v1")
-            .env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=8)
+            # separate sub-envs: their running episodes go into the checkpoint (CartPole's own vector env's do not)
+            .env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=8,
+                         gym_env_vectorize_mode="sync")
             .training(num_steps_sampled_before_learning_starts=64, train_batch_size_per_learner=16,
                       training_intensity=4, store_buffer_in_checkpoints=True, target_network_update_freq=50)
             .rl_module(model_config={"fcnet_hiddens": [16]}).debugging(seed=seed))

@@ -150,18 +150,22 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         explore = self.s.explore if explore is None else explore
         if num_episodes is not None:
             return self._sample_end_hook(self._sample_episodes(num_episodes, explore))
+        complete = self.s.batch_mode == "complete_episodes"
+        # no count asked (a streaming runner's loop): one fragment, reset-only steps and all
+        one_fragment = num_timesteps is None and not complete
         if num_timesteps is None:
             num_timesteps = self.s.rollout_fragment_length * self.s.num_envs
         if self.sampler.obs is None or force_reset:
             self.sampler.reset()
-        complete = self.s.batch_mode == "complete_episodes"
         out: list[EpisodeChunk] = []
         collected = 0
         while collected < num_timesteps:
             steps = max(1, math.ceil((num_timesteps - collected) / self.s.num_envs))
-            chunks = self._run(steps, explore, hold_back=complete)
+            chunks, env_steps = self._run(steps, explore, hold_back=complete)
             out.extend(chunks)
-            collected += sum(len(c) for c in chunks) if complete else steps * self.s.num_envs
+            collected += sum(len(c) for c in chunks) if complete else env_steps
+            if one_fragment:
+                break
         return self._sample_end_hook(out)
 
     def _sample_end_hook(self, samples: list[EpisodeChunk]) -> list[EpisodeChunk]:
@@ -206,23 +210,27 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
             self.sampler.reset()
             done: list[EpisodeChunk] = []
             while len(done) < num_episodes:
-                done.extend(self._run(self.s.rollout_fragment_length, explore, hold_back=True))
+                done.extend(self._run(self.s.rollout_fragment_length, explore, hold_back=True)[0])
         finally:
             self.slots.quota = None
             self.sampler.obs = None  # unfinished episodes are dropped; the next sample() starts fresh ones
         return done
 
-    def _run(self, steps: int, explore: bool, hold_back: bool) -> list[EpisodeChunk]:
+    def _run(self, steps: int, explore: bool, hold_back: bool) -> tuple[list[EpisodeChunk], int]:
+        """``steps`` steps of every sub-env -> (the chunks cut, the env steps taken: reset-only ones left out)."""
         with self.acting.session():  # over the loop and the cut: postprocessing hooks run in it too
             fragment = self.sampler.run(steps, explore, self.timestep)
-            self.num_env_steps_sampled_lifetime += fragment.num_env_steps
-            self._log_steps(fragment.num_env_steps)
-            return self.slots.cut(fragment, hold_back, self.sampler.oldest_version)
+            env_steps = fragment.num_env_steps
+            self.num_env_steps_sampled_lifetime += env_steps
+            self._log_steps(env_steps, fragment.rewards.size - env_steps)
+            return self.slots.cut(fragment, hold_back, self.sampler.oldest_version), env_steps
 
-    def _log_steps(self, steps: int) -> None:
+    def _log_steps(self, steps: int, reset_only: int) -> None:
         m = self.metrics
         m.log_value("num_env_steps_sampled", steps, reduce="sum")
         m.log_value("num_env_steps_sampled_lifetime", steps, reduce="lifetime_sum")
+        if getattr(self.env, "next_step", False):  # acted on, but no env step (``native_vector_env``)
+            m.log_value("num_env_steps_reset_only_lifetime", reset_only, reduce="lifetime_sum")
         restarts = self.env.num_restarts - self._restarts_seen
         if restarts:
             self._restarts_seen = self.env.num_restarts
