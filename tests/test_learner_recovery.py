@@ -117,7 +117,10 @@ def test_ppo_learner_killed_is_rebuilt_from_its_peer_and_learning_goes_on(ray_cl
         assert fault_tolerance(result) == {"num_learner_recoveries": 1, "num_learner_restarts": 1}
         assert result["training_iteration"] == 3
         assert algo.weights_version == version + 1  # one update, not lost and not made twice
-        assert result["num_env_steps_trained_lifetime"] == trained + 1000
+        # one batch of 1000 env steps (up to one more step of each sub-env: CartPole's own vector env leaves
+        # reset-only steps out of the count), not lost and not trained twice
+        batch = result["num_env_steps_trained_lifetime"] - trained
+        assert 1000 <= batch < 1000 + algo.config.num_envs_per_env_runner
         assert_identical(learner_states(algo))
         best, result = train_until(algo, 200, 300_000)
         assert best >= 200, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
