@@ -90,24 +90,6 @@ def steps_per_cpu_s(run: Callable[[int], int], seconds: float) -> float:
     return steps / (time.process_time() - t0)
 
 
-def remote(num_runners: int, num_envs: int, seconds: float) -> float:
-    from pipeline import PPOConfig
-
-    algo = (PPOConfig().environment("CartPole-v1")
-            .env_runners(num_env_runners=num_runners, num_envs_per_env_runner=num_envs, rollout_fragment_length=128)
-            .debugging(seed=0).build())
-    try:
-        group = algo.env_runner_group
-        per_call = num_runners * num_envs * 128
-        group.sample(per_call, algo.metrics)  # warm-up
-        steps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            steps += sum(len(c) for c in group.sample(per_call, algo.metrics))
-        return steps / (time.perf_counter() - t0)
-    finally:
-        algo.stop()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -135,6 +117,7 @@ def main() -> None:
     summary = {k: statistics.median(row[k] for row in rounds) for k in rounds[0]}
     if args.remote_seconds > 0:
         import ray
+        from ppo_cartpole import sampling_remote as remote  # PPO's runner group, sampled at the driver
 
         ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         try:
