@@ -46,8 +46,8 @@ from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 
 
-SUB_ENV_HOOKS = ("on_sub_environment_created", "on_episode_created", "on_episode_start", "on_episode_step",
-                 "on_episode_end")
+EPISODE_HOOKS = ("on_episode_created", "on_episode_start", "on_episode_step", "on_episode_end")
+SUB_ENV_HOOKS = ("on_sub_environment_created", *EPISODE_HOOKS)
 """Callbacks that see each sub-env or each episode step by step: they need separate sub-env objects."""
 
 
@@ -91,9 +91,8 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         self._sys = SysUsage() if settings.log_sys_usage else None
         cb = self.callbacks
         self.hooks: EpisodeHooks | None = None
-        if any(overrides(cb, h) for h in ("on_episode_created", "on_episode_start", "on_episode_step",
-                                          "on_episode_end")):
-            if getattr(self.env, "next_step", False):
+        if any(overrides(cb, h) for h in EPISODE_HOOKS):
+            if self.env.next_step:
                 raise ValueError(f"{self.where}: episode callbacks (on_episode_*) need the episode's steps as they "
                                  f"happen, and {settings.env_creator!r}'s vector implementation resets its sub-envs "
                                  f"a step late; use gym_env_vectorize_mode='auto' or 'sync'")
@@ -229,7 +228,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         m = self.metrics
         m.log_value("num_env_steps_sampled", steps, reduce="sum")
         m.log_value("num_env_steps_sampled_lifetime", steps, reduce="lifetime_sum")
-        if getattr(self.env, "next_step", False):  # acted on, but no env step (``native_vector_env``)
+        if self.env.next_step:  # acted on, but no env step (``native_vector_env``)
             m.log_value("num_env_steps_reset_only_lifetime", reset_only, reduce="lifetime_sum")
         restarts = self.env.num_restarts - self._restarts_seen
         if restarts:
@@ -292,7 +291,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
                 "timestep_offset": self._timestep_offset, **self.acting.get_state(),
                 "episode_ids": self.slots.get_ids_state(),
                 "slots": self.slots.get_state() if episodes else None,
-                "env": env_state if episodes else None, "env_tasks": self.tasks.tasks,
+                "env": env_state, "env_tasks": self.tasks.tasks,
                 "connectors": None if self.connector is None else self.connector.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:

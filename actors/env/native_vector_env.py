@@ -28,16 +28,17 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from actors.env.vector_env import EnvContext, StepResult, split_infos
+from actors.env.creators import GymMaker
+from actors.env.vector_env import EnvContext, StepResult, same_step_final_obs, split_infos
 
 log = logging.getLogger(__name__)
 
 
 def native_vector_id(creator: Any) -> str | None:
     """The gymnasium id ``creator`` makes, when that id declares a vector implementation; else None."""
-    env_id = getattr(creator, "env_id", None)
-    if type(creator).__name__ != "GymMaker" or not isinstance(env_id, str):
+    if not isinstance(creator, GymMaker):
         return None
+    env_id = creator.env_id
     try:
         spec = gym.spec(env_id)
     except gym.error.Error:
@@ -116,9 +117,8 @@ class NativeVectorEnv:
                 for i in np.flatnonzero(ended):
                     final_obs[int(i)] = obs[i]
             self._resetting = ended
-        elif "_final_obs" in info:
-            for i in np.flatnonzero(info["_final_obs"]):
-                final_obs[int(i)] = info["final_obs"][i]
+        else:
+            final_obs = same_step_final_obs(info)
         self._last_obs = obs
         infos = reset_infos = None
         if self.keep_infos:

@@ -76,6 +76,8 @@ class SyncVectorEnv:
     """Calls ``before_reset`` and ``on_created`` (the async vector env's sub-envs live elsewhere)."""
     carries_episodes = True
     """``get_state``/``set_state`` carry running episodes across a checkpoint."""
+    next_step = False
+    """Ended sub-envs reset on the same step (``native_vector_env`` has envs that do not)."""
 
     def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
                  worker_index: int, num_workers: int, seed: int | None, restart_failed: bool,
@@ -218,6 +220,7 @@ class AsyncVectorEnv:
 
     supports_hooks = False
     carries_episodes = False
+    next_step = False
 
     def __init__(self, creator: Callable[[EnvContext], gym.Env], env_config: dict, num_envs: int,
                  worker_index: int, num_workers: int, seed: int | None, restart_failed: bool,
@@ -278,16 +281,21 @@ class AsyncVectorEnv:
             self._last_obs = self._env.reset()[0]
             return StepResult(self._last_obs, np.zeros(n, np.float32), np.zeros(n, bool), np.ones(n, bool),
                               final, list(range(n)))
-        final_obs = {}
-        if "_final_obs" in info:
-            for i in np.flatnonzero(info["_final_obs"]):
-                final_obs[int(i)] = info["final_obs"][i]
+        final_obs = same_step_final_obs(info)
         self._last_obs = obs
         infos = split_infos(info, self.num_envs, final_obs) if self.keep_infos else None
         return StepResult(obs, rew.astype(np.float32), term, trunc, final_obs, infos=infos, reset_infos={})
 
     def close(self) -> None:
         self._env.close()
+
+
+def same_step_final_obs(info: dict) -> dict[int, Any]:
+    """Sub-env index -> the last observation of the episode that ended at this step, from gymnasium's
+    same-step autoreset infos (``final_obs`` masked by ``_final_obs``)."""
+    if "_final_obs" not in info:
+        return {}
+    return {int(i): info["final_obs"][i] for i in np.flatnonzero(info["_final_obs"])}
 
 
 def split_infos(info: dict, n: int, final: Any = ()) -> list[dict]:
