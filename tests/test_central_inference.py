@@ -61,12 +61,15 @@ def sample_twice(config, steps=400):
         algo.stop()
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("config_cls", [PPOConfig, DQNConfig])
-def test_same_seed_and_weights_give_the_same_actions_with_central_and_local_inference(config_cls):
+def test_same_seed_and_weights_give_the_same_actions_with_central_and_local_inference(config_cls, backend):
     """Two runners share one server (their requests batched together); each runner's actions,
-    log-probabilities and distribution inputs equal those it takes acting with its own module.
+    log-probabilities and distribution inputs equal those it takes acting with its own module, whether
+    it would act with the numpy export or the torch module (the server draws as it would).
     PPO samples from the policy; DQN's epsilon-greedy runs in the server."""
-    config = cartpole(config_cls, runners=2, envs=4, seed=3).env_runners(rollout_fragment_length=25)
+    config = (cartpole(config_cls, runners=2, envs=4, seed=3).env_runners(rollout_fragment_length=25)
+              .inference(runner_backend=backend))
     local = sample_twice(config.copy())
     central = sample_twice(config.copy().inference(mode="central"))
     assert len(local) == len(central) > 8
@@ -187,7 +190,8 @@ def test_dqn_with_central_inference_learns():
     finally:
         algo.stop()
     assert best >= 150, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
-    assert result["inference"]["num_actions"] == result["num_env_steps_sampled_lifetime"]
+    reset_only = result["env_runners"]["num_env_steps_reset_only_lifetime"]  # acted on, ignored by the env
+    assert result["inference"]["num_actions"] == result["num_env_steps_sampled_lifetime"] + reset_only
 
 
 # --- a server killed mid-run ----------------------------------------------------------------------

@@ -40,8 +40,8 @@ def test_explore_switch_default_and_per_call_override():
         algo.stop()
 
 
-def dqn():
-    return (DQNConfig().environment("CartPole-v1")
+def dqn(backend="auto"):
+    return (DQNConfig().environment("CartPole-v1").inference(runner_backend=backend)
             .env_runners(num_env_runners=0, num_envs_per_env_runner=1, rollout_fragment_length=50).debugging(seed=0))
 
 
@@ -49,30 +49,37 @@ def runner_exploration(algo):
     return algo.foreach_env_runner(lambda w: w.exploration)[0]
 
 
-def test_page_excerpts_epsilon_greedy_soft_q_and_stochastic_sampling():
+def is_rule(piece, cls, rule_type):
+    """The runner's exploration is ``cls`` (a torch runner's piece) or, acting with numpy, that piece's rule."""
+    return isinstance(piece, cls) or getattr(piece, "rule", {}).get("type") == rule_type
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_page_excerpts_epsilon_greedy_soft_q_and_stochastic_sampling(backend):
     # a) DQN with EpsilonGreedy over 10000 timesteps
-    algo = dqn().exploration(explore=True, exploration_config={
+    algo = dqn(backend).exploration(explore=True, exploration_config={
         "type": "EpsilonGreedy", "initial_epsilon": 1.0, "final_epsilon": 0.02, "epsilon_timesteps": 10000}).build()
     try:
         piece = runner_exploration(algo)
-        assert isinstance(piece, EpsilonGreedy)
+        assert is_rule(piece, EpsilonGreedy, "epsilon_greedy") and isinstance(piece, EpsilonGreedy) == (backend == "torch")
         assert piece.epsilon(0) == 1.0 and piece.epsilon(5000) == pytest.approx(0.51) and piece.epsilon(20000) == 0.02
     finally:
         algo.stop()
     # b) Soft-Q
-    algo = dqn().exploration(explore=True, exploration_config={"type": "SoftQ", "temperature": 1.0}).build()
+    algo = dqn(backend).exploration(explore=True, exploration_config={"type": "SoftQ", "temperature": 1.0}).build()
     try:
-        assert isinstance(runner_exploration(algo), SoftQ)
+        assert is_rule(runner_exploration(algo), SoftQ, "softmax")
         algo.train()  # samples with it
     finally:
         algo.stop()
     # c) policy gradients: StochasticSampling with random warm-up steps; kwargs without a type update the default
-    algo = ppo().exploration(explore=True, exploration_config={"type": "StochasticSampling", "random_timesteps": 0}).build()
+    algo = (ppo().inference(runner_backend=backend)
+            .exploration(explore=True, exploration_config={"type": "StochasticSampling", "random_timesteps": 0}).build())
     try:
-        assert isinstance(runner_exploration(algo), StochasticSampling)
+        assert is_rule(runner_exploration(algo), StochasticSampling, "sample")
     finally:
         algo.stop()
-    algo = dqn().exploration(exploration_config={"final_epsilon": 0.1}).build()
+    algo = dqn(backend).exploration(exploration_config={"final_epsilon": 0.1}).build()
     try:
         piece = runner_exploration(algo)
         assert piece.epsilon(10**9) == 0.1 and piece.epsilon(0) == 1.0

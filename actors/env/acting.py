@@ -6,6 +6,9 @@ chunks carry. Two pieces offer it:
 
 * ``LocalActing`` (here): the runner's own inference-only module and exploration piece, one batched
   forward pass per step in this process (RLlib's way, and runnel's default);
+* ``actors.env.numpy_acting.NumpyActing``: the same policy exported to numpy (built-in modules and
+  exploration only; chosen by the driver, which sends the export in ``settings.numpy_policy``): no torch
+  in the runner's process, and a fraction of torch's per-call cost for small networks;
 * ``actors.inference.client.RemoteActing``: central inference -- the step's observations go to an
   inference server, which batches them with other runners' and answers; that runner imports no torch.
 
@@ -21,6 +24,8 @@ from protocols.nested import first_leaf as nested_first
 
 
 class LocalActing:
+    holds_weights = True
+
     def __init__(self, settings: Any, observation_space: Any, action_space: Any) -> None:
         import torch
 
@@ -94,9 +99,14 @@ class LocalActing:
 
 
 def make_acting(settings: Any, observation_space: Any, action_space: Any, worker_index: int) -> Any:
-    """The runner's acting piece: central inference when ``settings.inference`` says so, else its own module."""
+    """The runner's acting piece: central inference when ``settings.inference`` says so, else its own module
+    (in numpy when the driver exported it)."""
     if settings.inference is not None:
         from actors.inference.client import RemoteActing
 
         return RemoteActing(settings.inference, worker_index)
+    if settings.numpy_policy is not None:
+        from actors.env.numpy_acting import NumpyActing
+
+        return NumpyActing(settings.numpy_policy, settings.seed, worker_index)
     return LocalActing(settings, observation_space, action_space)

@@ -55,7 +55,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, worker_index: int = 0, recreated: bool = False) -> None:
         self.s = settings
         self.worker_index = worker_index
-        prepare_process(settings, worker_index, uses_torch=settings.inference is None)
+        prepare_process(settings, worker_index, uses_torch=settings.inference is None and settings.numpy_policy is None)
         self.where = f"{'evaluation ' if settings.in_evaluation else ''}env runner {worker_index}"
         self.metrics = MetricsLogger()
         self.callback_metrics = MetricsLogger()
@@ -286,7 +286,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         # whose vector env cannot carry its episodes (one vector object, or sub-envs in other processes)
         episodes = self.sampler.obs is not None and not self.is_streaming() and self.env.carries_episodes
         env_state = self.env.get_state() if episodes else None
-        return {"weights": None if self.module is None else self.get_weights(), "weights_version": self.weights_version,
+        return {"weights": self.get_weights() if self.acting.holds_weights else None, "weights_version": self.weights_version,
                 "num_env_steps_sampled_lifetime": self.num_env_steps_sampled_lifetime,
                 "timestep_offset": self._timestep_offset, **self.acting.get_state(),
                 "episode_ids": self.slots.get_ids_state(),

@@ -40,7 +40,7 @@ def lower_priority(niceness: int) -> None:
 
 def prepare_process(settings: Any, worker_index: int, uses_torch: bool = True) -> None:
     """Seed torch for this runner, and set up the process a remote runner (``worker_index > 0``) owns.
-    ``uses_torch=False`` (a runner under central inference): torch is neither imported nor set up."""
+    ``uses_torch=False`` (a runner under central inference, or acting with numpy): torch is neither imported nor set up."""
     if uses_torch:
         import torch
 

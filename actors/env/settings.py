@@ -66,6 +66,10 @@ class EnvRunnerSettings:
     inference: InferenceClientSettings | None = None
     """Central inference: ask an inference server for actions instead of acting with a module of one's own
     (such a runner imports no torch); None acts locally."""
+    numpy_policy: dict | None = None
+    """Act with numpy alone: the driver's ``actors.modules.export.acting_plan`` of the module and exploration
+    (then ``module_class``, ``module_kwargs`` and ``exploration_config`` are left out of the runners' copy,
+    so no torch is imported to read them); None: the torch module acts."""
     niceness: int = 0
     """Raise this runner's OS niceness by this much (a remote runner only): evaluators running beside
     training take the CPU time training leaves idle instead of slowing it down."""

@@ -37,6 +37,7 @@ log = logging.getLogger("runnel")
 class RemoteActing:
     module = None  # no module in this process: the server holds it
     exploration = None
+    holds_weights = False
 
     def __init__(self, settings: InferenceClientSettings, worker_index: int) -> None:
         self.s = settings

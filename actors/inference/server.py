@@ -34,6 +34,7 @@ import zmq
 
 from actors.core import InferenceRole, call_user_fn
 from actors.env.exploration import make_exploration
+from actors.env.numpy_acting import NumpyChooser
 from actors.env.settings import EnvRunnerSettings, module_class_of
 from actors.inference.batching import RequestQueue, row_slices, stack_blocks
 from actors.inference.forward import PolicyForward
@@ -43,6 +44,7 @@ from actors.metrics import MetricsLogger
 from actors.network import node_address
 from protocols import inference as wire
 from protocols.errors import ProtocolError
+from protocols.numpy_policy import NumpyPolicy
 from protocols.schema import ChunkSchema
 
 log = logging.getLogger("runnel")
@@ -89,8 +91,10 @@ class InferenceServer(InferenceRole):
 
         self.forward = PolicyForward(build(), device)
         dist_spec = self.forward.dist_spec
+        chooser = (NumpyChooser(NumpyPolicy(settings.numpy_policy["policy"]), settings.numpy_policy["exploration"])
+                   if settings.numpy_policy is not None else None)  # only its choosing is used: weights need not match
         self.streams = RunnerStreams(lambda: make_exploration(settings.exploration_config, dist_spec), build,
-                                     settings.seed)
+                                     settings.seed, chooser)
         self.schema = ChunkSchema.for_spaces(obs_space, None)
         self.queue = RequestQueue(inference.max_batch, inference.max_wait_s)
         self.weights_version = 0
@@ -190,14 +194,14 @@ class InferenceServer(InferenceRole):
             self._failed(group, err)
             return
         slices = row_slices([r.rows for _, r in group])
-        shared = self.streams.shared
         # small ops, where an OpenMP region costs more than the work; in the driver's process the
         # thread setting is the learner's too, and stays alone
         small = single_threaded() if self._owns_process else contextlib.nullcontext()
         with small:
-            if shared is not None:  # one choice for the whole batch
+            if self.streams.batch_wide:  # one choice for the whole batch
                 try:
-                    actions, logp = self.forward.choose(inputs, shared, explore, min(r.timestep for _, r in group))
+                    actions, logp = self.streams.choose(self.forward, None, inputs, explore,
+                                                        min(r.timestep for _, r in group))
                 except Exception as err:  # noqa: BLE001
                     self._failed(group, err)
                     return
@@ -208,16 +212,14 @@ class InferenceServer(InferenceRole):
             if pair is None:
                 continue
             actions, logp = pair
-            send([route, wire.actions_reply(r.seq, version, actions.numpy(), logp.numpy(), inputs[rows].numpy())])
+            send([route, wire.actions_reply(r.seq, version, actions, logp, inputs[rows].numpy())])
             self.counts["num_actions"] += r.rows
 
     def _choose(self, route: bytes, r: wire.ActRequest, inputs: torch.Tensor, explore: bool
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                ) -> tuple[np.ndarray, np.ndarray] | None:
         """One runner's actions, drawn from its own stream (None: it failed and was answered so)."""
-        stream = self.streams.of(r.runner)
         try:
-            with stream.drawing():
-                return self.forward.choose(inputs, stream.exploration, explore, r.timestep)
+            return self.streams.choose(self.forward, r.runner, inputs, explore, r.timestep)
         except Exception as err:  # noqa: BLE001
             self._failed([(route, r)], err)
             return None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MODES = ("local", "central")
+RUNNER_BACKENDS = ("auto", "numpy", "torch")
 
 
 @dataclass
@@ -15,6 +16,11 @@ class InferenceSettings:
     mode: str = "local"
     """"local": each env runner acts with its own copy of the module (RLlib's way); "central": runners
     send observations to inference servers, which batch them across runners and answer with actions."""
+    runner_backend: str = "auto"
+    """How a runner acting for itself evaluates the policy: "numpy" (the module exported to numpy; the runner
+    process never imports torch), "torch", or "auto": numpy where the built-in module, exploration and
+    callbacks allow (``actors.modules.export.acting_plan``), else torch. Under central inference the servers
+    draw each runner's actions the way this picks, so central and local act alike."""
     num_inference_servers: int = 1
     """Servers; env runner i asks server ``i % num_inference_servers``."""
     num_cpus_per_inference_server: float = 1

@@ -37,8 +37,13 @@ _ELEMENTWISE = {nn.Tanh: "tanh", nn.ReLU: "relu", nn.ELU: "elu", nn.SiLU: "silu"
 _USE_REMOTE = "use inference_mode='remote'"
 
 
-def export_policy(module: RLModule, exploration: Exploration | None = None, timestep: int = 0) -> dict[str, Any]:
-    """The module's acting path and the exploration it uses at ``timestep``, as plain data."""
+def export_policy(module: RLModule, exploration: Exploration | None = None, timestep: int = 0,
+                  keyed: bool = False) -> dict[str, Any]:
+    """The module's acting path and the exploration it uses at ``timestep``, as plain data. ``keyed``: every
+    op with arrays also names the state-dict entries they come from (``"keys": {"weight": "pi_head.weight",
+    ...}``), so a runner can refill them from the weights it is sent (``actors.env.numpy_acting``); what is
+    sent to clients is not keyed."""
+    names = {id(p): n for n, p in module.named_parameters()} if keyed else None
     if getattr(module, "masking", None) is not None:  # the exported layers would act without the mask
         raise ValueError(f"{type(module).__name__} honours an action mask (its observation space has "
                          f"'action_mask'), which the numpy export does not carry -- {_USE_REMOTE}")
@@ -47,26 +52,40 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
                          f"does not carry yet -- {_USE_REMOTE}")
     # exact classes: a subclass may compute its actions differently from the layers exported here
     if type(module) is ActorCriticModule:
-        head = _sequential(module.pi_trunk) + [_linear(module.pi_head)]
+        head = _sequential(module.pi_trunk, names) + [_linear(module.pi_head, names)]
     elif type(module) is QModule:
         if module.num_atoms > 1:
             raise ValueError(f"distributional QModule (num_atoms={module.num_atoms}) has no numpy export -- "
                              f"{_USE_REMOTE}")
         q = ({"op": "dueling", "branches": [int(n) for n in module.branches],
-              "advantage": [_linear(module.advantage)], "value": [_linear(module.value)]}
-             if module.dueling else _linear(module.advantage))
-        head = _sequential(module.trunk) + [q]
+              "advantage": [_linear(module.advantage, names)], "value": [_linear(module.value, names)]}
+             if module.dueling else _linear(module.advantage, names))
+        head = _sequential(module.trunk, names) + [q]
     else:
         raise ValueError(f"{type(module).__name__} has no numpy export (supported: ActorCriticModule, QModule "
                          f"with num_atoms=1) -- {_USE_REMOTE}")
     spec = module.dist_spec
     if spec.kind not in ("categorical", "multi_categorical", "gaussian"):
         raise ValueError(f"{spec.kind} action distributions have no numpy export -- {_USE_REMOTE}")
-    leaves, encoder_ops = _encoder(module.encoder, module.observation_space)
+    leaves, encoder_ops = _encoder(module.encoder, module.observation_space, names)
     return {"format": FORMAT, "version": VERSION, "encoder": leaves, "layers": encoder_ops + head,
             "dist": {"kind": spec.kind, "dim": int(spec.input_dim),
                      "nvec": [int(spec.input_dim)] if spec.kind == "categorical" else list(getattr(spec, "nvec", []))},
             "exploration": describe_exploration(exploration, timestep)}
+
+
+def acting_plan(module: RLModule, exploration: Exploration) -> dict[str, Any]:
+    """What an env runner needs to act with numpy alone (``actors.env.numpy_acting``): the keyed policy and
+    the exploration's rule over timesteps, as plain data. Raises ``ValueError`` naming what numpy cannot
+    act with (then the runner acts with the torch module)."""
+    policy = export_policy(module, exploration, keyed=True)
+    if type(exploration) is StochasticSampling:
+        rule: dict[str, Any] = {"type": "sample", "random_timesteps": int(exploration.random_timesteps)}
+    elif type(exploration) is EpsilonGreedy:
+        rule = {"type": "epsilon_greedy", "schedule": [[int(t), float(e)] for t, e in exploration.schedule]}
+    else:  # SoftQ: describe_exploration has checked it is one of the three
+        rule = {"type": "softmax", "temperature": float(exploration.temperature)}
+    return {"policy": policy, "exploration": rule}
 
 
 def describe_exploration(exploration: Exploration | None, timestep: int) -> dict[str, Any]:
@@ -83,11 +102,12 @@ def describe_exploration(exploration: Exploration | None, timestep: int) -> dict
                      f"StochasticSampling, EpsilonGreedy, SoftQ) -- {_USE_REMOTE}")
 
 
-def _encoder(encoder: nn.Module, space: gym.Space) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _encoder(encoder: nn.Module, space: gym.Space, names: dict[int, str] | None
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The encoder's leaves, and the ops that follow them (a CNN's layers)."""
     if type(encoder) is CNNEncoder:
         leaf = {"kind": "image", "shape": [int(n) for n in space.shape], "scale": float(encoder.scale)}
-        return [leaf], _sequential(encoder.net)
+        return [leaf], _sequential(encoder.net, names)
     if type(encoder) is not ObsEncoder:
         raise ValueError(f"encoder {type(encoder).__name__} has no numpy export -- {_USE_REMOTE}")
     leaves = []
@@ -104,21 +124,28 @@ def _array(t: Any) -> np.ndarray:
     return t.detach().cpu().numpy().astype(np.float32)  # astype copies: a snapshot of weights that train on
 
 
-def _linear(layer: nn.Linear) -> dict[str, Any]:
-    return {"op": "linear", "weight": _array(layer.weight), "bias": _array(layer.bias)}
+def _linear(layer: nn.Linear, names: dict[int, str] | None) -> dict[str, Any]:
+    return _keyed({"op": "linear", "weight": _array(layer.weight), "bias": _array(layer.bias)}, layer, names)
 
 
-def _sequential(seq: nn.Sequential) -> list[dict[str, Any]]:
+def _keyed(op: dict[str, Any], layer: nn.Module, names: dict[int, str] | None) -> dict[str, Any]:
+    """``op`` with the state-dict names of its ``weight`` and ``bias`` (``names``: id(parameter) -> name)."""
+    if names is not None:
+        op["keys"] = {"weight": names[id(layer.weight)], "bias": names[id(layer.bias)]}
+    return op
+
+
+def _sequential(seq: nn.Sequential, names: dict[int, str] | None) -> list[dict[str, Any]]:
     ops = []
     for layer in seq:
         if type(layer) is nn.Linear and layer.bias is not None:
-            ops.append(_linear(layer))
+            ops.append(_linear(layer, names))
         elif type(layer) in _ELEMENTWISE and getattr(layer, "alpha", 1.0) == 1.0:
             ops.append({"op": _ELEMENTWISE[type(layer)]})
         elif (type(layer) is nn.Conv2d and layer.bias is not None and layer.padding == (0, 0)
               and layer.dilation == (1, 1) and layer.groups == 1):
-            ops.append({"op": "conv2d", "weight": _array(layer.weight), "bias": _array(layer.bias),
-                        "stride": [int(s) for s in layer.stride]})
+            ops.append(_keyed({"op": "conv2d", "weight": _array(layer.weight), "bias": _array(layer.bias),
+                               "stride": [int(s) for s in layer.stride]}, layer, names))
         elif type(layer) is nn.Flatten and layer.start_dim == 1 and layer.end_dim == -1:
             ops.append({"op": "flatten"})
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from actors.inference.settings import MODES, InferenceSettings
+from actors.inference.settings import MODES, RUNNER_BACKENDS, InferenceSettings
 from pipeline.config.keys import dict_setting_problems
 from pipeline.config.multi_agent import settings_used
 from pipeline.config.offline import mixes_sampler
@@ -42,6 +42,8 @@ def inference_problems(config: Any) -> list[str]:
     x = InferenceSettings(**d)
     if x.mode not in MODES:
         return [f"inference mode={x.mode!r} is not one of {list(MODES)}"]
+    if x.runner_backend not in RUNNER_BACKENDS:
+        problems.append(f"inference runner_backend={x.runner_backend!r} is not one of {list(RUNNER_BACKENDS)}")
     for key in ("num_inference_servers", "max_batch"):
         value = getattr(x, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

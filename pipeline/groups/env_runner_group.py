@@ -38,6 +38,7 @@ from actors.env import EnvRunner, EnvRunnerSettings
 from actors.manager import ActorManager, FaultToleranceSettings
 from actors.metrics import MetricsLogger
 from actors.offline import reader_class
+from pipeline.groups.env_runners import thin
 from protocols.codec import decode
 from protocols.episode import EpisodeChunk
 
@@ -75,6 +76,8 @@ class EnvRunnerGroup:
             runner_cls, extra = PolicyServer, {**extra, "external": external}  # multi-agent: its plan's pieces
         elif offline is not None:  # readers of a recording in the runners' place (actors.offline)
             runner_cls, extra = reader_class(offline), {"offline": offline, "num_readers": max(1, num_env_runners)}
+        elif runner_cls is EnvRunner and settings.numpy_policy is not None and self.inference is None:
+            settings = thin(settings)
         self.servers = external is not None
         if num_env_runners == 0:
             make: Callable[[int, bool], Any] = lambda i, recreated: runner_cls(  # noqa: E731

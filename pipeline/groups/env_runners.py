@@ -2,11 +2,14 @@
 built straight from a config (what ``Algorithm`` does for its own runners)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
+from actors.callbacks import build_callbacks, overrides
 from actors.env import EnvRunnerSettings
-from actors.env.env_runner import EnvRunner
+from actors.env.env_runner import EPISODE_HOOKS, EnvRunner
 from pipeline.config.base import ALGORITHM_OF, AlgorithmConfig, ConfigError
+from pipeline.config.multi_agent import settings_used
 from pipeline.config.plain import resolve_import_path
 from pipeline.envs import env_creator, probe_spaces
 
@@ -15,7 +18,7 @@ def runner_settings(c: AlgorithmConfig, creator: Callable | None, module_class: 
                     action_space: Any, in_evaluation: bool = False, recording: Any = None,
                     env_observation_space: Any = None) -> EnvRunnerSettings:
     """What one env runner needs of ``c``: its env, vector, fragment, module, exploration and reporting settings."""
-    return EnvRunnerSettings(
+    settings = EnvRunnerSettings(
         env_creator=creator, env_config=c.env_config, num_envs=c.num_envs_per_env_runner,
         vectorize_mode=vectorize_mode(c), rollout_fragment_length=c.get_rollout_fragment_length(),
         batch_mode=c.batch_mode, explore=c.explore, module_class=module_class,
@@ -29,6 +32,56 @@ def runner_settings(c: AlgorithmConfig, creator: Callable | None, module_class: 
                        if isinstance(c.env_to_module_connector, str) else c.env_to_module_connector),
         env_observation_space=env_observation_space,
     )
+    if c.external_clients_config is None and not settings_used(c):  # single-agent env runners act
+        settings.numpy_policy = numpy_plan(settings, runner_backend(c))
+    return settings
+
+
+MODULE_HOOKS = (*EPISODE_HOOKS, "on_postprocess_trajectory")
+"""Callbacks handed the runner's torch module (``rl_module``, ``policies``): its runners act with torch."""
+
+
+def runner_backend(c: AlgorithmConfig) -> str:
+    return (c.inference_config or {}).get("runner_backend", "auto")
+
+
+def numpy_plan(settings: EnvRunnerSettings, backend: str) -> dict | None:
+    """The numpy export runners act with (``actors.env.numpy_acting``), or None: they act with torch.
+    ``backend`` "auto" exports when the module, its exploration and the callbacks allow, "numpy" insists
+    (a ``ConfigError`` says why it cannot), "torch" never exports."""
+    if backend == "torch":
+        return None
+    try:
+        return _export_plan(settings)
+    except ValueError as err:
+        if backend == "numpy":
+            raise ConfigError(f"inference runner_backend='numpy': {err}; use runner_backend='auto' (numpy where it "
+                              f"can, torch elsewhere) or 'torch'") from None
+        return None
+
+
+def _export_plan(settings: EnvRunnerSettings) -> dict:
+    import torch
+
+    from actors.env.exploration import make_exploration
+    from actors.env.settings import module_class_of
+    from actors.modules.export import acting_plan
+
+    hooks = [h for h in MODULE_HOOKS if overrides(build_callbacks(settings.callbacks), h)] if settings.callbacks else []
+    if hooks:
+        raise ValueError(f"callbacks {hooks} are handed the runner's torch module")
+    if settings.observation_space is None or settings.action_space is None:
+        raise ValueError("the module's spaces are not known before the runners start")
+    with torch.random.fork_rng(devices=[]):  # a throwaway module: its initial draws must not shift the run's
+        module = module_class_of(settings)(settings.observation_space, settings.action_space, settings.model_config,
+                                           inference_only=True, **settings.module_kwargs)
+    return acting_plan(module, make_exploration(settings.exploration_config, module.dist_spec))
+
+
+def thin(settings: EnvRunnerSettings) -> EnvRunnerSettings:
+    """The runners' copy of settings with a numpy plan: without the module class, its arguments and the
+    exploration config, whose unpickling could import torch into the runner (the plan carries what they say)."""
+    return dataclasses.replace(settings, module_class=None, module_kwargs={}, exploration_config={})
 
 
 def vectorize_mode(c: AlgorithmConfig) -> str:

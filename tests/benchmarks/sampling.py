@@ -7,9 +7,10 @@ summary reports their medians over ``--rounds``:
 * ``native_loop``: gymnasium's own vector CartPole (``gym.make_vec(..., vectorization_mode="vector_entry_point")``)
   driving the MLP -- one forward pass and one ``Categorical`` draw per vector step, nothing stored: the limit;
 * ``sync_loop``: the same with ``gym.vector.SyncVectorEnv`` (32 Python envs);
-* ``runner``: runnel's env runner in this process (``gym_env_vectorize_mode="auto"``: the native vector env),
-  everything it does included (time-major buffers, chunks cut, counters); ``runner_sync``: the same with
-  ``gym_env_vectorize_mode="sync"``.
+* ``runner``: runnel's env runner in this process as a default config builds it (``gym_env_vectorize_mode="auto"``:
+  the native vector env; ``runner_backend="auto"``: acting with the numpy export), everything it does included
+  (time-major buffers, chunks cut, counters); ``runner_torch``: the same acting with the torch module;
+  ``runner_sync``: the default with ``gym_env_vectorize_mode="sync"``.
 
 Then, with Ray, env steps per wall-clock second gathered at the driver from one runner actor with 32 envs and
 from two with 16 each (``--remote-seconds``; 0 skips them).
@@ -65,13 +66,17 @@ def bare_loop(env: gym.vector.VectorEnv) -> Callable[[int], int]:
     return run
 
 
-def runner_loop(mode: str) -> Callable[[int], int]:
+def runner_loop(mode: str, backend: str = "numpy") -> Callable[[int], int]:
     from actors.env import EnvRunner, EnvRunnerSettings
     from actors.env.creators import GymMaker
+    from pipeline.groups.env_runners import numpy_plan
 
-    runner = EnvRunner(EnvRunnerSettings(env_creator=GymMaker("CartPole-v1"), num_envs=NUM_ENVS, vectorize_mode=mode,
-                                         rollout_fragment_length=64, seed=0,
-                                         model_config={"fcnet_hiddens": [HIDDEN, HIDDEN]}), worker_index=1)
+    env = gym.make("CartPole-v1")
+    settings = EnvRunnerSettings(env_creator=GymMaker("CartPole-v1"), num_envs=NUM_ENVS, vectorize_mode=mode,
+                                 rollout_fragment_length=64, seed=0, model_config={"fcnet_hiddens": [HIDDEN, HIDDEN]},
+                                 observation_space=env.observation_space, action_space=env.action_space)
+    settings.numpy_policy = numpy_plan(settings, backend)
+    runner = EnvRunner(settings, worker_index=1)
 
     def run(n: int) -> int:
         before = runner.num_env_steps_sampled_lifetime
@@ -104,6 +109,7 @@ def main() -> None:
         "native_loop": bare_loop(gym.make_vec("CartPole-v1", num_envs=NUM_ENVS, vectorization_mode="vector_entry_point")),
         "sync_loop": bare_loop(gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * NUM_ENVS)),
         "runner": runner_loop("auto"),
+        "runner_torch": runner_loop("auto", "torch"),
         "runner_sync": runner_loop("sync"),
     }
     rounds = []
@@ -111,6 +117,8 @@ def main() -> None:
         rates = {name: steps_per_cpu_s(run, args.seconds) for name, run in cases.items()}
         row = {f"{k}_steps_per_cpu_s": round(v) for k, v in rates.items()}
         row["runner_vs_native_loop"] = round(rates["runner"] / rates["native_loop"], 3)
+        row["runner_torch_vs_native_loop"] = round(rates["runner_torch"] / rates["native_loop"], 3)
+        row["runner_vs_runner_torch"] = round(rates["runner"] / rates["runner_torch"], 3)
         row["runner_sync_vs_sync_loop"] = round(rates["runner_sync"] / rates["sync_loop"], 3)
         rounds.append(row)
         emit(bench="round", round=r, **row)

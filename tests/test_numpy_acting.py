@@ -1,0 +1,140 @@
+"""Env runners acting with the numpy export of their module (``actors.env.numpy_acting``): the same
+numbers as the torch module, weights refilled by name, draws resumed from a checkpointed generator,
+the backend picked by ``.inference(runner_backend=...)``, and remote runners that never import torch."""
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from actors.env.acting import LocalActing
+from actors.env.exploration import make_exploration
+from actors.env.numpy_acting import NumpyActing
+from actors.env.settings import EnvRunnerSettings
+from actors.modules.export import acting_plan
+from actors.modules.q_module import QModule
+from pipeline import DQNConfig, PPOConfig
+from pipeline.callbacks import DefaultCallbacks
+from pipeline.config.base import ConfigError
+from tests.inference_probes import torch_loaded
+
+BOX4 = gym.spaces.Box(-5.0, 5.0, (4,), np.float32)
+
+
+def settings_for(module_class, obs_space, act_space, exploration=None, model=None):
+    return EnvRunnerSettings(env_creator=None, module_class=module_class, observation_space=obs_space,
+                             action_space=act_space, model_config=model or {"fcnet_hiddens": [32, 32]},
+                             exploration_config=exploration or {}, seed=3)
+
+
+def pair(settings):
+    """A torch runner's acting piece and a numpy one exported from it, acting with the same weights."""
+    torch_acting = LocalActing(settings, settings.observation_space, settings.action_space)
+    plan = acting_plan(torch_acting.module, torch_acting.exploration)
+    numpy_acting = NumpyActing(plan, settings.seed, 1)
+    numpy_acting.set_weights(torch_acting.get_weights(), 7)
+    return torch_acting, numpy_acting
+
+
+@pytest.mark.parametrize("case", ["categorical", "gaussian", "q-dueling"])
+def test_numpy_acting_computes_what_the_torch_module_computes(case):
+    if case == "categorical":
+        s = settings_for(None, BOX4, gym.spaces.Discrete(3))
+    elif case == "gaussian":
+        s = settings_for(None, BOX4, gym.spaces.Box(-1.0, 1.0, (2,), np.float32))
+    else:
+        s = settings_for(QModule, BOX4, gym.spaces.Discrete(3), exploration={"type": "EpsilonGreedy"})
+        s.module_kwargs = {"dueling": True}
+    t, n = pair(s)
+    obs = np.random.default_rng(0).uniform(-2, 2, (32, 4)).astype(np.float32)
+    with t.session():
+        t_actions, t_logp, t_inputs, _ = t.act(obs, False, 10**6)
+    n_actions, n_logp, n_inputs, version = n.act(obs, False, 10**6)
+    assert version == 7
+    np.testing.assert_allclose(n_inputs, t_inputs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(n_actions, t_actions, rtol=1e-5, atol=1e-5)  # greedy: the same actions
+    np.testing.assert_allclose(n_logp, t_logp, rtol=1e-4, atol=1e-4)
+    # exploring: the log-probabilities numpy reports are those torch's distribution gives its actions
+    n_actions, n_logp, n_inputs, _ = n.act(obs, True, 10**6)
+    dist = t.module.dist_spec.build(torch.from_numpy(n_inputs))
+    np.testing.assert_allclose(n_logp, dist.logp(torch.as_tensor(n_actions)).numpy(), rtol=1e-4, atol=1e-4)
+    assert s.action_space.contains(np.asarray(n_actions[0], dtype=s.action_space.dtype))
+
+
+def test_epsilon_follows_the_schedule_and_the_generator_state_resumes_the_draws():
+    s = settings_for(QModule, BOX4, gym.spaces.Discrete(4), exploration={
+        "type": "EpsilonGreedy", "initial_epsilon": 1.0, "final_epsilon": 0.0, "epsilon_timesteps": 1000})
+    _, n = pair(s)
+    obs = np.zeros((64, 4), np.float32)
+    greedy = n.act(obs, False, 0)[0]
+    assert (n.act(obs, True, 5000)[0] == greedy).all()  # epsilon 0 after the schedule
+    assert (n.act(obs, True, 0)[0] != greedy).any()  # epsilon 1 at the start: random actions
+    assert n.exploration.epsilon(500) == pytest.approx(0.5)
+    saved = n.get_state()
+    first = [n.act(obs, True, 200)[0] for _ in range(5)]
+    _, restored = pair(s)
+    restored.set_state(saved)
+    assert all((a == b).all() for a, b in zip(first, [restored.act(obs, True, 200)[0] for _ in range(5)]))
+
+
+def test_weights_missing_an_entry_are_refused_naming_it():
+    _, n = pair(settings_for(None, BOX4, gym.spaces.Discrete(2)))
+    weights = dict(n.get_weights())
+    weights.pop("pi_head.weight")
+    with pytest.raises(ValueError, match="pi_head.weight"):
+        n.set_weights(weights, 1)
+
+
+class EpisodeEnd(DefaultCallbacks):
+    def on_episode_end(self, **kwargs):
+        pass
+
+
+def acting_of(config):
+    algo = config.build(logdir=None)
+    try:
+        return algo.foreach_env_runner(lambda r: type(r.acting).__name__)
+    finally:
+        algo.stop()
+
+
+def local_ppo():
+    return PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0, num_envs_per_env_runner=2)
+
+
+def test_auto_acts_with_numpy_where_it_can_and_with_torch_where_the_module_or_callbacks_need_it():
+    assert acting_of(local_ppo()) == ["NumpyActing"]
+    assert acting_of(DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=0)) == ["NumpyActing"]
+    assert acting_of(local_ppo().inference(runner_backend="torch")) == ["LocalActing"]
+    assert acting_of(local_ppo().callbacks(EpisodeEnd)) == ["LocalActing"]  # handed the torch module
+    assert acting_of(local_ppo().rl_module(model_config={"use_lstm": True, "lstm_cell_size": 8})) == ["LocalActing"]
+
+
+def test_runner_backend_numpy_refuses_what_it_cannot_export_naming_why():
+    with pytest.raises(ConfigError, match=r"runner_backend='numpy'.*on_episode_end.*'auto'"):
+        local_ppo().callbacks(EpisodeEnd).inference(runner_backend="numpy").build(logdir=None)
+    with pytest.raises(ConfigError, match=r"runner_backend='numpy'.*recurrent"):
+        (local_ppo().rl_module(model_config={"use_lstm": True, "lstm_cell_size": 8})
+         .inference(runner_backend="numpy").build(logdir=None))
+    with pytest.raises(ConfigError, match=r"runner_backend='jax' is not one of \['auto', 'numpy', 'torch'\]"):
+        local_ppo().inference(runner_backend="jax").build(logdir=None)
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_remote_runners_acting_with_numpy_never_import_torch_and_train():
+    algo = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)
+            .training(train_batch_size_per_learner=512, minibatch_size=128).debugging(seed=0).build(logdir=None))
+    try:
+        first = algo.train()
+        for _ in range(3):
+            result = algo.train()
+        assert algo.foreach_env_runner(lambda r: type(r.acting).__name__) == ["NumpyActing"] * 2
+        assert algo.foreach_env_runner(torch_loaded) == [False, False]
+        # they act with the learner's weights: each runner holds exactly what the learner sent last
+        learner = algo.learner_group.get_weights(inference_only=True)
+        for held in algo.foreach_env_runner(lambda r: r.get_weights()):
+            assert held.keys() == learner.keys() and all(np.array_equal(held[k], learner[k]) for k in held)
+        assert result["num_env_steps_sampled_lifetime"] > first["num_env_steps_sampled_lifetime"]
+    finally:
+        algo.stop()
