@@ -39,7 +39,7 @@ from pipeline.algorithm_modules import add_module, load_module, remove_module, s
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
 from pipeline.algorithm_setup import (algorithm_config, connector_pipeline, frame_compression, function_setting,
-                                      policy_spaces, runner_fault_tolerance)
+                                      import_in_background, policy_spaces, runner_fault_tolerance)
 from pipeline.checkpoints.save_restore import (build_from_checkpoint, driver_state, load_into, save_algorithm,
                                                set_driver_state)
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -145,7 +145,9 @@ class Algorithm(Trainable):
         self.custom_evaluation_function = function_setting(config.custom_evaluation_function,
                                                            "custom_evaluation_function")
         ray_data = self.offline_input is not None and self.offline_input.input_reader == "ray_data"
+        importing = None
         if config.num_env_runners > 0 or config.num_learners > 0 or config.evaluation_num_env_runners > 0 or ray_data:
+            importing = import_in_background()
             init_ray_if_needed(config)
             if not self._hosted_by_tune:  # a trial's actors go into its own placement group
                 check_room(self.name, config)
@@ -162,20 +164,26 @@ class Algorithm(Trainable):
             write_manifest(self.recording.output, self.chunk_observation_space, act_space, self.name, json_safe(config.to_dict()),
                            runnel_version(), actions_normalized=bool(config.normalize_actions))
         try:
+            # Remote runners start in processes of their own: ask for them first and build the driver's learner
+            # while they start (both take seconds), then wait for them. An in-process runner keeps coming after
+            # the learner: building it draws from this process's generators, which the learner's seeded
+            # initialization must not see moved. Remote learners and inference servers keep the old order.
+            early = (config.num_env_runners > 0 and config.num_learners == 0 and self.multi_agent is None
+                     and inference_settings(config) is None)
+            if early:
+                self.env_runner_group = self.make_env_runner_group(readers_in_slots, check_started=False)
+            if importing is not None:
+                importing.join()
             if self.multi_agent is None:
                 view = self.connector.observation_view() if self.connector is not None else None
                 self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space,
                                                   learner_kwargs={"observation_view": view} if view else None)
             else:
                 self.learner_group = self.multi_agent.learner_group(self.learner_class, config)
-            multi_agent_runners = self.multi_agent.runner_group_args() if self.multi_agent is not None else {}
-            self.env_runner_group = EnvRunnerGroup(
-                self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
-                self.fault_tolerance_settings(), compress_frames=self.compress_frames(), external=self.external,
-                offline=self.offline_input if readers_in_slots else None, inference=inference_settings(config),
-                on_recreated=lambda ids: self._hook(
-                    "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
-                    env_runner_indices=ids, is_evaluation=False), **multi_agent_runners)
+            if early:
+                self.env_runner_group.check_started()
+            else:
+                self.env_runner_group = self.make_env_runner_group(readers_in_slots)
             if config.evaluation_interval and self.env_creator is not None:
                 self.build_evaluators()
             self.plan = self.build_plan()
@@ -185,6 +193,17 @@ class Algorithm(Trainable):
         self.sync_weights()
         held(self, actor_cpus(config))
         self._hook("on_algorithm_init", algorithm=self, metrics_logger=self.metrics)
+
+    def make_env_runner_group(self, readers_in_slots: bool, check_started: bool = True) -> EnvRunnerGroup:
+        config = self.config
+        multi_agent_runners = self.multi_agent.runner_group_args() if self.multi_agent is not None else {}
+        return EnvRunnerGroup(
+            self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
+            self.fault_tolerance_settings(), compress_frames=self.compress_frames(), external=self.external,
+            offline=self.offline_input if readers_in_slots else None, inference=inference_settings(config),
+            on_recreated=lambda ids: self._hook(
+                "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
+                env_runner_indices=ids, is_evaluation=False), check_started=check_started, **multi_agent_runners)
 
     @property
     def module(self) -> RLModule:

@@ -163,8 +163,11 @@ def test_bad_env_in_remote_runner_config_fails_at_build():
 
 @pytest.mark.learning
 def test_pendulum_box_actions_improve():
+    """Measured (numpy acting, seeds 0-4): +200 over the first iteration's return at 44k, 36k, 32k, 28k and 32k env
+    steps. With gamma 0.95 and lr 1e-3 the same seeds gained 58 to 340 within the budget: on the edge, whichever
+    backend acted (torch missed it for seeds 2 and 4)."""
     algo = (PPOConfig().environment("Pendulum-v1").env_runners(num_env_runners=0, num_envs_per_env_runner=8)
-            .training(gamma=0.95, lr=1e-3, train_batch_size_per_learner=4000, num_epochs=10)
+            .training(gamma=0.9, lr=3e-3, train_batch_size_per_learner=4000, num_epochs=10)
             .reporting(metrics_num_episodes_for_smoothing=20).debugging(seed=0).build())
     try:
         first = algo.train()["env_runners"]["episode_return_mean"]

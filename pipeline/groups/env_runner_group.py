@@ -51,12 +51,14 @@ class EnvRunnerGroup:
                  on_recreated: Callable[[list[int]], None] | None = None, external: Any = None,
                  offline: Any = None, runner_class: type | None = None, runner_kwargs: dict[str, Any] | None = None,
                  count_steps: Callable[[list[EpisodeChunk], dict[str, Any]], int] | None = None,
-                 inference: Any = None) -> None:
+                 inference: Any = None, check_started: bool = True) -> None:
         """``external`` (``actors.external.settings.ExternalSettings``): the slots host policy servers for
         remote clients instead of env runners. ``runner_class`` / ``runner_kwargs``: another runner and
         its arguments (multi-agent); ``count_steps(chunks, runner_metrics)``: the steps one answer brought
         towards ``sample``'s count (default: the chunks' lengths). ``inference``
-        (``actors.inference.settings.InferenceSettings``): central inference servers act for the runners."""
+        (``actors.inference.settings.InferenceSettings``): central inference servers act for the runners.
+        ``check_started=False``: return once the runner actors are asked for, without waiting for them to be up;
+        the caller builds something else meanwhile and calls ``check_started()`` before using the group."""
         self.inference: Any = None
         if inference is not None:
             from pipeline.groups.inference_group import InferenceGroup
@@ -90,11 +92,13 @@ class EnvRunnerGroup:
         ids = [0] if num_env_runners == 0 else list(range(1, num_env_runners + 1))
         name = ("policy server" if self.servers else "offline reader" if offline is not None else
                 "evaluation env runner" if settings.in_evaluation else "env runner")
+        self._start_check = (max(fault_tolerance.start_timeout_s, fault_tolerance.probe_timeout_s or 0.0),
+                             f"num_cpus_per_env_runner={num_cpus_per_env_runner}")
         try:
             self.manager = ActorManager(make, ids, fault_tolerance, on_restart=self._restore, name=name,
                                         in_process=num_env_runners == 0)
-            self.manager.check_started(max(fault_tolerance.start_timeout_s, fault_tolerance.probe_timeout_s or 0.0),
-                                       f"num_cpus_per_env_runner={num_cpus_per_env_runner}")
+            if check_started:
+                self.manager.check_started(*self._start_check)
         except BaseException:
             if self.inference is not None:
                 self.inference.stop()
@@ -377,6 +381,15 @@ class EnvRunnerGroup:
         for res in self.manager.foreach_actor("apply_env_task_fn", env_task_fn, train_results):
             if res.ok:
                 self._tasks[res.actor_id] = res.value
+
+    def check_started(self) -> None:
+        """Wait until every runner is up; a runner that failed to start raises, naming it (and the group stops)."""
+        try:
+            self.manager.check_started(*self._start_check)
+        except BaseException:
+            if self.inference is not None:
+                self.inference.stop()
+            raise
 
     def stop(self) -> None:
         # Servers acknowledge what was trained on; recording runners close their shards (index,
