@@ -17,6 +17,7 @@ from actors.modules.q_module import QModule
 from pipeline import DQNConfig, PPOConfig
 from pipeline.callbacks import DefaultCallbacks
 from pipeline.config.base import ConfigError
+from pipeline.groups.env_runners import numpy_plan
 from tests.inference_probes import torch_loaded
 
 BOX4 = gym.spaces.Box(-5.0, 5.0, (4,), np.float32)
@@ -109,6 +110,15 @@ def test_auto_acts_with_numpy_where_it_can_and_with_torch_where_the_module_or_ca
     assert acting_of(local_ppo().inference(runner_backend="torch")) == ["LocalActing"]
     assert acting_of(local_ppo().callbacks(EpisodeEnd)) == ["LocalActing"]  # handed the torch module
     assert acting_of(local_ppo().rl_module(model_config={"use_lstm": True, "lstm_cell_size": 8})) == ["LocalActing"]
+
+
+def test_auto_leaves_convolutions_to_torch_and_numpy_still_exports_them():
+    """numpy's convolutions cost several times torch's: "auto" keeps a CNN module on torch; "numpy" insists."""
+    frames = settings_for(None, gym.spaces.Box(0, 255, (42, 42, 4), np.uint8), gym.spaces.Discrete(3), model={})
+    assert numpy_plan(frames, "auto") is None
+    plan = numpy_plan(frames, "numpy")
+    assert any(op["op"] == "conv2d" for op in plan["policy"]["layers"])
+    assert numpy_plan(settings_for(None, BOX4, gym.spaces.Discrete(2)), "auto") is not None
 
 
 def test_runner_backend_numpy_refuses_what_it_cannot_export_naming_why():
