@@ -14,7 +14,7 @@ from actors.env.numpy_acting import NumpyActing
 from actors.env.settings import EnvRunnerSettings
 from actors.modules.export import acting_plan
 from actors.modules.q_module import QModule
-from pipeline import DQNConfig, PPOConfig
+from pipeline import DQNConfig, PPOConfig, SingleAgentEnvRunner
 from pipeline.callbacks import DefaultCallbacks
 from pipeline.config.base import ConfigError
 from pipeline.groups.env_runners import numpy_plan
@@ -110,6 +110,9 @@ def test_auto_acts_with_numpy_where_it_can_and_with_torch_where_the_module_or_ca
     assert acting_of(local_ppo().inference(runner_backend="torch")) == ["LocalActing"]
     assert acting_of(local_ppo().callbacks(EpisodeEnd)) == ["LocalActing"]  # handed the torch module
     assert acting_of(local_ppo().rl_module(model_config={"use_lstm": True, "lstm_cell_size": 8})) == ["LocalActing"]
+    # RLlib's SingleAgentEnvRunner, built by hand, holds its RLModule (runner.module): torch unless told otherwise
+    assert type(SingleAgentEnvRunner(config=local_ppo()).module).__name__ == "ActorCriticModule"
+    assert SingleAgentEnvRunner(config=local_ppo().inference(runner_backend="numpy")).module is None
 
 
 def test_auto_leaves_convolutions_to_torch_and_numpy_still_exports_them():

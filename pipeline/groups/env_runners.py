@@ -96,7 +96,8 @@ def vectorize_mode(c: AlgorithmConfig) -> str:
 
 class SingleAgentEnvRunner(EnvRunner):
     """``SingleAgentEnvRunner(config=PPOConfig().environment("CartPole-v1"))``: an env runner with the
-    algorithm's module (random initial weights until ``set_weights``), usable in-process or as
+    algorithm's torch module (``runner.module``; random initial weights until ``set_weights``; numpy acting only
+    with ``runner_backend="numpy"``), usable in-process or as
     ``ray.remote(SingleAgentEnvRunner).remote(config=config)``. ``sample(num_episodes=n)`` returns
     whole episodes (``EpisodeChunk``; ``get_return()``, ``len()``)."""
 
@@ -112,5 +113,7 @@ class SingleAgentEnvRunner(EnvRunner):
         if obs_space is None or act_space is None:
             probed = probe_spaces(creator, config.env_config)
             obs_space, act_space = obs_space or probed[0], act_space or probed[1]
-        super().__init__(runner_settings(config, creator, algo_cls.learner_class.module_class, obs_space, act_space),
-                         worker_index=worker_index)
+        settings = runner_settings(config, creator, algo_cls.learner_class.module_class, obs_space, act_space)
+        if runner_backend(config) == "auto":  # RLlib's env runner holds its RLModule (``runner.module``): torch
+            settings.numpy_policy = None
+        super().__init__(settings, worker_index=worker_index)
