@@ -79,12 +79,20 @@ def test_epsilon_follows_the_schedule_and_the_generator_state_resumes_the_draws(
     assert all((a == b).all() for a, b in zip(first, [restored.act(obs, True, 200)[0] for _ in range(5)]))
 
 
-def test_weights_missing_an_entry_are_refused_naming_it():
+def test_weights_of_another_model_config_are_refused_and_the_runner_acts_on():
     _, n = pair(settings_for(None, BOX4, gym.spaces.Discrete(2)))
     weights = dict(n.get_weights())
     weights.pop("pi_head.weight")
     with pytest.raises(ValueError, match="pi_head.weight"):
         n.set_weights(weights, 1)
+    obs = np.zeros((3, 4), np.float32)
+    before = n.act(obs, False, 0)[2]
+    wrong = dict(n.get_weights())
+    wrong["pi_head.weight"] = np.zeros((5, 7), np.float32)  # another model config's layer
+    with pytest.raises(Exception, match="shape"):
+        n.set_weights(wrong, 2)
+    np.testing.assert_array_equal(n.act(obs, False, 0)[2], before)  # still acting with the weights it had
+    assert n.weights_version == 7
 
 
 class EpisodeEnd(DefaultCallbacks):

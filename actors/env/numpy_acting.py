@@ -112,9 +112,9 @@ class NumpyActing:
         missing = sorted(k for k in _keys(self.template) if k not in weights)
         if missing:
             raise ValueError(f"weights lack {missing[:5]}: were they saved from another model config?")
-        _refill(self.template, weights)
-        policy = NumpyPolicy(self.template)  # checks every shape again: a mismatch raises here, not mid-step
-        self.policy = self.chooser.policy = policy
+        template = _refilled(self.template, weights)
+        policy = NumpyPolicy(template)  # checks every shape again: a mismatch raises here, not mid-step
+        self.template, self.policy, self.chooser.policy = template, policy, policy
         self.weights = dict(weights)
         self.weights_version = weights_version
 
@@ -155,14 +155,14 @@ def _arrays(desc: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def _refill(desc: Any, weights: dict[str, Any]) -> None:
-    """Replace a keyed description's arrays with ``weights``' entries of the same names, as float32."""
+def _refilled(desc: Any, weights: dict[str, Any]) -> Any:
+    """A keyed description with its arrays replaced by ``weights``' entries of the same names, as float32 (a new
+    structure: the one in use stays whole if the new one is refused)."""
     if isinstance(desc, dict):
+        out = {k: _refilled(v, weights) if isinstance(v, (dict, list)) else v for k, v in desc.items()}
         for field, key in (desc.get("keys") or {}).items():
-            desc[field] = np.ascontiguousarray(weights[key], dtype=np.float32)
-        for v in desc.values():
-            if isinstance(v, (dict, list)):
-                _refill(v, weights)
-    elif isinstance(desc, list):
-        for v in desc:
-            _refill(v, weights)
+            out[field] = np.ascontiguousarray(weights[key], dtype=np.float32)
+        return out
+    if isinstance(desc, list):
+        return [_refilled(v, weights) for v in desc]
+    return desc
