@@ -97,6 +97,8 @@ class NumpyActing:
         """What ``runner.exploration`` shows: the rule (``rule``, ``epsilon(timestep)``), in place of a torch piece."""
         self.rng = acting_rng(seed, worker_index)
         self.weights: dict[str, np.ndarray] = _arrays(self.template)
+        self.keys = sorted(self.weights)
+        """The state-dict names the policy reads (the same for every update: read once here)."""
         """The weights acted with (the export's own until the driver sends the learner's, at ``build()``)."""
         self.weights_version = 0
 
@@ -109,7 +111,7 @@ class NumpyActing:
         return actions, logp, inputs, self.weights_version
 
     def set_weights(self, weights: dict[str, Any], weights_version: int) -> None:
-        missing = sorted(k for k in _keys(self.template) if k not in weights)
+        missing = [k for k in self.keys if k not in weights]
         if missing:
             raise ValueError(f"weights lack {missing[:5]}: were they saved from another model config?")
         template = _refilled(self.template, weights)
@@ -134,11 +136,6 @@ class NumpyActing:
 
     def close(self) -> None:
         pass
-
-
-def _keys(desc: Any) -> list[str]:
-    """Every state-dict name a keyed description reads."""
-    return list(_arrays(desc))
 
 
 def _arrays(desc: Any) -> dict[str, np.ndarray]:
