@@ -11,9 +11,17 @@ one codec frame (``protocols.codec``; no compression, checksummed) holding a pla
 * server -> runner, ``actions``: ``{"op": "actions", "seq": int, "weights_version": int,
   "actions": [k, ...], "logp": [k], "dist_inputs": [k, d]}`` -- the module's actions (before the
   env's rescaling), their log-probabilities and the distribution inputs, which the chunks carry;
-* server -> runner, ``error``: ``{"op": "error", "seq": int, "message": str}`` -- the request
-  could not be served (a malformed frame, observations that do not fit the space); the runner
-  raises, naming the message, so its stage group recreates it.
+* server -> runner, ``error``: ``{"op": "error", "seq": int, "message": str, "code": str}`` -- the
+  request could not be served (a malformed frame, observations that do not fit the space); the runner
+  raises, naming the message, so its stage group recreates it. ``code`` "shm_unavailable" is the one
+  exception: the server could not open the runner's shared-memory segment (below), and the runner
+  sends the request again with its observations in a new segment, or inline.
+
+Shared memory (a runner and its server on one node, ``actors.inference.shared_obs``): instead of
+``"obs"``, an ``act`` may carry ``"obs_shm": {"path": str, "shape": [int, ...], "dtype": str}`` --
+one array of the runner's observations, written into a memory-mapped file under ``/dev/shm`` before the
+request is sent and left untouched until the answer arrives. The server maps the file once, copies
+the block out and checks it against the observation space as it checks inline observations.
 
 Replies echo ``seq``; a runner drops a reply whose ``seq`` is not the one it waits for (the answer
 to a request it has since resent). Nothing here is pickled; only numpy, msgpack, lz4 and zmq.
@@ -35,6 +43,19 @@ LIMITS = Limits(max_frame_bytes=256 << 20, max_decoded_bytes=256 << 20, max_buff
 """Decode bounds: a request of a few thousand Atari frames fits; a forged frame claiming more is refused."""
 
 
+SHM_DTYPE_KINDS = "biuf"
+"""Dtype kinds an observation block in shared memory may have (numbers and flags: nothing with objects)."""
+
+
+@dataclass
+class SharedBlock:
+    """Where a runner put one step's observations in shared memory."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
 @dataclass
 class ActRequest:
     runner: int
@@ -42,8 +63,21 @@ class ActRequest:
     explore: bool
     timestep: int
     obs: Any
-    """Nested arrays with one leading row per sub-env."""
+    """Nested arrays with one leading row per sub-env (None when they are in ``shared``)."""
     rows: int
+    shared: SharedBlock | None = None
+
+
+@dataclass
+class ServerError:
+    """An ``error`` answer: the server's ``message`` and its ``code`` ("shm_unavailable": send again)."""
+
+    seq: int
+    message: str
+    code: str
+
+    def __str__(self) -> str:
+        return f"seq {self.seq}: {self.message}"
 
 
 @dataclass
@@ -55,9 +89,15 @@ class ActReply:
     dist_inputs: np.ndarray
 
 
-def act_request(runner: int, seq: int, obs: Any, explore: bool, timestep: int) -> bytes:
-    return encode({"op": ACT, "runner": int(runner), "seq": int(seq), "explore": bool(explore),
-                   "timestep": int(timestep), "obs": obs}, compress=False)
+def act_request(runner: int, seq: int, obs: Any, explore: bool, timestep: int,
+                shared: SharedBlock | None = None) -> bytes:
+    """``shared``: the observations are in shared memory there (``obs`` is then not sent)."""
+    msg = {"op": ACT, "runner": int(runner), "seq": int(seq), "explore": bool(explore), "timestep": int(timestep)}
+    if shared is None:
+        msg["obs"] = obs
+    else:
+        msg["obs_shm"] = {"path": shared.path, "shape": [int(n) for n in shared.shape], "dtype": shared.dtype.str}
+    return encode(msg, compress=False)
 
 
 def actions_reply(seq: int, weights_version: int, actions: np.ndarray, logp: np.ndarray,
@@ -66,8 +106,13 @@ def actions_reply(seq: int, weights_version: int, actions: np.ndarray, logp: np.
                    "logp": logp, "dist_inputs": dist_inputs}, compress=False)
 
 
-def error_reply(seq: int, message: str) -> bytes:
-    return encode({"op": ERROR, "seq": int(seq), "message": str(message)[:4000]}, compress=False)
+ERROR_CODES = ("bad_request", "failed", "shm_unavailable")
+
+
+def error_reply(seq: int, message: str, code: str = "failed") -> bytes:
+    if code not in ERROR_CODES:
+        raise ValueError(f"error code {code!r} is not one of {list(ERROR_CODES)}")
+    return encode({"op": ERROR, "seq": int(seq), "message": str(message)[:4000], "code": code}, compress=False)
 
 
 def _fields(frame: bytes, op: str, types: dict[str, type]) -> dict:
@@ -89,15 +134,40 @@ def read_request(frame: bytes) -> ActRequest:
     msg = _fields(frame, ACT, {"runner": int, "seq": int, "explore": bool, "timestep": int})
     if msg["op"] == ERROR:
         raise ProtocolError("a runner sent an 'error' message")
+    if "obs_shm" in msg:
+        if "obs" in msg:
+            raise ProtocolError("an 'act' message carries 'obs' or 'obs_shm', not both")
+        shared = _shared_block(msg["obs_shm"])
+        return ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], None, shared.shape[0], shared)
     rows = _rows(msg.get("obs"), "obs")
     return ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], msg["obs"], rows)
 
 
-def read_reply(frame: bytes) -> ActReply | str:
-    """A server's frame -> the actions, or the error message it sent (a str)."""
+def _shared_block(ref: Any) -> SharedBlock:
+    if not isinstance(ref, dict) or set(ref) != {"path", "shape", "dtype"}:
+        raise ProtocolError(f"'obs_shm' must be a map of 'path', 'shape' and 'dtype', got {ref!r:.200}")
+    path, shape, dtype = ref["path"], ref["shape"], ref["dtype"]
+    if type(path) is not str or not path:
+        raise ProtocolError(f"'obs_shm' path must be a non-empty str, got {path!r:.200}")
+    if (type(shape) is not list or not 1 <= len(shape) <= 8
+            or not all(type(n) is int and 0 <= n < 1 << 31 for n in shape) or shape[0] < 1):
+        raise ProtocolError(f"'obs_shm' shape must be 1-8 non-negative ints, the first >= 1, got {shape!r:.200}")
+    try:
+        dt = np.dtype(dtype) if type(dtype) is str and len(dtype) <= 8 else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in SHM_DTYPE_KINDS or dt.hasobject:
+        raise ProtocolError(f"'obs_shm' dtype must be a numeric dtype string such as '|u1' or '<f4', got {dtype!r:.50}")
+    return SharedBlock(path, tuple(shape), dt)
+
+
+def read_reply(frame: bytes) -> ActReply | ServerError:
+    """A server's frame -> the actions, or the error it sent."""
     msg = _fields(frame, ACTIONS, {"seq": int, "weights_version": int})
     if msg["op"] == ERROR:
-        return f"seq {msg.get('seq')}: {msg.get('message')}"
+        code = msg.get("code", "failed")
+        return ServerError(msg.get("seq") if type(msg.get("seq")) is int else -1, str(msg.get("message")),
+                           code if code in ERROR_CODES else "failed")
     arrays = [msg.get(k) for k in ("actions", "logp", "dist_inputs")]
     if not all(isinstance(a, np.ndarray) for a in arrays) or len({len(a) for a in arrays}) != 1:
         raise ProtocolError("an 'actions' message needs arrays 'actions', 'logp' and 'dist_inputs' of one length")

@@ -53,6 +53,26 @@ def test_runners_under_central_inference_import_no_torch():
         algo.stop()
 
 
+def test_runners_on_the_servers_node_send_frames_through_shared_memory():
+    """Remote runners of Atari-sized frames: every request goes through /dev/shm (the runners share the
+    server's node), each segment's name is gone once answered, and the server acted for every step."""
+    from tests.envs import FrameEnv
+
+    algo = (PPOConfig().environment(FrameEnv).env_runners(num_env_runners=2, num_envs_per_env_runner=2)
+            .inference(mode="central").build())
+    try:
+        m = MetricsLogger()
+        chunks = algo.env_runner_group.sample(100, m)
+        assert sum(len(c) for c in chunks) >= 100
+        counts = servers(algo).foreach_actor("get_metrics")[0].value
+        requests, shm = (counts[f"inference/{k}"]["value"] for k in ("num_requests", "num_shm_requests"))
+        assert requests > 0 and shm == requests
+        paths = algo.foreach_env_runner(lambda r: r.acting.segment.path, local_env_runner=False)
+        assert len(paths) == 2 and all(p and not os.path.exists(p) for p in paths)
+    finally:
+        algo.stop()
+
+
 def sample_twice(config, steps=400):
     algo = config.build()
     try:

@@ -7,6 +7,9 @@ returns its answer: the module's actions, their log-probabilities, the distribut
 weights version that acted. Everything else in the runner -- stepping, cutting chunks, counting --
 is unchanged, so chunks look the same with either piece.
 
+A runner on its server's node passes large observation blocks through shared memory
+(``actors.inference.shared_obs``; ``InferenceSettings.shared_memory``), other runners inline in the frame.
+
 No answer within ``resend_after_s`` (the server died, or is slow): the runner looks its server up in
 the directory (``actors.inference.directory``), reconnects if the address changed, and sends the same
 request again under the same number. An answer to an older number is dropped, so a step is acted on
@@ -28,6 +31,8 @@ import zmq
 
 from actors.inference.directory import lookup_address
 from actors.inference.settings import InferenceClientSettings
+from actors.inference.shared_obs import MIN_BYTES, ObsSegment, shared_memory_available
+from actors.network import node_address
 from protocols import inference as wire
 from protocols.errors import ProtocolError
 
@@ -52,6 +57,10 @@ class RemoteActing:
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self.address: str | None = None
+        self.segment: ObsSegment | None = None
+        """Where observations go when the server shares this node (None: inline)."""
+        self._shm_refusals = 0
+        self._shm_wanted = settings.shared_memory and shared_memory_available()
         self._connect(self._wait_for_address(time.monotonic() + settings.reply_timeout_s))
 
     def _wait_for_address(self, deadline: float) -> str:
@@ -71,6 +80,11 @@ class RemoteActing:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         self._sock, self.address = sock, address
+        if self.segment is not None:  # a new server: it knows no segment of ours yet
+            self.segment.close()
+            self.segment = None
+        if self._shm_wanted and _host(address) in _local_hosts():
+            self.segment = ObsSegment(self.worker_index)
 
     def session(self) -> contextlib.AbstractContextManager:
         """What the runner holds around a sampling run (the local piece: torch's inference mode)."""
@@ -79,7 +93,7 @@ class RemoteActing:
     def act(self, obs: Any, explore: bool, timestep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(module actions, their log-probabilities, distribution inputs, weights version) for one step."""
         self.seq += 1
-        frame = wire.act_request(self.worker_index, self.seq, obs, explore, timestep)
+        frame = self._request(obs, explore, timestep)
         sock = self._sock
         sock.send(frame, copy=False)
         started = last_sent = time.monotonic()
@@ -87,7 +101,14 @@ class RemoteActing:
             wait_ms = int(max(0.0, last_sent + self.s.resend_after_s - time.monotonic()) * 1000)
             if sock.poll(wait_ms, zmq.POLLIN):
                 reply = self._read(sock.recv())
+                if reply == "resend":  # the server could not open our segment: a new one, or inline
+                    frame = self._request(obs, explore, timestep)
+                    sock.send(frame, copy=False)
+                    last_sent = time.monotonic()
+                    continue
                 if reply is not None:
+                    if self.segment is not None:
+                        self.segment.answered()
                     self.weights_version = reply.weights_version
                     return reply.actions, reply.logp, reply.dist_inputs, reply.weights_version
                 continue
@@ -103,21 +124,44 @@ class RemoteActing:
                 self._connect(address)
                 self.num_reconnects += 1
                 sock = self._sock
+                frame = self._request(obs, explore, timestep)  # a new server: a new segment too
             sock.send(frame, copy=False)
             self.num_resends += 1
             last_sent = time.monotonic()
 
-    def _read(self, frame: bytes) -> wire.ActReply | None:
-        """The awaited reply, or None for a stale one (an answer to a request resent since)."""
+    def _request(self, obs: Any, explore: bool, timestep: int) -> bytes:
+        segment = self.segment
+        if segment is not None and type(obs) is np.ndarray and obs.nbytes >= MIN_BYTES:
+            shared = segment.write(obs)
+            return wire.act_request(self.worker_index, self.seq, None, explore, timestep, shared)
+        return wire.act_request(self.worker_index, self.seq, obs, explore, timestep)
+
+    def _read(self, frame: bytes) -> wire.ActReply | str | None:
+        """The awaited reply, None for a stale one (an answer to a request resent since), or "resend"."""
         try:
             reply = wire.read_reply(frame)
         except ProtocolError as err:
             raise RuntimeError(f"env runner {self.worker_index}: a malformed answer from inference server "
                                f"{self.server} at {self.address}: {err}") from None
-        if isinstance(reply, str):
+        if isinstance(reply, wire.ServerError):
+            if reply.code == "shm_unavailable" and reply.seq != self.seq:
+                return None  # about a request resent since
+            if reply.code == "shm_unavailable" and self.segment is not None:
+                self._shm_refusals += 1
+                if self._shm_refusals >= 2:  # twice: this server cannot see our /dev/shm; inline from now on
+                    log.warning("env runner %d: inference server %d at %s cannot open shared memory (%s); sending "
+                                "observations inline", self.worker_index, self.server, self.address, reply.message)
+                    self.segment.close()
+                    self.segment, self._shm_wanted = None, False
+                else:
+                    self.segment.renew()
+                return "resend"
             raise RuntimeError(f"env runner {self.worker_index}: inference server {self.server} at {self.address} "
                                f"refused request {self.seq}: {reply}")
-        return reply if reply.seq == self.seq else None
+        if reply.seq != self.seq:
+            return None
+        self._shm_refusals = 0
+        return reply
 
     # --- what the runner asks of any acting piece ----------------------------------------------
     def log_metrics(self, metrics: Any) -> None:
@@ -141,7 +185,19 @@ class RemoteActing:
         pass
 
     def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
         self._ctx.term()
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].split("//", 1)[-1]
+
+
+def _local_hosts() -> set[str]:
+    """The addresses this node answers on: a server bound to one of them shares our /dev/shm."""
+    return {"127.0.0.1", "localhost", node_address()}

@@ -21,6 +21,9 @@ from actors.modules import RLModule
 from protocols import nested
 
 
+MAX_HOST_ARRAYS = 4096
+
+
 class PolicyForward:
     def __init__(self, module: RLModule, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -29,6 +32,8 @@ class PolicyForward:
         self.dist_spec = module.dist_spec
         self.cuda = self.device.type == "cuda"
         self._pinned: dict[tuple, torch.Tensor] = {}  # (leaf, dtype, row shape) -> a pinned host buffer
+        self._host: dict[Any, torch.Tensor] = {}  # host_array's buffers, by key
+        self._host_spans: dict[Any, tuple[int, int]] = {}  # their address ranges (pinned ones only)
 
     def dist_inputs(self, obs: Any, explore: bool) -> torch.Tensor:
         """The action distribution inputs for a batch of numpy observations, on the CPU. The caller
@@ -55,8 +60,33 @@ class PolicyForward:
         out = forward(t_obs, self._upload(-1, state))
         return out["action_dist_inputs"].to("cpu"), out["state_out"].to("cpu").numpy()
 
+    def host_array(self, key: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A writable host array for a batch's observations, kept under ``key`` and reused (grown as needed):
+        pinned on CUDA, so a batch of it alone goes to the GPU with no further copy."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buf = self._host.get(key)
+        if buf is None and len(self._host) >= MAX_HOST_ARRAYS:  # bounded, whatever keys callers invent
+            oldest = next(iter(self._host))
+            del self._host[oldest]
+            self._host_spans.pop(oldest, None)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 4096), dtype=torch.uint8)
+            if self.cuda:
+                buf = buf.pin_memory()
+                self._host_spans[key] = (buf.data_ptr(), buf.data_ptr() + buf.numel())
+            self._host[key] = buf
+        return buf.numpy()[:nbytes].view(dtype).reshape(shape)
+
+    def _pinned_already(self, a: np.ndarray) -> bool:
+        if not a.flags.c_contiguous:
+            return False
+        start = a.__array_interface__["data"][0]
+        return any(lo <= start and start + a.nbytes <= hi for lo, hi in self._host_spans.values())
+
     def _upload(self, leaf: int, a: np.ndarray) -> torch.Tensor:
         """``a`` on the GPU through a pinned buffer kept for this leaf (grown as batches grow)."""
+        if self._pinned_already(a):  # a host_array batch: straight up (the caller keeps it until the pass ends)
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
         key = (leaf, a.dtype.str, a.shape[1:])
         buf = self._pinned.get(key)
         if buf is None or len(buf) < len(a):

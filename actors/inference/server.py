@@ -39,6 +39,7 @@ from actors.env.settings import EnvRunnerSettings, module_class_of
 from actors.inference.batching import RequestQueue, row_slices, stack_blocks
 from actors.inference.forward import PolicyForward
 from actors.inference.settings import InferenceSettings
+from actors.inference.shared_obs import SegmentMaps, SegmentUnavailable
 from actors.inference.streams import RunnerStreams
 from actors.metrics import MetricsLogger
 from actors.network import node_address
@@ -49,7 +50,8 @@ from protocols.schema import ChunkSchema
 
 log = logging.getLogger("runnel")
 
-COUNTS = ("num_requests", "num_actions", "num_batches", "num_bad_requests", "num_failed_batches")
+COUNTS = ("num_requests", "num_actions", "num_batches", "num_bad_requests", "num_failed_batches", "num_shm_requests",
+          "num_shm_unavailable")
 
 
 @contextlib.contextmanager
@@ -97,6 +99,7 @@ class InferenceServer(InferenceRole):
                                      settings.seed, chooser)
         self.schema = ChunkSchema.for_spaces(obs_space, None)
         self.queue = RequestQueue(inference.max_batch, inference.max_wait_s)
+        self.segments = SegmentMaps()  # runners on this node send their observations through shared memory
         self.weights_version = 0
         self.metrics = MetricsLogger()
         self.counts = dict.fromkeys(COUNTS, 0)
@@ -155,13 +158,29 @@ class InferenceServer(InferenceRole):
         try:
             request = wire.read_request(frame)
             seq = request.seq
+            if request.shared is not None:
+                request.obs = self._copy_shared(request)
             self.schema.check_observation_rows(request.obs, request.rows)
         except ProtocolError as err:
             self.counts["num_bad_requests"] += 1
-            self._sock.send_multipart([route, wire.error_reply(seq, f"bad request: {err}")])
+            self._sock.send_multipart([route, wire.error_reply(seq, f"bad request: {err}", "bad_request")])
+            return
+        except SegmentUnavailable as err:
+            self.counts["num_shm_unavailable"] += 1
+            self._sock.send_multipart([route, wire.error_reply(seq, str(err), "shm_unavailable")])
             return
         self.counts["num_requests"] += 1
         self.queue.add((route, request), request.rows)
+
+    def _copy_shared(self, request: wire.ActRequest) -> np.ndarray:
+        """The runner's block copied out of its segment into this server's buffer for that runner (pinned on
+        CUDA), before any check: what is checked is what acts. A runner has one request out at a time (a
+        resent one holds the same observations), so one buffer per runner serves."""
+        view = self.segments.view(request.runner, request.shared)
+        out = self.forward.host_array(("runner", request.runner), view.shape, view.dtype)
+        np.copyto(out, view)
+        self.counts["num_shm_requests"] += 1
+        return out
 
     def _apply_pending(self) -> None:
         """New weights, between two batches (the copy to the device happened in ``set_weights``)."""
@@ -312,6 +331,7 @@ class InferenceServer(InferenceRole):
         self._thread.join(timeout=10.0)
         for sock in (self._sock, self._wake_rx, self._wake_tx):
             sock.close(linger=0)
+        self.segments.close()
         self._ctx.term()
 
     def __repr__(self) -> str:  # how Ray names this actor in errors and logs

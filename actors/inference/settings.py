@@ -32,6 +32,9 @@ class InferenceSettings:
     max_wait_s: float = 0.0
     """How long the oldest queued request may wait for a fuller batch (0: serve what is queued at once;
     requests arriving during a forward pass form the next batch anyway)."""
+    shared_memory: bool = True
+    """Runners on a server's node pass observation blocks of 32 kB or more a step (image observations) through
+    shared memory (``/dev/shm``) instead of the socket; False: always inline."""
     resend_after_s: float = 5.0
     """A runner without an answer after this long asks where its server is now and resends (same
     request number: an answer arriving twice is used once)."""
@@ -53,6 +56,7 @@ class InferenceClientSettings:
     """The Ray namespace of the directory actor."""
     resend_after_s: float = 5.0
     reply_timeout_s: float = 120.0
+    shared_memory: bool = True
 
     def server_of(self, worker_index: int) -> int:
         return worker_index % self.num_servers

@@ -42,6 +42,8 @@ def inference_problems(config: Any) -> list[str]:
     x = InferenceSettings(**d)
     if x.mode not in MODES:
         return [f"inference mode={x.mode!r} is not one of {list(MODES)}"]
+    if not isinstance(x.shared_memory, bool):
+        problems.append(f"inference shared_memory must be True or False, got {x.shared_memory!r}")
     if x.runner_backend not in RUNNER_BACKENDS:
         problems.append(f"inference runner_backend={x.runner_backend!r} is not one of {list(RUNNER_BACKENDS)}")
     for key in ("num_inference_servers", "max_batch"):

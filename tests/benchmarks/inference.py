@@ -3,20 +3,25 @@
 Prints one JSON object per line:
   {"bench": "machine", ...}
   {"bench": "sampling", "workload": "frames_cnn"|"cartpole_mlp", "mode": "local"|"central", "device",
-   "runners", "envs", "repeat", "env_steps_per_s", "batch_size_mean" (central: rows per forward pass)}
+   "runners", "envs", "repeat", "env_steps_per_s"; central: "batch_size_mean" (rows per forward pass),
+   "batch_ms_mean" (a server's time per batch: forward pass, exploration, answers), "shm_share" (the share
+   of requests whose observations came through shared memory)}
         ``runners`` env runner actors x ``envs`` sub-envs each, sampled through the env runner group (no
         training): "frames_cnn" is an 84x84x4 uint8 frame env that costs next to nothing to step
         (``tests.envs.FrameEnv``) with the default CNN; "cartpole_mlp" CartPole-v1 with PPO's default
         MLP. "local": every runner runs its own module (one torch thread each); "central": ``--servers``
         inference servers (``--server-cpus`` torch threads each) act for them. Modes alternate within each
         repeat.
-  {"bench": "round_trip", "workload", "device", "batch", "p50_ms", "p99_ms", "n"}
+  {"bench": "round_trip", "workload", "device", "batch", "transport", "p50_ms", "p99_ms", "n"}
         one client sending ``batch`` observations at a time to a server actor and waiting for the answer
-        (encode, ZeroMQ over loopback, decode, forward pass, exploration, answer)
+        (encode, ZeroMQ over loopback, decode, forward pass, exploration, answer); transport "shm": the
+        observations through /dev/shm (the client shares the server's node; CartPole's are too small and
+        go inline anyway), "inline": in the frame
   {"bench": "summary", ...}          medians, central / local per workload (of the medians, and the median of
                                      each repeat's central / local)
   GPU section (only where torch sees CUDA; runs unchanged on a GPU machine):
-  {"bench": "sampling", ..., "mode": "central", "device": "cuda"}   the server on the GPU
+  {"bench": "sampling", ..., "mode": "central", "device": "cuda", "servers"}   ``--gpu-servers`` servers
+                                     sharing the GPU (each a run)
   {"bench": "round_trip", ..., "device": "cuda"}
   {"bench": "appo_frames", "device": "cuda", "env_steps_per_s", "per_cpu_core", "cpus"}
         APPO end to end on the frame env: runners stream, the server acts on the GPU, the learner trains
@@ -63,20 +68,21 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespace) -> tuple[float, float | None]:
+def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespace, gpu_servers: int = 1
+                  ) -> tuple[float, dict]:
     """Env steps per second the runner group samples (median over ``--seconds`` of sample calls), and the
-    servers' mean batch size (central)."""
+    servers' mean batch size and milliseconds per batch (central)."""
     steps = args.runners * args.envs * args.fragment
     config = (PPOConfig().environment(WORKLOADS[workload])
               .env_runners(num_env_runners=args.runners, num_envs_per_env_runner=args.envs,
                            rollout_fragment_length=args.fragment)
               .training(train_batch_size_per_learner=steps, minibatch_size=min(128, steps)))
     if mode == "central":
-        cuda = device == "cuda"  # one server on the GPU; on CPU, a server per core (at most one per runner)
-        config.inference(mode="central", num_inference_servers=1 if cuda else min(args.servers, args.runners),
+        cuda = device == "cuda"  # ``gpu_servers`` sharing the GPU; on CPU, a server per core (at most one per runner)
+        config.inference(mode="central", num_inference_servers=gpu_servers if cuda else min(args.servers, args.runners),
                          num_cpus_per_inference_server=args.server_cpus, max_batch=args.runners * args.envs,
-                         max_wait_s=args.max_wait_s,
-                         num_gpus_per_inference_server=1 if cuda else 0)
+                         max_wait_s=args.max_wait_s, shared_memory=not args.no_shm,
+                         num_gpus_per_inference_server=1 / gpu_servers if cuda else 0)
     algo = config.build(logdir=None)
     try:
         group, metrics = algo.env_runner_group, MetricsLogger()
@@ -87,18 +93,26 @@ def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespac
             t = time.perf_counter()
             got = sum(len(c) for c in group.sample(steps, metrics))
             rates.append(got / (time.perf_counter() - t))
-        batch = None
+        served_stats = {}
         if group.inference is not None:
             served = [r.value for r in group.inference.manager.foreach_actor("get_metrics") if r.ok]
             actions = sum(m["inference/num_actions"]["value"] for m in served)
-            batch = actions / max(1, sum(m["inference/num_batches"]["value"] for m in served))
-        return statistics.median(rates), batch
+            batches = max(1, sum(m["inference/num_batches"]["value"] for m in served))
+            requests = max(1, sum(m["inference/num_requests"]["value"] for m in served))
+            served_stats = {"batch_size_mean": round(actions / batches, 1),
+                            "shm_share": round(sum(m["inference/num_shm_requests"]["value"] for m in served)
+                                               / requests, 2),
+                            "batch_ms_mean": round(statistics.mean(
+                                m["inference/batch_ms_mean"]["sum"] / max(1, m["inference/batch_ms_mean"]["count"])
+                                for m in served if "inference/batch_ms_mean" in m), 3)}
+        return statistics.median(rates), served_stats
     finally:
         algo.stop()
 
 
-def round_trips(workload: str, device: str, batch: int, args: argparse.Namespace) -> dict:
-    """p50/p99 of one client's act round trips at ``batch`` rows against a server actor."""
+def round_trips(workload: str, device: str, batch: int, args: argparse.Namespace, transport: str = "shm") -> dict:
+    """p50/p99 of one client's act round trips at ``batch`` rows against a server actor; ``transport`` "shm":
+    observations through shared memory (the client shares the server's node), "inline": in the frame."""
     env = FrameEnv() if workload == "frames_cnn" else __import__("gymnasium").make("CartPole-v1")
     obs_space, act_space = env.observation_space, env.action_space
     settings = EnvRunnerSettings(env_creator=None, observation_space=obs_space, action_space=act_space)
@@ -110,7 +124,7 @@ def round_trips(workload: str, device: str, batch: int, args: argparse.Namespace
     directory.publish(0, ray.get(server.address.remote()))
     weights = ActorCriticModule(obs_space, act_space, inference_only=True).get_state()
     ray.get(server.set_weights.remote(weights, 1))
-    client = RemoteActing(InferenceClientSettings(1, directory), 1)
+    client = RemoteActing(InferenceClientSettings(1, directory, shared_memory=transport == "shm"), 1)
     obs = np.stack([obs_space.sample() for _ in range(batch)])
     try:
         for _ in range(10):
@@ -167,6 +181,8 @@ def main() -> None:
     p.add_argument("--cpu-modes", default="local,central",
                    help="the CPU sampling runs: local inference, central inference on CPU servers, or both")
     p.add_argument("--skip-gpu", action="store_true")
+    p.add_argument("--gpu-servers", default="1,4", help="inference servers sharing the GPU (each a run)")
+    p.add_argument("--no-shm", action="store_true", help="sampling runs send observations inline, not through /dev/shm")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.skip_gpu
     ray.init(address="local", num_cpus=args.runners + (args.servers + 1) * args.server_cpus + 2,
@@ -180,33 +196,34 @@ def main() -> None:
     for r in range(args.repeats):
         for workload in workloads:
             for mode in args.cpu_modes.split(","):
-                rate, batch = sampling_rate(workload, mode, "cpu", args)
+                rate, served = sampling_rate(workload, mode, "cpu", args)
                 rates.setdefault((workload, mode, "cpu"), []).append(rate)
                 emit(bench="sampling", workload=workload, mode=mode, device="cpu", runners=args.runners,
-                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1),
-                     **({} if batch is None else {"batch_size_mean": round(batch, 1)}))
+                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1), **served)
     devices = ["cpu"] + (["cuda"] if cuda else [])
-    trips = {}
+    trips: dict = {}
     for device in devices:
         for workload in workloads:
             for batch in (32, 256):
-                row = round_trips(workload, device, batch, args)
-                trips[(workload, device, batch)] = row
-                emit(bench="round_trip", workload=workload, device=device, batch=batch, **row)
+                for transport in ("shm", "inline"):
+                    row = round_trips(workload, device, batch, args, transport)
+                    trips[(workload, device, batch, transport)] = row
+                    emit(bench="round_trip", workload=workload, device=device, batch=batch, transport=transport, **row)
     if cuda:
         for r in range(args.repeats):
             for workload in workloads:
-                rate, batch = sampling_rate(workload, "central", "cuda", args)
-                rates.setdefault((workload, "central", "cuda"), []).append(rate)
-                emit(bench="sampling", workload=workload, mode="central", device="cuda", runners=args.runners,
-                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1), batch_size_mean=round(batch, 1))
+                for n in [int(n) for n in args.gpu_servers.split(",")]:
+                    rate, served = sampling_rate(workload, "central", "cuda", args, n)
+                    rates.setdefault((workload, "central", f"cuda{n}"), []).append(rate)
+                    emit(bench="sampling", workload=workload, mode="central", device="cuda", servers=n,
+                         runners=args.runners, envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1), **served)
         emit(bench="appo_frames", device="cuda", **appo_frames(args))
     summary = {f"{w}_{m}_{d}_env_steps_per_s": round(statistics.median(v), 1) for (w, m, d), v in rates.items()}
     for workload in workloads:
         local = rates.get((workload, "local", "cpu"))
         if not local:
             continue
-        for device in devices:
+        for device in ["cpu"] + ([f"cuda{n}" for n in args.gpu_servers.split(",")] if cuda else []):
             central = rates.get((workload, "central", device))
             if central:
                 summary[f"{workload}_central_{device}_over_local"] = round(statistics.median(central)
