@@ -17,6 +17,9 @@ Prints one JSON object per line:
         (encode, ZeroMQ over loopback, decode, forward pass, exploration, answer); transport "shm": the
         observations through /dev/shm (the client shares the server's node; CartPole's are too small and
         go inline anyway), "inline": in the frame
+  {"bench": "server_parts", "workload": "frames_cnn", "device", "rows", "requests", "read_inline",
+   "read_shm", "stack", "forward", "choose", "answers"}   a server's batch (``--runners`` requests of ``--envs``
+        frames) piece by piece in this process, median ms: where its time goes
   {"bench": "summary", ...}          medians, central / local per workload (of the medians, and the median of
                                      each repeat's central / local)
   GPU section (only where torch sees CUDA; runs unchanged on a GPU machine):
@@ -142,14 +145,82 @@ def round_trips(workload: str, device: str, batch: int, args: argparse.Namespace
             "n": len(times)}
 
 
+def server_parts(device: str, args: argparse.Namespace) -> dict:
+    """Where a central server's batch of the frame workload goes, timed piece by piece in this process
+    (median ms over repeats): ``args.runners`` requests of ``args.envs`` frames each -- reading them
+    (inline frames decoded and checked; shm blocks copied out of the segment and checked), stacking them,
+    the forward pass (to the distribution inputs on the CPU), the batch-wide choice, and the answers
+    encoded."""
+    from actors.env.exploration import make_exploration
+    from actors.inference.batching import stack_blocks
+    from actors.inference.forward import PolicyForward
+    from actors.inference.shared_obs import ObsSegment, SegmentMaps
+    from protocols import inference as wire
+    from protocols.schema import ChunkSchema
+
+    env = FrameEnv()
+    obs_space, act_space = env.observation_space, env.action_space
+    module = ActorCriticModule(obs_space, act_space, inference_only=True)
+    forward = PolicyForward(module, device)
+    exploration = make_exploration({}, forward.dist_spec)
+    schema = ChunkSchema.for_spaces(obs_space, None)
+    blocks = [np.stack([obs_space.sample() for _ in range(args.envs)]) for _ in range(args.runners)]
+    frames = [wire.act_request(i, 1, b, True, 0) for i, b in enumerate(blocks)]
+    segments = [ObsSegment(i) for i in range(args.runners)]
+    shm_frames = [wire.act_request(i, 1, None, True, 0, seg.write(b)) for i, (seg, b) in enumerate(zip(segments, blocks))]
+    maps = SegmentMaps()
+    times: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        out = fn()
+        times.setdefault(name, []).append((time.perf_counter() - t) * 1000)
+        return out
+
+    def read_inline():
+        out = []
+        for f in frames:
+            r = wire.read_request(f)
+            schema.check_observation_rows(r.obs, r.rows)
+            out.append(r.obs)
+        return out
+
+    def read_shm():
+        out = []
+        for f in shm_frames:
+            r = wire.read_request(f)
+            view = maps.view(r.runner, r.shared)
+            a = forward.host_array(("runner", r.runner), view.shape, view.dtype)
+            np.copyto(a, view)
+            schema.check_observation_rows(a, r.rows)
+            out.append(a)
+        return out
+
+    try:
+        with torch.inference_mode():
+            for _ in range(60):
+                timed("read_inline", read_inline)
+                obs = timed("stack", lambda: stack_blocks(timed("read_shm", read_shm)))
+                inputs = timed("forward", lambda: forward.dist_inputs(obs, True))
+                actions, logp = timed("choose", lambda: forward.choose(inputs, exploration, True, 0))
+                timed("answers", lambda: [wire.actions_reply(1, 1, actions[i:i + 1].numpy(), logp[i:i + 1].numpy(),
+                                                             inputs[i:i + 1].numpy()) for i in range(args.runners)])
+    finally:
+        for seg in segments:
+            seg.close()
+        maps.close()
+    return {k: round(statistics.median(v[10:]), 3) for k, v in times.items()}
+
+
 def appo_frames(args: argparse.Namespace, device: str = "cuda") -> dict:
     """APPO on the frame env, inference and learner on ``device`` (the GPU: half of it each): env steps
     sampled per second."""
+    servers = min(args.appo_servers, args.runners)
     gpus = 0.5 if device == "cuda" else 0
     config = (APPOConfig().environment(FrameEnv)
               .env_runners(num_env_runners=args.runners, num_envs_per_env_runner=args.envs)
-              .inference(mode="central", num_cpus_per_inference_server=1, num_gpus_per_inference_server=gpus,
-                         max_batch=args.runners * args.envs)
+              .inference(mode="central", num_inference_servers=servers, num_cpus_per_inference_server=1,
+                         num_gpus_per_inference_server=gpus / servers, max_batch=args.runners * args.envs)
               .learners(num_gpus_per_learner=gpus).reporting(min_time_s_per_iteration=1.0))
     algo = config.build(logdir=None)
     try:
@@ -163,7 +234,7 @@ def appo_frames(args: argparse.Namespace, device: str = "cuda") -> dict:
     finally:
         algo.stop()
     cpus = os.cpu_count() or 1
-    return {"env_steps_per_s": round(rate, 1), "per_cpu_core": round(rate / cpus, 1), "cpus": cpus}
+    return {"env_steps_per_s": round(rate, 1), "per_cpu_core": round(rate / cpus, 1), "cpus": cpus, "servers": servers}
 
 
 def main() -> None:
@@ -182,6 +253,7 @@ def main() -> None:
                    help="the CPU sampling runs: local inference, central inference on CPU servers, or both")
     p.add_argument("--skip-gpu", action="store_true")
     p.add_argument("--gpu-servers", default="1,4", help="inference servers sharing the GPU (each a run)")
+    p.add_argument("--appo-servers", type=int, default=2, help="inference servers of the APPO run (half the GPU)")
     p.add_argument("--no-shm", action="store_true", help="sampling runs send observations inline, not through /dev/shm")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.skip_gpu
@@ -201,6 +273,10 @@ def main() -> None:
                 emit(bench="sampling", workload=workload, mode=mode, device="cpu", runners=args.runners,
                      envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1), **served)
     devices = ["cpu"] + (["cuda"] if cuda else [])
+    if "frames_cnn" in workloads:
+        for device in devices:
+            emit(bench="server_parts", workload="frames_cnn", device=device, rows=args.runners * args.envs,
+                 requests=args.runners, **server_parts(device, args))
     trips: dict = {}
     for device in devices:
         for workload in workloads:
