@@ -91,7 +91,7 @@ class InferenceServer(InferenceRole):
         def build() -> Any:
             return cls(obs_space, act_space, settings.model_config, inference_only=True, **settings.module_kwargs)
 
-        self.forward = PolicyForward(build(), device)
+        self.forward = PolicyForward(build(), device, graphs=inference.cuda_graphs)
         dist_spec = self.forward.dist_spec
         chooser = (NumpyChooser(NumpyPolicy(settings.numpy_policy["policy"]), settings.numpy_policy["exploration"])
                    if settings.numpy_policy is not None else None)  # only its choosing is used: weights need not match
@@ -188,7 +188,7 @@ class InferenceServer(InferenceRole):
             return
         with self._lock:
             (weights, version, waiting), self._pending = self._pending, None
-            self.forward.module.load_state_dict(weights, assign=True)
+            self.forward.load_weights(weights)
             self.weights_version = version
         for done in waiting:
             done.set()

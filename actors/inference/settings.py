@@ -32,6 +32,9 @@ class InferenceSettings:
     max_wait_s: float = 0.0
     """How long the oldest queued request may wait for a fuller batch (0: serve what is queued at once;
     requests arriving during a forward pass form the next batch anyway)."""
+    cuda_graphs: bool = True
+    """A server on a GPU captures its module's forward pass as CUDA graphs (one per batch size bucket) and replays
+    them: a small batch's pass costs a graph launch instead of dozens of kernel launches. False: eager."""
     shared_memory: bool = True
     """Runners on a server's node pass observation blocks of 32 kB or more a step (image observations) through
     shared memory (``/dev/shm``) instead of the socket; False: always inline."""

@@ -42,8 +42,9 @@ def inference_problems(config: Any) -> list[str]:
     x = InferenceSettings(**d)
     if x.mode not in MODES:
         return [f"inference mode={x.mode!r} is not one of {list(MODES)}"]
-    if not isinstance(x.shared_memory, bool):
-        problems.append(f"inference shared_memory must be True or False, got {x.shared_memory!r}")
+    for key in ("shared_memory", "cuda_graphs"):
+        if not isinstance(getattr(x, key), bool):
+            problems.append(f"inference {key} must be True or False, got {getattr(x, key)!r}")
     if x.runner_backend not in RUNNER_BACKENDS:
         problems.append(f"inference runner_backend={x.runner_backend!r} is not one of {list(RUNNER_BACKENDS)}")
     for key in ("num_inference_servers", "max_batch"):
