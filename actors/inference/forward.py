@@ -84,11 +84,11 @@ class PolicyForward:
                 self._graphs.clear()
                 return self.dist_inputs(obs, explore)
         static_in, graph, static_out = captured
-        static_in[:n].copy_(self._host(obs), non_blocking=True)
+        static_in[:n].copy_(self._pinned_host(obs), non_blocking=True)
         graph.replay()
         return static_out[:n].to("cpu")  # waits for the replay
 
-    def _host(self, a: np.ndarray, leaf: int = 0) -> torch.Tensor:
+    def _pinned_host(self, a: np.ndarray, leaf: int = 0) -> torch.Tensor:
         """``a`` as a pinned host tensor: itself when it is a ``host_array`` batch (the caller keeps it until
         the pass ends), else copied into a pinned buffer kept for this leaf (grown as batches grow)."""
         if self._pinned_already(a):
@@ -160,7 +160,7 @@ class PolicyForward:
 
     def _upload(self, leaf: int, a: np.ndarray) -> torch.Tensor:
         """``a`` on the GPU through a pinned buffer kept for this leaf (grown as batches grow)."""
-        return self._host(a, leaf).to(self.device, non_blocking=True)
+        return self._pinned_host(a, leaf).to(self.device, non_blocking=True)
 
     def choose(self, inputs: torch.Tensor, exploration: Exploration, explore: bool, timestep: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
