@@ -11,6 +11,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
+# make test and make test-fast run test modules in this many worker processes (pytest-xdist; each module
+# starts its own small Ray): 2 keeps the suite's CPUs busy on a 2-core machine; 1 runs them in this process.
+TEST_WORKERS ?= 2
+XDIST   = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 STAMP   = $(VENV)/.runnel-installed
 
 .PHONY: setup train evaluate test test-seeds test-long test-fast bench clean help c-client-deps c-client
@@ -32,7 +36,7 @@ evaluate: setup
 	$(BIN)/runnel evaluate $(CHECKPOINT) $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=40 tests
+	$(BIN)/python -m pytest -q $(XDIST) --durations=40 tests
 
 test-seeds: setup
 	$(BIN)/python -m pytest -q -m seeds tests
@@ -41,7 +45,7 @@ test-long: setup
 	$(BIN)/python -m pytest -q -m long tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m 'not learning and not slow' tests
+	$(BIN)/python -m pytest -q $(XDIST) -m 'not learning and not slow' tests
 
 bench: setup
 	$(BIN)/python tests/benchmarks/codec.py

@@ -161,7 +161,7 @@ def server_parts(device: str, args: argparse.Namespace) -> dict:
     env = FrameEnv()
     obs_space, act_space = env.observation_space, env.action_space
     module = ActorCriticModule(obs_space, act_space, inference_only=True)
-    forward = PolicyForward(module, device)
+    forward = PolicyForward(module, device, graphs=True)  # as the server holds it (graphs: CUDA only)
     exploration = make_exploration({}, forward.dist_spec)
     schema = ChunkSchema.for_spaces(obs_space, None)
     blocks = [np.stack([obs_space.sample() for _ in range(args.envs)]) for _ in range(args.runners)]
