@@ -234,6 +234,7 @@ def centre_loving(runner: MultiAgentEnvRunner) -> None:
 @pytest.mark.parametrize("module_class,exploration", [(ActorCriticModule, {}),
                                                       (QModule, {"type": "EpsilonGreedy",
                                                                  "epsilon_schedule": [[0, 0.3]]})])
+@pytest.mark.slow
 def test_the_env_runner_takes_no_illegal_move_in_tic_tac_toe(module_class, exploration):
     settings = EnvRunnerSettings(env_creator=TicTacToe, num_envs=4, rollout_fragment_length=500, seed=0,
                                  model_config={"fcnet_hiddens": [16]}, exploration_config=exploration)

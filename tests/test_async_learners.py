@@ -107,6 +107,7 @@ def build(config_cls, **training):
 def runnel_threads():
     return [t.name for t in threading.enumerate() if t.name.startswith("runnel-")]
 
+@pytest.mark.slow
 def test_two_impala_learners_train_their_own_runners_chunks_each_once(ray_cluster):
     algo = build(IMPALAConfig, train_batch_size_per_learner=200, minibatch_size=100)
     try:

@@ -35,6 +35,7 @@ def servers(algo):
 
 
 # --- thin runners, the same actions -------------------------------------------------------------
+@pytest.mark.slow
 def test_runners_under_central_inference_import_no_torch():
     """Two runners, two servers: runner i asks server i % 2, and each server acts for its runner."""
     algo = cartpole(PPOConfig, runners=2, envs=2).inference(mode="central", num_inference_servers=2).build()
@@ -53,6 +54,7 @@ def test_runners_under_central_inference_import_no_torch():
         algo.stop()
 
 
+@pytest.mark.slow
 def test_runners_on_the_servers_node_send_frames_through_shared_memory():
     """Remote runners of Atari-sized frames: every request goes through /dev/shm (the runners share the
     server's node), each segment's name is gone once answered, and the server acted for every step."""
@@ -81,6 +83,7 @@ def sample_twice(config, steps=400):
         algo.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("config_cls", [PPOConfig, DQNConfig])
 def test_same_seed_and_weights_give_the_same_actions_with_central_and_local_inference(config_cls, backend):
@@ -132,6 +135,7 @@ def test_servers_count_in_what_a_joined_cluster_must_hold():
 # --- remote learners ----------------------------------------------------------------------------
 @pytest.mark.parametrize("num_learners,device", [(2, "cpu"), pytest.param(1, "cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.slow
 def test_remote_learners_weights_reach_every_server(num_learners, device):
     """APPO with learners in Ray actors (num_learners > 0): the weights go out from learner 0, and every
     server acts with them, stamped with their version, once an iteration ends. On CUDA: the learner and the

@@ -240,6 +240,7 @@ def algo(request, ray_local):
     algo.stop()
 
 
+@pytest.mark.slow
 def test_foreach_env_runner_hands_a_user_error_to_the_caller(algo):
     """An exception raised by the user's function reaches the caller as that exception, naming the
     runner; the runner is healthy, is not restarted, and answers the next call."""

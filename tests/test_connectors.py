@@ -225,6 +225,7 @@ def _ppo(**runners):
             .training(train_batch_size_per_learner=512, minibatch_size=128, num_epochs=2).debugging(seed=0))
 
 
+@pytest.mark.slow
 def test_runners_normalise_with_the_merged_statistics_and_a_checkpoint_restores_them_bit_for_bit(ray_cluster, tmp_path):
     algo = _ppo(num_env_runners=2).evaluation(evaluation_interval=1, evaluation_num_env_runners=1,
                                               evaluation_duration=2).build()
@@ -322,6 +323,7 @@ def stack4(env):
     return FrameStackingEnvToModule(num_frames=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo_name", ["PPO", "APPO"])
 def test_learners_train_on_stacks_rebuilt_from_one_frame_per_step(ray_cluster, algo_name):
     from pipeline import APPOConfig

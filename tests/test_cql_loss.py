@@ -34,6 +34,7 @@ def tensors(batch):
     return {k: torch.as_tensor(v) for k, v in batch.items()}
 
 
+@pytest.mark.slow
 def test_regularizer_pushes_q_of_recorded_actions_up_and_others_down():
     torch.manual_seed(0)
     lrn = learner(bc_iters=0, min_q_weight=5.0)

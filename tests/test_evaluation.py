@@ -27,6 +27,7 @@ def ppo(env="CartPole-v1", num_env_runners=0, **env_config):
             .debugging(seed=0))
 
 
+@pytest.mark.slow
 def test_sequential_order_interval_and_attaching():
     """train(0->1), train(1->2), eval(2), train(2->3), train(3->4), eval(4) -- with evaluation_interval=2."""
     algo = ppo().evaluation(evaluation_interval=2, evaluation_duration=3, always_attach_evaluation_results=False).build()
@@ -90,6 +91,7 @@ class Overlap(DefaultCallbacks):
                 ray.get(log.mark.remote(f"evaluator_saw_v{version}"))
 
 
+@pytest.mark.slow
 def test_parallel_evaluation_overlaps_training_and_is_one_behind():
     log = EventLog.options(name="overlap_log").remote()
     algo = (ppo().callbacks(Overlap)
@@ -117,6 +119,7 @@ class EpisodesPerRunner(DefaultCallbacks):
         metrics_logger.log_value("pid", os.getpid(), reduce="max")
 
 
+@pytest.mark.slow
 def test_durations_split_among_evaluators_and_hooks_run_in_the_runners():
     """10 episodes on 3 evaluators: 4, 3, 3 (the remainder on the first ones); 200 timesteps on 3
     evaluators: rounded up to 201, 67 each (at least, whole vector steps)."""
@@ -215,6 +218,7 @@ class BrokenInRunner(DefaultCallbacks):
         raise KeyError("no such thing")
 
 
+@pytest.mark.slow
 def test_a_callback_error_in_a_remote_runner_ends_the_run_with_its_name():
     algo = ppo(num_env_runners=1).callbacks(BrokenInRunner).build()
     try:

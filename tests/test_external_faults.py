@@ -167,6 +167,7 @@ class CuttingProxy:
         self.cut(count=False)
 
 
+@pytest.mark.slow
 def test_connections_cut_by_a_proxy(tmp_path):
     port = free_port()
     algo = small_ppo(f"tcp://127.0.0.1:{port}", str(tmp_path), num_env_runners=0).build()

@@ -167,6 +167,7 @@ def fuzz_round(data: st.DataObject, server, ctx: zmq.Context) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 def test_fuzzed_messages_get_the_spec_replies_and_a_good_client_is_served_throughout(tmp_path):
     server = make_server(tmp_path, fragment_length=FRAGMENT, max_batch=MAX_BATCH, max_open_episodes=MAX_OPEN,
                          sample_wait_s=0.2)

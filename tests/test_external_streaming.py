@@ -206,6 +206,7 @@ def train_until(algo, done, max_iterations: int) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_appo_trains_from_a_client_of_the_in_driver_server(ray_cluster, tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"
     algo = external(APPOConfig().env_runners(num_env_runners=0), address, str(tmp_path)).build()
@@ -243,6 +244,7 @@ def test_appo_trains_from_a_client_of_the_in_driver_server(ray_cluster, tmp_path
     assert stream_threads() == []
 
 
+@pytest.mark.slow
 def test_impala_trains_from_clients_of_a_server_actor(ray_cluster, tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"
     algo = external(IMPALAConfig().env_runners(num_env_runners=1), address, str(tmp_path)).build()

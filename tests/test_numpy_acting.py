@@ -142,6 +142,7 @@ def test_runner_backend_numpy_refuses_what_it_cannot_export_naming_why():
         local_ppo().inference(runner_backend="jax").build(logdir=None)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_remote_runners_acting_with_numpy_never_import_torch_and_train():
     algo = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)

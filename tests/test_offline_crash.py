@@ -114,6 +114,7 @@ DRIVER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_whole_driver_leaves_a_readable_recording(tmp_path):
     out = str(tmp_path / "rec")
     proc = subprocess.Popen([sys.executable, "-c", DRIVER_SCRIPT, out], stdout=subprocess.PIPE, text=True,

@@ -117,6 +117,7 @@ def test_the_reader_is_registered():
     assert reader_class(ReaderSettings(EXPERT)) is OfflineReader
 
 
+@pytest.mark.slow
 def test_transitions_equal_what_the_shards_hold(ray2):
     files = _shards(os.path.join(DATA, "cartpole_random"))
     chunks = _local_chunks(files)

@@ -109,6 +109,7 @@ def test_runnel_evaluate_on_the_checkpoint_reports_450_or_more(cartpole_run, cap
     assert out["episode_return_mean"] >= 450
 
 
+@pytest.mark.slow
 def test_local_env_runner_trains():
     algo = PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0).debugging(seed=1).build()
     try:

@@ -591,6 +591,7 @@ def test_key_concepts_env_runner_actors(ray_cluster):
         _kill(env_runners)
 
 
+@pytest.mark.slow
 def test_key_concepts_learner_actor(ray_cluster):
     """Page 003, "Learner: Combining RLModule, loss function and optimizer": a remote PPO learner
     built from the config, updated from a list of episodes."""

@@ -51,6 +51,7 @@ def test_grid_search_by_class_and_config_object_restores_best_checkpoint(ray2, t
         algo.stop()
 
 
+@pytest.mark.slow
 def test_registered_name_with_a_dict_param_space(ray2, tmp_path):
     tuner = tune.Tuner("PPO", param_space=small_config(num_env_runners=0).to_dict(), run_config=tune.RunConfig(
         stop={"training_iteration": 1}, storage_path=str(tmp_path), name="by-name"))
@@ -63,6 +64,7 @@ def by_agent(agent_id, episode, **kw) -> str:
     return f"p{agent_id}"
 
 
+@pytest.mark.slow
 def test_a_multi_agent_config_tunes_per_module_settings(ray2, tmp_path):
     """Two policies on two-agent CartPole under Tune: a grid over the shared lr, each trial's results carry the
     per-module keys, and its checkpoint restores both modules."""
@@ -113,6 +115,7 @@ def test_pbt_perturbs_lr_of_a_running_trial(ray2, tmp_path):
     assert all(lrs[0] in (1e-4, 1e-3) for lrs in perturbed)
 
 
+@pytest.mark.slow
 def test_cli_grid_search_in_a_tuned_file_runs_through_tune(ray2, tmp_path, capsys):
     from pipeline.cli.main import main
 
