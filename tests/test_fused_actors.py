@@ -72,7 +72,7 @@ def test_what_is_not_fused():
     assert fusion_key(ActorCriticModule(gym.spaces.Dict({"x": BOX}), ACTS, {}, inference_only=True)) is None
     assert fusion_key(QModule(BOX, ACTS, {})) is None
     assert fusion_key(modules(1, hiddens=(8,))["m0"]) != fusion_key(modules(1)["m0"])
-    with pytest.raises(ValueError, match="two or more modules of one fusable architecture"):
+    with pytest.raises(ValueError, match="modules of one fusable architecture"):
         FusedActors({**modules(1), "other": modules(1, hiddens=(8,))["m0"]})
 
 

@@ -266,9 +266,9 @@ class MultiAgentSampler:
         return MultiAgentSample(chunks, env_steps, agent_steps, module_steps, ended)
 
     def _fusion_groups(self) -> list[tuple[tuple[str, ...], FusedActors | None]]:
-        """The modules that act in one pass (``FusedActors``: same architecture, plain sampling) and the
-        ones that act alone, each group in module order; built when the modules change, restacked
-        (new weights) at every call -- once per run."""
+        """The modules that act in one pass (``FusedActors``: same architecture, plain sampling; a lone such
+        module too, for its numpy pass) and the ones that act alone, each group in module order; built when
+        the modules change, restacked (new weights) at every call -- once per run."""
         members = tuple((mid, id(m), id(self.explorations[mid])) for mid, m in self.modules.items())
         if self._groups is None or self._groups[0] != members:
             by_key: dict[Any, list[str]] = {}
@@ -277,8 +277,8 @@ class MultiAgentSampler:
                 key = fusion_key(module)
                 plain = type(expl) is StochasticSampling
                 by_key.setdefault(mid if key is None or not plain else (key, expl.random_timesteps), []).append(mid)
-            groups = [(tuple(mids), FusedActors({m: self.modules[m] for m in mids}) if len(mids) > 1 else None)
-                      for mids in by_key.values()]
+            groups = [(tuple(mids), FusedActors({m: self.modules[m] for m in mids}) if isinstance(key, tuple) else None)
+                      for key, mids in by_key.items()]
             self._groups = (members, groups)
         else:
             for _, fused in self._groups[1]:

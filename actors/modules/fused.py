@@ -48,15 +48,15 @@ def fusion_key(module: RLModule) -> tuple | None:
 
 
 class FusedActors:
-    """The acting pass of ``modules`` (equal ``fusion_key``s, at least two) as one batched pass.
+    """The acting pass of ``modules`` (equal ``fusion_key``s; one or more) as one batched pass.
 
     ``refresh()`` restacks the weights: call it after the modules' weights change (the sampler does at
     the start of every run, which is where new weights take effect)."""
 
     def __init__(self, modules: Mapping[str, RLModule]) -> None:
         keys = {mid: fusion_key(m) for mid, m in modules.items()}
-        if len(modules) < 2 or None in keys.values() or len(set(keys.values())) != 1:
-            raise ValueError(f"FusedActors needs two or more modules of one fusable architecture, got {keys}")
+        if not modules or None in keys.values() or len(set(keys.values())) != 1:
+            raise ValueError(f"FusedActors needs modules of one fusable architecture, got {keys}")
         self.module_ids = list(modules)
         self.modules = [modules[mid] for mid in self.module_ids]
         first = self.modules[0]
