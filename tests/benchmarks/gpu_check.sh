@@ -11,7 +11,7 @@
 #      does, APPO with a remote learner and two servers sharing the GPU through Ray. FAIL if one fails, or
 #      if one skips other than the CPU-only '..._without_cuda_...' tests.
 #   4. benchmark: tests/benchmarks/inference.py on the frame env with the default CNN (8 runners x 4
-#      envs, 2 s a point): local inference, central on the GPU with 1 and with 2 servers sharing it,
+#      envs, 2 s a point): local inference, central on the GPU with 1, 2 and 4 servers sharing it,
 #      observations through shared memory (GPU_CHECK_BENCH_ARGS="... --cpu-modes
 #      local,central" adds central on 8 CPU servers, ~30 s more), the server's
 #      round trips at batch 32 and 256 (CPU and CUDA; shared memory and inline), APPO end to end with learner and server on the

@@ -252,7 +252,7 @@ def main() -> None:
     p.add_argument("--cpu-modes", default="local,central",
                    help="the CPU sampling runs: local inference, central inference on CPU servers, or both")
     p.add_argument("--skip-gpu", action="store_true")
-    p.add_argument("--gpu-servers", default="1,2", help="inference servers sharing the GPU (each a run)")
+    p.add_argument("--gpu-servers", default="1,2,4", help="inference servers sharing the GPU (each a run)")
     p.add_argument("--appo-servers", type=int, default=2, help="inference servers of the APPO run (half the GPU)")
     p.add_argument("--no-shm", action="store_true", help="sampling runs send observations inline, not through /dev/shm")
     args = p.parse_args()
