@@ -179,3 +179,18 @@ def test_protocol_checks_shared_block_descriptors():
             "obs_shm": {"path": "p", "shape": [1], "dtype": "<f4"}}
     with pytest.raises(ProtocolError, match="not both"):
         wire.read_request(wire.encode(both, compress=False))
+
+
+def test_no_room_in_shared_memory_sends_observations_inline(served, monkeypatch):
+    """/dev/shm full (a container's small tmpfs): the segment cannot be reserved, and the runner goes on
+    inline instead of failing (or of a SIGBUS at its first write)."""
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    client = served.client()
+    actions, *_ = client.act(frames(4), True, 0)
+    assert actions.shape == (4,) and client.segment is None
+    assert [f for f in os.listdir(SHM_DIR) if f.startswith(f"{PREFIX}{os.getpid()}-1-")] == []
+    counts = served.counts()
+    assert counts["num_shm_requests"] == 0 and counts["num_requests"] == 1

@@ -132,8 +132,15 @@ class RemoteActing:
     def _request(self, obs: Any, explore: bool, timestep: int) -> bytes:
         segment = self.segment
         if segment is not None and type(obs) is np.ndarray and obs.nbytes >= MIN_BYTES:
-            shared = segment.write(obs)
-            return wire.act_request(self.worker_index, self.seq, None, explore, timestep, shared)
+            try:
+                shared = segment.write(obs)
+            except OSError as err:  # /dev/shm full or gone: inline from now on
+                log.warning("env runner %d: no room for observations in shared memory (%s); sending them inline",
+                            self.worker_index, err)
+                segment.close()
+                self.segment, self._shm_wanted = None, False
+            else:
+                return wire.act_request(self.worker_index, self.seq, None, explore, timestep, shared)
         return wire.act_request(self.worker_index, self.seq, obs, explore, timestep)
 
     def _read(self, frame: bytes) -> wire.ActReply | str | None:

@@ -14,6 +14,12 @@ it (the server then holds its own mapping), so a runner killed later leaves noth
 a container with another ``/dev/shm``) answers ``shm_unavailable``; the runner writes a new segment and
 asks again, and after a second refusal sends its observations inline for good.
 
+Trust: this is a transport between two processes of one job, one user, one node -- external clients
+never use it (they send frames). What the server copies out is checked against the space as inline
+observations are; the one thing it cannot guard against is a runner process that shrinks its own file
+after the server mapped it (reading past the end would stop the server with SIGBUS), which no runnel
+code does.
+
 Only single-array observations of at least ``MIN_BYTES`` a step go this way; anything else (CartPole's
 four floats, dict observations) is inline, where the frame costs less than the file.
 """
@@ -62,7 +68,9 @@ class ObsSegment:
         self.close()
         fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-{self.worker_index}-", dir=SHM_DIR)
         try:
-            os.ftruncate(fd, size)
+            # reserved now: a full /dev/shm (a container's 64 MB) then fails here with ENOSPC, not with a
+            # SIGBUS at the first write into a page tmpfs cannot give
+            os.posix_fallocate(fd, 0, size)
             self._mm = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(path)
