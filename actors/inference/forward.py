@@ -47,7 +47,7 @@ class PolicyForward:
         self.cuda = self.device.type == "cuda"
         self._pinned: dict[tuple, torch.Tensor] = {}  # (leaf, dtype, row shape) -> a pinned host buffer
         self._host: dict[Any, torch.Tensor] = {}  # host_array's buffers, by key
-        self._host_spans: dict[Any, tuple[int, int]] = {}  # their address ranges (pinned ones only)
+        self._pinned_sizes: dict[int, int] = {}  # pinned host_array buffers: start address -> bytes
         self.graphs = graphs and self.cuda
         self._graphs: dict[tuple, tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -141,22 +141,23 @@ class PolicyForward:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         buf = self._host.get(key)
         if buf is None and len(self._host) >= MAX_HOST_ARRAYS:  # bounded, whatever keys callers invent
-            oldest = next(iter(self._host))
-            del self._host[oldest]
-            self._host_spans.pop(oldest, None)
+            self._pinned_sizes.pop(self._host.pop(next(iter(self._host))).data_ptr(), None)
         if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                self._pinned_sizes.pop(buf.data_ptr(), None)
             buf = torch.empty(max(nbytes, 4096), dtype=torch.uint8)
             if self.cuda:
                 buf = buf.pin_memory()
-                self._host_spans[key] = (buf.data_ptr(), buf.data_ptr() + buf.numel())
+                self._pinned_sizes[buf.data_ptr()] = buf.numel()
             self._host[key] = buf
         return buf.numpy()[:nbytes].view(dtype).reshape(shape)
 
     def _pinned_already(self, a: np.ndarray) -> bool:
-        if not a.flags.c_contiguous:
+        """``a`` is a ``host_array`` (which always starts at its buffer's start): one lookup, not a scan of
+        every runner's buffer."""
+        if not self._pinned_sizes or not a.flags.c_contiguous:
             return False
-        start = a.__array_interface__["data"][0]
-        return any(lo <= start and start + a.nbytes <= hi for lo, hi in self._host_spans.values())
+        return self._pinned_sizes.get(a.__array_interface__["data"][0], -1) >= a.nbytes
 
     def _upload(self, leaf: int, a: np.ndarray) -> torch.Tensor:
         """``a`` on the GPU through a pinned buffer kept for this leaf (grown as batches grow)."""
