@@ -38,8 +38,9 @@ from pipeline.algorithm_evaluation import AlgorithmEvaluation
 from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
-from pipeline.algorithm_setup import (algorithm_config, connector_pipeline, frame_compression, function_setting,
-                                      import_in_background, policy_spaces, runner_fault_tolerance)
+from pipeline.algorithm_setup import (algorithm_config, check_module_to_env, connector_pipeline, frame_compression,
+                                      function_setting, import_in_background, learner_pipeline, policy_spaces,
+                                      runner_fault_tolerance)
 from pipeline.checkpoints.save_restore import (build_from_checkpoint, driver_state, load_into, save_algorithm,
                                                set_driver_state)
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -131,6 +132,10 @@ class Algorithm(Trainable):
         if self.connector is not None:
             obs_space = self.connector.observation_space
         self.observation_space, self.action_space = obs_space, act_space
+        check_module_to_env(config, obs_space, act_space, self.multi_agent is not None)
+        self.learner_connector = learner_pipeline(config, self.chunk_observation_space, act_space,
+                                                  self.multi_agent is not None)
+        """The learner pipeline each learner gets a copy of (None without ``learner_connector``)."""
         self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class,
                                       config.module_kwargs())
         if self.multi_agent is None:
@@ -176,8 +181,11 @@ class Algorithm(Trainable):
                 importing.join()
             if self.multi_agent is None:
                 view = self.connector.observation_view() if self.connector is not None else None
+                kwargs = {"observation_view": view} if view else {}
+                if self.learner_connector is not None:
+                    kwargs["learner_connector"] = self.learner_connector
                 self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space,
-                                                  learner_kwargs={"observation_view": view} if view else None)
+                                                  learner_kwargs=kwargs or None)
             else:
                 self.learner_group = self.multi_agent.learner_group(self.learner_class, config)
             if early:

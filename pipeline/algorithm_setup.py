@@ -13,6 +13,8 @@ import threading
 from typing import Any, Callable
 
 from actors.connectors.base import ConnectorPipeline, build_pipeline
+from actors.connectors.learner import LearnerPipeline, build_learner_pipeline
+from actors.connectors.module_to_env import build_module_to_env
 from actors.manager import FaultToleranceSettings
 from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.config.plain import resolve_import_path
@@ -122,3 +124,40 @@ def connector_pipeline(config: AlgorithmConfig, observation_space: Any, action_s
             raise ConfigError(f"env_to_module_connector: {view!r} is a view rebuilt where it is used, and {where}; "
                               f"stack frames in the env instead (gymnasium.wrappers.FrameStackObservation)")
     return pipeline
+
+
+def check_module_to_env(config: AlgorithmConfig, observation_space: Any, action_space: Any, multi_agent: bool) -> None:
+    """A ``module_to_env_connector`` that runners cannot use is a ConfigError at ``build()``, naming the cause
+    (its pieces are built once here to find out; each runner builds its own)."""
+    factory = function_setting(config.module_to_env_connector, "module_to_env_connector")
+    if factory is None:
+        return
+    if multi_agent:
+        raise ConfigError("module_to_env_connector is single-agent for now; leave it unset in a multi-agent run and "
+                          "convert actions in the MultiAgentEnv")
+    if config.external_clients_config:
+        raise ConfigError("module_to_env_connector runs in env runners, and with external_clients the clients step "
+                          "their own envs: convert actions in the client, or leave module_to_env_connector unset")
+    try:
+        build_module_to_env(factory, observation_space, action_space)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"module_to_env_connector: {err}") from err
+
+
+def learner_pipeline(config: AlgorithmConfig, chunk_observation_space: Any, action_space: Any,
+                     multi_agent: bool) -> LearnerPipeline | None:
+    """The pipeline each learner applies to its train batches' chunks (None without ``learner_connector``);
+    refused, naming the cause, where learners do not train on chunks."""
+    factory = function_setting(config.learner_connector, "learner_connector")
+    if factory is None:
+        return None
+    if multi_agent:
+        raise ConfigError("learner_connector is single-agent for now; leave it unset in a multi-agent run")
+    if getattr(config, "replay_buffer_config", None) is not None:
+        raise ConfigError("learner_connector acts on the episode chunks a learner trains on, and this algorithm "
+                          "trains on transitions drawn from a replay buffer; leave learner_connector unset (reward "
+                          "clipping: .environment(clip_rewards=True))")
+    try:
+        return build_learner_pipeline(factory, chunk_observation_space, action_space)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"learner_connector: {err}") from err

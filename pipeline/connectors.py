@@ -1,10 +1,13 @@
-"""Env-to-module connector pieces under the names RLlib users import (``ray.rllib.connectors.env_to_module``):
-``.env_runners(env_to_module_connector=lambda env: [FlattenObservations(), MeanStdFilter()])``.
-How pipelines run, record and sync is in ``actors.connectors.base``."""
-from actors.connectors import ConnectorPipeline, ConnectorV2, FlattenObservations, FrameStackingEnvToModule, MeanStdFilter
+"""Connector pieces under the names RLlib users import (``ray.rllib.connectors``):
+``.env_runners(env_to_module_connector=lambda env: [PrevActionsPrevRewards(), FlattenObservations(), MeanStdFilter()],
+module_to_env_connector=lambda env: [YourActionPiece()])`` and ``.training(learner_connector=lambda obs_space,
+act_space: [ClipRewards()])``. How each pipeline runs is in ``actors.connectors``' modules."""
+from actors.connectors import (ClipRewards, ConnectorPipeline, ConnectorV2, FlattenObservations, FrameStackingEnvToModule,
+                               LearnerConnector, MeanStdFilter, ModuleToEnvConnector, PrevActionsPrevRewards)
 
-__all__ = ["ConnectorPipeline", "ConnectorV2", "FlattenObservations", "FrameStackingEnvToModule", "MeanStdFilter",
-           "atari_frame_stack", "mean_std_filter"]
+__all__ = ["ClipRewards", "ConnectorPipeline", "ConnectorV2", "FlattenObservations", "FrameStackingEnvToModule",
+           "LearnerConnector", "MeanStdFilter", "ModuleToEnvConnector", "PrevActionsPrevRewards", "atari_frame_stack",
+           "mean_std_filter"]
 
 
 def atari_frame_stack(env: object) -> FrameStackingEnvToModule:

@@ -34,10 +34,15 @@ class ConnectorV2:
     ``input_observation_space``/``input_action_space``: the spaces this piece receives (filled in by the
     pipeline when the piece was built without them)."""
 
+    pipeline_kind: str = "env_to_module"
+    """Which pipeline the piece belongs in: env_to_module (here), module_to_env (``ModuleToEnvConnector``) or
+    learner (``LearnerConnector``); each pipeline refuses the others' pieces."""
     records: bool = True
     """The piece's output is what chunks store (False: a view rebuilt where it is used)."""
     look_back: int = 0
     """Rows of earlier observations a view needs beside each step's own (frame stacking: frames - 1)."""
+    watches_steps: bool = False
+    """The piece hears every step's actions and rewards (``on_step``): ``PrevActionsPrevRewards``."""
 
     def __init__(self, input_observation_space: gym.Space | None = None,
                  input_action_space: gym.Space | None = None, **kwargs: Any) -> None:
@@ -55,6 +60,15 @@ class ConnectorV2:
         """A batch of observations in, a batch out. ``update``: the piece may learn from this batch (training
         runners; evaluation and ``compute_single_action`` pass False)."""
         return obs
+
+    def on_step(self, actions: Any, rewards: np.ndarray) -> None:
+        """With ``watches_steps``: the module's actions of the step just taken (``[num_envs, ...]``) and the
+        rewards it brought, before the piece gets the observations that step returned."""
+
+    def final_observation(self, obs: Any, env_index: int) -> Any:
+        """A recording piece's output for the final observation of sub-env ``env_index``'s episode (a batch of
+        one row), learning nothing from it. Default: ``__call__`` without an episode start."""
+        return self(obs, episode_starts=np.zeros(1, bool), update=False)
 
     def get_state(self) -> dict[str, Any]:
         """Plain data and arrays (checkpointed)."""
@@ -75,7 +89,7 @@ class ConnectorV2:
         """Merge the deltas of the runners' copies into this (the driver's) copy."""
 
     def reset_stack(self, num_envs: int) -> None:
-        """A runner's vector of ``num_envs`` sub-envs starts afresh (views with per-env memory size it)."""
+        """A runner's vector of ``num_envs`` sub-envs starts afresh (pieces with per-env memory size it)."""
 
     def recent(self) -> np.ndarray:
         """A view that looks back: the recorded rows before each sub-env's newest (see ``ConnectorPipeline.recent``)."""
@@ -99,9 +113,11 @@ class ConnectorPipeline:
         space = observation_space
         views_seen = False
         for piece in pieces:
-            if not isinstance(piece, ConnectorV2):
-                raise TypeError(f"an env-to-module connector must be a ConnectorV2 instance, got "
-                                f"{type(piece).__name__}: subclass pipeline.connectors.ConnectorV2")
+            if not isinstance(piece, ConnectorV2) or piece.pipeline_kind != "env_to_module":
+                raise TypeError(f"an env-to-module connector must be a ConnectorV2 instance that acts on "
+                                f"observations, got {type(piece).__name__}: subclass pipeline.connectors.ConnectorV2 "
+                                f"(ModuleToEnvConnector pieces go in module_to_env_connector, LearnerConnector "
+                                f"pieces in learner_connector)")
             if piece.input_observation_space is None:
                 piece.input_observation_space = space
             if piece.input_action_space is None:
@@ -120,6 +136,8 @@ class ConnectorPipeline:
         for piece in self.recording_pieces:
             self.recorded_space = piece.recompute_output_observation_space(self.recorded_space, action_space)
         self.views = [p for p in pieces if not p.records]
+        self.step_watchers = [p for p in pieces if p.watches_steps]
+        """Pieces that hear each step's actions and rewards (``after_step``); the runner skips the call without."""
         self.look_back = max((p.look_back for p in self.views), default=0)
         """Rows of earlier observations each chunk carries for the views (0: none)."""
 
@@ -135,6 +153,19 @@ class ConnectorPipeline:
             obs = piece(obs, episode_starts=episode_starts, update=update)
         return obs
 
+    def record_final(self, obs: Any, env_index: int) -> Any:
+        """The recording pieces on the final observation of sub-env ``env_index``'s episode (a batch of one)."""
+        for piece in self.pieces:
+            if not piece.records:
+                break
+            obs = piece.final_observation(obs, env_index)
+        return obs
+
+    def after_step(self, actions: Any, rewards: np.ndarray) -> None:
+        """Every piece that watches steps hears the step's actions and rewards."""
+        for piece in self.step_watchers:
+            piece.on_step(actions, rewards)
+
     def view(self, recorded: Any, episode_starts: np.ndarray, update: bool) -> Any:
         """The views on top of recorded observations: what the module gets."""
         for piece in self.views:
@@ -148,7 +179,13 @@ class ConnectorPipeline:
         return rows
 
     def reset_stack(self, num_envs: int) -> None:
+        """The views' memory starts afresh (a resumed runner: the recording pieces keep their restored state)."""
         for piece in self.views:
+            piece.reset_stack(num_envs)
+
+    def reset_memory(self, num_envs: int) -> None:
+        """Every sub-env starts a fresh episode: every piece's per-sub-env memory starts afresh."""
+        for piece in self.pieces:
             piece.reset_stack(num_envs)
 
     def recent(self) -> Any:
@@ -240,24 +277,31 @@ def build_pipeline(factory: Callable[..., Any] | None, observation_space: gym.Sp
                    action_space: gym.Space) -> ConnectorPipeline | None:
     """``factory(env)`` (RLlib's ``env_to_module_connector``; ``(env, spaces, device)`` is accepted too)
     -> a piece or a list of pieces -> a pipeline; None when there is no factory or it gives no pieces."""
-    if factory is None:
-        return None
-    if isinstance(factory, ConnectorV2):
-        raise TypeError("env_to_module_connector takes a function that builds the pieces, as in "
-                        "env_to_module_connector=lambda env: MeanStdFilter(), not a piece: each runner "
-                        "builds its own")
-    if not callable(factory):
-        raise TypeError(f"env_to_module_connector must be a function env -> piece(s), got {type(factory).__name__}")
     env = EnvSpaces(observation_space, action_space)
+    pieces = factory_pieces(factory, "env_to_module_connector", (env,), (env, None, None),
+                            "lambda env: MeanStdFilter()")
+    return ConnectorPipeline(pieces, observation_space, action_space) if pieces else None
+
+
+def factory_pieces(factory: Callable[..., Any] | None, name: str, args: tuple, more_args: tuple,
+                   example: str) -> list[Any]:
+    """The pieces a connector factory gives: ``factory(*args)``, or ``factory(*more_args)`` when it takes more
+    positional arguments (RLlib's longer signatures); a piece, a list of pieces or a pipeline; [] for None."""
+    if factory is None:
+        return []
+    if isinstance(factory, ConnectorV2):
+        raise TypeError(f"{name} takes a function that builds the pieces, as in {name}={example}, "
+                        f"not a piece: each runner or learner builds its own")
+    if not callable(factory):
+        raise TypeError(f"{name} must be a function that returns piece(s), got {type(factory).__name__}")
     try:
         params = [p for p in inspect.signature(factory).parameters.values()
                   if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
-        params = [None]
-    pieces = factory(env) if len(params) <= 1 else factory(env, None, None)
+        params = [None] * len(args)
+    pieces = factory(*args) if len(params) <= len(args) else factory(*more_args)
     if pieces is None:
-        return None
-    if isinstance(pieces, ConnectorPipeline):
+        return []
+    if hasattr(pieces, "pieces") and not isinstance(pieces, ConnectorV2):  # a pipeline
         pieces = pieces.pieces
-    pieces = list(pieces) if isinstance(pieces, (list, tuple)) else [pieces]
-    return ConnectorPipeline(pieces, observation_space, action_space) if pieces else None
+    return list(pieces) if isinstance(pieces, (list, tuple)) else [pieces]

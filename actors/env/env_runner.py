@@ -26,6 +26,7 @@ import numpy as np
 
 from actors.callbacks import build_callbacks, call_hook, overrides
 from actors.connectors.base import build_pipeline
+from actors.connectors.module_to_env import build_module_to_env
 from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.acting import make_acting
 from actors.env.actions import EnvActions
@@ -83,6 +84,8 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         """The inference-only module this runner acts with (None under central inference: the server holds it)."""
         self.exploration = self.acting.exploration
         self.env_actions = EnvActions(self.action_space, settings.normalize_actions, settings.clip_actions)
+        self.module_to_env = build_module_to_env(settings.module_to_env, self.observation_space, self.action_space)
+        """The module-to-env pipeline; None without ``module_to_env_connector``."""
         self.weights_version = 0
         self.num_env_steps_sampled_lifetime = 0
         self._timestep_offset = 0  # the run's env steps minus this runner's, as of the last weights
@@ -108,7 +111,8 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         if with_infos:
             self.env.keep_infos = True
         self.sampler = FragmentSampler(self.env, self.acting, self.env_actions, self.slots, self.hooks, with_infos,
-                                       self.connector, update_connector=not settings.in_evaluation)
+                                       self.connector, update_connector=not settings.in_evaluation,
+                                       module_to_env=self.module_to_env)
         self.recorder = (Recorder(settings.recording, f"{'eval' if settings.in_evaluation else 'runner'}{worker_index:03d}")
                          if settings.recording is not None else None)
         self._postprocess = overrides(cb, "on_postprocess_trajectory")
@@ -292,7 +296,8 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
                 "episode_ids": self.slots.get_ids_state(),
                 "slots": self.slots.get_state() if episodes else None,
                 "env": env_state, "env_tasks": self.tasks.tasks,
-                "connectors": None if self.connector is None else self.connector.get_state()}
+                "connectors": None if self.connector is None else self.connector.get_state(),
+                "module_to_env": None if self.module_to_env is None else self.module_to_env.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.set_weights(state["weights"], state.get("weights_version", 0))
@@ -305,6 +310,8 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
             self.set_env_tasks(state["env_tasks"])
         if state.get("connectors") is not None and self.connector is not None:
             self.connector.set_state(state["connectors"])
+        if state.get("module_to_env") is not None and self.module_to_env is not None:
+            self.module_to_env.set_state(state["module_to_env"])
         slots = state.get("slots")
         if state.get("env") is not None and slots is not None and len(slots) != self.s.num_envs:
             # restored with another num_envs_per_env_runner: the saved episodes have no sub-envs to go on in

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from actors.connectors.base import ConnectorPipeline
+from actors.connectors.module_to_env import ModuleToEnvPipeline
 from actors.env.actions import EnvActions
 from actors.env.episode_hooks import EpisodeHooks
 from actors.env.episode_slots import EpisodeSlots, Fragment
@@ -26,11 +27,15 @@ class FragmentSampler:
 
     def __init__(self, env: SyncVectorEnv | AsyncVectorEnv, acting: Any, env_actions: EnvActions,
                  slots: EpisodeSlots, hooks: EpisodeHooks | None, with_infos: bool,
-                 connector: ConnectorPipeline | None = None, update_connector: bool = True) -> None:
+                 connector: ConnectorPipeline | None = None, update_connector: bool = True,
+                 module_to_env: ModuleToEnvPipeline | None = None) -> None:
         self.env, self.acting, self.env_actions = env, acting, env_actions
         self.connector = connector
         """The env-to-module pipeline (``actors.connectors``): chunks store its recording pieces' output, the
         module acts on its views' output; None: observations go through as the env gave them."""
+        self.module_to_env = module_to_env
+        """The module-to-env pipeline (``actors.connectors.module_to_env``): it may change the actions the env
+        gets, or what is recorded; None: the module's actions, converted by ``env_actions``."""
         self.update_connector = update_connector
         """The pipeline may learn from what this runner sees (running statistics); evaluators do not."""
         self.module_obs: Any = None  # what the module acts on next (``obs`` unless the pipeline has views)
@@ -50,7 +55,7 @@ class FragmentSampler:
         self.slots.clear_next()
         self.obs = self.env.reset()
         if self.connector is not None:
-            self.connector.reset_stack(self.num_envs)
+            self.connector.reset_memory(self.num_envs)
             self.obs, self.module_obs = self._observe(self.obs, np.ones(self.num_envs, bool))
         else:
             self.module_obs = self.obs
@@ -82,10 +87,11 @@ class FragmentSampler:
         recorded = self.connector.record(raw, starts, update)
         return recorded, (self.connector.view(recorded, starts, update) if self.connector.views else recorded)
 
-    def _record_one(self, raw: Any) -> Any:
-        """One episode's last observation through the recording pieces (learning nothing from it)."""
+    def _record_one(self, raw: Any, env_index: int) -> Any:
+        """Sub-env ``env_index``'s last observation of an episode through the recording pieces (learning nothing
+        from it)."""
         batch = nested.map_structure(lambda a: np.asarray(a)[None], raw)
-        out = self.connector.record(batch, np.zeros(1, bool), False)
+        out = self.connector.record_final(batch, env_index)
         return nested.map_structure(lambda a: a[0], out)
 
     def run(self, steps: int, explore: bool, t0: int) -> Fragment:
@@ -101,6 +107,8 @@ class FragmentSampler:
         final_infos: dict[tuple[int, int], dict] = {}
         obs, module_obs = self.obs, self.module_obs
         conn = self.connector
+        watched = conn is not None and bool(conn.step_watchers)
+        to_env = self.module_to_env
         look_back = conn.recent() if conn is not None and conn.look_back else None
         recurrent = getattr(self.acting, "recurrent", False)
         state_rows: list[np.ndarray] | None = [] if recurrent else None
@@ -114,10 +122,18 @@ class FragmentSampler:
             act_np, logp, dist_inputs, version = act(module_obs, explore, t0 + t * n)
             if oldest is None or version < oldest:
                 oldest = version
+            env_act = None
+            if to_env is not None:
+                out = to_env({"actions": act_np, "action_logp": logp, "action_dist_inputs": dist_inputs},
+                             module_obs, explore)
+                act_np, logp, dist_inputs, env_act = (out["actions"], out["action_logp"], out["action_dist_inputs"],
+                                                      out.get("actions_for_env"))
             act_rows.append(act_np)
             logp_rows.append(logp)
             dist_rows.append(dist_inputs)
-            res = self.env.step(self.env_actions(act_np))
+            res = self.env.step(self.env_actions(act_np) if env_act is None else env_act)
+            if watched:
+                conn.after_step(act_np, res.rewards)
             rewards[t], terminated[t], truncated[t] = res.rewards, res.terminated, res.truncated
             if res.skipped is not None:
                 if skipped is None:
@@ -127,7 +143,7 @@ class FragmentSampler:
             if recurrent and len(res.final_obs) + (res.skipped is not None):
                 self.acting.reset_states(started_rows(started))
             for i, o in res.final_obs.items():
-                final_obs[(t, i)] = o if conn is None else self._record_one(o)
+                final_obs[(t, i)] = o if conn is None else self._record_one(o, i)
                 if not self.env.supports_hooks:
                     self.slots.begin(i)
             if self.hooks is not None:

@@ -40,6 +40,10 @@ class EnvRunnerSettings:
     env_to_module: Callable[..., Any] | None = None
     """The user's ``env_to_module_connector`` factory: each runner builds its own pipeline from it
     (``actors.connectors``); None: observations go to the module as the env gives them."""
+    module_to_env: Callable[..., Any] | None = None
+    """The user's ``module_to_env_connector`` factory (``actors.connectors.module_to_env``): what each runner
+    does to its module's actions before the env gets them; None: nothing beyond ``normalize_actions`` and
+    ``clip_actions``."""
     env_observation_space: gym.Space | None = None
     """The env's own observation space, what the pipeline starts from (``observation_space`` is what
     comes out of it); None: the env's."""

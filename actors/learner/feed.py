@@ -124,7 +124,8 @@ class LearnerFeed:
         self.receiver = ChunkReceiver(learner.observation_space, learner.action_space, settings.batch_size,
                                       queue_size=settings.queue_size, hwm=settings.hwm, rcvbuf=settings.rcvbuf,
                                       device=learner.device, max_weights_lag=settings.max_weights_lag,
-                                      observation_view=getattr(learner, "observation_view", None)).start()
+                                      observation_view=getattr(learner, "observation_view", None),
+                                      learner_connector=getattr(learner, "learner_connector", None)).start()
         self.address = self.receiver.address
         self._staged: ChunkBatch | ModuleBatches | None = None  # taken off the queue by a "ready" answer
         # batches taken off the queue and not trained on yet (a circular buffer may evict one unused:

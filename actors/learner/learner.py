@@ -91,9 +91,11 @@ class Learner(FedByStreams, LearnerRole):
 
     def __init__(self, settings: LearnerSettings, observation_space: gym.Space | None = None,
                  action_space: gym.Space | None = None, *, module_spec: Any = None, device: str = "cpu", rank: int = 0,
-                 world_size: int = 1, observation_view: Any = None) -> None:
+                 world_size: int = 1, observation_view: Any = None, learner_connector: Any = None) -> None:
         """``observation_view`` (``actors.connectors.ObservationView``): the runners' connectors build a view
-        (frame stacks) that chunks do not store; this learner rebuilds it from each chunk's look-back rows."""
+        (frame stacks) that chunks do not store; this learner rebuilds it from each chunk's look-back rows.
+        ``learner_connector`` (``actors.connectors.learner.LearnerPipeline``): applied to the chunks of every
+        train batch before the batch check and the loss (a stream loader applies it to the batches it cuts)."""
         if module_spec is not None:  # RLlib's spelling: the spaces come with the module spec
             observation_space = observation_space or module_spec.observation_space
             action_space = action_space or module_spec.action_space
@@ -103,6 +105,7 @@ class Learner(FedByStreams, LearnerRole):
         self.settings = settings
         self.observation_space, self.action_space = observation_space, action_space
         self.observation_view = observation_view
+        self.learner_connector = learner_connector
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
         if settings.seed is not None:
@@ -175,6 +178,12 @@ class Learner(FedByStreams, LearnerRole):
                 batch = self.observation_view.rebuild(batch)
             except ValueError as err:
                 view_problem = str(err)
+        if view_problem is None and self.learner_connector is not None and isinstance(batch, list) \
+                and not isinstance(batch, ChunkBatch):
+            try:  # a stream's batches went through it in their loader
+                batch = self.learner_connector(batch)
+            except Exception as err:  # a user's piece: its failure costs this batch, not the job
+                view_problem = f"the learner connector failed on this batch: {err!r}"
         if view_problem is None and getattr(self.module, "is_recurrent", False) and isinstance(batch, list):
             view_problem = self._state_problem(batch)
         refused = self._refuse(batch, view_problem)
@@ -352,6 +361,7 @@ class Learner(FedByStreams, LearnerRole):
             "num_updates": self.num_updates,
             "rng": self.rng.bit_generator.state,
             "torch_rng": torch.get_rng_state(),
+            "learner_connector": None if self.learner_connector is None else self.learner_connector.get_state(),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -367,6 +377,8 @@ class Learner(FedByStreams, LearnerRole):
             self.rng.bit_generator.state = state["rng"]
         if "torch_rng" in state:
             torch.set_rng_state(state["torch_rng"])
+        if state.get("learner_connector") is not None and self.learner_connector is not None:
+            self.learner_connector.set_state(state["learner_connector"])
 
     def ping(self) -> str:
         return "ok"

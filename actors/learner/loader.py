@@ -91,13 +91,16 @@ class ChunkReceiver:
                  rcvbuf: int = 0, device: str | torch.device = "cpu", prebuild: bool = True,
                  required_extra: tuple[str, ...] = ("action_logp",), max_log_lines_per_sender: int = 100,
                  module_spaces: dict[str, tuple[gym.Space, gym.Space]] | None = None,
-                 max_weights_lag: int | None = None, observation_view: Any = None) -> None:
+                 max_weights_lag: int | None = None, observation_view: Any = None,
+                 learner_connector: Any = None) -> None:
         """``module_spaces``: module id -> (observation, action space) of a multi-agent run's modules:
         batches are ``ModuleBatches`` of ``batch_size`` agent steps (``observation_space`` and
         ``action_space`` are then not used). ``max_weights_lag``: drop chunks acted by weights more than
         this many versions older than the consumer's (None: keep all). ``observation_view``
         (``actors.connectors.ObservationView``): chunks are checked against its recorded space and their
-        view is rebuilt here, in the loader thread, before the batch is laid out."""
+        view is rebuilt here, in the loader thread, before the batch is laid out. ``learner_connector``
+        (``actors.connectors.learner.LearnerPipeline``): applied to each batch's chunks here too, after the
+        view; a batch it fails on is dropped, counted and logged."""
         if batch_size < 1 or queue_size < 1 or hwm < 1:
             raise ValueError(f"batch_size, queue_size and hwm must be >= 1, got {batch_size}, {queue_size}, {hwm}")
         if module_spaces is not None and not module_spaces:
@@ -112,6 +115,8 @@ class ChunkReceiver:
         if observation_view is not None:
             observation_space = observation_view.recorded_space
         self.num_chunks_without_look_back = 0
+        self.learner_connector = learner_connector
+        self.num_batches_dropped_by_connector = 0
         self.weights_version = 0
         """The consumer's current weights version (``set_weights_version``), the reference for staleness."""
         self.num_chunks_dropped_stale = 0
@@ -270,7 +275,9 @@ class ChunkReceiver:
                 self._ready.append(ModuleBatches({mid: self._make_batch(chunks)
                                                   for mid, chunks in sorted(chunks_by_module(take).items())}))
             else:
-                self._ready.append(self._make_batch(take))
+                batch = self._make_batch(take)
+                if batch is not None:
+                    self._ready.append(batch)
             self.num_batches_built += 1
 
     def _rebuilt(self, chunks: list[EpisodeChunk]) -> list[EpisodeChunk]:
@@ -285,9 +292,18 @@ class ChunkReceiver:
                     log.warning("chunk dropped (%d so far): %s", self.num_chunks_without_look_back, err)
         return out
 
-    def _make_batch(self, chunks: list[EpisodeChunk]) -> ChunkBatch:
+    def _make_batch(self, chunks: list[EpisodeChunk]) -> ChunkBatch | None:
         if self.observation_view is not None:
             chunks = self._rebuilt(chunks)
+        if self.learner_connector is not None:
+            try:
+                chunks = self.learner_connector(chunks)
+            except Exception as err:  # a user's piece: its failure costs this batch, not the job
+                self.num_batches_dropped_by_connector += 1
+                if self.num_batches_dropped_by_connector <= 10:
+                    log.warning("batch dropped: the learner connector failed on it (%d so far): %r",
+                                self.num_batches_dropped_by_connector, err)
+                return None
         out = ChunkBatch(chunks)
         if not self.prebuild:
             return out

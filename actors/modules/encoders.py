@@ -69,7 +69,10 @@ class ModelConfig:
                 raise ValueError(f"model_config[{key!r}]={d[key]!r} is not one of {sorted(ACTIVATIONS)}")
         for key in ("lstm_use_prev_action", "lstm_use_prev_reward"):
             if d.get(key):
-                raise ValueError(f"model_config[{key!r}]=True is not supported yet; leave it False")
+                raise ValueError(f"model_config[{key!r}]=True is RLlib's old way; the module sees the previous "
+                                 f"actions and rewards through a connector: .env_runners(env_to_module_connector="
+                                 f"lambda env: [PrevActionsPrevRewards(), FlattenObservations()]) "
+                                 f"(pipeline.connectors), and {key} left False")
         for key in ("lstm_cell_size", "max_seq_len"):
             if key in d and (not isinstance(d[key], int) or isinstance(d[key], bool) or d[key] < 1):
                 raise ValueError(f"model_config[{key!r}] must be an int >= 1, got {d[key]!r}")

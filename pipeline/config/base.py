@@ -100,6 +100,10 @@ class AlgorithmConfig:
     """``fn(env) -> piece or [pieces]`` (``pipeline.connectors``: ``MeanStdFilter``, ``FlattenObservations``,
     your ``ConnectorV2`` subclasses): what each runner does to observations before its module sees them;
     ``env`` carries the env's spaces. Single-agent runs with env runners."""
+    module_to_env_connector: Any = None
+    """``fn(env) -> piece or [pieces]`` (``pipeline.connectors.ModuleToEnvConnector`` subclasses): what each
+    runner does to its module's actions before the env gets them (``actions_for_env``), or to what it
+    records. Single-agent runs with env runners."""
 
     # learners
     num_learners: int = 0
@@ -126,6 +130,10 @@ class AlgorithmConfig:
     """Steps per SGD minibatch."""
     num_epochs: int = 1
     """Passes over each train batch."""
+    learner_connector: Any = None
+    """``fn(observation_space, action_space) -> piece or [pieces]`` (``pipeline.connectors.LearnerConnector``
+    subclasses, e.g. ``ClipRewards``): what each learner does to the chunks of a train batch before its loss.
+    Algorithms that train on chunks (PPO, IMPALA, APPO, BC, MARWIL), single-agent."""
 
     # rl_module
     model_config: dict = field(default_factory=dict)

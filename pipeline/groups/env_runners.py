@@ -30,6 +30,8 @@ def runner_settings(c: AlgorithmConfig, creator: Callable | None, module_class: 
         in_evaluation=in_evaluation, log_level=c.log_level, log_sys_usage=c.log_sys_usage, recording=recording,
         env_to_module=(resolve_import_path(c.env_to_module_connector, "env_to_module_connector")
                        if isinstance(c.env_to_module_connector, str) else c.env_to_module_connector),
+        module_to_env=(resolve_import_path(c.module_to_env_connector, "module_to_env_connector")
+                       if isinstance(c.module_to_env_connector, str) else c.module_to_env_connector),
         env_observation_space=env_observation_space,
     )
     if c.external_clients_config is None and not settings_used(c):  # single-agent env runners act

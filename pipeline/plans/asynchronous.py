@@ -178,7 +178,8 @@ class AsyncPlan:
                 queue_size=config.learner_queue_size, hwm=config.stream_hwm, rcvbuf=config.stream_socket_buffer_bytes,
                 device=learners.local.device, module_spaces=module_spaces,
                 max_weights_lag=max_weights_lag(config),
-                observation_view=getattr(learners.local, "observation_view", None)).start()
+                observation_view=getattr(learners.local, "observation_view", None),
+                learner_connector=getattr(learners.local, "learner_connector", None)).start()
             address: str | list[str] = self.receiver.address
         else:
             settings = FeedSettings(config.train_batch_size_per_learner, config.learner_queue_size, config.stream_hwm,
