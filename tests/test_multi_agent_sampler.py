@@ -196,15 +196,17 @@ def spy_passes(s: MultiAgentSampler, monkeypatch) -> dict[str, list[int]]:
     """Per module, the rows of every acting pass it made: its own forward pass, or its share of a
     fused pass (``FusedActors``: modules of one architecture act together)."""
     sizes = {mid: spy(m) for mid, m in s.modules.items()}
-    fused_pass = FusedActors.dist_inputs
 
-    def recorded(fused: FusedActors, obs: Any, counts: list[int], **kwargs: Any) -> torch.Tensor:
-        for mid, count in zip(fused.module_ids, counts):
-            if count:
-                sizes[mid].append(count)
-        return fused_pass(fused, obs, counts, **kwargs)
+    def recording(fused_pass: Any) -> Any:
+        def recorded(fused: FusedActors, obs: Any, counts: list[int], **kwargs: Any) -> Any:
+            for mid, count in zip(fused.module_ids, counts):
+                if count:
+                    sizes[mid].append(count)
+            return fused_pass(fused, obs, counts, **kwargs)
+        return recorded
 
-    monkeypatch.setattr(FusedActors, "dist_inputs", recorded)
+    for name in ("dist_inputs", "dist_inputs_numpy"):  # the torch pass, or the numpy one of categorical policies
+        monkeypatch.setattr(FusedActors, name, recording(getattr(FusedActors, name)))
     return sizes
 
 

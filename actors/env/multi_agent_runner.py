@@ -35,8 +35,9 @@ from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, make_exploration
 from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks, RunnerListener
-from actors.env.process import prepare_process
 from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler, PolicyMappingFn
+from actors.env.numpy_acting import acting_rng, rng_state, set_rng_state
+from actors.env.process import prepare_process
 from actors.env.settings import EnvRunnerSettings
 from actors.env.streaming import StreamingRunner
 from actors.env.vector_env import EnvContext
@@ -101,7 +102,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                 env.reset(seed=int(np.random.SeedSequence([settings.seed, worker_index, i]).generate_state(1)[0]))
         self.sampler = MultiAgentSampler(self.envs, self.module.members, self.explorations, self.env_actions,
                                          policy_mapping_fn, env_runner_index=worker_index, listener=self.listener,
-                                         check_observations=check_env)
+                                         check_observations=check_env,
+                                         rng=acting_rng(settings.seed, worker_index))
         self._ended: list[tuple[float, int]] | None = None  # (return, env steps) of ended episodes, for evaluation
 
     def _make_env(self, index: int, recreated: bool) -> Any:
@@ -373,7 +375,7 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                 "num_agent_steps_sampled_lifetime": self.num_agent_steps_sampled_lifetime,
                 "timestep_offset": self._timestep_offset,
                 "exploration": {mid: e.get_state() for mid, e in self.explorations.items()},
-                "torch_rng": torch.get_rng_state().numpy()}
+                "torch_rng": torch.get_rng_state().numpy(), "numpy_rng": rng_state(self.sampler.rng)}
 
     def set_state(self, state: dict[str, Any]) -> None:
         missing = sorted(set(state.get("module_ids", [])) - set(self.module_specs))
@@ -388,6 +390,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
             self.explorations[mid].set_state(exploration_state)
         if state.get("torch_rng") is not None:
             torch.set_rng_state(torch.as_tensor(np.array(state["torch_rng"], np.uint8)))  # a writable copy
+        if state.get("numpy_rng") is not None:
+            set_rng_state(self.sampler.rng, state["numpy_rng"])
 
     # --- the stage --------------------------------------------------------------------------
     def ping(self) -> str:

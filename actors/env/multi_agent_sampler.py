@@ -32,6 +32,7 @@ import torch
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, StochasticSampling
 from actors.env.multi_agent_checks import MultiAgentEnvError
+from actors.env.numpy_acting import acting_rng, categorical_draw
 from actors.env.sampling import plain_info
 from actors.env.space_values import BatchProblemFinder, batch_problem_finder
 from actors.metrics import MetricsLogger
@@ -109,7 +110,7 @@ class MultiAgentSampler:
                  env_actions: Mapping[str, EnvActions], policy_mapping_fn: PolicyMappingFn, *,
                  env_runner_index: int = 0, seed: int | None = None, record_infos: bool = False,
                  weights_version: int = 0, listener: EpisodeListener | None = None,
-                 check_observations: bool = False) -> None:
+                 check_observations: bool = False, rng: np.random.Generator | None = None) -> None:
         if not envs:
             raise ValueError("MultiAgentSampler needs at least one env, got none")
         if not modules:
@@ -133,6 +134,9 @@ class MultiAgentSampler:
         """Check each batch of observations against its module's observation space before acting on it
         (the runner's step checker leaves these to this batched check)."""
         self._fast_path = True
+        self.rng = rng if rng is not None else acting_rng(seed, env_runner_index)
+        """Draws the actions of modules that act in numpy (a fused group of categorical policies); seeded from
+        ``seed`` unless given (the runner seeds its own and keeps it in its state)."""
         self._batch_checks: dict[str, tuple[RLModule, BatchProblemFinder]] = {}
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
@@ -289,6 +293,14 @@ class MultiAgentSampler:
     def _act_fused(self, fused: FusedActors, mids: tuple[str, ...], counts: list[int], who: list[tuple[int, AgentID]],
                    obs: list[Any], explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
         """Several modules' rows (grouped by module, ``counts`` each) in one pass; as ``_act``."""
+        if fused.numpy_ready and fused.dist_spec.kind == "categorical":  # no torch from observations to actions
+            batch = self._stacked(mids[0], who, pad_rows(obs, counts) if self._fast_path else obs, obs)
+            if type(batch) is np.ndarray:
+                logits = fused.dist_inputs_numpy(batch, counts, padded=self._fast_path)
+                uniform = timestep < self.explorations[mids[0]].random_timesteps
+                acts, logp = categorical_draw(logits, explore, uniform, self.rng)
+                env_acts = self.env_actions[mids[0]](acts)
+                return acts, env_acts.tolist(), {"action_logp": logp, "action_dist_inputs": logits}
         if self._fast_path:  # padded as a list, stacked once: the modules' rows side by side for one matmul a layer
             tensors = self._tensors(mids[0], who, pad_rows(obs, counts), obs)
             dist_inputs = fused.dist_inputs(tensors, counts, padded=True)
@@ -300,6 +312,12 @@ class MultiAgentSampler:
                  values: list[Any] | None = None) -> Any:
         """The observations as one batch of tensors, cast to the module's observation space's dtypes.
         ``values``: the agents' own observations when ``obs`` repeats some of them (``pad_rows``)."""
+        batch = self._stacked(mid, who, obs, values)
+        return torch.from_numpy(batch) if type(batch) is np.ndarray else nested.map_structure(torch.from_numpy, batch)
+
+    def _stacked(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], values: list[Any] | None = None) -> Any:
+        """The observations as one numpy batch (nested for Dict/Tuple spaces), checked when the sampler checks
+        them and cast to the module's observation space's dtypes; ``values`` as for ``_tensors``."""
         module = self.modules[mid]
         dtypes = self._dtypes.get(mid)
         if dtypes is None or dtypes[0] is not module:
@@ -316,17 +334,15 @@ class MultiAgentSampler:
             self._check_batch(mid, batch, who, obs if values is None else values)
         try:
             if flat:
-                tensors = torch.from_numpy(_cast(batch, dtypes))
-            else:
-                batch = nested.stack(obs)
-                if dtypes is not None:
-                    batch = nested.map_structure(_cast, batch, dtypes)
-                tensors = nested.map_structure(torch.from_numpy, batch)
+                return _cast(batch, dtypes)
+            batch = nested.stack(obs)
+            if dtypes is not None:
+                batch = nested.map_structure(_cast, batch, dtypes)
+            return batch
         except (KeyError, ValueError, TypeError) as err:
             raise ValueError(f"observations of agents {sorted({str(a) for _, a in who})} (module {mid!r}) do not "
                              f"fit the module's observation space {module.observation_space}: {err}. Map these "
                              "agents to a module built for their observation space") from None
-        return tensors
 
     def _check_batch(self, mid: str, batch: Any, who: list[tuple[int, AgentID]], obs: list[Any]) -> None:
         """Every observation about to be acted on lies in its module's observation space, or an error names

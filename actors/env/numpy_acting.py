@@ -55,6 +55,26 @@ def _text_to_ints(value: Any) -> Any:
     return value
 
 
+def categorical_draw(logits: np.ndarray, explore: bool, uniform: bool, rng: np.random.Generator
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Actions from categorical logits ``[N, K]`` and their log-probabilities: sampled (inverse CDF, one uniform
+    a row), uniformly random (``uniform``: a warm-up; the log-probabilities are still the policy's), or the
+    most likely (``explore`` False). A dozen numpy calls on the whole batch: a few rows cost microseconds."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    weights = np.exp(z)
+    total = weights.sum(axis=1)
+    n, k = logits.shape
+    if not explore:
+        actions = z.argmax(axis=1)
+    elif uniform:
+        actions = rng.integers(0, k, n)
+    else:
+        targets = rng.random(n) * total
+        actions = np.minimum((np.cumsum(weights, axis=1) <= targets[:, None]).sum(axis=1), k - 1)
+    logp = z[np.arange(n), actions] - np.log(total)
+    return actions.astype(np.int64), logp.astype(np.float32)
+
+
 class NumpyChooser:
     """Actions and their log-probabilities from distribution inputs, by an exploration rule at a timestep."""
 

@@ -85,6 +85,15 @@ class FusedActors:
         on_cpu = all(w.device.type == "cpu" for w in self.weights)
         self._np_weights = [(w.numpy(), b.numpy()) for w, b in zip(self.weights, self.biases)] if on_cpu else []
 
+    @property
+    def numpy_ready(self) -> bool:
+        """The pass runs in numpy (``dist_inputs_numpy``): known activations, weights on the CPU."""
+        return self._numpy_pattern is not None and bool(self._np_weights)
+
+    def dist_inputs_numpy(self, obs: np.ndarray, counts: Sequence[int], padded: bool = False) -> np.ndarray:
+        """``dist_inputs`` from a numpy batch to a numpy array, for a caller that stays in numpy (``numpy_ready``)."""
+        return self._numpy_rows(obs, counts, padded)
+
     def dist_inputs(self, obs: torch.Tensor, counts: Sequence[int], padded: bool = False) -> torch.Tensor:
         """Distribution inputs ``[N, D]`` for ``obs`` ``[N, ...]`` whose rows are grouped by module:
         the first ``counts[0]`` rows are ``module_ids[0]``'s, and so on. ``padded``: ``obs`` is laid out
@@ -112,7 +121,10 @@ class FusedActors:
     def _numpy_pass(self, obs: torch.Tensor, counts: Sequence[int], padded: bool) -> torch.Tensor:
         """``dist_inputs`` in numpy: the same layers on the same ``[module, row]`` layout (the same numbers up
         to float rounding, as the torch pass's are up to its own)."""
-        feats = obs.numpy().reshape(obs.shape[0], -1)
+        return torch.from_numpy(self._numpy_rows(obs.numpy(), counts, padded))
+
+    def _numpy_rows(self, obs: np.ndarray, counts: Sequence[int], padded: bool) -> np.ndarray:
+        feats = obs.reshape(obs.shape[0], -1)
         if feats.dtype != np.float32:
             feats = feats.astype(np.float32)
         n_modules, widest = len(counts), max(counts)
@@ -132,7 +144,7 @@ class FusedActors:
             else:
                 h = twin(h)
         h = h.reshape(n_modules * widest, -1)
-        return torch.from_numpy(h if h.shape[0] == rows else h[self._rows(counts, widest).numpy()])
+        return h if h.shape[0] == rows else h[self._rows(counts, widest).numpy()]
 
     def _padded(self, feats: torch.Tensor, counts: Sequence[int], widest: int) -> torch.Tensor:
         """``feats`` laid out ``[module * widest + row]`` with zero rows where a module has fewer."""
