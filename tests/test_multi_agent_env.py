@@ -211,3 +211,66 @@ def test_exported_from_pipeline():
     assert pipeline.make_multi_agent is multi_agent_env.make_multi_agent
     assert pipeline.PettingZooEnv is pettingzoo_env.PettingZooEnv
     assert pipeline.ParallelPettingZooEnv is pettingzoo_env.ParallelPettingZooEnv
+
+
+# --- make_multi_agent's copies check what their copies return -----------------------------------------------
+class Scripted(gym.Env):
+    """Returns the step values it is given (reward, terminated, truncated, observation), one per step."""
+
+    observation_space = S.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = S.Discrete(2)
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        reward, term, trunc, obs = self.script.pop(0)
+        return np.asarray(obs, np.float32), reward, term, trunc, {}
+
+
+def copies_of(*script):
+    env = make_multi_agent(lambda config: Scripted(script))({"num_agents": 2})
+    env.reset(seed=0)
+    return env
+
+
+def test_copies_give_rewards_as_floats_and_refuse_what_is_not_a_finite_number():
+    ok = copies_of((np.float64(0.5), False, np.bool_(False), [0.0, 0.0]))
+    _, rewards, terminateds, _, _ = ok.step({0: 0, 1: 1})
+    assert rewards == {0: 0.5, 1: 0.5} and all(type(r) is float for r in rewards.values())
+    assert terminateds == {0: False, 1: False, ALL: False}
+    for bad, match in ((float("nan"), "finite"), (float("inf"), "finite"), ("1", "one number")):
+        with pytest.raises(MultiAgentEnvError, match=match) as err:
+            copies_of((bad, False, False, [0.0, 0.0])).step({0: 0, 1: 0})
+        assert err.value.agent_id == 0
+
+
+def test_copies_refuse_flags_that_are_not_bools_and_final_observations_outside_the_space():
+    with pytest.raises(MultiAgentEnvError, match="terminated=1 .*True or False") as err:
+        copies_of((1.0, 1, False, [0.0, 0.0])).step({0: 0, 1: 0})
+    assert err.value.agent_id == 0
+    with pytest.raises(MultiAgentEnvError, match="final observation of agent 1") as err:
+        copies_of((1.0, False, True, [5.0, 0.0])).step({1: 0})
+    assert err.value.agent_id == 1
+    env = copies_of((1.0, True, False, [0.5, -0.5]))  # in its space: agent 0 finishes, agent 1 plays on
+    _, _, terminateds, _, _ = env.step({0: 0})
+    assert terminateds == {0: True, ALL: False}
+
+
+def test_a_runner_still_checks_the_observations_copies_act_on():
+    from actors.env.multi_agent_runner import MultiAgentEnvRunner
+    from actors.env.settings import EnvRunnerSettings
+    from actors.modules import ModuleSpec
+
+    script = [(1.0, False, False, [0.0, 0.0]), (1.0, False, False, [0.0, 3.0])] + [(1.0, False, False, [0.0, 0.0])] * 50
+    copies = make_multi_agent(lambda config: Scripted(script))
+    spec = ModuleSpec(Scripted.observation_space, Scripted.action_space, {"fcnet_hiddens": [8]})
+    runner = MultiAgentEnvRunner(EnvRunnerSettings(env_creator=copies, env_config={"num_agents": 2}, num_envs=1,
+                                                   rollout_fragment_length=10, seed=0), {"p": spec},
+                                 lambda agent, episode, **kw: "p")
+    with pytest.raises(MultiAgentEnvError, match="observation of agent 0 .*observation space of module 'p'"):
+        runner.sample()
+    runner.stop()

@@ -35,7 +35,8 @@ def runner(creator: Any, mapping: Any, fast: bool, num_envs: int = 3) -> MultiAg
                                               seed=3), specs, mapping, worker_index=1)
     r.sampler.use_fast_path(fast)
     for checked in r.envs:
-        checked.checker.fast = fast
+        if hasattr(checked, "checker"):  # make_multi_agent's copies check themselves
+            checked.checker.fast = fast
     return r
 
 

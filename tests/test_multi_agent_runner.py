@@ -22,7 +22,7 @@ from actors.callbacks import CallbacksSpec
 from actors.env.multi_agent_checks import MultiAgentEnvError
 from actors.env.multi_agent_env import make_multi_agent
 from actors.env.multi_agent_runner import MultiAgentEnvRunner
-from actors.env.multi_agent_runner_parts import chunks_by_module
+from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, chunks_by_module
 from actors.env.settings import EnvRunnerSettings
 from actors.learner import MultiLearner
 from actors.metrics import MetricsLogger
@@ -341,9 +341,24 @@ def test_without_the_checker_the_users_envs_are_stepped_directly():
     assert all(type(env) is CARTPOLES for env in runner.envs)
     assert all(type(env) is CARTPOLES for env in runner.foreach_env(lambda env: env))
     assert sum(len(c) for c in runner.sample()) == runner.num_agent_steps_sampled_lifetime
-    checked = make_runner()
-    assert all(type(env) is not CARTPOLES for env in checked.envs)  # behind the step checker
-    assert all(type(env) is CARTPOLES for env in checked.foreach_env(lambda env: env))
+    copies = make_runner()
+    assert all(type(env) is CARTPOLES for env in copies.envs)  # make_multi_agent's copies check their own steps
+
+
+class OwnStep(CARTPOLES):
+    """A subclass with a step of its own: it is checked like any user env."""
+
+    def step(self, action_dict):
+        return super().step(action_dict)
+
+
+def test_a_users_env_and_a_copies_subclass_with_its_own_step_go_behind_the_checker():
+    settings = EnvRunnerSettings(env_creator=lambda ctx: OwnStep({"num_agents": 2}), num_envs=2,
+                                 rollout_fragment_length=5, seed=0)
+    checked = MultiAgentEnvRunner(settings, {"p0": SPEC, "p1": SPEC}, own)
+    assert all(type(env) is CheckedMultiAgentEnv for env in checked.envs)
+    assert all(type(env) is OwnStep for env in checked.foreach_env(lambda env: env))
+    assert sum(len(c) for c in checked.sample()) > 0
 
 
 def test_a_single_agent_env_or_bad_arguments_are_refused():

@@ -379,6 +379,13 @@ def _check_flag(name: str, agent: Any, flag: Any) -> None:
                                  None if agent == ALL else agent)
 
 
+def reward_value(agent: Any, reward: Any) -> float:
+    """``reward`` as a float, after checking it is one finite number (an int, a numpy scalar); else an error
+    naming ``agent``."""
+    _check_reward(agent, reward)
+    return float(reward)
+
+
 def _check_reward(agent: Any, reward: Any) -> None:
     if type(reward) is float or type(reward) is int:
         number = reward

@@ -15,7 +15,8 @@ from typing import Any, Callable, Union
 import gymnasium as gym
 import numpy as np
 
-from actors.env.multi_agent_checks import ALL, MultiAgentEnvError
+from actors.env.multi_agent_checks import ALL, MultiAgentEnvError, reward_value
+from actors.env.space_values import problem_finder
 
 AgentID = Union[str, int]
 MultiAgentDict = dict
@@ -100,6 +101,11 @@ class SingleAgentCopies(MultiAgentEnv):
     playing copy i. An agent that is done stops appearing; ``"__all__"`` comes when every agent is done
     -- truncated when every agent was truncated (so their values are bootstrapped), terminated
     otherwise. Made by ``make_multi_agent``; subclasses implement ``make_single(config)``.
+
+    It checks what its copies return as it builds the dicts (``checks_itself``): each reward one finite
+    number (given back as a float), each flag a bool, each agent's final observation inside its space.
+    The dicts' structure is this class's own, so env runners do not put the step checker around it;
+    the observations agents act on are checked a batch at a time by the sampler, as for every env.
     """
 
     def __init__(self, config: dict | None = None) -> None:
@@ -117,6 +123,7 @@ class SingleAgentCopies(MultiAgentEnv):
         self.action_spaces = {i: env.action_space for i, env in enumerate(self.envs)}
         self.ended: dict[int, str] = {}
         """Agent -> "terminated" or "truncated", for the agents done in this episode."""
+        self._finders: dict[int, Any] | None = None  # built at the first final observation; not pickled
 
     def make_single(self, config: dict) -> gym.Env:
         """One copy of the single-agent env, from the env config without ``num_agents``."""
@@ -146,9 +153,18 @@ class SingleAgentCopies(MultiAgentEnv):
             if agent in done:
                 raise MultiAgentEnvError(f"an action for agent {agent!r}, which is {done[agent]}: a done agent "
                                          f"does not act (the agents still playing: {self.agents})", agent)
-            obs[agent], rewards[agent], term, trunc, infos[agent] = envs[agent].step(action)
+            obs[agent], reward, term, trunc, infos[agent] = envs[agent].step(action)
+            rewards[agent] = reward if type(reward) is float and reward - reward == 0.0 else reward_value(agent, reward)
+            if type(term) is not bool or type(trunc) is not bool:
+                term, trunc = _flag(agent, "terminated", term), _flag(agent, "truncated", trunc)
             terminateds[agent], truncateds[agent] = term, trunc
             if term or trunc:
+                if self._finders is None:
+                    self._finders = {i: problem_finder(space) for i, space in self.observation_spaces.items()}
+                why = self._finders[agent](obs[agent])  # a final observation: no action is taken on it
+                if why is not None:
+                    raise MultiAgentEnvError(f"the final observation of agent {agent} {why}; it must lie in the "
+                                             f"observation space of its copy, {self.observation_spaces[agent]}", agent)
                 done[agent] = "terminated" if term else "truncated"
                 ended = True
         if not ended and self.agents:  # nobody finished: the episode goes on
@@ -162,6 +178,9 @@ class SingleAgentCopies(MultiAgentEnv):
         truncateds[ALL] = all_truncated
         return obs, rewards, terminateds, truncateds, infos
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_finders": None}  # closures: rebuilt where they are needed
+
     def render(self) -> Any:
         """The copies' frames side by side (along the shorter side), or a list when they are not images."""
         frames = [env.render() for env in self.envs]
@@ -172,6 +191,21 @@ class SingleAgentCopies(MultiAgentEnv):
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+def checks_itself(env: Any) -> bool:
+    """Whether ``env`` is a ``SingleAgentCopies`` whose ``reset`` and ``step`` are that class's own (which check
+    what they return); a subclass that overrides either is checked like any env."""
+    cls = type(env)
+    return (isinstance(env, SingleAgentCopies) and cls.step is SingleAgentCopies.step
+            and cls.reset is SingleAgentCopies.reset)
+
+
+def _flag(agent: int, name: str, flag: Any) -> bool:
+    if type(flag) is bool or type(flag) is np.bool_:
+        return bool(flag)
+    raise MultiAgentEnvError(f"the copy of agent {agent} returned {name}={flag!r} ({type(flag).__name__}); "
+                             f"a flag is True or False", agent)
 
 
 _MADE: dict[str, type] = {}

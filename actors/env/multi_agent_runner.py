@@ -34,6 +34,7 @@ from actors.callbacks import build_callbacks, call_hook, overrides
 from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, make_exploration
+from actors.env.multi_agent_env import checks_itself
 from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks, RunnerListener
 from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler, PolicyMappingFn
 from actors.env.numpy_acting import acting_rng, rng_state, set_rng_state
@@ -75,8 +76,10 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         self.callbacks = build_callbacks(settings.callbacks)
         self.user_envs = [self._make_env(i, recreated) for i in range(settings.num_envs)]
         """The user's envs, as their creator made them."""
-        # the checker leaves the observations agents act on to the sampler, which checks them a batch at a time
-        self.envs = [CheckedMultiAgentEnv(env, plain_step_values=False) if check_env else env for env in self.user_envs]
+        # the checker leaves the observations agents act on to the sampler, which checks them a batch at a time;
+        # make_multi_agent's copies check their copies' values themselves and build the dicts right
+        self.envs = [CheckedMultiAgentEnv(env, plain_step_values=False) if check_env and not checks_itself(env)
+                     else env for env in self.user_envs]
         """What the sampler steps: each user env behind a step checker, unless ``check_env`` is off."""
         self.module_specs: dict[str, ModuleSpec] = {}
         self.module = MultiRLModule({})

@@ -8,10 +8,14 @@ Prints one JSON object per line:
 2. ``sampling`` per round and layout: agent steps/s of the same runners stepping the single-agent
    ``CartPole-v1`` with 16 envs and ``make_multi_agent("CartPole-v1")`` (2 agents) with 8 envs: 16 agent
    steps a round either way. ``modules``: the multi-agent runs act with two modules (agent i -> "p<i>")
-   or one shared module. Layouts: ``in-process`` (one runner in this process, one core: the sampler's
-   own cost) and ``2 ray runners`` (``algo.env_runner_group.sample``, two Ray runner actors, measured at
-   the driver). Rounds alternate the cases so that drift of a shared machine spreads over all of them;
-   ``sampling_summary`` gives the medians and ``multi_over_single`` (the issue's bar: >= 0.8).
+   or one shared module. The single-agent runner is built as the driver builds it, acting with the numpy
+   export of its policy (``runner_backend="auto"``); ``single-agent 16 envs, torch acting`` keeps the torch
+   module, for comparison (the ratios are to the former). Layouts: ``in-process`` (one runner in this
+   process, one core: the sampler's own cost) and ``2 ray runners`` (``algo.env_runner_group.sample``, two Ray runner actors, measured at
+   the driver). Within a round the cases alternate every ``--slice`` seconds until each has sampled
+   ``--seconds``, so drift of a shared machine slows every case of a round alike; each round's row has its
+   ``multi_over_single``. ``sampling_summary`` gives the medians over rounds, of the rates and of the
+   per-round ratios (``multi_over_single``: the issue's bar is >= 0.8; ``ratio_range``: their spread).
 3. ``run`` per (seed, system), systems interleaved: time to target in a subprocess each, as
    ``tests/benchmarks/offpolicy.py`` does (``wall_s`` from before the build -- Ray start included -- to
    the target; ``stop``: ``target``, ``budget``, ``timeout``, ``error``). Systems:
@@ -73,16 +77,24 @@ def sampling_cases():
     from actors.modules import ModuleSpec
     from pipeline import make_multi_agent
     from pipeline.envs import env_creator
+    from pipeline.groups.env_runners import numpy_plan
 
     torch.set_num_threads(1)
     cartpoles = make_multi_agent("CartPole-v1")
     probe = cartpoles({"num_agents": 2})
     spec = ModuleSpec(probe.get_observation_space(0), probe.get_action_space(0), {})
 
-    def single():
-        runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator("CartPole-v1"), num_envs=16, vectorize_mode="sync",
-                                             rollout_fragment_length=64, seed=0), worker_index=1)
-        return lambda: sum(len(c) for c in runner.sample()), runner.stop
+    def single(backend: str):
+        def make():
+            # as the driver builds a runner: with the numpy export of its policy where "auto" picks it (CartPole's
+            # MLP); "torch" keeps the torch module, for comparison
+            settings = EnvRunnerSettings(env_creator=env_creator("CartPole-v1"), num_envs=16, vectorize_mode="sync",
+                                         rollout_fragment_length=64, seed=0, observation_space=probe.get_observation_space(0),
+                                         action_space=probe.get_action_space(0))
+            settings.numpy_policy = numpy_plan(settings, backend)
+            runner = EnvRunner(settings, worker_index=1)
+            return lambda: sum(len(c) for c in runner.sample()), runner.stop
+        return make
 
     def multi(modules, mapping):
         def make():
@@ -92,7 +104,8 @@ def sampling_cases():
             return lambda: sum(len(c) for c in runner.sample()), runner.stop
         return make
 
-    return [("single-agent 16 envs", single), ("2 agents x 8 envs, two modules", multi(("p0", "p1"), by_agent)),
+    return [("single-agent 16 envs", single("auto")), ("single-agent 16 envs, torch acting", single("torch")),
+            ("2 agents x 8 envs, two modules", multi(("p0", "p1"), by_agent)),
             ("2 agents x 8 envs, one shared module", multi(("shared",), shared))]
 
 
@@ -124,18 +137,31 @@ def ray_sampling_cases():
             ("2 agents x 8 envs, one shared module", lambda: build("shared"))]
 
 
-def rate(sample, seconds: float) -> float:
-    sample()  # warm-up
-    steps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        steps += sample()
-    return steps / (time.perf_counter() - t0)
+def interleaved_rates(built: list, seconds: float, slice_s: float) -> dict[str, float]:
+    """Each case's agent steps/s over ``seconds`` of its own sampling, taken in slices of ``slice_s`` that
+    alternate between the cases: a machine whose speed drifts within a round slows every case alike."""
+    for _, sample, _ in built:
+        sample()  # warm-up
+    steps = {name: 0 for name, _, _ in built}
+    spent = {name: 0.0 for name, _, _ in built}
+    while any(spent[name] < seconds for name in spent):
+        for name, sample, _ in built:
+            if spent[name] >= seconds:
+                continue
+            t0 = time.perf_counter()
+            n = 0
+            while time.perf_counter() - t0 < slice_s:
+                n += sample()
+            steps[name] += n
+            spent[name] += time.perf_counter() - t0
+    return {name: steps[name] / spent[name] for name in steps}
 
 
 def sampling(args: argparse.Namespace) -> None:
     import ray
 
     figures: dict[tuple[str, str], list[float]] = {}
+    ratios: dict[tuple[str, str], list[float]] = {}
     layouts = [("in-process", sampling_cases())]
     if not args.no_ray:
         # logical CPUs: the three cases' runners are built at once, and one samples at a time
@@ -146,23 +172,23 @@ def sampling(args: argparse.Namespace) -> None:
             built = [(name, *make()) for name, make in cases]
             try:
                 for rnd in range(args.rounds):
-                    for name, sample, _ in built:
-                        r = rate(sample, args.seconds)
+                    rates = interleaved_rates(built, args.seconds, args.slice)
+                    single = rates["single-agent 16 envs"]
+                    for name, r in rates.items():
                         figures.setdefault((layout, name), []).append(r)
-                        emit(bench="sampling", layout=layout, case=name, round=rnd, agent_steps_per_s=round(r))
+                        ratios.setdefault((layout, name), []).append(r / single)
+                        emit(bench="sampling", layout=layout, case=name, round=rnd, agent_steps_per_s=round(r),
+                             multi_over_single=round(r / single, 3))
             finally:
                 for _, _, close in built:
                     close()
     finally:
         if ray.is_initialized():
             ray.shutdown()
-    for layout, _ in layouts:
-        single = statistics.median(figures[(layout, "single-agent 16 envs")])
-        for (lay, name), rs in figures.items():
-            if lay == layout:
-                med = statistics.median(rs)
-                emit(bench="sampling_summary", layout=layout, case=name, median_agent_steps_per_s=round(med),
-                     multi_over_single=round(med / single, 3))
+    for (layout, name), rs in figures.items():
+        emit(bench="sampling_summary", layout=layout, case=name, median_agent_steps_per_s=round(statistics.median(rs)),
+             multi_over_single=round(statistics.median(ratios[(layout, name)]), 3),
+             ratio_range=[round(min(ratios[(layout, name)]), 3), round(max(ratios[(layout, name)]), 3)])
 
 
 # --- time to target: workers ----------------------------------------------------------------------------
@@ -267,6 +293,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--rounds", type=int, default=3, help="sampling rounds (each case once a round)")
     p.add_argument("--seconds", type=float, default=4.0, help="sampling seconds per case and round")
+    p.add_argument("--slice", type=float, default=0.25,
+                   help="sampling: the cases alternate every this many seconds within a round")
     p.add_argument("--no-ray", action="store_true", help="sampling: the in-process layout only")
     p.add_argument("--max-minutes", type=float, default=15.0, help="per run; then killed, reported not reached")
     p.add_argument("--torch-threads", type=int, default=1,
