@@ -37,6 +37,7 @@ from actors.core import LearnerRole
 from actors.learner.batch import ChunkBatch
 from actors.learner.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
+from actors.learner.gradients import FlatGrads
 from actors.modules import ActorCriticModule, RLModule
 from actors.schedules import piecewise
 from protocols import nested
@@ -115,6 +116,8 @@ class Learner(FedByStreams, LearnerRole):
         for name, target in self.build_targets().items():
             self.targets[name] = target.to(self.device).requires_grad_(False).eval()
         self.optimizers: dict[str, Optimizer] = self.build_optimizers()
+        self.flat_grads: dict[str, FlatGrads] = FlatGrads.for_slots({n: s.params for n, s in self.optimizers.items()})
+        """Per optimizer slot whose parameters are its own: its gradients as views of one buffer (``gradients``)."""
         self.rng = np.random.default_rng(None if settings.seed is None else settings.seed + rank)
         self.num_updates = 0
         self.timestep = 0
@@ -254,6 +257,9 @@ class Learner(FedByStreams, LearnerRole):
         """Backward, average gradients across learners, clip, step one optimizer. Returns the
         global norm of its gradients before clipping."""
         slot = self.optimizers[optimizer]
+        flat = self.flat_grads.get(optimizer)
+        if flat is not None:
+            return self._apply_flat(loss, slot, flat)
         params = slot.params
         slot.optimizer.zero_grad(set_to_none=False)
         loss.backward()
@@ -281,6 +287,28 @@ class Learner(FedByStreams, LearnerRole):
             norm = TOTAL_NORM([p.grad for p in params])
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        slot.optimizer.step()
+        self.num_updates += 1
+        return float(norm)
+
+    def _apply_flat(self, loss: torch.Tensor, slot: Optimizer, grads: FlatGrads) -> float:
+        """``apply_gradients`` with the slot's gradients in one buffer: one call each to zero, average, measure
+        and clip them (the same rule as ``clip_grad_norm_``: scale by ``clip / (norm + 1e-6)`` when below 1)."""
+        grads.zero()
+        loss.backward()
+        flat = grads.collect()
+        if self.world_size > 1:
+            dist.all_reduce(flat)
+            flat /= self.world_size
+        clip, by = self.settings.grad_clip, self.settings.grad_clip_by
+        if clip is not None and by == "value":
+            flat.clamp_(-clip, clip)
+        elif clip is not None and by == "norm":
+            for p in grads.params:  # each .grad is its view of the buffer
+                torch.nn.utils.clip_grad_norm_([p], clip)
+        norm = torch.linalg.vector_norm(flat)
+        if clip is not None and by == "global_norm":
+            flat.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
         slot.optimizer.step()
         self.num_updates += 1
         return float(norm)
