@@ -205,22 +205,13 @@ class ConnectorPipeline:
         return any(type(p).pop_delta is not ConnectorV2.pop_delta for p in self.pieces)
 
     def get_state(self) -> list[dict[str, Any]]:
-        return [{"piece": type(p).__name__, "state": p.get_state()} for p in self.pieces]
-
-    def _check(self, states: list[dict[str, Any]]) -> None:
-        names = [s.get("piece") for s in states] if isinstance(states, list) else states
-        mine = [type(p).__name__ for p in self.pieces]
-        if names != mine:
-            raise ValueError(f"the saved connector pipeline is {names}, this one is {mine}: restore with the "
-                             f"env_to_module_connector the state was saved with")
+        return pieces_state(self.pieces)
 
     def set_state(self, states: list[dict[str, Any]]) -> None:
-        self._check(states)
-        for piece, s in zip(self.pieces, states):
-            piece.set_state(s["state"])
+        set_pieces_state(self.pieces, states, "connector", "env_to_module_connector")
 
     def sync(self, states: list[dict[str, Any]]) -> None:
-        self._check(states)
+        check_saved_pieces(self.pieces, states, "connector", "env_to_module_connector")
         for piece, s in zip(self.pieces, states):
             piece.sync(s["state"])
 
@@ -271,6 +262,27 @@ class EnvSpaces:
 
     def __repr__(self) -> str:
         return f"EnvSpaces({self.observation_space}, {self.action_space})"
+
+
+def pieces_state(pieces: list[ConnectorV2]) -> list[dict[str, Any]]:
+    """A pipeline's state: each piece's name and ``get_state()``, in order (plain data, checkpointed)."""
+    return [{"piece": type(p).__name__, "state": p.get_state()} for p in pieces]
+
+
+def check_saved_pieces(pieces: list[ConnectorV2], states: Any, kind: str, setting: str) -> None:
+    """A saved pipeline state fits ``pieces`` (the same pieces in the same order), or ValueError naming both."""
+    names = [s.get("piece") for s in states] if isinstance(states, list) else states
+    mine = [type(p).__name__ for p in pieces]
+    if names != mine:
+        raise ValueError(f"the saved {kind} pipeline is {names}, this one is {mine}: restore with the {setting} "
+                         f"the state was saved with")
+
+
+def set_pieces_state(pieces: list[ConnectorV2], states: Any, kind: str, setting: str) -> None:
+    """Each piece gets its saved state, after ``check_saved_pieces``."""
+    check_saved_pieces(pieces, states, kind, setting)
+    for piece, s in zip(pieces, states):
+        piece.set_state(s["state"])
 
 
 def build_pipeline(factory: Callable[..., Any] | None, observation_space: gym.Space,

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import gymnasium as gym
 import numpy as np
 
-from actors.connectors.base import ConnectorV2, factory_pieces
+from actors.connectors.base import ConnectorV2, factory_pieces, pieces_state, set_pieces_state
 
 
 class LearnerConnector(ConnectorV2):
@@ -79,16 +79,10 @@ class LearnerPipeline:
         return chunks
 
     def get_state(self) -> list[dict[str, Any]]:
-        return [{"piece": type(p).__name__, "state": p.get_state()} for p in self.pieces]
+        return pieces_state(self.pieces)
 
     def set_state(self, states: list[dict[str, Any]]) -> None:
-        names = [s.get("piece") for s in states] if isinstance(states, list) else states
-        mine = [type(p).__name__ for p in self.pieces]
-        if names != mine:
-            raise ValueError(f"the saved learner pipeline is {names}, this one is {mine}: restore with the "
-                             f"learner_connector the state was saved with")
-        for piece, s in zip(self.pieces, states):
-            piece.set_state(s["state"])
+        set_pieces_state(self.pieces, states, "learner", "learner_connector")
 
     def __repr__(self) -> str:
         return f"LearnerPipeline({self.pieces})"

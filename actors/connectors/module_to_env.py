@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import gymnasium as gym
 
-from actors.connectors.base import ConnectorV2, EnvSpaces, factory_pieces
+from actors.connectors.base import ConnectorV2, EnvSpaces, factory_pieces, pieces_state, set_pieces_state
 
 COLUMNS = ("actions", "action_logp", "action_dist_inputs")
 
@@ -71,16 +71,10 @@ class ModuleToEnvPipeline:
         return batch
 
     def get_state(self) -> list[dict[str, Any]]:
-        return [{"piece": type(p).__name__, "state": p.get_state()} for p in self.pieces]
+        return pieces_state(self.pieces)
 
     def set_state(self, states: list[dict[str, Any]]) -> None:
-        names = [s.get("piece") for s in states] if isinstance(states, list) else states
-        mine = [type(p).__name__ for p in self.pieces]
-        if names != mine:
-            raise ValueError(f"the saved module-to-env pipeline is {names}, this one is {mine}: restore with the "
-                             f"module_to_env_connector the state was saved with")
-        for piece, s in zip(self.pieces, states):
-            piece.set_state(s["state"])
+        set_pieces_state(self.pieces, states, "module-to-env", "module_to_env_connector")
 
     def __repr__(self) -> str:
         return f"ModuleToEnvPipeline({self.pieces})"
