@@ -21,6 +21,15 @@ if "RUNNEL_RESULTS_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["RUNNEL_RESULTS_DIR"], True)
 
 
+def pytest_configure(config):
+    # make test runs two worker processes on two cores: torch's default of an intra-op thread per core in each
+    # would spin against the other (algorithms set the driver's threads themselves; this covers the tests that
+    # drive learners and modules directly)
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray of the module's own (never a running cluster) with a small fixed CPU count, started once

@@ -103,3 +103,23 @@ def test_model_config_unknown_key():
         model_config={"fcnet_hidden": [8]})
     with pytest.raises(ConfigError, match="fcnet_hiddens"):
         cfg.build()
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (0.5, 1), (2, 2)])
+def test_the_driver_computes_with_the_cpus_it_is_counted_for_while_the_algorithm_runs(cpus, threads):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        algo = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
+                .resources(num_cpus_for_main_process=cpus).build(logdir=None))
+        try:
+            assert torch.get_num_threads() == threads
+            algo.train()
+            assert torch.get_num_threads() == threads
+        finally:
+            algo.stop()
+        assert torch.get_num_threads() == 3  # given back
+    finally:
+        torch.set_num_threads(before)

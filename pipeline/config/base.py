@@ -155,7 +155,8 @@ class AlgorithmConfig:
 
     # resources
     num_cpus_for_main_process: float = 1
-    """CPUs the driver (local learner, local runner) is counted for."""
+    """CPUs the driver (local learner, local runner) is counted for; also its torch threads while the algorithm
+    runs (at least 1; restored by ``stop()``). Raise it for a large model learning in the driver."""
     ray_address: str | None = None
     """Which Ray (runnel's own setting): None joins the cluster RAY_ADDRESS names when set, else starts runnel's own
     local Ray, never a cluster merely found running; "local" always its own; "auto" the running cluster; "host:port"

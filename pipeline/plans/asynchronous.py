@@ -46,7 +46,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
 
 from actors.env.streaming import stream_sender_id
 from actors.learner import ChunkBatch
@@ -163,11 +162,6 @@ class AsyncPlan:
                              for mid, spec in multi_agent.plan.module_specs.items()}
             env_runners.receiver_counts_env_steps = False
         self.batches = FreshBatches() if batches is None else batches
-        # The learner shares the machine with the runners, which Ray starts at a lower priority:
-        # torch's default (one intra-op thread per core) lets the driver take every core and starve
-        # them. Use the CPUs the driver is counted for; stop() restores the previous setting.
-        self._torch_threads_before = torch.get_num_threads()
-        torch.set_num_threads(max(1, int(config.num_cpus_for_main_process)))
         self.receiver: ChunkReceiver | None = None
         """The driver's loader (``num_learners=0``); None when the learners receive the streams (``feeds``)."""
         self.feeds: LearnerFeeds | None = None
@@ -331,4 +325,3 @@ class AsyncPlan:
                 self.receiver.close()
             if self.feeds is not None:
                 self.feeds.close()
-            torch.set_num_threads(self._torch_threads_before)

@@ -26,7 +26,6 @@ import time
 from typing import Any
 
 import ray
-import torch
 
 from actors.manager import ActorGroupError, ActorManager, FaultToleranceSettings
 from actors.metrics import MetricsLogger
@@ -43,10 +42,6 @@ class StreamingReplay:
                  metrics: MetricsLogger, observation_space: Any, action_space: Any, compress: bool) -> None:
         self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
         self.spaces = (observation_space, action_space)
-        # the learner shares the machine with streaming runners and the replay actor: torch's default
-        # (a thread per core) would spin against them; use the CPUs the driver is counted for
-        self._torch_threads_before = torch.get_num_threads()
-        torch.set_num_threads(max(1, int(config.num_cpus_for_main_process)))
         self.prioritized = settings.prioritized
         self.compress = compress
         c = config.replay_buffer_config
@@ -191,4 +186,3 @@ class StreamingReplay:
             self.env_runners.stop_streaming()
         finally:
             self.group.stop()
-            torch.set_num_threads(self._torch_threads_before)
