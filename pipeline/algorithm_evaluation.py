@@ -97,7 +97,10 @@ class AlgorithmEvaluation:
         step (so its results are one iteration behind); it ends early once ``stop`` is set."""
         self.sync_weights(wait=False)
         if self.thread is None:
-            self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runnel-evaluation")
+            # torch's thread setting is per thread: local evaluators act with the driver's, not one per core
+            self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="runnel-evaluation",
+                                                                initializer=torch.set_num_threads,
+                                                                initargs=(torch.get_num_threads(),))
         return self.thread.submit(self.run, stop)
 
     def run(self, stop: threading.Event | None) -> dict[str, Any]:
