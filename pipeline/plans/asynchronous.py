@@ -46,7 +46,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-
 from actors.env.streaming import stream_sender_id
 from actors.learner import ChunkBatch
 from actors.learner.feed import BatchSource, FeedSettings, FreshBatches
