@@ -25,14 +25,16 @@ from tests.test_multi_agent_sampler import EarlyFinisher, LateJoiner, TurnBased
 CARTPOLES = make_multi_agent("CartPole-v1")
 
 
-def runner(creator: Any, mapping: Any, fast: bool, num_envs: int = 3) -> MultiAgentEnvRunner:
+def runner(creator: Any, mapping: Any, fast: bool, num_envs: int = 3, **settings: Any) -> MultiAgentEnvRunner:
     env = creator({})
     agents = env.possible_agents
     specs = {mapping(a, None): ModuleSpec(env.get_observation_space(a), env.get_action_space(a), {"fcnet_hiddens": [8]})
              for a in agents}
     torch.manual_seed(0)  # the modules' weights alike
+    count_steps_by = settings.pop("count_steps_by", "env_steps")
     r = MultiAgentEnvRunner(EnvRunnerSettings(env_creator=creator, num_envs=num_envs, rollout_fragment_length=7,
-                                              seed=3), specs, mapping, worker_index=1)
+                                              seed=3, **settings), specs, mapping, worker_index=1, lockstep=fast,
+                            count_steps_by=count_steps_by)
     r.sampler.use_fast_path(fast)
     for checked in r.envs:
         if hasattr(checked, "checker"):  # make_multi_agent's copies check themselves
@@ -56,23 +58,73 @@ CASES = {
 }
 
 
+def assert_same_chunks(got: list, want: list, ids: dict[str, str], where: Any) -> None:
+    assert len(got) == len(want) > 0, where
+    for g, w in zip(got, want):
+        assert ids.setdefault(g.episode_id, w.episode_id) == w.episode_id, where  # ids are random: paired one to one
+        for name in ("chunk_index", "t_started", "terminated", "truncated", "agent_id", "module_id", "env_index",
+                     "weights_version"):
+            assert getattr(g, name) == getattr(w, name), (where, name)
+        for name in ("obs", "actions", "rewards", "extra"):
+            assert same(getattr(g, name), getattr(w, name)), (where, name)
+    assert len(set(ids.values())) == len(ids)
+
+
+def episode_figures(r: MultiAgentEnvRunner) -> dict[str, Any]:
+    """What the runner reports of its ended episodes: returns, lengths, per-agent and per-module returns."""
+    out = {}
+    for key, entry in r.get_metrics().items():
+        if key.startswith("env_runners/") and "episode" in key:
+            out[key] = entry.get("values", entry.get("value"))
+    return out
+
+
+def assert_same_figures(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value), key
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_shortcuts_cut_the_chunks_of_the_general_path(case):
     creator, mapping = CASES[case]
     fast, general = runner(creator, mapping, True), runner(creator, mapping, False)
-    ids: dict[str, str] = {}  # episode ids are random: they must pair up one to one
-    for rnd in range(6):
+    # make_multi_agent's copies with no episode callbacks are sampled in lockstep, every other env in general
+    assert type(fast.sampler).__name__ == ("LockstepSampler" if "CartPole" in case or "shared" in case
+                                           else "MultiAgentSampler")
+    assert type(general.sampler).__name__ == "MultiAgentSampler"
+    ids: dict[str, str] = {}
+    for rnd in range(12):
         torch.manual_seed(rnd)
         got = fast.sample(num_timesteps=40)
         torch.manual_seed(rnd)
         want = general.sample(num_timesteps=40)
-        assert len(got) == len(want) > 0
-        for g, w in zip(got, want):
-            assert ids.setdefault(g.episode_id, w.episode_id) == w.episode_id
-            for name in ("chunk_index", "t_started", "terminated", "truncated", "agent_id", "module_id", "env_index",
-                         "weights_version"):
-                assert getattr(g, name) == getattr(w, name), (case, rnd, name)
-            for name in ("obs", "actions", "rewards", "extra"):
-                assert same(getattr(g, name), getattr(w, name)), (case, rnd, name)
-    assert len(set(ids.values())) == len(ids)
+        assert_same_chunks(got, want, ids, (case, rnd))
     assert fast.num_agent_steps_sampled_lifetime == general.num_agent_steps_sampled_lifetime
+    figures = episode_figures(general)
+    assert any("agent_episode_returns_mean" in key for key in figures)
+    assert_same_figures(episode_figures(fast), figures)
+
+
+SAMPLING_MODES = {
+    "agent steps": ({"count_steps_by": "agent_steps"}, {"num_timesteps": 50}),
+    "complete episodes": ({"batch_mode": "complete_episodes"}, {"num_timesteps": 60}),
+    "by episodes": ({}, {"num_episodes": 4}),
+    "greedy": ({}, {"num_timesteps": 30, "explore": False}),
+}
+
+
+@pytest.mark.parametrize("mode", list(SAMPLING_MODES))
+@pytest.mark.parametrize("case", ["two CartPoles", "one shared module"])
+def test_lockstep_sampling_modes_cut_the_chunks_of_the_general_path(case, mode):
+    creator, mapping = CASES[case]
+    settings, call = SAMPLING_MODES[mode]
+    fast, general = runner(creator, mapping, True, 4, **settings), runner(creator, mapping, False, 4, **settings)
+    assert type(fast.sampler).__name__ == "LockstepSampler"
+    ids: dict[str, str] = {}
+    for rnd in range(5):
+        got, want = fast.sample(**call), general.sample(**call)
+        assert_same_chunks(got, want, ids, (case, mode, rnd))
+    assert fast.num_env_steps_sampled_lifetime == general.num_env_steps_sampled_lifetime
+    assert fast.num_agent_steps_sampled_lifetime == general.num_agent_steps_sampled_lifetime
+    assert_same_figures(episode_figures(fast), episode_figures(general))

@@ -10,6 +10,9 @@ Which agents may appear when, and how rewards and finished agents are treated, i
 from __future__ import annotations
 
 import copy
+import math
+from itertools import repeat
+from operator import is_
 from typing import Any, Callable, Union
 
 import gymnasium as gym
@@ -143,40 +146,49 @@ class SingleAgentCopies(MultiAgentEnv):
     def step(self, action_dict: dict) -> tuple[dict, dict, dict, dict, dict]:
         if not action_dict:
             raise MultiAgentEnvError(f"step() got no actions; the agents not done, {self.agents}, act every step")
-        obs, rewards, terminateds, truncateds, infos = {}, {}, {}, {}, {}
-        ended = False
-        spaces, done, envs = self.observation_spaces, self.ended, self.envs  # once, not once per agent
-        for agent, action in action_dict.items():
+        spaces, done = self.observation_spaces, self.ended  # once, not once per agent
+        for agent in action_dict:
             if agent not in spaces:
                 raise MultiAgentEnvError(f"an action for agent {agent!r}; this env's agents are "
                                          f"{self.possible_agents}", agent)
             if agent in done:
                 raise MultiAgentEnvError(f"an action for agent {agent!r}, which is {done[agent]}: a done agent "
                                          f"does not act (the agents still playing: {self.agents})", agent)
-            obs[agent], reward, term, trunc, infos[agent] = envs[agent].step(action)
-            rewards[agent] = reward if type(reward) is float and reward - reward == 0.0 else reward_value(agent, reward)
+        agents = list(action_dict)
+        obs, rewards, terms, truncs, infos = [], [], [], [], []
+        envs = self.envs
+        for agent, action in action_dict.items():
+            o, reward, term, trunc, info = envs[agent].step(action)
             if type(term) is not bool or type(trunc) is not bool:
                 term, trunc = _flag(agent, "terminated", term), _flag(agent, "truncated", trunc)
-            terminateds[agent], truncateds[agent] = term, trunc
+            obs.append(o)
+            rewards.append(reward if type(reward) is float and reward - reward == 0.0 else reward_value(agent, reward))
+            terms.append(term)
+            truncs.append(trunc)
+            infos.append(info)
             if term or trunc:
-                if self._finders is None:
-                    self._finders = {i: problem_finder(space) for i, space in self.observation_spaces.items()}
-                why = self._finders[agent](obs[agent])  # a final observation: no action is taken on it
-                if why is not None:
-                    raise MultiAgentEnvError(f"the final observation of agent {agent} {why}; it must lie in the "
-                                             f"observation space of its copy, {self.observation_spaces[agent]}", agent)
-                done[agent] = "terminated" if term else "truncated"
-                ended = True
-        if not ended and self.agents:  # nobody finished: the episode goes on
+                self.end_agent(agent, o, trunc and not term)
+        terminateds, truncateds = dict(zip(agents, terms)), dict(zip(agents, truncs))
+        if self.agents and len(self.agents) == len(self.possible_agents):  # nobody finished: the episode goes on
             terminateds[ALL] = truncateds[ALL] = False
-            return obs, rewards, terminateds, truncateds, infos
-        if ended:
-            self.agents = [a for a in self.possible_agents if a not in self.ended]
-        over = not self.agents
-        all_truncated = over and all(how == "truncated" for how in self.ended.values())
-        terminateds[ALL] = over and not all_truncated
-        truncateds[ALL] = all_truncated
-        return obs, rewards, terminateds, truncateds, infos
+        else:
+            over = not self.agents
+            all_truncated = over and all(how == "truncated" for how in self.ended.values())
+            terminateds[ALL] = over and not all_truncated
+            truncateds[ALL] = all_truncated
+        return dict(zip(agents, obs)), dict(zip(agents, rewards)), terminateds, truncateds, dict(zip(agents, infos))
+
+    def end_agent(self, agent: int, obs: Any, truncated: bool) -> None:
+        """Agent ``agent``'s copy ended (truncated, or else terminated) on ``obs``: checked against its space,
+        and the agent stops playing (``step`` calls it; so does ``CopiesStepper``)."""
+        if self._finders is None:
+            self._finders = {i: problem_finder(space) for i, space in self.observation_spaces.items()}
+        why = self._finders[agent](obs)  # a final observation: no action is taken on it
+        if why is not None:
+            raise MultiAgentEnvError(f"the final observation of agent {agent} {why}; it must lie in the "
+                                     f"observation space of its copy, {self.observation_spaces[agent]}", agent)
+        self.ended[agent] = "truncated" if truncated else "terminated"
+        self.agents = [a for a in self.possible_agents if a not in self.ended]
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_finders": None}  # closures: rebuilt where they are needed
@@ -199,6 +211,46 @@ def checks_itself(env: Any) -> bool:
     cls = type(env)
     return (isinstance(env, SingleAgentCopies) and cls.step is SingleAgentCopies.step
             and cls.reset is SingleAgentCopies.reset)
+
+
+class CopiesStepper:
+    """Steps the playing agents of many ``SingleAgentCopies`` envs at once, lists in and lists out: what a
+    sampler stepping them in lockstep calls once a round instead of each env's ``step`` (no dicts; the
+    values checked a round at a time as ``step`` checks them one by one).
+
+    ``playing`` lists the (env index, agent) pairs that play, env by env, agents in order: ``step`` takes
+    their actions in that order. Call ``refresh`` after resetting an env."""
+
+    def __init__(self, envs: list[SingleAgentCopies]) -> None:
+        self.envs = envs
+        self.playing: list[tuple[int, int]] = []
+        self._copies: list[gym.Env] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.playing = [(i, k) for i, env in enumerate(self.envs) for k in env.agents]
+        self._copies = [self.envs[i].envs[k] for i, k in self.playing]
+
+    def step(self, actions: list[Any]) -> tuple[tuple, list[float], list[int]]:
+        """One step of every playing agent: their observations and rewards (floats), in ``playing``'s order,
+        and the positions (in that order) of the agents that ended on this step. The envs whose every agent
+        ended are over (``agents`` empty); ``playing`` leaves out the ended agents from here on."""
+        results = [env.step(action) for env, action in zip(self._copies, actions)]
+        obs, rewards, terms, truncs, _ = zip(*results)
+        if not (all(map(is_, map(type, rewards), repeat(float))) and math.isfinite(sum(rewards))):
+            rewards = tuple(reward_value(agent, r) for (_, agent), r in zip(self.playing, rewards))
+        if not (all(map(is_, map(type, terms), repeat(bool))) and all(map(is_, map(type, truncs), repeat(bool)))):
+            terms = tuple(_flag(agent, "terminated", f) for (_, agent), f in zip(self.playing, terms))
+            truncs = tuple(_flag(agent, "truncated", f) for (_, agent), f in zip(self.playing, truncs))
+        ended: list[int] = []
+        if True in terms or True in truncs:
+            for n, (term, trunc) in enumerate(zip(terms, truncs)):
+                if term or trunc:
+                    i, agent = self.playing[n]
+                    self.envs[i].end_agent(agent, obs[n], trunc and not term)
+                    ended.append(n)
+            self.refresh()
+        return obs, list(rewards), ended
 
 
 def _flag(agent: int, name: str, flag: Any) -> bool:

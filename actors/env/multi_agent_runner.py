@@ -1,8 +1,10 @@
 """MultiAgentEnvRunner: the env-runner stage for multi-agent envs, one inference-only module per policy.
 
 The multi-agent counterpart of ``env_runner.EnvRunner``, implementing the same ``EnvRunnerRole`` so a
-stage group hosts it in-process or as a Ray actor alike. The stepping and recording are the
-``MultiAgentSampler``'s (one batched forward pass per module per step); this class is the stage
+stage group hosts it in-process or as a Ray actor alike. The stepping and recording are a sampler's (one
+batched forward pass per module per step): ``LockstepSampler`` for envs of ``make_multi_agent`` copies when
+no ``on_episode_*`` callback needs ``MultiAgentEpisode`` objects (time-major rows, cut by slicing: the same
+chunks at a fraction of the Python), ``MultiAgentSampler`` for every other env; this class is the stage
 around it: building the envs (each behind a ``MultiAgentStepChecker`` unless ``check_env`` is off,
 RLlib's ``disable_env_checking``) and the modules, what it is asked to do (sample by steps or by
 episodes, weights, state, modules added and removed, a new mapping) and what it reports.
@@ -34,6 +36,7 @@ from actors.callbacks import build_callbacks, call_hook, overrides
 from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, make_exploration
+from actors.env.lockstep_sampler import LockstepSampler, lockstep_fits
 from actors.env.multi_agent_env import checks_itself
 from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks, RunnerListener
 from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler, PolicyMappingFn
@@ -57,7 +60,10 @@ NAMED_KEYS = ("perf/", "callbacks/", "fault_tolerance/", "stream/")
 class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, module_specs: dict[str, ModuleSpec],
                  policy_mapping_fn: PolicyMappingFn, worker_index: int = 0, recreated: bool = False,
-                 count_steps_by: str = "env_steps", check_env: bool = True) -> None:
+                 count_steps_by: str = "env_steps", check_env: bool = True, lockstep: bool = True) -> None:
+        """``lockstep``: sample envs of ``make_multi_agent`` copies with the ``LockstepSampler`` when nothing
+        needs ``MultiAgentEpisode`` objects (no ``on_episode_*`` callbacks); False: always the general
+        ``MultiAgentSampler`` (the two give the same chunks)."""
         if count_steps_by not in COUNT_UNITS:
             raise ValueError(f"count_steps_by={count_steps_by!r}; use one of {COUNT_UNITS}")
         if not module_specs:
@@ -103,10 +109,15 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
             # agent 0 of make_multi_agent copies one seed); the sampler's first reset continues from there
             for i, env in enumerate(self.envs):
                 env.reset(seed=int(np.random.SeedSequence([settings.seed, worker_index, i]).generate_state(1)[0]))
-        self.sampler = MultiAgentSampler(self.envs, self.module.members, self.explorations, self.env_actions,
-                                         policy_mapping_fn, env_runner_index=worker_index, listener=self.listener,
-                                         check_observations=check_env,
-                                         rng=acting_rng(settings.seed, worker_index))
+        pieces = dict(env_runner_index=worker_index, listener=self.listener, check_observations=check_env,
+                      rng=acting_rng(settings.seed, worker_index))
+        self.sampler: MultiAgentSampler | LockstepSampler
+        if lockstep and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
+            self.sampler = LockstepSampler(self.envs, self.module.members, self.explorations, self.env_actions,
+                                           policy_mapping_fn, **pieces)
+        else:
+            self.sampler = MultiAgentSampler(self.envs, self.module.members, self.explorations, self.env_actions,
+                                             policy_mapping_fn, **pieces)
         self._ended: list[tuple[float, int]] | None = None  # (return, env steps) of ended episodes, for evaluation
 
     def _make_env(self, index: int, recreated: bool) -> Any:

@@ -60,6 +60,8 @@ class RunnerListener:
         self.on_end = overrides(callbacks, "on_episode_end")
         self.hears_steps = bool(self.on_step)
         """Whether ``episode_stepped`` runs a callback: the sampler calls it only then."""
+        self.runs_callbacks = bool(self.on_created or self.on_start or self.on_step or self.on_end)
+        """Whether any ``on_episode_*`` callback runs: they are handed ``MultiAgentEpisode`` objects."""
         self.order: dict[str, int] | None = None
         """Episode id -> how many episodes started before it, while counting (None: not counting)."""
 

@@ -7,13 +7,15 @@ agents that act together, in turns, join late or finish early. Each env's episod
 ``protocols.multi_agent_episode.MultiAgentEpisode``, which knows which agents hold an observation
 to act on and which module each is mapped to.
 
-Each step gathers the waiting observations of every env, grouped by module, and runs **one batched
-forward pass per module** over all agents of all envs mapped to it, one exploration call on that
-batch, and one action conversion (``EnvActions``) for it; then every env steps once. What an action
-carries into its chunk is what the single-agent loop records, so the learners read both alike: the
-module's action (before the env conversion), ``action_logp``, ``action_dist_inputs``, and
-``vf_preds`` when the module's acting forward pass gives them. The per-agent Python that is left
-is what the dict API forces: scattering each batch's rows back to agents and envs.
+Each step gathers the waiting observations of every env, grouped by module, and acts on them with
+``multi_agent_acting.ModuleActing`` (shared with ``lockstep_sampler.LockstepSampler``, which samples
+``make_multi_agent`` copies time-major): **one batched forward pass per module** over all agents of all
+envs mapped to it, one exploration call on that batch, and one action conversion (``EnvActions``) for
+it; then every env steps once. What an action carries into its chunk is what the single-agent loop
+records, so the learners read both alike: the module's action (before the env conversion),
+``action_logp``, ``action_dist_inputs``, and ``vf_preds`` when the module's acting forward pass gives
+them. The per-agent Python that is left is what the dict API forces: scattering each batch's rows back
+to agents and envs.
 
 A finished episode is replaced by a fresh one (the env is reset) and reported in the sample; the
 running ones are cut at the end of each ``run`` and continue there in the next (their chunk
@@ -25,20 +27,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import gymnasium as gym
 import numpy as np
 import torch
 
 from actors.env.actions import EnvActions
-from actors.env.exploration import Exploration, StochasticSampling
-from actors.env.multi_agent_checks import MultiAgentEnvError
-from actors.env.numpy_acting import acting_rng, categorical_draw
+from actors.env.exploration import Exploration
+from actors.env.multi_agent_acting import ModuleActing
+from actors.env.numpy_acting import acting_rng
 from actors.env.sampling import plain_info
-from actors.env.space_values import BatchProblemFinder, batch_problem_finder
 from actors.metrics import MetricsLogger
 from actors.modules import RLModule
-from actors.modules.fused import FusedActors, fusion_key, pad_rows
-from protocols import nested
 from protocols.episode import EpisodeChunk
 from protocols.multi_agent_episode import AgentID, MultiAgentEpisode, add_action_batch
 
@@ -113,36 +111,24 @@ class MultiAgentSampler:
                  check_observations: bool = False, rng: np.random.Generator | None = None) -> None:
         if not envs:
             raise ValueError("MultiAgentSampler needs at least one env, got none")
-        if not modules:
-            raise ValueError("MultiAgentSampler needs at least one module, got none")
-        for name, pieces in (("explorations", explorations), ("env_actions", env_actions)):
-            if set(pieces) != set(modules):
-                raise ValueError(f"{name} are given for modules {sorted(pieces)}, the modules are {sorted(modules)}: "
-                                 f"give one per module id")
         if not callable(policy_mapping_fn):
             raise ValueError(f"policy_mapping_fn must be callable (agent_id, episode) -> module id, "
                              f"got {policy_mapping_fn!r}")
+        self.acting = ModuleActing(modules, explorations, env_actions,
+                                   rng if rng is not None else acting_rng(seed, env_runner_index), self.policy_of,
+                                   check_observations)
+        """The modules and how they act; its ``rng`` (seeded from ``seed`` unless given) draws the actions of
+        modules that act in numpy."""
         self.envs = list(envs)
-        self.modules, self.explorations, self.env_actions = dict(modules), dict(explorations), dict(env_actions)
         self.policy_mapping_fn = policy_mapping_fn
         self.env_runner_index = env_runner_index
         self.record_infos = record_infos
         """Keep each agent's infos in its chunks (a recording that writes them)."""
         self._weights_version = weights_version
         self.listener = listener
-        self.check_observations = check_observations
-        """Check each batch of observations against its module's observation space before acting on it
-        (the runner's step checker leaves these to this batched check)."""
         self._fast_path = True
-        self.rng = rng if rng is not None else acting_rng(seed, env_runner_index)
-        """Draws the actions of modules that act in numpy (a fused group of categorical policies); seeded from
-        ``seed`` unless given (the runner seeds its own and keeps it in its state)."""
-        self._batch_checks: dict[str, tuple[RLModule, BatchProblemFinder]] = {}
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
-        self._dtypes: dict[str, tuple[RLModule, Any]] = {}
-        self._groups: tuple[tuple, list[tuple[tuple[str, ...], FusedActors | None]]] | None = None
-        """Module id -> (the module, its observation space's dtypes), computed once per module object."""
         self.reset(seed)
 
     @property
@@ -156,10 +142,17 @@ class MultiAgentSampler:
         for ep in self.episodes:
             ep.weights_version = version
 
+    modules = property(lambda self: self.acting.modules, lambda self, v: setattr(self.acting, "modules", dict(v)),
+                       doc="Module id -> the module acting for it (the runner replaces the dict when modules change).")
+    explorations = property(lambda self: self.acting.explorations,
+                            lambda self, v: setattr(self.acting, "explorations", dict(v)))
+    env_actions = property(lambda self: self.acting.env_actions, lambda self, v: setattr(self.acting, "env_actions", dict(v)))
+    rng = property(lambda self: self.acting.rng, doc="Draws the actions of modules that act in numpy.")
+
     def use_fast_path(self, on: bool) -> None:
         """Take the shortcuts for the commonest steps (the episodes' one-pass recording, the fused pass's rows
         padded as a list), the default; False: the general path throughout, which gives the same chunks."""
-        self._fast_path = on
+        self._fast_path = self.acting.fast_path = on
         for ep in self.episodes:
             ep.plain_steps = on
 
@@ -203,8 +196,9 @@ class MultiAgentSampler:
         if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or target < 1:
             raise ValueError(f"run() needs a number of steps >= 1, got {target!r}")
         by_agents = num_env_steps is None
-        forwards = {mid: m.forward_exploration if explore else m.forward_inference for mid, m in self.modules.items()}
-        groups = self._fusion_groups()
+        acting = self.acting
+        forwards = acting.forwards(explore)
+        groups = acting.groups()
         listener = self.listener
         stepped = listener.episode_stepped if listener is not None and getattr(listener, "hears_steps", True) else None
         chunks: dict[str, list[EpisodeChunk]] = {}
@@ -224,18 +218,11 @@ class MultiAgentSampler:
                     part[0].append((i, aid))
                     part[1].append(o)
             to_env: list[dict[AgentID, Any]] = [{} for _ in range(n)]
-            for mids, fused in groups:
-                present = [m for m in mids if m in waiting]
-                if not present:
+            for group in groups:
+                acted = acting.act_group(group, waiting, forwards, explore, timestep)
+                if acted is None:
                     continue
-                if fused is None:
-                    who, obs = waiting[present[0]]
-                    acts, env_acts, columns = self._act(present[0], who, obs, forwards[present[0]], explore, timestep)
-                else:  # one pass for every module of the group, rows grouped by module in the group's order
-                    who = [w for m in mids if m in waiting for w in waiting[m][0]]
-                    obs = [o for m in mids if m in waiting for o in waiting[m][1]]
-                    counts = [len(waiting[m][0]) if m in waiting else 0 for m in mids]
-                    acts, env_acts, columns = self._act_fused(fused, mids, counts, who, obs, explore, timestep)
+                present, who, acts, env_acts, columns = acted
                 keys = tuple(columns)
                 rows = list(zip(*columns.values()))  # each agent's policy outputs, in keys' order
                 if self._fast_path and add_action_batch(self.episodes, who, acts, keys, rows):
@@ -269,119 +256,9 @@ class MultiAgentSampler:
             _add(chunks, ep.take_chunks())
         return MultiAgentSample(chunks, env_steps, agent_steps, module_steps, ended)
 
-    def _fusion_groups(self) -> list[tuple[tuple[str, ...], FusedActors | None]]:
-        """The modules that act in one pass (``FusedActors``: same architecture, plain sampling; a lone such
-        module too, for its numpy pass) and the ones that act alone, each group in module order; built when
-        the modules change, restacked (new weights) at every call -- once per run."""
-        members = tuple((mid, id(m), id(self.explorations[mid])) for mid, m in self.modules.items())
-        if self._groups is None or self._groups[0] != members:
-            by_key: dict[Any, list[str]] = {}
-            for mid, module in self.modules.items():
-                expl = self.explorations[mid]
-                key = fusion_key(module)
-                plain = type(expl) is StochasticSampling
-                by_key.setdefault(mid if key is None or not plain else (key, expl.random_timesteps), []).append(mid)
-            groups = [(tuple(mids), FusedActors({m: self.modules[m] for m in mids}) if isinstance(key, tuple) else None)
-                      for key, mids in by_key.items()]
-            self._groups = (members, groups)
-        else:
-            for _, fused in self._groups[1]:
-                if fused is not None:
-                    fused.refresh()
-        return self._groups[1]
-
-    def _act_fused(self, fused: FusedActors, mids: tuple[str, ...], counts: list[int], who: list[tuple[int, AgentID]],
-                   obs: list[Any], explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
-        """Several modules' rows (grouped by module, ``counts`` each) in one pass; as ``_act``."""
-        if fused.numpy_ready and fused.dist_spec.kind == "categorical":  # no torch from observations to actions
-            batch = self._stacked(mids[0], who, pad_rows(obs, counts) if self._fast_path else obs, obs)
-            if type(batch) is np.ndarray:
-                logits = fused.dist_inputs_numpy(batch, counts, padded=self._fast_path)
-                uniform = timestep < self.explorations[mids[0]].random_timesteps
-                acts, logp = categorical_draw(logits, explore, uniform, self.rng)
-                env_acts = self.env_actions[mids[0]](acts)
-                return acts, env_acts.tolist(), {"action_logp": logp, "action_dist_inputs": logits}
-        if self._fast_path:  # padded as a list, stacked once: the modules' rows side by side for one matmul a layer
-            tensors = self._tensors(mids[0], who, pad_rows(obs, counts), obs)
-            dist_inputs = fused.dist_inputs(tensors, counts, padded=True)
-        else:
-            dist_inputs = fused.dist_inputs(self._tensors(mids[0], who, obs), counts)
-        return self._choose(mids[0], dist_inputs, {}, explore, timestep)
-
-    def _tensors(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any],
-                 values: list[Any] | None = None) -> Any:
-        """The observations as one batch of tensors, cast to the module's observation space's dtypes.
-        ``values``: the agents' own observations when ``obs`` repeats some of them (``pad_rows``)."""
-        batch = self._stacked(mid, who, obs, values)
-        return torch.from_numpy(batch) if type(batch) is np.ndarray else nested.map_structure(torch.from_numpy, batch)
-
-    def _stacked(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], values: list[Any] | None = None) -> Any:
-        """The observations as one numpy batch (nested for Dict/Tuple spaces), checked when the sampler checks
-        them and cast to the module's observation space's dtypes; ``values`` as for ``_tensors``."""
-        module = self.modules[mid]
-        dtypes = self._dtypes.get(mid)
-        if dtypes is None or dtypes[0] is not module:
-            dtypes = self._dtypes[mid] = (module, _space_dtypes(getattr(module, "observation_space", None)))
-        dtypes = dtypes[1]
-        flat = type(obs[0]) is np.ndarray and not isinstance(dtypes, (dict, tuple))
-        batch = None
-        if flat:
-            try:
-                batch = np.stack(obs)  # the common case, flat arrays: one stack and at most one cast
-            except ValueError:  # ragged: the check below names the agent, or the message below the shapes
-                flat = False
-        if self.check_observations:
-            self._check_batch(mid, batch, who, obs if values is None else values)
-        try:
-            if flat:
-                return _cast(batch, dtypes)
-            batch = nested.stack(obs)
-            if dtypes is not None:
-                batch = nested.map_structure(_cast, batch, dtypes)
-            return batch
-        except (KeyError, ValueError, TypeError) as err:
-            raise ValueError(f"observations of agents {sorted({str(a) for _, a in who})} (module {mid!r}) do not "
-                             f"fit the module's observation space {module.observation_space}: {err}. Map these "
-                             "agents to a module built for their observation space") from None
-
-    def _check_batch(self, mid: str, batch: Any, who: list[tuple[int, AgentID]], obs: list[Any]) -> None:
-        """Every observation about to be acted on lies in its module's observation space, or an error names
-        the first agent whose does not."""
-        module = self.modules[mid]
-        check = self._batch_checks.get(mid)
-        if check is None or check[0] is not module:
-            check = self._batch_checks[mid] = (module, batch_problem_finder(module.observation_space))
-        bad = check[1](batch, obs)
-        if bad is not None:
-            row, why = bad
-            i, aid = who[row]
-            raise MultiAgentEnvError(f"env {i}: the observation of agent {aid!r} {why}; it must lie in the observation "
-                                     f"space of module {self.policy_of(i, aid)!r} that acts for it, "
-                                     f"{module.observation_space} (fix the env's observation, or the space it declares "
-                                     f"for {aid!r})", aid)
-
     def policy_of(self, env_index: int, agent_id: AgentID) -> str:
         """The module ``agent_id`` of env ``env_index``'s running episode acts with."""
         return self.episodes[env_index].module_for(agent_id)
-
-    def _act(self, mid: str, who: list[tuple[int, AgentID]], obs: list[Any], forward: Callable[[Any], dict],
-             explore: bool, timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
-        """One module's batch: its actions, the env's form of them, and the extras' columns."""
-        out = forward(self._tensors(mid, who, obs))
-        return self._choose(mid, out["action_dist_inputs"], out, explore, timestep)
-
-    def _choose(self, mid: str, dist_inputs: torch.Tensor, out: dict[str, torch.Tensor], explore: bool,
-                timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
-        """Actions from distribution inputs with ``mid``'s exploration, their env form and the extras' columns."""
-        dist = self.modules[mid].dist_spec.build(dist_inputs)
-        chosen = self.explorations[mid].actions(dist, explore, timestep)
-        acts = chosen.numpy()
-        columns = {"action_logp": dist.logp(chosen).numpy(), "action_dist_inputs": dist_inputs.numpy()}
-        if "vf_preds" in out:
-            columns["vf_preds"] = out["vf_preds"].numpy()
-        env_acts = self.env_actions[mid](acts)
-        # Discrete actions as Python ints: every env accepts them, and gymnasium checks them fastest
-        return acts, env_acts.tolist() if env_acts.ndim == 1 else list(env_acts), columns
 
     def _step_result(self, index: int, result: Any) -> tuple:
         """Env ``index``'s step result as the episode takes it: a plain 5-tuple, infos kept as plain data."""
@@ -414,20 +291,6 @@ def _by_env(who: list[tuple[int, AgentID]], acts: Any, rows: list[tuple], env_ac
 def _add(into: dict[str, list[EpisodeChunk]], chunks: dict[str, list[EpisodeChunk]]) -> None:
     for mid, cs in chunks.items():
         into.setdefault(mid, []).extend(cs)
-
-
-def _space_dtypes(space: gym.Space | None) -> Any:
-    """The dtypes of a space's leaves, shaped like its observations (None: nothing to cast to)."""
-    if isinstance(space, gym.spaces.Dict):
-        return {k: _space_dtypes(s) for k, s in space.spaces.items()}
-    if isinstance(space, gym.spaces.Tuple):
-        return tuple(_space_dtypes(s) for s in space.spaces)
-    return getattr(space, "dtype", None)
-
-
-def _cast(leaf: np.ndarray, dtype: Any) -> np.ndarray:
-    # an env that gives Python floats or float64 for a float32 space still feeds the module what it was built for
-    return leaf if dtype is None or leaf.dtype == dtype else leaf.astype(dtype)
 
 
 def _short(value: Any) -> str:

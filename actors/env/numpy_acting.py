@@ -72,7 +72,7 @@ def categorical_draw(logits: np.ndarray, explore: bool, uniform: bool, rng: np.r
         targets = rng.random(n) * total
         actions = np.minimum((np.cumsum(weights, axis=1) <= targets[:, None]).sum(axis=1), k - 1)
     logp = z[np.arange(n), actions] - np.log(total)
-    return actions.astype(np.int64), logp.astype(np.float32)
+    return actions.astype(np.int64, copy=False), logp.astype(np.float32, copy=False)
 
 
 class NumpyChooser:
