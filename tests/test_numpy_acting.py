@@ -160,3 +160,28 @@ def test_remote_runners_acting_with_numpy_never_import_torch_and_train():
         assert result["num_env_steps_sampled_lifetime"] > first["num_env_steps_sampled_lifetime"]
     finally:
         algo.stop()
+
+
+def _inverse_cdf_draw(logits: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The textbook inverse-CDF draw: the number of cumulative weights at or below ``u * total``, capped."""
+    weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+    targets = u * weights.sum(axis=1)
+    return np.minimum((np.cumsum(weights, axis=1) <= targets[:, None]).sum(axis=1), logits.shape[1] - 1)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_categorical_draw_is_the_inverse_cdf_draw_with_its_log_probability(k):
+    from actors.env.numpy_acting import categorical_draw
+
+    logits = np.random.default_rng(k).normal(size=(4000, k)).astype(np.float32) * 3
+    actions, logp = categorical_draw(logits, explore=True, uniform=False, rng=np.random.default_rng(7))
+    u = np.random.default_rng(7).random(len(logits))  # the same generator: the same uniforms, one a row
+    assert actions.dtype == np.int64 and logp.dtype == np.float32
+    np.testing.assert_array_equal(actions, _inverse_cdf_draw(logits, u))
+    log_softmax = logits - logits.max(axis=1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose(logp, log_softmax[np.arange(len(logits)), actions], rtol=1e-5, atol=1e-5)
+    # the draws follow the policy: each action's frequency is near its mean probability
+    probs = np.exp(log_softmax).mean(axis=0)
+    freq = np.bincount(actions, minlength=k) / len(actions)
+    np.testing.assert_allclose(freq, probs, atol=0.03)

@@ -66,16 +66,23 @@ class FusedActors:
                         for layer in list(first.pi_trunk) + [first.pi_head]]
         self.weights: list[torch.Tensor] = []
         self.biases: list[torch.Tensor] = []
-        self._layouts: dict[tuple[int, ...], torch.Tensor] = {}
+        self._layouts: dict[tuple, torch.Tensor | np.ndarray] = {}
         twins = [None if layer is None else _NUMPY_TWINS.get(type(layer)) for layer in self.pattern]
         missing = any(layer is not None and twin is None for layer, twin in zip(self.pattern, twins))
         self._numpy_pattern = None if missing else twins
         """The pass in numpy (None: an activation without a numpy twin): for these few rows and small layers
         each torch op costs its dispatch, several times numpy's call, and the pass is a dozen ops."""
         self._np_weights: list[tuple[np.ndarray, np.ndarray]] = []
+        self._seen: tuple = ()
         self.refresh()
 
     def refresh(self) -> None:
+        # restacked only when a weight changed: in-place updates (load_state_dict, optimizer steps) bump a
+        # tensor's version counter, and a replaced tensor has another storage
+        seen = tuple((p.data_ptr(), p._version) for m in self.modules for p in m.parameters())
+        if seen == self._seen:
+            return
+        self._seen = seen
         with torch.no_grad():
             linears = [[layer for layer in list(m.pi_trunk) + [m.pi_head] if isinstance(layer, nn.Linear)]
                        for m in self.modules]
@@ -144,7 +151,15 @@ class FusedActors:
             else:
                 h = twin(h)
         h = h.reshape(n_modules * widest, -1)
-        return h if h.shape[0] == rows else h[self._rows(counts, widest).numpy()]
+        return h if h.shape[0] == rows else h.take(self._numpy_layout(counts, widest), axis=0)
+
+    def _numpy_layout(self, counts: Sequence[int], widest: int) -> np.ndarray:
+        """``_rows`` as a numpy index array, cached alike."""
+        key = (tuple(counts), "numpy")
+        rows = self._layouts.get(key)
+        if rows is None:
+            rows = self._layouts[key] = self._rows(counts, widest).numpy()
+        return rows
 
     def _padded(self, feats: torch.Tensor, counts: Sequence[int], widest: int) -> torch.Tensor:
         """``feats`` laid out ``[module * widest + row]`` with zero rows where a module has fewer."""
