@@ -274,3 +274,32 @@ def test_a_runner_still_checks_the_observations_copies_act_on():
     with pytest.raises(MultiAgentEnvError, match="observation of agent 0 .*observation space of module 'p'"):
         runner.sample()
     runner.stop()
+
+
+def test_the_lockstep_stepper_checks_what_step_checks():
+    from actors.env.multi_agent_env import CopiesStepper
+
+    ok = copies_of((np.float64(0.5), False, np.bool_(False), [0.0, 0.0]))
+    stepper = CopiesStepper([ok])
+    obs, rewards, ended = stepper.step([0, 1])
+    assert rewards == [0.5, 0.5] and all(type(r) is float for r in rewards) and ended == []
+    assert len(obs) == 2 and stepper.playing == [(0, 0), (0, 1)]
+    for bad, match in ((float("nan"), "finite"), (float("inf"), "finite"), ("1", "one number")):
+        with pytest.raises(MultiAgentEnvError, match=match) as err:
+            CopiesStepper([copies_of((bad, False, False, [0.0, 0.0]))]).step([0, 0])
+        assert err.value.agent_id == 0
+    with pytest.raises(MultiAgentEnvError, match="terminated=1 .*True or False") as err:
+        CopiesStepper([copies_of((1.0, 1, False, [0.0, 0.0]))]).step([0, 0])
+    assert err.value.agent_id == 0
+    second = copies_of((1.0, False, True, [5.0, 0.0]))
+    second.envs[0].script = [(1.0, False, False, [0.0, 0.0])]  # copy 0 plays on; copy 1 ends outside its space
+    with pytest.raises(MultiAgentEnvError, match="final observation of agent 1") as err:
+        CopiesStepper([copies_of((1.0, False, False, [0.0, 0.0])), second]).step([0, 0, 0, 0])
+    assert err.value.agent_id == 1
+    # agent 0 of the second env finishes in its space: it leaves the playing list, its env plays on
+    first, second = copies_of((1.0, False, False, [0.0, 0.0])), copies_of((1.0, True, False, [0.5, -0.5]))
+    second.envs[1].script = [(1.0, False, False, [0.0, 0.0])] * 3
+    stepper = CopiesStepper([first, second])
+    _, _, ended = stepper.step([0, 0, 0, 0])
+    assert ended == [2] and second.agents == [1] and second.ended == {0: "terminated"}
+    assert stepper.playing == [(0, 0), (0, 1), (1, 1)]
