@@ -27,7 +27,7 @@ from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration
 from actors.env.multi_agent_acting import ModuleActing
 from actors.env.multi_agent_env import CopiesStepper, checks_itself
-from actors.env.multi_agent_sampler import EpisodeListener, MultiAgentSample, PolicyMappingFn
+from actors.env.multi_agent_sampler import EpisodeListener, MultiAgentSample, PolicyMappingFn, run_target
 from actors.env.numpy_acting import acting_rng
 from actors.modules import RLModule
 from protocols import nested
@@ -215,13 +215,7 @@ class LockstepSampler:
             t0: int = 0) -> MultiAgentSample:
         """As ``MultiAgentSampler.run``: every env steps once per round until ``num_env_steps`` env steps or
         ``num_agent_steps`` actions are taken (give one); ``t0`` is where exploration schedules stand."""
-        if (num_env_steps is None) == (num_agent_steps is None):
-            raise ValueError(f"give run() one of num_env_steps and num_agent_steps, got num_env_steps={num_env_steps}, "
-                             f"num_agent_steps={num_agent_steps}")
-        target = num_agent_steps if num_env_steps is None else num_env_steps
-        if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or target < 1:
-            raise ValueError(f"run() needs a number of steps >= 1, got {target!r}")
-        by_agents = num_env_steps is None
+        target, by_agents = run_target(num_env_steps, num_agent_steps)
         acting = self.acting
         forwards = acting.forwards(explore)
         groups = acting.groups()

@@ -189,13 +189,7 @@ class MultiAgentSampler:
         (give one). Every env steps once per round, so the count may overshoot by less than one
         round. ``t0`` is where exploration schedules stand, in the unit the run counts; each round's
         exploration call gets ``t0`` plus what this run counted before it."""
-        if (num_env_steps is None) == (num_agent_steps is None):
-            raise ValueError(f"give run() one of num_env_steps and num_agent_steps, got num_env_steps={num_env_steps}, "
-                             f"num_agent_steps={num_agent_steps}")
-        target = num_agent_steps if num_env_steps is None else num_env_steps
-        if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or target < 1:
-            raise ValueError(f"run() needs a number of steps >= 1, got {target!r}")
-        by_agents = num_env_steps is None
+        target, by_agents = run_target(num_env_steps, num_agent_steps)
         acting = self.acting
         forwards = acting.forwards(explore)
         groups = acting.groups()
@@ -272,6 +266,17 @@ class MultiAgentSampler:
             return result
         obs, rewards, terminateds, truncateds, infos = result
         return obs, rewards, terminateds, truncateds, self._infos(infos)
+
+
+def run_target(num_env_steps: int | None, num_agent_steps: int | None) -> tuple[int, bool]:
+    """A run's step target and whether it counts agent steps, from ``run()``'s two arguments (one of them given)."""
+    if (num_env_steps is None) == (num_agent_steps is None):
+        raise ValueError(f"give run() one of num_env_steps and num_agent_steps, got num_env_steps={num_env_steps}, "
+                         f"num_agent_steps={num_agent_steps}")
+    target = num_agent_steps if num_env_steps is None else num_env_steps
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or target < 1:
+        raise ValueError(f"run() needs a number of steps >= 1, got {target!r}")
+    return int(target), num_env_steps is None
 
 
 def _by_env(who: list[tuple[int, AgentID]], acts: Any, rows: list[tuple], env_acts: list) -> dict[int, tuple]:
