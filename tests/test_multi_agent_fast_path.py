@@ -128,3 +128,26 @@ def test_lockstep_sampling_modes_cut_the_chunks_of_the_general_path(case, mode):
     assert fast.num_env_steps_sampled_lifetime == general.num_env_steps_sampled_lifetime
     assert fast.num_agent_steps_sampled_lifetime == general.num_agent_steps_sampled_lifetime
     assert_same_figures(episode_figures(fast), episode_figures(general))
+
+
+def test_lockstep_cuts_the_chunks_of_the_general_path_as_modules_come_and_go():
+    """A module added mid-run (self-play's snapshot) changes the fused groups; episodes that start later are
+    mapped to it, and a removed module's episodes restart: both samplers still cut the same chunks."""
+    creator, mapping = CASES["two CartPoles"]
+    fast, general = runner(creator, mapping, True), runner(creator, mapping, False)
+    assert type(fast.sampler).__name__ == "LockstepSampler"
+    ids: dict[str, str] = {}
+    for rnd in range(4):
+        if rnd == 1:
+            for r in (fast, general):
+                spec = r.module_specs["p0"]
+                torch.manual_seed(11)
+                r.add_module("p0_v1", spec, weights=r.module["p0"].get_state())
+                r.set_policy_mapping_fn(lambda agent, episode, **kw: "p0" if agent == 0 else "p0_v1")
+        if rnd == 3:
+            for r in (fast, general):
+                r.remove_module("p1")
+        for _ in range(3):
+            got, want = fast.sample(num_timesteps=40), general.sample(num_timesteps=40)
+            assert_same_chunks(got, want, ids, rnd)
+    assert {c.module_id for c in fast.sample(num_timesteps=40)} == {"p0", "p0_v1"}

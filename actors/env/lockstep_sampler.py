@@ -4,9 +4,9 @@ In an env of ``make_multi_agent`` copies every agent acts every step until it is
 when the last one is. Such envs need none of ``MultiAgentEpisode``'s per-step bookkeeping (who observes,
 who is paid, who joins): this sampler treats every (env, agent) as a slot, as ``EpisodeSlots`` treats the
 sub-envs of a single-agent runner. Each step it acts for every playing slot with one batched pass per module
-(``ModuleActing``, shared with ``MultiAgentSampler``), steps each env's playing copies
-(``SingleAgentCopies.step_agents``: lists, no dicts), and writes observations, actions, policy outputs and
-rewards into time-major rows; at the end of a run each slot's episode segments are cut out by slicing.
+(``ModuleActing``, shared with ``MultiAgentSampler``), steps every playing copy of every env in one flat
+pass (``multi_agent_env.CopiesStepper``: lists, no dicts), and writes observations, actions, policy outputs
+and rewards into time-major rows; at the end of a run each slot's episode segments are cut out by slicing.
 
 It gives exactly the chunks ``MultiAgentSampler`` gives for these envs -- the same rows acted on in the same
 order, so the same draws, and the chunks in the same order (a test compares the two) -- at a fraction of the
@@ -153,7 +153,8 @@ class LockstepSampler:
     modules = property(lambda self: self.acting.modules, lambda self, v: setattr(self.acting, "modules", dict(v)))
     explorations = property(lambda self: self.acting.explorations,
                             lambda self, v: setattr(self.acting, "explorations", dict(v)))
-    env_actions = property(lambda self: self.acting.env_actions, lambda self, v: setattr(self.acting, "env_actions", dict(v)))
+    env_actions = property(lambda self: self.acting.env_actions,
+                           lambda self, v: setattr(self.acting, "env_actions", dict(v)))
     rng = property(lambda self: self.acting.rng, doc="Draws the actions of modules that act in numpy.")
 
     def use_fast_path(self, on: bool) -> None:
@@ -219,6 +220,7 @@ class LockstepSampler:
         acting = self.acting
         forwards = acting.forwards(explore)
         groups = acting.groups()
+        self._plan = None  # its batch rows are per group, and the groups change when modules come and go
         envs, episodes, obs, stepper = self.envs, self.episodes, self.obs, self.stepper
         n_envs, n_slots = len(envs), len(self.slots)
         capacity = -(-int(target) // n_envs)  # every env takes at least one agent step a round
@@ -316,7 +318,8 @@ class LockstepSampler:
         return MultiAgentSample(chunks, env_steps, agent_steps, module_steps, ended)
 
     def _cut(self, segments: list[tuple], obs_rows: list[Any], reward_rows: list[list[float]],
-             outputs: list[dict[str, np.ndarray]], group_of: dict[str, int], rounds: int, ended_at: dict[int, int]) -> dict[str, list[EpisodeChunk]]:
+             outputs: list[dict[str, np.ndarray]], group_of: dict[str, int], rounds: int,
+             ended_at: dict[int, int]) -> dict[str, list[EpisodeChunk]]:
         """Each segment's chunk, grouped by module, in the order ``MultiAgentSampler`` hands them out: episodes as
         they end (by round, then env), then the running ones (by env); within an episode, agents as they finish
         (by round, then agent), the ones still playing last."""

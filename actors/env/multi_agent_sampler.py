@@ -146,7 +146,8 @@ class MultiAgentSampler:
                        doc="Module id -> the module acting for it (the runner replaces the dict when modules change).")
     explorations = property(lambda self: self.acting.explorations,
                             lambda self, v: setattr(self.acting, "explorations", dict(v)))
-    env_actions = property(lambda self: self.acting.env_actions, lambda self, v: setattr(self.acting, "env_actions", dict(v)))
+    env_actions = property(lambda self: self.acting.env_actions,
+                           lambda self, v: setattr(self.acting, "env_actions", dict(v)))
     rng = property(lambda self: self.acting.rng, doc="Draws the actions of modules that act in numpy.")
 
     def use_fast_path(self, on: bool) -> None:
