@@ -195,7 +195,7 @@ def sampler(envs: list, spaces: dict[str, tuple[gym.Space, gym.Space]], mapping,
 def spy_passes(s: MultiAgentSampler, monkeypatch) -> dict[str, list[int]]:
     """Per module, the rows of every acting pass it made: its own forward pass, or its share of a
     fused pass (``FusedActors``: modules of one architecture act together)."""
-    sizes = {mid: spy(m) for mid, m in s.modules.items()}
+    sizes = {mid: spy(m) for mid, m in s.acting.modules.items()}
 
     def recording(fused_pass: Any) -> Any:
         def recorded(fused: FusedActors, obs: Any, counts: list[int], **kwargs: Any) -> Any:
@@ -277,7 +277,7 @@ def test_chunks_carry_the_single_agent_extras_of_the_acting_module():
         assert isinstance(c.agent_id, str) and c.obs.dtype == np.float32 and c.obs.shape[1:] == (4,)
         assert set(c.extra) == {"action_logp", "action_dist_inputs"}
         assert c.extra["action_logp"].dtype == np.float32 and c.extra["action_dist_inputs"].shape == (len(c), 2)
-        module = s.modules[c.module_id]
+        module = s.acting.modules[c.module_id]
         dist_inputs = module.forward_inference(torch.from_numpy(c.obs[:-1]))["action_dist_inputs"]
         assert np.allclose(dist_inputs.detach().numpy(), c.extra["action_dist_inputs"], atol=1e-6)
         logp = module.dist_spec.build(dist_inputs).logp(torch.from_numpy(c.actions))
@@ -296,7 +296,7 @@ def test_vf_preds_recorded_when_the_module_outputs_them():
     sample = s.run(num_env_steps=5)
     for c in sample.chunks["m"]:
         assert set(c.extra) == {"action_logp", "action_dist_inputs", "vf_preds"}
-        values = s.modules["m"].compute_values(torch.from_numpy(c.obs[:-1])).detach().numpy()
+        values = s.acting.modules["m"].compute_values(torch.from_numpy(c.obs[:-1])).detach().numpy()
         assert np.allclose(values, c.extra["vf_preds"], atol=1e-6)
 
 
@@ -448,7 +448,7 @@ def test_exploration_schedule_follows_t0_in_the_units_run():
             return super().actions(dist, explore, timestep)
 
     s = sampler([EarlyFinisher(), EarlyFinisher()], {"m": (BOX2, gym.spaces.Discrete(2))}, lambda a, e: "m")
-    s.explorations["m"] = Recording(s.modules["m"].dist_spec)
+    s.acting.explorations["m"] = Recording(s.acting.modules["m"].dist_spec)
     s.run(num_agent_steps=10, t0=50)  # four actions a round, two once "a" is done
     assert seen == [50, 54, 58]
     seen.clear()

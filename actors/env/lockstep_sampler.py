@@ -27,7 +27,8 @@ from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration
 from actors.env.multi_agent_acting import ModuleActing
 from actors.env.multi_agent_env import CopiesStepper, checks_itself
-from actors.env.multi_agent_sampler import EpisodeListener, MultiAgentSample, PolicyMappingFn, run_target
+from actors.env.multi_agent_sampler import (EpisodeListener, MultiAgentSample, PolicyMappingFn, checked_mapping_fn,
+                                           run_target)
 from actors.env.numpy_acting import acting_rng
 from actors.modules import RLModule
 from protocols import nested
@@ -122,14 +123,11 @@ class LockstepSampler:
             if not lockstep_fits(env):
                 raise ValueError(f"env {i} is a {type(env).__name__}, not make_multi_agent's copies with their own "
                                  "step and reset and array actions: sample it with MultiAgentSampler")
-        if not callable(policy_mapping_fn):
-            raise ValueError(f"policy_mapping_fn must be callable (agent_id, episode) -> module id, "
-                             f"got {policy_mapping_fn!r}")
         self.acting = ModuleActing(modules, explorations, env_actions,
                                    rng if rng is not None else acting_rng(seed, env_runner_index), self.policy_of,
                                    check_observations)
         self.envs = list(envs)
-        self.policy_mapping_fn = policy_mapping_fn
+        self.policy_mapping_fn = checked_mapping_fn(policy_mapping_fn)
         self.env_runner_index = env_runner_index
         self.weights_version = weights_version
         """Stamped on every chunk cut from now on."""
@@ -149,13 +147,6 @@ class LockstepSampler:
         self.episodes: list[CopiesEpisode] = []
         """The episode running in each env."""
         self.reset(seed)
-
-    modules = property(lambda self: self.acting.modules, lambda self, v: setattr(self.acting, "modules", dict(v)))
-    explorations = property(lambda self: self.acting.explorations,
-                            lambda self, v: setattr(self.acting, "explorations", dict(v)))
-    env_actions = property(lambda self: self.acting.env_actions,
-                           lambda self, v: setattr(self.acting, "env_actions", dict(v)))
-    rng = property(lambda self: self.acting.rng, doc="Draws the actions of modules that act in numpy.")
 
     def use_fast_path(self, on: bool) -> None:
         """As ``MultiAgentSampler.use_fast_path``: False pads a fused group's rows after stacking them."""
@@ -177,7 +168,7 @@ class LockstepSampler:
         if self.listener is not None:  # RLlib's order: the episode object exists before the env resets
             self.listener.episode_created(index, ep)
         obs, _ = env.reset(seed=seed)
-        known = self.modules
+        known = self.acting.modules
         for k in range(len(env.possible_agents)):
             module_id = self.policy_mapping_fn(k, ep)
             if not isinstance(module_id, str) or not module_id:

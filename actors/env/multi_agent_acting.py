@@ -65,6 +65,11 @@ class ModuleActing:
         """Module id -> (the module, its observation space's dtypes), computed once per module object."""
         self._groups: tuple[tuple, list[Group]] | None = None
 
+    def share(self, modules: Mapping[str, RLModule], explorations: Mapping[str, Exploration],
+              env_actions: Mapping[str, EnvActions]) -> None:
+        """The runner's modules changed (one added or removed): act with these from the next step on."""
+        self.modules, self.explorations, self.env_actions = dict(modules), dict(explorations), dict(env_actions)
+
     def groups(self) -> list[Group]:
         """The modules that act in one pass (``FusedActors``: same architecture, plain sampling; a lone such
         module too, for its numpy pass) and the ones that act alone, each group in module order; built when

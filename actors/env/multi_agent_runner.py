@@ -354,9 +354,7 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
 
     def _share_with_sampler(self) -> None:
         # the sampler keeps its own dicts of the pieces; new episodes check their mapping against its modules
-        self.sampler.modules = dict(self.module.members)
-        self.sampler.explorations = dict(self.explorations)
-        self.sampler.env_actions = dict(self.env_actions)
+        self.sampler.acting.share(self.module.members, self.explorations, self.env_actions)
 
     def set_policy_mapping_fn(self, policy_mapping_fn: PolicyMappingFn) -> None:
         """``fn(agent_id, episode) -> module_id`` for the episodes that start from now on (running
@@ -389,7 +387,7 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                 "num_agent_steps_sampled_lifetime": self.num_agent_steps_sampled_lifetime,
                 "timestep_offset": self._timestep_offset,
                 "exploration": {mid: e.get_state() for mid, e in self.explorations.items()},
-                "torch_rng": torch.get_rng_state().numpy(), "numpy_rng": rng_state(self.sampler.rng)}
+                "torch_rng": torch.get_rng_state().numpy(), "numpy_rng": rng_state(self.sampler.acting.rng)}
 
     def set_state(self, state: dict[str, Any]) -> None:
         missing = sorted(set(state.get("module_ids", [])) - set(self.module_specs))
@@ -405,7 +403,7 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         if state.get("torch_rng") is not None:
             torch.set_rng_state(torch.as_tensor(np.array(state["torch_rng"], np.uint8)))  # a writable copy
         if state.get("numpy_rng") is not None:
-            set_rng_state(self.sampler.rng, state["numpy_rng"])
+            set_rng_state(self.sampler.acting.rng, state["numpy_rng"])
 
     # --- the stage --------------------------------------------------------------------------
     def ping(self) -> str:

@@ -111,16 +111,13 @@ class MultiAgentSampler:
                  check_observations: bool = False, rng: np.random.Generator | None = None) -> None:
         if not envs:
             raise ValueError("MultiAgentSampler needs at least one env, got none")
-        if not callable(policy_mapping_fn):
-            raise ValueError(f"policy_mapping_fn must be callable (agent_id, episode) -> module id, "
-                             f"got {policy_mapping_fn!r}")
         self.acting = ModuleActing(modules, explorations, env_actions,
                                    rng if rng is not None else acting_rng(seed, env_runner_index), self.policy_of,
                                    check_observations)
         """The modules and how they act; its ``rng`` (seeded from ``seed`` unless given) draws the actions of
         modules that act in numpy."""
         self.envs = list(envs)
-        self.policy_mapping_fn = policy_mapping_fn
+        self.policy_mapping_fn = checked_mapping_fn(policy_mapping_fn)
         self.env_runner_index = env_runner_index
         self.record_infos = record_infos
         """Keep each agent's infos in its chunks (a recording that writes them)."""
@@ -142,14 +139,6 @@ class MultiAgentSampler:
         for ep in self.episodes:
             ep.weights_version = version
 
-    modules = property(lambda self: self.acting.modules, lambda self, v: setattr(self.acting, "modules", dict(v)),
-                       doc="Module id -> the module acting for it (the runner replaces the dict when modules change).")
-    explorations = property(lambda self: self.acting.explorations,
-                            lambda self, v: setattr(self.acting, "explorations", dict(v)))
-    env_actions = property(lambda self: self.acting.env_actions,
-                           lambda self, v: setattr(self.acting, "env_actions", dict(v)))
-    rng = property(lambda self: self.acting.rng, doc="Draws the actions of modules that act in numpy.")
-
     def use_fast_path(self, on: bool) -> None:
         """Take the shortcuts for the commonest steps (the episodes' one-pass recording, the fused pass's rows
         padded as a list), the default; False: the general path throughout, which gives the same chunks."""
@@ -163,8 +152,9 @@ class MultiAgentSampler:
         self.episodes = [self._start(i, None if seed is None else seed + i) for i in range(len(self.envs))]
 
     def _start(self, index: int, seed: int | None) -> MultiAgentEpisode:
-        ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.modules, env_runner_index=self.env_runner_index,
-                               env_index=index, weights_version=self._weights_version, record_infos=self.record_infos)
+        ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.acting.modules,
+                               env_runner_index=self.env_runner_index, env_index=index,
+                               weights_version=self._weights_version, record_infos=self.record_infos)
         ep.plain_steps = self._fast_path
         if self.listener is not None:  # RLlib's order: the episode object exists before the env resets
             self.listener.episode_created(index, ep)
@@ -267,6 +257,14 @@ class MultiAgentSampler:
             return result
         obs, rewards, terminateds, truncateds, infos = result
         return obs, rewards, terminateds, truncateds, self._infos(infos)
+
+
+def checked_mapping_fn(policy_mapping_fn: Any) -> PolicyMappingFn:
+    """``policy_mapping_fn`` when it can be called, or an error saying what it must be."""
+    if not callable(policy_mapping_fn):
+        raise ValueError(f"policy_mapping_fn must be callable (agent_id, episode) -> module id, "
+                         f"got {policy_mapping_fn!r}")
+    return policy_mapping_fn
 
 
 def run_target(num_env_steps: int | None, num_agent_steps: int | None) -> tuple[int, bool]:
