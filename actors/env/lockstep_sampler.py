@@ -211,7 +211,6 @@ class LockstepSampler:
         acting = self.acting
         forwards = acting.forwards(explore)
         groups = acting.groups()
-        self._plan = None  # its batch rows are per group, and the groups change when modules come and go
         envs, episodes, obs, stepper = self.envs, self.episodes, self.obs, self.stepper
         n_envs, n_slots = len(envs), len(self.slots)
         capacity = -(-int(target) // n_envs)  # every env takes at least one agent step a round
@@ -235,10 +234,11 @@ class LockstepSampler:
             to_env: list[Any] = [None] * n_slots
             for g, group in enumerate(groups):
                 rows = None
-                if flat:
-                    rows = batch_rows.get(g, False)
+                if flat:  # keyed by the group itself: the groups change when modules come and go
+                    key = (group[0], group[1] is None)
+                    rows = batch_rows.get(key, False)
                     if rows is False:
-                        rows = batch_rows[g] = acting.batch_rows(group, waiting)
+                        rows = batch_rows[key] = acting.batch_rows(group, waiting)
                 acted = acting.act_group(group, waiting, forwards, explore, timestep, cur if flat else None, rows)
                 if acted is None:
                     continue
