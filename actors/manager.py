@@ -78,6 +78,11 @@ class FaultToleranceSettings:
     actor_resources: dict = field(default_factory=dict)
     """What Ray reserves for each member (``{"CPU": 1.0}``): a replacement that has not started while
     the cluster has less than this free is waiting for room, not failing to start."""
+    max_same_failures: int = 3
+    """A member whose replacements fail this many times in a row with the same exception, each before
+    answering a single call, fails for a reason a restart cannot fix (an env or a module that raises the
+    same way every time): the group stops restarting it and, unless failures are ignored, raises that
+    error instead of recreating it up to ``max_restarts`` times."""
     fatal_hint: str = ("Set restart_failed_env_runners=True to recreate failed runners, or "
                        "ignore_env_runner_failures=True to go on without them.")
     """Appended to the error raised when a member fails and neither restarts nor ignoring are on."""
@@ -90,7 +95,13 @@ class _Member:
     restarts: int = 0
     failed_at: float = 0.0
     in_flight: dict = field(default_factory=dict)  # request -> tag
+    methods: dict = field(default_factory=dict)  # request -> method name
     last_error: str = ""
+    failed_method: str = ""
+    """The method whose call failed last (this incarnation's or its predecessor's)."""
+    same_failures: int = 0
+    """Incarnations in a row whose call of ``failed_method`` raised the same exception, none of them having
+    answered a call of that method first."""
 
 
 class _Done:
@@ -171,9 +182,10 @@ class ActorManager:
         for i in ids:
             refs[self._start(self.members[i], method, per_actor_args.get(i, args), kwargs, actor_id=i)] = i
         return self._collect(refs, timeout_s if timeout_s is not None else self.settings.probe_timeout_s,
-                             user_code=method in USER_CODE_METHODS)
+                             user_code=method in USER_CODE_METHODS, method=method)
 
-    def _collect(self, refs: dict, timeout_s: float | None, user_code: bool = False) -> list[CallResult]:
+    def _collect(self, refs: dict, timeout_s: float | None, user_code: bool = False, method: str = ""
+                 ) -> list[CallResult]:
         """Wait for ``refs``; members that died or did not answer are marked failed. An exception raised
         in user code (``user_code``: the method runs the caller's function) is raised to the caller
         once every answer is in -- the first by member index -- and leaves its member healthy."""
@@ -188,12 +200,13 @@ class ActorManager:
             i = refs[ref]
             try:
                 results[i] = CallResult(i, True, ray.get(ref, timeout=READY_FETCH_TIMEOUT_S))
+                self._answered(i, method)
             except RayError as err:
                 results[i] = CallResult(i, False, error=err)
                 if _is_user_error(err, user_code):
                     user_errors[i] = err
                 else:
-                    self._mark_failed(i, err)
+                    self._mark_failed(i, err, method=method)
         for ref in not_ready:
             i = refs[ref]
             err = GetTimeoutError(f"{self.name} {i} did not answer within {timeout_s:.1f} s")
@@ -221,7 +234,8 @@ class ActorManager:
             m = self.members[i]
             # in-process requests are done when submitted: they hold no slot
             if m.healthy and (self.in_process or len(m.in_flight) < self.settings.max_requests_in_flight):
-                m.in_flight[self._start(m, method, args, kwargs)] = tag
+                ref = self._start(m, method, args, kwargs)
+                m.in_flight[ref], m.methods[ref] = tag, method
                 started += 1
         return started
 
@@ -237,16 +251,18 @@ class ActorManager:
         for ref in ready:
             i = refs[ref]
             tag = self.members[i].in_flight.pop(ref, None)
+            method = self.members[i].methods.pop(ref, "")
             if isinstance(ref, _Done):
                 out.append(CallResult(i, True, ref.value, tag=tag))
                 continue
             try:
                 out.append(CallResult(i, True, ray.get(ref, timeout=READY_FETCH_TIMEOUT_S), tag=tag))
+                self._answered(i, method)
             except RayError as err:
                 if _is_user_error(err):
                     raise self._caller_error(i, err) from None
                 out.append(CallResult(i, False, error=err, tag=tag))
-                self._mark_failed(i, err)
+                self._mark_failed(i, err, method=method)
         return out
 
     # --- start-up and failure handling --------------------------------------------------------
@@ -274,14 +290,24 @@ class ActorManager:
             self.stop()
             raise
 
-    def _mark_failed(self, actor_id: int, err: BaseException, kill: bool = False) -> None:
+    def _answered(self, actor_id: int, method: str) -> None:
+        m = self.members[actor_id]
+        if method == m.failed_method:
+            m.same_failures = 0  # this incarnation does what the last one failed at: not a repeating fault
+
+    def _mark_failed(self, actor_id: int, err: BaseException, kill: bool = False, method: str = "") -> None:
         m = self.members[actor_id]
         if not m.healthy:
             return
-        m.healthy, m.failed_at, m.last_error = False, time.monotonic(), _describe(err)
+        described = _describe(err)
+        repeated = (isinstance(err, RayTaskError) and m.same_failures > 0 and described == m.last_error
+                    and method == m.failed_method)
+        m.same_failures = m.same_failures + 1 if repeated else (1 if isinstance(err, RayTaskError) else 0)
+        m.healthy, m.failed_at, m.last_error, m.failed_method = False, time.monotonic(), described, method
         self.num_failures += 1
         self.num_dropped_results += len(m.in_flight)
         m.in_flight.clear()
+        m.methods.clear()
         trace = _remote_traceback(err)
         log.warning("%s %d failed: %s%s", self.name, actor_id, m.last_error, trace)
         if kill:  # a hung actor would hold its resources (and maybe a half-sent request) forever
@@ -289,6 +315,14 @@ class ActorManager:
         s = self.settings
         if not s.restart_failed and not s.ignore_failures:
             raise ActorGroupError(f"{self.name} {actor_id} failed: {m.last_error}. {s.fatal_hint}".rstrip() + trace) from err
+        if s.restart_failed and 0 < s.max_same_failures <= m.same_failures:
+            m.restarts = max(m.restarts, s.max_restarts)  # restarting repeats the error: no more replacements
+            message = (f"{self.name} {actor_id} failed {m.same_failures} times in a row with the same error, each "
+                       f"time before a replacement answered anything: {m.last_error}. Restarting cannot fix that: "
+                       f"the cause is in the code it runs (its env, module or settings); fix it and run again")
+            if not s.ignore_failures:
+                raise ActorGroupError(message + trace) from err
+            log.error("%s; going on without it (failures are ignored)", message)
 
     def probe_unhealthy_and_restart(self, force: bool = False) -> list[int]:
         """Swap in the replacements that came up (their state restored through ``on_restart``), and create
@@ -332,7 +366,8 @@ class ActorManager:
                 _kill(handle)
                 self._failed_start(i, _describe(err))
                 continue
-            self.members[i] = _Member(handle, restarts=m.restarts + 1)
+            self.members[i] = _Member(handle, restarts=m.restarts + 1, last_error=m.last_error,
+                                      failed_method=m.failed_method, same_failures=m.same_failures)
             self.num_restarts += 1
             restarted.append(i)
             log.warning("%s %d recreated (restart #%d)", self.name, i, m.restarts + 1)

@@ -64,7 +64,8 @@ class FlakyEnv(gym.Env):
     """CartPole that raises in ``step`` at configured global step counts on chosen runner indices.
 
     config: ``fail_on_runners`` (list of worker indices), ``fail_at_steps`` (list of step counts of
-    this env instance), ``fail_on_reset`` (bool), ``hang`` (sleep instead of raising).
+    this env instance), ``fail_on_reset`` (bool), ``hang`` (sleep instead of raising),
+    ``fail_when_recreated`` (a recreated runner's envs fail too: a fault no restart fixes).
     """
 
     def __init__(self, config=None):
@@ -73,7 +74,8 @@ class FlakyEnv(gym.Env):
         self.observation_space, self.action_space = self.env.observation_space, self.env.action_space
         on_this = getattr(config, "worker_index", 0) in config.get("fail_on_runners", [])
         recreated = getattr(config, "recreated", False)
-        self.fail_at = set(config.get("fail_at_steps", [])) if on_this and not recreated else set()
+        fails = on_this and (not recreated or config.get("fail_when_recreated", False))
+        self.fail_at = set(config.get("fail_at_steps", [])) if fails else set()
         self.hang = config.get("hang", False)
         self.steps = 0
 

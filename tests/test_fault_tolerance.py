@@ -71,6 +71,24 @@ def test_env_raising_in_one_runner_recreates_that_runner():
         algo.stop()
 
 
+def test_a_runner_failing_the_same_way_after_every_restart_ends_the_run_with_its_error():
+    # the env raises at its step 30 in every incarnation of runner 2: restarting it up to
+    # max_num_env_runner_restarts (1000) times would only repeat the error
+    algo = config({"fail_on_runners": [2], "fail_at_steps": [30], "fail_when_recreated": True}).build()
+    try:
+        with pytest.raises(ActorGroupError) as err:
+            for _ in range(6):
+                algo.train()
+                assert algo.env_runner_group.wait_until_whole(120)
+        message = str(err.value)
+        assert "env runner 2 failed 3 times in a row with the same error" in message
+        assert "injected env failure at step 30" in message
+        assert 'raise RuntimeError(f"injected env failure' in message  # the runner's stack trace
+        assert algo.env_runner_group.manager.num_restarts == 2
+    finally:
+        algo.stop()
+
+
 def test_sub_env_restart_keeps_the_runner_alive():
     algo = config({"fail_on_runners": [1, 2], "fail_at_steps": [30]}, restart_failed_sub_environments=True).build()
     try:
