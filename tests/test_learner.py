@@ -124,6 +124,28 @@ def test_each_optimizer_follows_its_own_schedule():
     assert learner.num_updates == 2  # one step per optimizer
 
 
+def test_one_backward_for_two_slots_steps_each_as_its_own_backward_would():
+    # SAC's update: losses that each reach only their own optimizer's parameters, summed and minimised in
+    # one backward pass, give each optimizer the gradients (norms, steps) of its own loss
+    cfg = PPOConfig(seed=0, model_config={"fcnet_hiddens": [8]}, grad_clip=0.05)
+    together, apart = TwinLearner(cfg), TwinLearner(cfg)
+    obs = torch.randn(6, 3, generator=torch.Generator().manual_seed(2))
+
+    def losses(learner):
+        out = learner.module.forward_train(obs)
+        return out["action_dist_inputs"].pow(2).mean(), (out["vf_preds"] - 1.0).pow(2).mean()
+
+    for _ in range(3):
+        actor_loss, critic_loss = losses(together)
+        norms = together.apply_gradients_to(actor_loss + critic_loss, ("actor", "critic"))
+        actor_loss, critic_loss = losses(apart)
+        expected = [apart.apply_gradients(actor_loss, "actor"), apart.apply_gradients(critic_loss, "critic")]
+        assert norms == pytest.approx(expected, rel=1e-6)
+    assert together.num_updates == apart.num_updates == 6
+    for (name, a), b in zip(together.module.named_parameters(), apart.module.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def test_state_round_trip_with_two_optimizers_a_target_and_fields_through_torch_save():
     import io
 

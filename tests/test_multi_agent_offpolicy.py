@@ -78,12 +78,13 @@ def shared(agent_id: Any, episode: Any, **kwargs: Any) -> str:
 
 
 def turn_taking_dqn(mapping: Any, policies: set[str], **training: Any) -> DQNConfig:
-    """Two episodes a training step, and no update: the replay is only filled."""
+    """Two episodes a training step (one a ``train()``), and no update: the replay is only filled."""
     training = {"num_steps_sampled_before_learning_starts": 10_000, "n_step": 2, "gamma": 0.5,
                 "replay_buffer_config": {"type": "EpisodeReplayBuffer", "capacity": 20_000}} | training
     return (DQNConfig().environment(TurnTaking).multi_agent(policies=policies, policy_mapping_fn=mapping)
             .env_runners(num_env_runners=0, num_envs_per_env_runner=1, rollout_fragment_length=2 * EPISODE_STEPS)
-            .rl_module(model_config={"fcnet_hiddens": [8]}).training(**training).debugging(seed=0))
+            .rl_module(model_config={"fcnet_hiddens": [8]}).training(**training)
+            .reporting(min_sample_timesteps_per_iteration=0).debugging(seed=0))
 
 
 def check_n_step_returns(replay: MultiAgentReplay, module_id: str, agents: set[str]) -> None:

@@ -52,6 +52,7 @@ def test_dqn_mixes_recorded_steps_into_what_its_runners_sample():
             .env_runners(num_env_runners=0, num_envs_per_env_runner=1, rollout_fragment_length=100)
             .training(train_batch_size_per_learner=32, num_steps_sampled_before_learning_starts=100)
             .offline_data(input_={"sampler": 0.5, EXPERT: 0.5})
+            .reporting(min_sample_timesteps_per_iteration=0)  # one training step (100 env steps) a train()
             .debugging(seed=0).build(logdir=None))
     try:
         for _ in range(3):

@@ -51,6 +51,7 @@ def _config(tmp_path, **buffer):
             .training(train_batch_size_per_learner=32, training_intensity=32 / 50 * 2,
                       num_steps_sampled_before_learning_starts=1000,
                       replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 50_000, **buffer})
+            .reporting(min_sample_timesteps_per_iteration=0)  # one training step (50 env steps) a train()
             .debugging(seed=0))
 
 

@@ -256,13 +256,31 @@ class Learner(FedByStreams, LearnerRole):
     def apply_gradients(self, loss: torch.Tensor, optimizer: str = "default") -> float:
         """Backward, average gradients across learners, clip, step one optimizer. Returns the
         global norm of its gradients before clipping."""
-        slot = self.optimizers[optimizer]
-        flat = self.flat_grads.get(optimizer)
-        if flat is not None:
-            return self._apply_flat(loss, slot, flat)
-        params = slot.params
-        slot.optimizer.zero_grad(set_to_none=False)
+        return self.apply_gradients_to(loss, (optimizer,))[0]
+
+    def apply_gradients_to(self, loss: torch.Tensor, optimizers: tuple[str, ...]) -> list[float]:
+        """One backward of ``loss`` for several optimizer slots, then each slot averaged, clipped and
+        stepped as ``apply_gradients`` does one; returns each slot's global norm before clipping. For a
+        sum of losses that each reach only their own slot's parameters (SAC's critic, actor and
+        temperature): one pass through autograd instead of one per loss."""
+        for name in optimizers:
+            flat = self.flat_grads.get(name)
+            if flat is not None:
+                flat.zero()
+            else:
+                self.optimizers[name].optimizer.zero_grad(set_to_none=False)
         loss.backward()
+        return [self._step_slot(name) for name in optimizers]
+
+    def _step_slot(self, name: str) -> float:
+        slot, flat = self.optimizers[name], self.flat_grads.get(name)
+        norm = self._finish_flat(flat) if flat is not None else self._finish_tensors(slot.params)
+        slot.optimizer.step()
+        self.num_updates += 1
+        return float(norm)
+
+    def _finish_tensors(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """After backward: average across learners, clip; the global norm before clipping."""
         for p in params:  # a loss that leaves a head out (BC's value head): zeros, so every learner reduces alike
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -282,20 +300,14 @@ class Learner(FedByStreams, LearnerRole):
             for p in params:
                 torch.nn.utils.clip_grad_norm_([p], clip)
         if clip is not None and by == "global_norm":
-            norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        elif TOTAL_NORM is not None:
-            norm = TOTAL_NORM([p.grad for p in params])
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        slot.optimizer.step()
-        self.num_updates += 1
-        return float(norm)
+            return torch.nn.utils.clip_grad_norm_(params, clip)
+        if TOTAL_NORM is not None:
+            return TOTAL_NORM([p.grad for p in params])
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
 
-    def _apply_flat(self, loss: torch.Tensor, slot: Optimizer, grads: FlatGrads) -> float:
-        """``apply_gradients`` with the slot's gradients in one buffer: one call each to zero, average, measure
+    def _finish_flat(self, grads: FlatGrads) -> torch.Tensor:
+        """``_finish_tensors`` with the slot's gradients in one buffer: one call each to average, measure
         and clip them (the same rule as ``clip_grad_norm_``: scale by ``clip / (norm + 1e-6)`` when below 1)."""
-        grads.zero()
-        loss.backward()
         flat = grads.collect()
         if self.world_size > 1:
             dist.all_reduce(flat)
@@ -309,9 +321,7 @@ class Learner(FedByStreams, LearnerRole):
         norm = torch.linalg.vector_norm(flat)
         if clip is not None and by == "global_norm":
             flat.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
-        slot.optimizer.step()
-        self.num_updates += 1
-        return float(norm)
+        return norm
 
     def minibatches(self, n: int, minibatch_size: int, num_minibatches: int) -> list[np.ndarray]:
         """Index sets for one epoch. The count is fixed by the caller, not by ``n``, so every

@@ -53,6 +53,8 @@ class CQLConfig(SACConfig):
     """Target gap between the soft maximum and the data's Q when ``lagrangian`` is on."""
     rollout_fragment_length: int | str = 1000
     """Recorded steps a reader hands to replay per training step."""
+    min_sample_timesteps_per_iteration: int = 0
+    """CQL samples no env (a training step reads ``rollout_fragment_length`` recorded steps): one per ``train()``."""
     training_intensity: float | None = 256.0
     """Transitions trained per transition read: 256 with batches of 256 is one update per recorded step read."""
     num_steps_sampled_before_learning_starts: int = 10_000
@@ -93,14 +95,16 @@ def cql_regularizer(module: SACModule, batch: dict[str, Any], config: Any,
     with torch.no_grad():
         random_actions = torch.rand(b * n, act_dim, device=obs.device) * 2 - 1
         random_logp = torch.full((b * n,), act_dim * math.log(0.5), device=obs.device)  # uniform on [-1, 1]^d
-    curr_actions, curr_logp = module.action_dist(module.forward_inference(obs_rep)["action_dist_inputs"]).rsample_with_logp()
-    next_actions, next_logp = module.action_dist(module.forward_inference(next_rep)["action_dist_inputs"]).rsample_with_logp()
+        # the policy's actions are candidates for the critics' soft maximum: no gradient goes to the actor
+        curr_actions, curr_logp = module.action_dist(
+            module.forward_inference(obs_rep)["action_dist_inputs"]).rsample_with_logp()
+        next_actions, next_logp = module.action_dist(
+            module.forward_inference(next_rep)["action_dist_inputs"]).rsample_with_logp()
     if batch["actions"].dim() == 1:
         random_actions = random_actions.squeeze(-1)
     total = torch.zeros((), device=obs.device)
     stats: dict[str, torch.Tensor] = {}
-    candidates = [(random_actions, random_logp), (curr_actions.detach(), curr_logp.detach()),
-                  (next_actions.detach(), next_logp.detach())]
+    candidates = [(random_actions, random_logp), (curr_actions, curr_logp), (next_actions, next_logp)]
     qs = [module.q_values(obs_rep, a) for a, _ in candidates]  # each (q1, q2), [B * n]
     for k in range(2 if config.twin_q else 1):
         cat = torch.cat([(q[k] - logp).view(b, n) for q, (_, logp) in zip(qs, candidates)], dim=1)
@@ -140,35 +144,37 @@ class CQLLearner(SACLearner):
         return slots
 
     def step(self, t: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+        """SAC's step (every loss from the weights before this update, one backward pass) with the
+        regularizer in the critics' loss and, with ``lagrangian``, the multiplier's loss beside them."""
         cfg, m = self.config, self.module
         alpha = m.log_alpha.exp().detach()
         critic_loss, stats, td_error = sac_critic_loss(m, self.targets["target"], t, cfg, alpha)
         q_data = m.q_values(t["obs"], t["actions"])
         reg, reg_stats = cql_regularizer(m, t, cfg, q_data)
         stats |= reg_stats
+        slots, total = ("critic", "actor", "alpha"), critic_loss
         if cfg.lagrangian:
             alpha_prime = self.log_alpha_prime.exp().clamp(0.0, 1e6)
             n_q = 2 if cfg.twin_q else 1
-            reg_term = alpha_prime.detach() * (reg - n_q * cfg.min_q_weight * cfg.lagrangian_thresh)
-            alpha_prime_loss = -alpha_prime * (reg.detach() - n_q * cfg.min_q_weight * cfg.lagrangian_thresh)
-            self.apply_gradients(alpha_prime_loss, "alpha_prime")
+            total = total + alpha_prime.detach() * (reg - n_q * cfg.min_q_weight * cfg.lagrangian_thresh)
+            total = total - alpha_prime * (reg.detach() - n_q * cfg.min_q_weight * cfg.lagrangian_thresh)
+            slots += ("alpha_prime",)
             stats["alpha_prime_value"] = alpha_prime.detach()
         else:
-            reg_term = reg
+            total = total + reg
         stats["cql_loss"] = reg.detach()
-        stats["critic_gradients_global_norm"] = self.apply_gradients(critic_loss + reg_term, "critic")
         with frozen(self.optimizers["critic"].params):
             if self.num_target_updates < cfg.bc_iters:  # counts batches (num_updates counts optimizer steps)
                 actor_loss, actor_stats, logp = bc_actor_loss(m, t, alpha)
             else:
                 actor_loss, actor_stats, logp = sac_actor_loss(m, t, cfg, alpha)
-            stats |= actor_stats
-            stats["actor_gradients_global_norm"] = self.apply_gradients(actor_loss, "actor")
+        stats |= actor_stats
         alpha_loss = sac_alpha_loss(m.log_alpha, logp, self.target_entropy)
-        self.apply_gradients(alpha_loss, "alpha")
+        norms = self.apply_gradients_to(total + actor_loss + alpha_loss, slots)
         polyak(self.targets["target"], m, cfg.tau, prefixes=("q_encoder.", "qf1.", "qf2."))
         self.num_target_updates += 1
-        stats |= {"alpha_loss": alpha_loss.detach(), "alpha_value": alpha}
+        stats |= {"critic_gradients_global_norm": norms[0], "actor_gradients_global_norm": norms[1],
+                  "alpha_loss": alpha_loss.detach(), "alpha_value": alpha}
         return stats, td_error
 
 

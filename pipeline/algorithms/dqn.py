@@ -49,6 +49,9 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
     replay_buffer_config: dict = field(default_factory=lambda: {
         "type": "PrioritizedEpisodeReplayBuffer", "capacity": 50_000, "alpha": 0.6, "beta": 0.4})
     """See ``OffPolicySettings``: prioritized replay by default, as RLlib's DQN."""
+    min_sample_timesteps_per_iteration: int = 1000
+    """Env steps one ``train()`` samples at least (RLlib's DQN default): a training step samples only
+    32, and a result for each would cost more than the step."""
     n_step: int | list = field(default_factory=lambda: [2, 5])
     """n-step returns, computed at sample time: an int, or ``[lo, hi]`` drawn per transition."""
     num_steps_sampled_before_learning_starts: int = 1000
