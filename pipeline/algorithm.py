@@ -40,7 +40,7 @@ from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
 from pipeline.algorithm_setup import (algorithm_config, check_module_to_env, connector_pipeline, frame_compression,
                                       function_setting, import_in_background, learner_pipeline, policy_spaces,
-                                      runner_fault_tolerance)
+                                      replay_intake, runner_fault_tolerance)
 from pipeline.checkpoints.save_restore import (build_from_checkpoint, driver_state, load_into, save_algorithm,
                                                set_driver_state)
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -142,6 +142,9 @@ class Algorithm(Trainable):
         self.learner_connector = learner_pipeline(config, self.chunk_observation_space, act_space,
                                                   self.multi_agent is not None)
         """The learner pipeline each learner gets a copy of (None without ``learner_connector``)."""
+        self.replay_intake = replay_intake(config, self.learner_connector, self.chunk_observation_space, act_space)
+        """A replay algorithm's learner pipeline, run by its replay stage on the chunks it stores (then the
+        learners, which train on transitions, get none)."""
         self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class,
                                       config.module_kwargs())
         if self.multi_agent is None:
@@ -188,7 +191,7 @@ class Algorithm(Trainable):
             if self.multi_agent is None:
                 view = self.connector.observation_view() if self.connector is not None else None
                 kwargs = {"observation_view": view} if view else {}
-                if self.learner_connector is not None:
+                if self.learner_connector is not None and self.replay_intake is None:
                     kwargs["learner_connector"] = self.learner_connector
                 self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space,
                                                   learner_kwargs=kwargs or None)

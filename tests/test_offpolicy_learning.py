@@ -51,6 +51,34 @@ def test_sac_reaches_minus_250_on_pendulum_within_20k_steps(seed):
 
 
 @pytest.mark.slow
+def clip_and_count(obs_space, act_space):
+    from tests.test_replay_learner_connector import CountSteps
+    from pipeline.connectors import ClipRewards
+
+    return [ClipRewards(limit=0.25), CountSteps()]
+
+
+def test_a_remote_replay_stage_runs_the_learner_pipeline_on_what_runners_stream_to_it(ray_cluster):
+    config = (DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=1, num_envs_per_env_runner=4)
+              .training(replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 20_000, "remote": True},
+                        num_steps_sampled_before_learning_starts=200, learner_connector=clip_and_count)
+              .reporting(min_time_s_per_iteration=0.5).debugging(seed=0))
+    algo = config.build()
+    try:
+        result = None
+        for _ in range(30):
+            result = algo.train()
+            if result["num_env_steps_trained_lifetime"] > 0 and result["replay"]["inserts"] > 200:
+                break
+        assert result["num_env_steps_trained_lifetime"] > 0
+        state = ray.get(algo.plan.streaming.group.handle(1).get_state.remote())
+        stored = state["storage"]["columns"]["has_action"]
+        np.testing.assert_array_equal(state["storage"]["columns"]["rewards"][stored], 0.25)
+        assert state["intake"]["pipeline"][1]["state"]["seen"] == int(stored.sum()) == state["num_inserts"]
+    finally:
+        algo.stop()
+
+
 def test_remote_replay_fed_by_streams_survives_its_own_death(ray_cluster):
     config = (DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)
               .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 20_000,

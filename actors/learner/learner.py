@@ -35,7 +35,7 @@ from torch import nn
 from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import LearnerRole
 from actors.learner.batch import ChunkBatch
-from actors.learner.batch_checks import BatchCheck
+from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
 from actors.learner.gradients import FlatGrads
 from actors.modules import ActorCriticModule, RLModule

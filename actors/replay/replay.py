@@ -16,7 +16,7 @@ from __future__ import annotations
 import numbers
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from actors.replay.storage import RingStorage
 from actors.replay.sum_tree import SumTree
 from protocols.codec import decode, encode
 from protocols.episode import EpisodeChunk
+
+if TYPE_CHECKING:
+    from actors.replay.intake import ReplayIntake
 
 
 def _real(x: Any) -> bool:
@@ -114,7 +117,9 @@ of them would train on stale priorities; a training step that allows more makes 
 
 
 class ReplayBuffer(ReplayRole):
-    def __init__(self, settings: ReplaySettings | None = None) -> None:
+    def __init__(self, settings: ReplaySettings | None = None, intake: ReplayIntake | None = None) -> None:
+        """``intake``: the algorithm's learner pipeline, applied to every chunk before it is stored
+        (``actors.replay.intake``)."""
         settings = settings if settings is not None else ReplaySettings()
         problems = settings.problems()
         if problems:
@@ -132,6 +137,7 @@ class ReplayBuffer(ReplayRole):
         self.num_inserts = 0
         self.num_samples = 0
         self._feed: Any = None  # the stream intake, when runners stream to this stage
+        self.intake = intake
 
     def __len__(self) -> int:
         """Stored transitions (rows that can be sampled)."""
@@ -155,8 +161,15 @@ class ReplayBuffer(ReplayRole):
         if not n:
             return
         with self.lock:
-            self._check(chunks)
+            if self.intake is None:
+                self._check(chunks)
             self._wait("insert", n, timeout_s)
+            if self.intake is not None:  # after the wait (which lets go of the lock): pieces see what is stored, together
+                chunks = self._through_intake(chunks)
+                n = sum(len(c) for c in chunks)
+                if not n:
+                    return
+                self._check(chunks)
             self._store(chunks)
             self.num_inserts += n
             if self.limiter is not None:
@@ -168,16 +181,28 @@ class ReplayBuffer(ReplayRole):
         (and count toward ``min_size_to_sample``) but are not inserts, so they unlock no updates by
         themselves -- the replay ratio holds from the first sampled step on. Returns the steps stored."""
         chunks = [c.validate() for c in chunks]
-        n = sum(len(c) for c in chunks)
-        if not n:
-            return 0
         with self.lock:
+            chunks = self._through_intake(chunks)
+            n = sum(len(c) for c in chunks)
+            if not n:
+                return 0
             self._check(chunks)
             self._store(chunks)
             if self.limiter is not None:
                 self.limiter.record_prefill(n, len(self))
             self._log("prefilled", n)
         return n
+
+    def _through_intake(self, chunks: list[EpisodeChunk]) -> list[EpisodeChunk]:
+        """What the intake (under the lock: its pieces' state changes with what they see) makes of ``chunks``."""
+        if self.intake is None or not chunks:
+            return chunks
+        refused = self.intake.num_chunks_refused
+        out = self.intake(chunks)
+        if self.intake.num_chunks_refused > refused:
+            self.metrics.log_value("learner_connector/num_chunks_refused", self.intake.num_chunks_refused - refused,
+                                   reduce="lifetime_sum")
+        return out
 
     def _check(self, chunks: list[EpisodeChunk]) -> None:
         """Refuse the whole call before storing any of it."""
@@ -363,7 +388,18 @@ class ReplayBuffer(ReplayRole):
                 "num_inserts": self.num_inserts,
                 "num_samples": self.num_samples,
                 "metrics": self.metrics.get_state(),
+                "intake": None if self.intake is None else self.intake.get_state(),
             }
+
+    def get_intake_state(self) -> dict[str, Any] | None:
+        """The intake's state alone (a checkpoint that leaves the buffer out keeps its pipeline's state)."""
+        with self.lock:
+            return None if self.intake is None else self.intake.get_state()
+
+    def set_intake_state(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            if self.intake is not None:
+                self.intake.set_state(state)
 
     def snapshot(self, max_bytes: int | None = None) -> dict[str, Any] | None:
         """``get_state()`` for a snapshot the driver keeps, or None when the stored arrays exceed
@@ -389,3 +425,5 @@ class ReplayBuffer(ReplayRole):
             self.rng.bit_generator.state = state["rng"]
             self.num_inserts, self.num_samples = int(state["num_inserts"]), int(state["num_samples"])
             self.metrics.set_state(state["metrics"])
+            if self.intake is not None and state.get("intake") is not None:
+                self.intake.set_state(state["intake"])

@@ -243,7 +243,7 @@ class DQN(Algorithm):
         return OffPolicyPlan(self.config, self.env_runner_group, self.learner_group, self.metrics,
                              self.observation_space, self.action_space, self.compress_frames(),
                              runner_settings=self.env_runner_settings(),
-                             multi_agent=self.multi_agent)
+                             multi_agent=self.multi_agent, intake=self.replay_intake)
 
     def training_step(self) -> None:
         self.plan.training_step()

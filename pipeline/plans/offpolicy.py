@@ -239,9 +239,10 @@ class OffPolicyPlan:
 
     def __init__(self, config: Any, env_runners: EnvRunnerGroup, learners: LearnerGroup, metrics: MetricsLogger,
                  observation_space: Any = None, action_space: Any = None, compress: bool = False,
-                 runner_settings: Any = None, multi_agent: Any = None) -> None:
+                 runner_settings: Any = None, multi_agent: Any = None, intake: Any = None) -> None:
         """``multi_agent``: a multi-agent run's ``MultiAgentSetup`` (None: single-agent); its training
-        steps are ``MultiAgentOffPolicy``'s, one buffer per trainable module."""
+        steps are ``MultiAgentOffPolicy``'s, one buffer per trainable module. ``intake``: the learner pipeline
+        the replay stage runs on what it stores (``actors.replay.intake.ReplayIntake``)."""
         self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
         settings = config.replay_settings()
         self.prioritized = settings.prioritized
@@ -259,9 +260,9 @@ class OffPolicyPlan:
             from pipeline.plans.offpolicy_streaming import StreamingReplay
 
             self.streaming = StreamingReplay(config, settings, env_runners, learners, metrics, observation_space,
-                                             action_space, compress)
+                                             action_space, compress, intake)
         else:
-            self.replay = ReplayBuffer(settings)
+            self.replay = ReplayBuffer(settings, intake)
             if config.replay_buffer_config.get("prefill_from") is not None:
                 prefill_replay(self.replay, config, runner_settings, metrics)
         self.mix = RecordedMix(config, runner_settings) if mixes_sampler(config) else None
@@ -303,16 +304,31 @@ class OffPolicyPlan:
         return k
 
     def get_state(self) -> dict[str, Any]:
+        """The replay's state, or (``store_buffer_in_checkpoints=False``) only its intake's, if it has one."""
         if not self.config.store_buffer_in_checkpoints:
-            return {}
+            intake = self._intake_state()
+            return {} if intake is None else {"intake": intake}
         if self.multi is not None:
             return self.multi.get_state()
         return self.streaming.get_state() if self.streaming is not None else self.replay.get_state()
 
+    def _intake_state(self) -> dict[str, Any] | None:
+        if self.multi is not None:
+            return None
+        if self.streaming is not None:
+            res = self.streaming.group.foreach_actor("get_intake_state")
+            return res[0].value if res and res[0].ok else None
+        return self.replay.get_intake_state()
+
     def set_state(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        if self.multi is not None:
+        if "storage" not in state and state.get("intake") is not None and self.multi is None:
+            if self.streaming is not None:  # the intake's state alone: the buffer was left out of the checkpoint
+                self.streaming.group.foreach_actor("set_intake_state", state["intake"])
+            else:
+                self.replay.set_intake_state(state["intake"])
+        elif self.multi is not None:
             self.multi.set_state(state)
         elif self.streaming is not None:
             self.streaming.set_state(state)

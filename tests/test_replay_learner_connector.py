@@ -1,0 +1,127 @@
+"""A replay algorithm's learner pipeline (``actors.replay.intake``): DQN, SAC and CQL train on transitions
+drawn from a buffer, so their ``learner_connector`` runs on the chunks the replay stage stores -- in the
+driver's replay and in a remote one -- checked like a learner's batch, with its state in checkpoints."""
+from __future__ import annotations
+
+import dataclasses
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from actors.connectors import ClipRewards, LearnerConnector, LearnerPipeline
+from actors.replay import ReplayBuffer, ReplaySettings
+from actors.replay.intake import ReplayIntake
+from pipeline import DQNConfig
+from protocols.episode import EpisodeChunk
+
+OBS = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+ACT = gym.spaces.Discrete(2)
+
+
+class CountSteps(LearnerConnector):
+    """Keeps a count of the steps it has seen (state a checkpoint must carry) and halves the observations."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen = 0
+
+    def __call__(self, chunks):
+        self.seen += sum(len(c) for c in chunks)
+        return [dataclasses.replace(c, obs=c.obs * 0.5) for c in chunks]
+
+    def get_state(self):
+        return {"seen": self.seen}
+
+    def set_state(self, state):
+        self.seen = int(state["seen"])
+
+
+class NaNRewards(LearnerConnector):
+    def __call__(self, chunks):
+        return [dataclasses.replace(c, rewards=np.full(len(c), np.nan, np.float32)) for c in chunks]
+
+
+class Raises(LearnerConnector):
+    def __call__(self, chunks):
+        raise RuntimeError("a bug in the user's piece")
+
+
+def chunk(episode: str, n: int = 5, reward: float = 2.0) -> EpisodeChunk:
+    return EpisodeChunk(episode_id=episode, chunk_index=0, obs=np.full((n + 1, 2), 0.8, np.float32),
+                        actions=np.ones(n, np.int64), rewards=np.full(n, reward, np.float32),
+                        terminated=True, truncated=False).validate()
+
+
+def replay_with(*pieces) -> ReplayBuffer:
+    intake = ReplayIntake(LearnerPipeline(list(pieces), OBS, ACT), OBS, ACT)
+    return ReplayBuffer(ReplaySettings(capacity=100, n_step=1, samples_per_insert=None, seed=0), intake)
+
+
+def test_the_buffer_stores_what_the_pipeline_makes_of_each_chunk_once():
+    replay = replay_with(ClipRewards(limit=0.5), CountSteps())
+    replay.add([chunk("a"), chunk("b", 3)])
+    batch = replay.sample(16)
+    np.testing.assert_array_equal(batch["rewards"], np.full(16, 0.5, np.float32))
+    np.testing.assert_array_equal(batch["obs"], np.full((16, 2), 0.4, np.float32))
+    assert replay.intake.pipeline.pieces[1].seen == 8  # once per stored step, not per draw
+
+
+@pytest.mark.parametrize("piece, needle", [(NaNRewards(), "rewards"), (Raises(), "a bug in the user's piece")])
+def test_chunks_a_piece_spoils_or_fails_on_are_refused_and_counted_and_the_rest_go_on(piece, needle, caplog):
+    replay = replay_with(piece)
+    replay.add([chunk("a")])
+    assert len(replay) == 0
+    assert replay.intake.num_chunks_refused == 1
+    assert needle in caplog.text
+    assert replay.get_metrics()["learner_connector/num_chunks_refused"]["value"] == 1  # in results under replay/
+    good = replay_with(ClipRewards())
+    good.add([chunk("a")])
+    assert len(good) == 5
+
+
+def test_the_intake_state_travels_with_the_buffer_state():
+    replay = replay_with(CountSteps())
+    replay.add([chunk("a")])
+    other = replay_with(CountSteps())
+    other.set_state(replay.get_state())
+    assert other.intake.pipeline.pieces[0].seen == 5
+    other.set_intake_state({"pipeline": [{"piece": "CountSteps", "state": {"seen": 9}}]})
+    assert other.get_intake_state()["pipeline"][0]["state"] == {"seen": 9}
+
+
+def dqn(**training):
+    return (DQNConfig().environment("CartPole-v1")
+            .env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=25)
+            .training(n_step=1, num_steps_sampled_before_learning_starts=100, train_batch_size_per_learner=32,
+                      **training)
+            .reporting(min_sample_timesteps_per_iteration=0).debugging(seed=0))
+
+
+def counting_pieces(obs_space, act_space):  # module level: a checkpoint names it
+    return [ClipRewards(limit=0.25), CountSteps()]
+
+
+def test_dqn_trains_on_what_its_learner_pipeline_stored_and_a_checkpoint_restores_its_state(tmp_path):
+    algo = dqn(learner_connector=counting_pieces).build(logdir=None)
+    try:
+        for _ in range(6):
+            result = algo.train()
+        replay = algo.plan.replay
+        stored = replay.storage.cols["has_action"]  # the stored steps, read without a draw (the rate limiter's)
+        np.testing.assert_array_equal(replay.storage.cols["rewards"][stored], np.full(int(stored.sum()), 0.25))
+        assert np.abs(replay.storage.obs[0][stored][:, 2]).max() <= 0.5 * 0.21  # pole angle halved (limit 0.2095)
+        seen = replay.intake.pipeline.pieces[1].seen
+        assert seen == result["num_env_steps_sampled_lifetime"] >= 300
+        assert result["num_env_steps_trained_lifetime"] > 0
+        assert algo.learner_group.local.learner_connector is None  # learners train on transitions: no second pass
+        path = algo.save_to_path(str(tmp_path / "ckpt"))  # store_buffer_in_checkpoints is off: the intake alone
+    finally:
+        algo.stop()
+    restored = dqn(learner_connector=counting_pieces).build(logdir=None)
+    try:
+        restored.restore(path)
+        assert len(restored.plan.replay) == 0
+        assert restored.plan.replay.intake.pipeline.pieces[1].seen == seen
+    finally:
+        restored.stop()
