@@ -40,7 +40,8 @@ from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
 from pipeline.algorithm_setup import (algorithm_config, check_module_to_env, connector_pipeline, frame_compression,
                                       function_setting, import_in_background, learner_pipeline, policy_spaces,
-                                      replay_intake, runner_fault_tolerance)
+                                      runner_fault_tolerance)
+from pipeline.config.connectors import replay_side_intake
 from pipeline.checkpoints.save_restore import (build_from_checkpoint, driver_state, load_into, save_algorithm,
                                                set_driver_state)
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -140,9 +141,10 @@ class Algorithm(Trainable):
         self.observation_space, self.action_space = obs_space, act_space
         check_module_to_env(config, obs_space, act_space, self.multi_agent is not None)
         self.learner_connector = learner_pipeline(config, self.chunk_observation_space, act_space,
-                                                  self.multi_agent is not None)
+                                                  self.multi_agent.plan.module_specs if self.multi_agent else None)
         """The learner pipeline each learner gets a copy of (None without ``learner_connector``)."""
-        self.replay_intake = replay_intake(config, self.learner_connector, self.chunk_observation_space, act_space)
+        self.replay_intake = (replay_side_intake(config, self.chunk_observation_space, act_space)
+                              if self.multi_agent is None else None)
         """A replay algorithm's learner pipeline, run by its replay stage on the chunks it stores (then the
         learners, which train on transitions, get none)."""
         self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class,

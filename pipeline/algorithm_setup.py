@@ -16,7 +16,6 @@ from actors.connectors.base import ConnectorPipeline, build_pipeline
 from actors.connectors.learner import LearnerPipeline, build_learner_pipeline
 from actors.connectors.module_to_env import build_module_to_env
 from actors.manager import FaultToleranceSettings
-from actors.replay.intake import ReplayIntake
 from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.config.plain import resolve_import_path
 from pipeline.config.offline import recorded_spaces
@@ -146,25 +145,20 @@ def check_module_to_env(config: AlgorithmConfig, observation_space: Any, action_
 
 
 def learner_pipeline(config: AlgorithmConfig, chunk_observation_space: Any, action_space: Any,
-                     multi_agent: bool) -> LearnerPipeline | None:
-    """The pipeline each learner applies to its train batches' chunks, or a replay algorithm's replay stage to the
-    chunks it stores (``replay_intake``); None without ``learner_connector``."""
+                     module_specs: dict[str, Any] | None = None) -> LearnerPipeline | None:
+    """The driver's single-agent learner pipeline: what each learner applies to its train batches' chunks, or a
+    replay algorithm's replay stage to the chunks it stores (``replay_intake``); None without
+    ``learner_connector``, and in a multi-agent run (``module_specs``), whose modules build their own
+    (``pipeline.config.connectors``) -- checked here, for each module's spaces, so a factory that cannot work
+    is a ConfigError at build."""
     factory = function_setting(config.learner_connector, "learner_connector")
     if factory is None:
         return None
-    if multi_agent:
-        raise ConfigError("learner_connector is single-agent for now; leave it unset in a multi-agent run")
+    spaces = ([(s.observation_space, s.action_space) for _, s in sorted(module_specs.items())] if module_specs
+              else [(chunk_observation_space, action_space)])
     try:
-        return build_learner_pipeline(factory, chunk_observation_space, action_space)
+        pipelines = [build_learner_pipeline(factory, obs, act) for obs, act in spaces]
     except (TypeError, ValueError) as err:
         raise ConfigError(f"learner_connector: {err}") from err
+    return None if module_specs else pipelines[0]
 
-
-def replay_intake(config: AlgorithmConfig, pipeline: LearnerPipeline | None, chunk_observation_space: Any,
-                  action_space: Any) -> ReplayIntake | None:
-    """Where an algorithm trains on transitions drawn from a replay buffer (DQN, SAC, CQL), its learner
-    pipeline runs on the chunks that buffer stores (``actors.replay.intake``); None otherwise."""
-    if pipeline is None or getattr(config, "replay_buffer_config", None) is None:
-        return None
-    return ReplayIntake(pipeline, chunk_observation_space, action_space,
-                        config.learner_settings().allow_nonfinite_observations)

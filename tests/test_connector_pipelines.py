@@ -292,9 +292,9 @@ def test_connector_settings_that_cannot_work_are_config_errors():
          .external_clients(address="tcp://127.0.0.1:0")
          .env_runners(num_env_runners=0, module_to_env_connector=lambda env: Shift()).build(logdir=None))
     ma = make_multi_agent("CartPole-v1")
-    with pytest.raises(ConfigError, match="single-agent"):
+    with pytest.raises(ConfigError, match="learner_connector: .*LearnerConnector"):  # checked for every module
         (PPOConfig().environment(ma, env_config={"num_agents": 2})
-         .training(learner_connector=lambda o, a: ClipRewards())
+         .training(learner_connector=lambda o, a: MeanStdFilter())
          .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=lambda aid, ep, **kw: f"p{aid}").build(logdir=None))
 
 

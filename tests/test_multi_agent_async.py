@@ -218,6 +218,22 @@ def test_appo_keeps_a_target_network_per_module():
         algo.stop()
 
 
+def test_each_modules_share_of_a_stream_goes_through_that_modules_learner_pipeline():
+    from tests.test_replay_learner_connector import counting_pieces
+
+    algo = config(APPOConfig).training(learner_connector=counting_pieces).build(logdir=None)
+    try:
+        train_until_updates(algo, 4)
+        learners = algo.learner_group.local.learners
+        pipelines = {mid: learners[mid].learner_connector for mid in SPACES}
+        assert pipelines["p0"] is not pipelines["p1"]  # one per module, built for its spaces
+        for mid in SPACES:  # the loader ran each module's pipeline on that module's share of every batch
+            assert pipelines[mid].pieces[1].seen > 0, mid
+        assert algo.plan.receiver.num_batches_dropped_by_connector == 0
+    finally:
+        algo.stop()
+
+
 @pytest.mark.parametrize("config_cls", [APPOConfig, IMPALAConfig], ids=["APPO", "IMPALA"])
 def test_a_frozen_module_never_moves(config_cls):
     algo = config(config_cls, policies_to_train=["p0"]).build(logdir=None)

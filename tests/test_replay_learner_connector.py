@@ -125,3 +125,41 @@ def test_dqn_trains_on_what_its_learner_pipeline_stored_and_a_checkpoint_restore
         assert restored.plan.replay.intake.pipeline.pieces[1].seen == seen
     finally:
         restored.stop()
+
+
+def test_in_a_multi_agent_run_each_module_has_its_own_pipeline_in_its_learner_or_its_buffer():
+    from pipeline import PPOConfig, make_multi_agent
+
+    env = make_multi_agent("CartPole-v1")
+
+    def two(config):
+        return (config.environment(env, env_config={"num_agents": 2})
+                .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=lambda aid, ep, **kw: f"p{aid}")
+                .env_runners(num_env_runners=0, num_envs_per_env_runner=2).debugging(seed=0))
+
+    ppo = two(PPOConfig()).training(train_batch_size_per_learner=200, minibatch_size=100, num_epochs=1,
+                                    learner_connector=counting_pieces).build(logdir=None)
+    try:
+        result = ppo.train()
+        learners = ppo.learner_group.local.learners
+        seen = {mid: learners[mid].learner_connector.pieces[1].seen for mid in ("p0", "p1")}
+        assert learners["p0"].learner_connector is not learners["p1"].learner_connector
+        assert all(n > 0 for n in seen.values())
+        assert sum(seen.values()) == result["env_runners"]["num_agent_steps_sampled_lifetime"]
+    finally:
+        ppo.stop()
+    dqn_ma = two(DQNConfig()).training(n_step=1, num_steps_sampled_before_learning_starts=100,
+                                       learner_connector=counting_pieces
+                                       ).reporting(min_sample_timesteps_per_iteration=0).build(logdir=None)
+    try:
+        for _ in range(4):
+            dqn_ma.train()
+        buffers = dqn_ma.plan.multi.replay.buffers
+        assert buffers["p0"].intake is not buffers["p1"].intake
+        for mid, buffer in buffers.items():
+            stored = buffer.storage.cols["has_action"]
+            assert buffer.intake.pipeline.pieces[1].seen == int(stored.sum()) > 0, mid
+            np.testing.assert_array_equal(buffer.storage.cols["rewards"][stored], 0.25)
+        assert dqn_ma.learner_group.local.learners["p0"].learner_connector is None
+    finally:
+        dqn_ma.stop()

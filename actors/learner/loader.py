@@ -35,7 +35,7 @@ import logging
 import queue
 import threading
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
@@ -92,7 +92,7 @@ class ChunkReceiver:
                  required_extra: tuple[str, ...] = ("action_logp",), max_log_lines_per_sender: int = 100,
                  module_spaces: dict[str, tuple[gym.Space, gym.Space]] | None = None,
                  max_weights_lag: int | None = None, observation_view: Any = None,
-                 learner_connector: Any = None) -> None:
+                 learner_connector: Any = None, module_connector: Callable[[str], Any] | None = None) -> None:
         """``module_spaces``: module id -> (observation, action space) of a multi-agent run's modules:
         batches are ``ModuleBatches`` of ``batch_size`` agent steps (``observation_space`` and
         ``action_space`` are then not used). ``max_weights_lag``: drop chunks acted by weights more than
@@ -100,7 +100,8 @@ class ChunkReceiver:
         (``actors.connectors.ObservationView``): chunks are checked against its recorded space and their
         view is rebuilt here, in the loader thread, before the batch is laid out. ``learner_connector``
         (``actors.connectors.learner.LearnerPipeline``): applied to each batch's chunks here too, after the
-        view; a batch it fails on is dropped, counted and logged."""
+        view; a batch it fails on is dropped, counted and logged. ``module_connector``: in a multi-agent
+        stream, module id -> that module's pipeline (or None), applied to the module's share of each batch."""
         if batch_size < 1 or queue_size < 1 or hwm < 1:
             raise ValueError(f"batch_size, queue_size and hwm must be >= 1, got {batch_size}, {queue_size}, {hwm}")
         if module_spaces is not None and not module_spaces:
@@ -116,6 +117,7 @@ class ChunkReceiver:
             observation_space = observation_view.recorded_space
         self.num_chunks_without_look_back = 0
         self.learner_connector = learner_connector
+        self.module_connector = module_connector
         self.num_batches_dropped_by_connector = 0
         self.weights_version = 0
         """The consumer's current weights version (``set_weights_version``), the reference for staleness."""
@@ -272,10 +274,11 @@ class ChunkReceiver:
                     n = b
             self._pending_steps -= n
             if self.multi_module:
-                self._ready.append(ModuleBatches({mid: self._make_batch(chunks)
-                                                  for mid, chunks in sorted(chunks_by_module(take).items())}))
+                made = {mid: self._make_batch(chunks, self.module_connector(mid) if self.module_connector else None)
+                        for mid, chunks in sorted(chunks_by_module(take).items())}
+                self._ready.append(ModuleBatches({mid: b for mid, b in made.items() if b is not None}))
             else:
-                batch = self._make_batch(take)
+                batch = self._make_batch(take, self.learner_connector)
                 if batch is not None:
                     self._ready.append(batch)
             self.num_batches_built += 1
@@ -292,12 +295,12 @@ class ChunkReceiver:
                     log.warning("chunk dropped (%d so far): %s", self.num_chunks_without_look_back, err)
         return out
 
-    def _make_batch(self, chunks: list[EpisodeChunk]) -> ChunkBatch | None:
+    def _make_batch(self, chunks: list[EpisodeChunk], connector: Any) -> ChunkBatch | None:
         if self.observation_view is not None:
             chunks = self._rebuilt(chunks)
-        if self.learner_connector is not None:
+        if connector is not None:
             try:
-                chunks = self.learner_connector(chunks)
+                chunks = connector(chunks)
             except Exception as err:  # a user's piece: its failure costs this batch, not the job
                 self.num_batches_dropped_by_connector += 1
                 if self.num_batches_dropped_by_connector <= 10:

@@ -69,6 +69,12 @@ class MultiLearner(LearnerRole):
         """Module id -> its algorithm learner (a read-only view)."""
         return MappingProxyType(self._learners)
 
+    def module_connector(self, module_id: str) -> Any:
+        """Module ``module_id``'s learner pipeline (None without one, or for a module no longer here): what a
+        stream loader applies to the module's share of each batch."""
+        learner = self._learners.get(module_id)
+        return None if learner is None else learner.learner_connector
+
     @property
     def modules(self) -> Mapping[str, nn.Module]:
         """Module id -> the trainable module its learner holds (a read-only view)."""

@@ -32,6 +32,7 @@ from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec
 from actors.modules.multi import SEP
 from pipeline.config.checks import ConfigError
+from pipeline.config.connectors import learner_side_pipeline
 from pipeline.groups.learner_group import LearnerGroup, shard_chunks, shard_transitions
 from protocols.codec import encode
 from protocols.episode import EpisodeChunk
@@ -74,8 +75,9 @@ class ConfiguredMultiLearner(MultiLearner):
         cfg = module_config(self.config, module_id, self.num_modules_built, spec, overrides)
         self.num_modules_built += 1
         cls = learner_for_module_class(self.learner_class, spec.module_class)
+        pipeline = learner_side_pipeline(self.config, spec.observation_space, spec.action_space)
         return cls(cfg, spec.observation_space, spec.action_space, device=self.build_device, rank=self.rank,
-                   world_size=self.world_size)
+                   world_size=self.world_size, **({"learner_connector": pipeline} if pipeline is not None else {}))
 
     def add_module_from_spec(self, module_id: str, spec: ModuleSpec, overrides: Mapping[str, Any],
                              trainable: bool) -> None:

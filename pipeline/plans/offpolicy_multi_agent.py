@@ -26,7 +26,9 @@ from typing import Any
 
 from actors.metrics import MetricsLogger
 from actors.replay import MultiAgentReplay, ReplaySettings
+from actors.replay.intake import ReplayIntake
 from pipeline.groups.env_runner_group import EnvRunnerGroup
+from pipeline.config.connectors import replay_side_intake
 from pipeline.groups.multi_agent import MultiLearnerGroup
 
 
@@ -49,9 +51,14 @@ class MultiAgentOffPolicy:
         per_module = replace(settings, samples_per_insert=None, min_size_to_sample=1, error_buffer=None)
         # read from the live plan: modules added, removed, frozen or unfrozen while training
         self.replay = MultiAgentReplay(per_module, [m for m in multi_agent.module_ids if self.replays(m)],
-                                       keeps=self.replays)
+                                       keeps=self.replays, intake_for=self.intake_for)
         self.rounds_owed = 0.0
         self._dropped_reported = 0
+
+    def intake_for(self, module_id: str) -> ReplayIntake | None:
+        """The run's learner pipeline for module ``module_id``'s spaces, run by its buffer (None without one)."""
+        spec = self.multi_agent.plan.module_specs.get(module_id)
+        return None if spec is None else replay_side_intake(self.config, spec.observation_space, spec.action_space)
 
     def replays(self, module_id: str) -> bool:
         """Whether the run trains ``module_id`` now (a ``policies_to_train`` function: every module
