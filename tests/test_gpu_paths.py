@@ -23,11 +23,14 @@ def small(algo: str):
     if algo == "APPO":
         return APPOConfig().environment("CartPole-v1").training(train_batch_size_per_learner=100, minibatch_size=100,
                                                                 broadcast_interval=1)
+    # DQN and SAC: an iteration per training step, as these checks count a few of them
     if algo == "DQN":
-        return DQNConfig().environment("CartPole-v1").training(train_batch_size_per_learner=32,
-                                                               num_steps_sampled_before_learning_starts=64)
-    return SACConfig().environment("Pendulum-v1").training(train_batch_size_per_learner=32, training_intensity=8,
-                                                           num_steps_sampled_before_learning_starts=64)
+        return DQNConfig().environment("CartPole-v1").training(
+            train_batch_size_per_learner=32, num_steps_sampled_before_learning_starts=64
+        ).reporting(min_sample_timesteps_per_iteration=0)
+    return SACConfig().environment("Pendulum-v1").training(
+        train_batch_size_per_learner=32, training_intensity=8, num_steps_sampled_before_learning_starts=64
+    ).reporting(min_sample_timesteps_per_iteration=0)
 
 
 def build(algo: str, device: str, central: bool):

@@ -141,7 +141,9 @@ def test_two_agents_of_one_module_keep_their_own_step_sequences():
 def cartpoles(config: Any, **multi_agent: Any) -> Any:
     multi_agent = {"policies": {"p0", "p1"}, "policy_mapping_fn": per_agent} | multi_agent
     return (config.environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
-            .multi_agent(**multi_agent).env_runners(num_env_runners=0).debugging(seed=0))
+            .multi_agent(**multi_agent).env_runners(num_env_runners=0)
+            .reporting(min_sample_timesteps_per_iteration=0)  # an iteration per training step
+            .debugging(seed=0))
 
 
 def small_dqn(**training: Any) -> DQNConfig:
@@ -312,7 +314,8 @@ def test_sac_trains_two_modules_each_with_its_own_temperature():
               .training(num_steps_sampled_before_learning_starts=64, train_batch_size_per_learner=32,
                         training_intensity=32, replay_buffer_config={"type": "uniform", "capacity": 2000}))
     algo = (config.environment(make_multi_agent("Pendulum-v1"), env_config={"num_agents": 2})
-            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=per_agent).debugging(seed=0).build(logdir=None))
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=per_agent)
+            .reporting(min_sample_timesteps_per_iteration=0).debugging(seed=0).build(logdir=None))
     try:
         result = train_until_trained(algo, iterations=100)
         for _ in range(20):

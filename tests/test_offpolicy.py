@@ -202,7 +202,9 @@ def small_dqn(seed=3):
                          gym_env_vectorize_mode="sync")
             .training(num_steps_sampled_before_learning_starts=64, train_batch_size_per_learner=16,
                       training_intensity=4, store_buffer_in_checkpoints=True, target_network_update_freq=50)
-            .rl_module(model_config={"fcnet_hiddens": [16]}).debugging(seed=seed))
+            .rl_module(model_config={"fcnet_hiddens": [16]})
+            .reporting(min_sample_timesteps_per_iteration=0)  # an iteration per training step (16 env steps)
+            .debugging(seed=seed))
 
 
 def assert_same_tree(a, b, path="state"):

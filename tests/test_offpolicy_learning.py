@@ -124,7 +124,9 @@ def test_two_remote_learners_split_replayed_batches_and_stay_identical(ray_clust
         config = get_algorithm("SAC")[0]().environment("Pendulum-v1").training(
             num_steps_sampled_before_learning_starts=64, train_batch_size_per_learner=32, training_intensity=32,
             replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 5_000})
-    algo = config.learners(num_learners=2, num_cpus_per_learner=1).debugging(seed=0).build()
+    algo = (config.learners(num_learners=2, num_cpus_per_learner=1)
+            .reporting(min_sample_timesteps_per_iteration=0)  # stop at the first training step that trains
+            .debugging(seed=0).build())
     try:
         result = None
         for _ in range(100):
