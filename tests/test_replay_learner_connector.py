@@ -127,7 +127,7 @@ def test_dqn_trains_on_what_its_learner_pipeline_stored_and_a_checkpoint_restore
         restored.stop()
 
 
-def test_in_a_multi_agent_run_each_module_has_its_own_pipeline_in_its_learner_or_its_buffer():
+def test_in_a_multi_agent_run_each_module_has_its_own_pipeline_in_its_learner_or_its_buffer(tmp_path):
     from pipeline import PPOConfig, make_multi_agent
 
     env = make_multi_agent("CartPole-v1")
@@ -150,16 +150,27 @@ def test_in_a_multi_agent_run_each_module_has_its_own_pipeline_in_its_learner_or
         ppo.stop()
     dqn_ma = two(DQNConfig()).training(n_step=1, num_steps_sampled_before_learning_starts=100,
                                        learner_connector=counting_pieces
-                                       ).reporting(min_sample_timesteps_per_iteration=0).build(logdir=None)
+                                       ).reporting(min_sample_timesteps_per_iteration=0)
+    algo = dqn_ma.build(logdir=None)
     try:
         for _ in range(4):
-            dqn_ma.train()
-        buffers = dqn_ma.plan.multi.replay.buffers
+            algo.train()
+        buffers = algo.plan.multi.replay.buffers
         assert buffers["p0"].intake is not buffers["p1"].intake
+        seen = {}
         for mid, buffer in buffers.items():
             stored = buffer.storage.cols["has_action"]
-            assert buffer.intake.pipeline.pieces[1].seen == int(stored.sum()) > 0, mid
+            seen[mid] = buffer.intake.pipeline.pieces[1].seen
+            assert seen[mid] == int(stored.sum()) > 0, mid
             np.testing.assert_array_equal(buffer.storage.cols["rewards"][stored], 0.25)
-        assert dqn_ma.learner_group.local.learners["p0"].learner_connector is None
+        assert algo.learner_group.local.learners["p0"].learner_connector is None
+        path = algo.save_to_path(str(tmp_path / "ma"))  # without the buffers: each module's intake state alone
     finally:
-        dqn_ma.stop()
+        algo.stop()
+    restored = dqn_ma.build(logdir=None)
+    try:
+        restored.restore(path)
+        for mid, buffer in restored.plan.multi.replay.buffers.items():
+            assert len(buffer) == 0 and buffer.intake.pipeline.pieces[1].seen == seen[mid], mid
+    finally:
+        restored.stop()

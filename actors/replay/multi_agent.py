@@ -118,6 +118,17 @@ class MultiAgentReplay:
         return {"modules": {mid: self.buffers[mid].get_state() for mid in self.module_ids},
                 "num_steps_dropped": self.num_steps_dropped}
 
+    def get_intake_states(self) -> dict[str, Any]:
+        """Each buffer's intake state (the modules without an intake left out)."""
+        states = {mid: self.buffers[mid].get_intake_state() for mid in self.module_ids}
+        return {mid: s for mid, s in states.items() if s is not None}
+
+    def set_intake_states(self, states: dict[str, Any]) -> None:
+        """Intake states by module, into the buffers this replay keeps (a module it keeps none for is skipped)."""
+        for mid, state in states.items():
+            if mid in self.buffers:
+                self.buffers[mid].set_intake_state(state)
+
     def set_state(self, state: dict[str, Any]) -> None:
         saved = state["modules"]
         if self.keeps is not None:  # modules added while training: a buffer for each the state holds

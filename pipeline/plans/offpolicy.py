@@ -313,8 +313,8 @@ class OffPolicyPlan:
         return self.streaming.get_state() if self.streaming is not None else self.replay.get_state()
 
     def _intake_state(self) -> dict[str, Any] | None:
-        if self.multi is not None:
-            return None
+        if self.multi is not None:  # by module
+            return self.multi.replay.get_intake_states() or None
         if self.streaming is not None:
             res = self.streaming.group.foreach_actor("get_intake_state")
             return res[0].value if res and res[0].ok else None
@@ -323,8 +323,11 @@ class OffPolicyPlan:
     def set_state(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        if "storage" not in state and state.get("intake") is not None and self.multi is None:
-            if self.streaming is not None:  # the intake's state alone: the buffer was left out of the checkpoint
+        if "storage" not in state and "replay" not in state and state.get("intake") is not None:
+            # the intake's state alone: the buffer was left out of the checkpoint
+            if self.multi is not None:
+                self.multi.replay.set_intake_states(state["intake"])
+            elif self.streaming is not None:
                 self.streaming.group.foreach_actor("set_intake_state", state["intake"])
             else:
                 self.replay.set_intake_state(state["intake"])
