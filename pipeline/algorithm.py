@@ -143,8 +143,8 @@ class Algorithm(Trainable):
         self.learner_connector = learner_pipeline(config, self.chunk_observation_space, act_space,
                                                   self.multi_agent.plan.module_specs if self.multi_agent else None)
         """The learner pipeline each learner gets a copy of (None without ``learner_connector``)."""
-        self.replay_intake = (replay_side_intake(config, self.chunk_observation_space, act_space)
-                              if self.multi_agent is None else None)
+        self.replay_intake = None if self.multi_agent is not None else replay_side_intake(
+            config, self.chunk_observation_space, act_space, self.learner_connector)
         """A replay algorithm's learner pipeline, run by its replay stage on the chunks it stores (then the
         learners, which train on transitions, get none)."""
         self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class,

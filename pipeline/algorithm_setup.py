@@ -17,6 +17,7 @@ from actors.connectors.learner import LearnerPipeline, build_learner_pipeline
 from actors.connectors.module_to_env import build_module_to_env
 from actors.manager import FaultToleranceSettings
 from pipeline.config.base import AlgorithmConfig, ConfigError
+from pipeline.config.connectors import learner_connector_factory
 from pipeline.config.plain import resolve_import_path
 from pipeline.config.offline import recorded_spaces
 from pipeline.envs import probe_spaces
@@ -147,11 +148,11 @@ def check_module_to_env(config: AlgorithmConfig, observation_space: Any, action_
 def learner_pipeline(config: AlgorithmConfig, chunk_observation_space: Any, action_space: Any,
                      module_specs: dict[str, Any] | None = None) -> LearnerPipeline | None:
     """The driver's single-agent learner pipeline: what each learner applies to its train batches' chunks, or a
-    replay algorithm's replay stage to the chunks it stores (``replay_intake``); None without
-    ``learner_connector``, and in a multi-agent run (``module_specs``), whose modules build their own
-    (``pipeline.config.connectors``) -- checked here, for each module's spaces, so a factory that cannot work
-    is a ConfigError at build."""
-    factory = function_setting(config.learner_connector, "learner_connector")
+    replay algorithm's replay stage to the chunks it stores (``pipeline.config.connectors.replay_side_intake``);
+    None without ``learner_connector``, and in a multi-agent run (``module_specs``), whose modules build their
+    own (``pipeline.config.connectors``) -- checked here, for each module's spaces, so a factory that cannot
+    work is a ConfigError at build."""
+    factory = learner_connector_factory(config)
     if factory is None:
         return None
     spaces = ([(s.observation_space, s.action_space) for _, s in sorted(module_specs.items())] if module_specs

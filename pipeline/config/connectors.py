@@ -33,12 +33,15 @@ def learner_side_pipeline(config: Any, observation_space: Any, action_space: Any
     return build_learner_pipeline(factory, observation_space, action_space)
 
 
-def replay_side_intake(config: Any, observation_space: Any, action_space: Any) -> ReplayIntake | None:
-    """The intake a replay algorithm's replay buffer runs on what it stores (None otherwise, or without one)."""
+def replay_side_intake(config: Any, observation_space: Any, action_space: Any,
+                       pipeline: LearnerPipeline | None = None) -> ReplayIntake | None:
+    """The intake a replay algorithm's replay buffer runs on what it stores (None otherwise, or without one).
+    ``pipeline``: one built for these spaces already (the driver's), used instead of building another."""
     factory = learner_connector_factory(config)
     if factory is None or not trains_on_replay(config):
         return None
-    pipeline = build_learner_pipeline(factory, observation_space, action_space)
+    if pipeline is None:
+        pipeline = build_learner_pipeline(factory, observation_space, action_space)
     if pipeline is None:
         return None
     return ReplayIntake(pipeline, observation_space, action_space,
