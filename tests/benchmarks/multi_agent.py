@@ -23,7 +23,7 @@ Prints one JSON object per line:
                     2 env runner actors with 4 envs each; target: summed return 900;
                     ``t800_s``/``t800_env_steps`` when it passed 800.
      runnel-shared  the same with one policy shared by both agents; target 900.
-     runnel-single  single-agent CartPole-v1, PPOConfig's defaults (``tuned/cartpole-ppo.yaml``'s), 2 env
+     runnel-single  single-agent CartPole-v1, PPOConfig's defaults, 2 env
                     runner actors with 4 envs each; target 450 (the per-agent 900).
      rllib          RLlib 2.60's tuned example ``rllib/tuned_examples/ppo/multi_agent_cartpole_ppo.py``
                     (two policies, its model and training settings, its stop: summed return 800 or 300k
