@@ -12,6 +12,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from actors.metrics import MetricsLogger
 from pipeline import APPOConfig, DQNConfig, PPOConfig
@@ -163,9 +164,13 @@ def test_remote_learners_weights_reach_every_server(num_learners, device):
 
 
 # --- learning ------------------------------------------------------------------------------------
-def learn_centrally(config_cls, budget):
-    """``config_cls``'s local learning test run (2 remote runners, seed 0, the same budget), acting centrally."""
-    algo = cartpole(config_cls).inference(mode="central").build()
+def learn_centrally(config_cls, budget, settings=None):
+    """``config_cls``'s local learning test run (2 remote runners, seed 0, the same budget and ``settings``),
+    acting centrally."""
+    config = cartpole(config_cls)
+    if settings:
+        config.update_from_dict(settings)
+    algo = config.inference(mode="central").build()
     try:
         best, result = train_until(algo, 450, budget)
     finally:
@@ -179,8 +184,10 @@ def learn_centrally(config_cls, budget):
 
 @pytest.mark.learning
 def test_ppo_with_central_inference_reaches_450_within_the_local_budget():
-    """test_ppo_train's run: PPO's defaults, 400k steps."""
-    result = learn_centrally(PPOConfig, 400_000)
+    """test_ppo_train's run of the tuned CartPole file: its settings, 120k steps."""
+    spec = yaml.safe_load(open("tuned/cartpole-ppo.yaml"))
+    assert spec["config"]["num_env_runners"] == 2
+    result = learn_centrally(PPOConfig, 120_000, spec["config"])
     # every step acted on once, and each reset-only step of CartPole's own vector env too
     reset_only = result["env_runners"]["num_env_steps_reset_only_lifetime"]
     assert result["inference"]["num_actions"] == result["num_env_steps_sampled_lifetime"] + reset_only
