@@ -104,21 +104,28 @@ def ppo_loss(module: RLModule, batch: dict[str, Any], config: PPOConfig, kl_coef
         adv = (adv - adv.mean()) / (adv.std() + 1e-8)
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - config.clip_param, 1 + config.clip_param) * adv)
     policy_loss = -surrogate.mean()
-    entropy = dist.entropy().mean()
-    old_dist = module.action_dist(batch["action_dist_inputs"])
-    kl = old_dist.kl(dist).mean()
-    total = policy_loss - entropy_coeff * entropy
+    total = policy_loss
+    # Terms the loss leaves out are only reported: computed without autograd's bookkeeping, which is a
+    # good part of a small network's SGD step.
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_coeff != 0):
+        entropy = dist.entropy().mean()
+    if entropy_coeff != 0:
+        total = total - entropy_coeff * entropy
+    with torch.set_grad_enabled(torch.is_grad_enabled() and config.use_kl_loss):
+        kl = module.action_dist(batch["action_dist_inputs"]).kl(dist).mean()
     if config.use_kl_loss:
         total = total + kl_coeff * kl
     stats = {"policy_loss": policy_loss.detach(), "entropy": entropy.detach(), "mean_kl_loss": kl.detach()}
     if config.use_critic:
         vf_err = (out["vf_preds"] - batch["value_targets"]).pow(2)
         vf_loss = vf_err.clamp(max=config.vf_clip_param) if config.vf_clip_param is not None else vf_err
-        total = total + config.vf_loss_coeff * vf_loss.mean()
-        var = batch["value_targets"].var()
-        stats |= {"vf_loss": vf_loss.mean().detach(), "vf_loss_unclipped": vf_err.mean().detach(),
-                  "vf_explained_var": (1 - (batch["value_targets"] - out["vf_preds"]).var() / var).detach()
-                  if var > 0 else torch.tensor(0.0)}
+        vf_mean = vf_loss.mean()
+        total = total + config.vf_loss_coeff * vf_mean
+        with torch.no_grad():
+            var = batch["value_targets"].var()
+            stats |= {"vf_loss": vf_mean.detach(), "vf_loss_unclipped": vf_err.mean(),
+                      "vf_explained_var": 1 - (batch["value_targets"] - out["vf_preds"]).var() / var
+                      if var > 0 else torch.tensor(0.0)}
     stats["total_loss"] = total.detach()
     return total, stats
 
