@@ -105,15 +105,21 @@ def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_co
     policy_loss = -surrogate.mean()
     targets = batch["vtrace_targets"]
     vf_loss = 0.5 * (out["vf_preds"] - targets).pow(2).mean()
-    entropy = dist.entropy().mean()
-    kl = module.action_dist(batch["old_action_dist_inputs"]).kl(dist).mean()
-    total = policy_loss + config.vf_loss_coeff * vf_loss - entropy_coeff * entropy
+    total = policy_loss + config.vf_loss_coeff * vf_loss
+    # terms the loss leaves out are only reported: no autograd bookkeeping for them (as in ppo_loss)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_coeff != 0):
+        entropy = dist.entropy().mean()
+    if entropy_coeff != 0:
+        total = total - entropy_coeff * entropy
+    with torch.set_grad_enabled(torch.is_grad_enabled() and config.use_kl_loss):
+        kl = module.action_dist(batch["old_action_dist_inputs"]).kl(dist).mean()
     if config.use_kl_loss:
         total = total + kl_coeff * kl
-    var = targets.var() if targets.numel() > 1 else torch.tensor(0.0)
-    stats = {"policy_loss": policy_loss.detach(), "vf_loss": vf_loss.detach(), "entropy": entropy.detach(),
-             "mean_kl_loss": kl.detach(), "total_loss": total.detach(), "mean_ratio": ratio.mean().detach(),
-             "vf_explained_var": (1 - (targets - out["vf_preds"]).var() / var).detach() if var > 0 else torch.tensor(0.0)}
+    with torch.no_grad():
+        var = targets.var() if targets.numel() > 1 else torch.tensor(0.0)
+        stats = {"policy_loss": policy_loss.detach(), "vf_loss": vf_loss.detach(), "entropy": entropy.detach(),
+                 "mean_kl_loss": kl.detach(), "total_loss": total.detach(), "mean_ratio": ratio.mean(),
+                 "vf_explained_var": 1 - (targets - out["vf_preds"]).var() / var if var > 0 else torch.tensor(0.0)}
     return total, stats
 
 

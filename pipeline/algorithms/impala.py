@@ -55,12 +55,17 @@ def impala_loss(module: RLModule, batch: dict[str, Any], config: IMPALAConfig,
     policy_loss = -(logp * batch["pg_advantages"]).mean()
     targets = batch["vtrace_targets"]
     vf_loss = 0.5 * (out["vf_preds"] - targets).pow(2).mean()
-    entropy = dist.entropy().mean()
-    total = policy_loss + config.vf_loss_coeff * vf_loss - entropy_coeff * entropy
-    var = targets.var() if targets.numel() > 1 else torch.tensor(0.0)
-    stats = {"policy_loss": policy_loss.detach(), "vf_loss": vf_loss.detach(), "entropy": entropy.detach(),
-             "total_loss": total.detach(),
-             "vf_explained_var": (1 - (targets - out["vf_preds"]).var() / var).detach() if var > 0 else torch.tensor(0.0)}
+    total = policy_loss + config.vf_loss_coeff * vf_loss
+    # without an entropy bonus the entropy is only reported: no autograd bookkeeping for it (as in ppo_loss)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_coeff != 0):
+        entropy = dist.entropy().mean()
+    if entropy_coeff != 0:
+        total = total - entropy_coeff * entropy
+    with torch.no_grad():
+        var = targets.var() if targets.numel() > 1 else torch.tensor(0.0)
+        stats = {"policy_loss": policy_loss.detach(), "vf_loss": vf_loss.detach(), "entropy": entropy.detach(),
+                 "total_loss": total.detach(),
+                 "vf_explained_var": 1 - (targets - out["vf_preds"]).var() / var if var > 0 else torch.tensor(0.0)}
     return total, stats
 
 
