@@ -78,3 +78,26 @@ def test_gaussian_actions_loss_is_finite_and_differentiable():
     loss, stats = ppo_loss(module, batch, PPOConfig(), kl_coeff=0.2, entropy_coeff=0.01)
     loss.backward()
     assert np.isfinite(float(loss.detach())) and module.pi_head.weight.grad is not None
+
+
+def test_terms_the_loss_leaves_out_are_reported_with_the_gradient_of_the_terms_it_keeps(module):
+    """Without an entropy bonus or the KL loss, entropy and KL are only reported: the gradient is exactly the
+    surrogate's plus the value loss's, bit for bit."""
+    cfg = PPOConfig(normalize_advantages=False)
+    batch = fake_batch(module)
+    batch["action_dist_inputs"] = batch["action_dist_inputs"] + torch.tensor([1.0, -1.0])
+    loss, stats = ppo_loss(module, batch, cfg, kl_coeff=0.2, entropy_coeff=0.0)
+    assert float(stats["entropy"]) > 0 and float(stats["mean_kl_loss"]) > 0
+    module.zero_grad()
+    loss.backward()
+    got = [p.grad.clone() for p in module.parameters()]
+    out = module.forward_train(batch["obs"])
+    dist = module.action_dist(out["action_dist_inputs"])
+    ratio = torch.exp(dist.logp(batch["actions"]) - batch["action_logp"])
+    adv = batch["advantages"]
+    kept = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean() \
+        + 0.5 * (out["vf_preds"] - batch["value_targets"]).pow(2).mean()
+    module.zero_grad()
+    kept.backward()
+    for g, p in zip(got, module.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=0)
