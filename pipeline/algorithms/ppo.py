@@ -6,8 +6,8 @@ run ``num_epochs`` passes of minibatch SGD on the clipped surrogate loss; new we
 Here: ``PPOConfig`` (settings), ``ppo_loss`` (a pure function of module, batch and config),
 ``PPOLearner`` (its update and its one piece of state, the KL coefficient) and ``PPO`` (the step).
 
-The defaults are tuned to solve CartPole-v1 fast and are sound elsewhere; scale
-``train_batch_size_per_learner`` up for harder tasks.
+The defaults solve CartPole-v1 and are sound elsewhere (``tuned/cartpole-ppo.yaml`` holds CartPole's faster
+settings: half the env steps); scale ``train_batch_size_per_learner`` up for harder tasks.
 """
 from __future__ import annotations
 
