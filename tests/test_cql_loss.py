@@ -57,14 +57,15 @@ def test_regularizer_pushes_q_of_recorded_actions_up_and_others_down():
 
 
 def test_regularizer_scales_with_min_q_weight_and_leaves_the_actor_alone():
-    lrn = learner(min_q_weight=1.0)
+    """The regularizer is ``min_q_weight`` times the twin critics' summed gaps. Checked within one call: two calls
+    seeded alike drew different candidates now and then in an xdist worker (something else in that process
+    drawing from torch's global generator in between -- not found), so their ratio is not a fair check."""
+    lrn = learner(min_q_weight=3.0)
     t = tensors(fake_batch())
-    torch.manual_seed(1)
-    r1, _ = cql_regularizer(lrn.module, t, lrn.config, lrn.module.q_values(t["obs"], t["actions"]))
-    lrn.config.min_q_weight = 3.0
-    torch.manual_seed(1)
-    r3, _ = cql_regularizer(lrn.module, t, lrn.config, lrn.module.q_values(t["obs"], t["actions"]))
-    assert float(r3) == pytest.approx(3 * float(r1), rel=1e-5)
+    r3, stats = cql_regularizer(lrn.module, t, lrn.config, lrn.module.q_values(t["obs"], t["actions"]))
+    gaps = float(stats["cql_gap_q1"]) + float(stats["cql_gap_q2"])
+    assert abs(gaps) > 0.1
+    assert float(r3) == pytest.approx(3 * gaps, rel=1e-5)
     r3.backward()
     assert all(p.grad is None or not p.grad.any() for p in lrn.module.actor_parameters())
 
