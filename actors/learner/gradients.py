@@ -64,3 +64,10 @@ class FlatGrads:
                     view.copy_(g)
                 p.grad = view
         return self.flat
+
+
+def grad_if(needed: bool) -> torch.autograd.grad_mode.set_grad_enabled:
+    """Autograd on for a loss term only when the loss uses it (``needed``) and it is on already: a term a loss only
+    reports (an entropy without a bonus, a KL without the KL loss) skips autograd's bookkeeping, a good part of a
+    small network's step, and leaves the gradient exactly as it was."""
+    return torch.set_grad_enabled(torch.is_grad_enabled() and needed)

@@ -327,10 +327,15 @@ class Learner(FedByStreams, LearnerRole):
         """Index sets for one epoch. The count is fixed by the caller, not by ``n``, so every
         learner of a data-parallel group takes the same number of steps (and meets at each
         gradient all-reduce) even when their shards differ in size."""
+        perm = self.epoch_order(n, minibatch_size, num_minibatches)
+        return [perm[i * minibatch_size : (i + 1) * minibatch_size] for i in range(num_minibatches)]
+
+    def epoch_order(self, n: int, minibatch_size: int, num_minibatches: int) -> np.ndarray:
+        """One epoch's rows, shuffled, repeated to fill ``num_minibatches`` minibatches when ``n`` is short."""
         perm = self.rng.permutation(n)
         if num_minibatches * minibatch_size > n:
             perm = np.resize(perm, num_minibatches * minibatch_size)
-        return [perm[i * minibatch_size : (i + 1) * minibatch_size] for i in range(num_minibatches)]
+        return perm
 
     def sgd(self, tensors: dict[str, Any], loss_fn: Callable[[dict[str, Any]], tuple[torch.Tensor, dict]],
             n: int, minibatch_size: int, num_minibatches: int, num_epochs: int,
@@ -346,8 +351,7 @@ class Learner(FedByStreams, LearnerRole):
                 minibatches = [tensors]
             else:  # one gather per tensor and epoch, each minibatch a slice (a view) of it: the same rows as
                 # gathering each minibatch's indices, in a quarter of the calls at 4 minibatches
-                order = torch.as_tensor(np.concatenate(self.minibatches(n, minibatch_size, num_minibatches)),
-                                        device=self.device)
+                order = torch.as_tensor(self.epoch_order(n, minibatch_size, num_minibatches), device=self.device)
                 shuffled = nested.map_structure(lambda t: t[order], tensors)
                 minibatches = [nested.map_structure(lambda t: t[i * minibatch_size : (i + 1) * minibatch_size], shuffled)
                                for i in range(num_minibatches)]

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from actors.learner import ChunkBatch, Learner, piecewise
+from actors.learner import ChunkBatch, Learner, grad_if, piecewise
 from actors.learner.feed import TakeBatch
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
@@ -106,12 +106,11 @@ def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_co
     targets = batch["vtrace_targets"]
     vf_loss = 0.5 * (out["vf_preds"] - targets).pow(2).mean()
     total = policy_loss + config.vf_loss_coeff * vf_loss
-    # terms the loss leaves out are only reported: no autograd bookkeeping for them (as in ppo_loss)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_coeff != 0):
+    with grad_if(entropy_coeff != 0):
         entropy = dist.entropy().mean()
     if entropy_coeff != 0:
         total = total - entropy_coeff * entropy
-    with torch.set_grad_enabled(torch.is_grad_enabled() and config.use_kl_loss):
+    with grad_if(config.use_kl_loss):
         kl = module.action_dist(batch["old_action_dist_inputs"]).kl(dist).mean()
     if config.use_kl_loss:
         total = total + kl_coeff * kl

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from actors.learner import Learner, piecewise
+from actors.learner import Learner, grad_if, piecewise
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.vtrace import VTraceSettings, sgd_epochs, value_pass, vtrace_targets
@@ -56,8 +56,7 @@ def impala_loss(module: RLModule, batch: dict[str, Any], config: IMPALAConfig,
     targets = batch["vtrace_targets"]
     vf_loss = 0.5 * (out["vf_preds"] - targets).pow(2).mean()
     total = policy_loss + config.vf_loss_coeff * vf_loss
-    # without an entropy bonus the entropy is only reported: no autograd bookkeeping for it (as in ppo_loss)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_coeff != 0):
+    with grad_if(entropy_coeff != 0):
         entropy = dist.entropy().mean()
     if entropy_coeff != 0:
         total = total - entropy_coeff * entropy

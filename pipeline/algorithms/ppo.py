@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from actors.learner import Learner, as_batch, piecewise
+from actors.learner import Learner, as_batch, grad_if, piecewise
 from actors.learner.sequences import chunks_to_sequences, sequence_outputs, sequence_sgd
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
@@ -105,13 +105,11 @@ def ppo_loss(module: RLModule, batch: dict[str, Any], config: PPOConfig, kl_coef
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - config.clip_param, 1 + config.clip_param) * adv)
     policy_loss = -surrogate.mean()
     total = policy_loss
-    # Terms the loss leaves out are only reported: computed without autograd's bookkeeping, which is a
-    # good part of a small network's SGD step.
-    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_coeff != 0):
+    with grad_if(entropy_coeff != 0):
         entropy = dist.entropy().mean()
     if entropy_coeff != 0:
         total = total - entropy_coeff * entropy
-    with torch.set_grad_enabled(torch.is_grad_enabled() and config.use_kl_loss):
+    with grad_if(config.use_kl_loss):
         kl = module.action_dist(batch["action_dist_inputs"]).kl(dist).mean()
     if config.use_kl_loss:
         total = total + kl_coeff * kl
