@@ -1,6 +1,7 @@
 """The central inference stage in-process: the batching engine (cut by size and by wait, across
 runners), weights swapped between batches without losing a request, the version stamped on every
 answer, exploration per runner, bad requests answered and survived, and the protocol's checks."""
+import sys
 import threading
 
 import gymnasium as gym
@@ -306,3 +307,52 @@ def test_cuda_server_answers_as_the_cpu_module_does():
     finally:
         client.close()
         server.stop()
+
+
+class _Uniform:
+    """A forward pass whose choice is one uniform draw per row from torch's CPU generator."""
+
+    def choose(self, inputs, exploration, explore, timestep):
+        u = torch.rand(len(inputs))
+        return u, u
+
+
+def test_two_servers_in_one_process_draw_their_runners_streams_as_if_alone():
+    """In-process servers (num_env_runners=0, two servers) serve from two threads of one process; each runner's
+    seeded stream must come out as it does when one server draws alone."""
+    from actors.env.exploration import Exploration
+    from actors.inference.streams import RunnerStreams
+
+    def streams(seed):
+        return RunnerStreams(lambda: Exploration(None), lambda: torch.nn.Linear(4, 4), seed)
+
+    def draw(s, runner, calls, out):
+        inputs = torch.zeros(64, 1)
+        for _ in range(calls):
+            out.append(s.choose(_Uniform(), runner, inputs, True, 0)[0])
+
+    calls = 400
+    alone = {}
+    for seed in (1, 2):
+        alone[seed] = []
+        draw(streams(seed), 0, calls, alone[seed])
+    together = {1: [], 2: []}
+    start = threading.Barrier(2)
+
+    def serve(seed):
+        s = streams(seed)
+        start.wait()
+        draw(s, 0, calls, together[seed])
+
+    threads = [threading.Thread(target=serve, args=(seed,)) for seed in (1, 2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns within every call, not every few hundred calls
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    for seed in (1, 2):
+        np.testing.assert_array_equal(np.stack(alone[seed]), np.stack(together[seed]))

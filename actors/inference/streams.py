@@ -19,12 +19,19 @@ from a numpy generator instead: the server keeps one per runner, seeded as that 
 chooses with the same ``NumpyChooser`` -- so central and local inference still take the same actions
 (up to float rounding of the distribution inputs, which torch computes here and numpy there).
 
+The swap changes process-wide state, so ``DRAWING`` serialises it across every server of a process (two
+in-process servers, ``num_env_runners=0``, serve from two threads). Another thread of the same process
+that draws from torch's generator meanwhile (an in-process SAC learner's ``rsample``) still interleaves
+with a swap: both get valid random numbers, but a seeded run is then not repeatable bit for bit. Servers
+hosted as actors have their process to themselves.
+
 A recreated server starts each runner's noise afresh from its seed (exploration schedules follow
 the runner's ``timestep``, which every request carries, so they are unaffected).
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -36,6 +43,10 @@ from actors.env.numpy_acting import NumpyChooser, acting_rng, rng_state, set_rng
 STATELESS = (StochasticSampling, EpsilonGreedy, SoftQ, GaussianNoise)
 """Built-in pieces whose choice depends only on the distribution, the timestep and the generator
 (``OrnsteinUhlenbeckNoise`` keeps a process per row; a user's piece may keep anything)."""
+
+
+DRAWING = threading.Lock()
+"""Held while a runner's generator state is swapped into torch's process-wide CPU generator."""
 
 
 class RunnerStream:
@@ -50,13 +61,14 @@ class RunnerStream:
         if self.rng is None or isinstance(self.rng, np.random.Generator):
             yield
             return
-        outer = torch.get_rng_state()
-        torch.set_rng_state(self.rng)
-        try:
-            yield
-        finally:
-            self.rng = torch.get_rng_state()
-            torch.set_rng_state(outer)
+        with DRAWING:
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.rng)
+            try:
+                yield
+            finally:
+                self.rng = torch.get_rng_state()
+                torch.set_rng_state(outer)
 
 
 class RunnerStreams:
@@ -107,7 +119,7 @@ class RunnerStreams:
             return None
         if self.chooser is not None:
             return acting_rng(self.seed, runner)
-        with torch.random.fork_rng(devices=[]):
+        with DRAWING, torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(self.seed + 7919 * runner)  # CPU only, as a runner's draws are
             self.build_module()
             return torch.get_rng_state()
