@@ -130,13 +130,18 @@ class Algorithm(Trainable):
             obs_space, act_space = self.multi_agent.first_spaces()
         self.env_observation_space = obs_space
         """The env's observations (what an env-to-module pipeline starts from)."""
-        self.connector = connector_pipeline(config, obs_space, act_space, self.multi_agent is not None)
+        self.connector: Any = connector_pipeline(config, obs_space, act_space, self.multi_agent is not None)
         """The driver's copy of the env-to-module pipeline: its state is what runners sync to and
-        checkpoints hold; ``compute_single_action`` applies it. None without ``env_to_module_connector``."""
-        self.chunk_observation_space = obs_space if self.connector is None else self.connector.recorded_space
+        checkpoints hold; ``compute_single_action`` applies it. None without ``env_to_module_connector``.
+        A multi-agent run's is a ``ModuleConnectors``, one pipeline per module."""
+        if self.multi_agent is not None and self.multi_agent.connectors is not None:
+            self.connector = self.multi_agent.connectors  # the plan's specs hold the pipelines' output spaces
+            self.env_observation_space = self.connector.input_space(self.multi_agent.module_ids[0])
+        single = self.connector is not None and self.multi_agent is None
+        self.chunk_observation_space = self.connector.recorded_space if single else obs_space
         """What chunks carry (recordings, streams): the module's observations, or a view's input (frame stacks
         are rebuilt where they are used)."""
-        if self.connector is not None:
+        if single:
             obs_space = self.connector.observation_space
         self.observation_space, self.action_space = obs_space, act_space
         check_module_to_env(config, obs_space, act_space, self.multi_agent is not None)

@@ -108,6 +108,9 @@ def compute_actions(algo: Any, obs: Any, explore: bool | None, policy_id: str | 
     explore = algo.config.explore if explore is None else explore
     timestep = algo.counters["num_env_steps_sampled_lifetime"]
     if algo.multi_agent is not None:
+        if algo.connector is not None:  # env observations, through the pipeline of the module that acts
+            mid = algo.multi_agent.module_id(policy_id, "compute_actions")
+            obs = algo.connector.record(mid, as_arrays(obs, algo.connector.input_space(mid)), update=False)
         return algo.multi_agent.compute_actions(algo.learner_group, obs, explore, timestep, policy_id)
     if policy_id not in (None, "default_policy"):
         raise KeyError(f"policy_id={policy_id!r}: this run has one module, 'default_policy'")
@@ -136,5 +139,5 @@ def compute_single_action(algo: Any, obs: Any, explore: bool | None, policy_id: 
         raise ValueError("state= is for recurrent modules (model_config use_lstm=True); this one has none")
     space = algo.env_observation_space
     if algo.multi_agent is not None:
-        space = algo.multi_agent.policy(policy_id, "compute_single_action").observation_space
+        space = algo.multi_agent.env_observation_space(policy_id, "compute_single_action")
     return single_action(compute_actions(algo, batch_of_one(obs, space), explore, policy_id))

@@ -51,6 +51,10 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
     if module_id in setup.plan.module_specs:
         raise ValueError(f"add_module: module {module_id!r} exists already (modules: {setup.module_ids}); "
                          f"remove_module({module_id!r}) first or pick another id")
+    if setup.connectors is not None:
+        raise NotImplementedError(f"add_module({module_id!r}): this run has env_to_module_connector, and a pipeline "
+                                  f"for a module added while training is not built yet; list every module in "
+                                  f".multi_agent(policies=...) from the start")
     refuse_partial("add_module", add_to_learners=add_to_learners, add_to_env_runners=add_to_env_runners,
                    add_to_eval_env_runners=add_to_eval_env_runners)
     check_should_update(new_should_module_be_updated, [*setup.module_ids, module_id])

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from actors.connectors.multi_agent import ModuleConnectors
 from actors.env.multi_agent_runner import MultiAgentEnvRunner
 from actors.env.vector_env import EnvContext
 from actors.metrics import MetricsLogger
@@ -28,6 +29,7 @@ from pipeline.algorithm_actions import DriverPolicy
 from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.config.multi_agent import settings_used
 from pipeline.config.multi_agent_plan import MultiAgentPlan, multi_agent_plan
+from pipeline.config.plain import resolve_import_path
 from pipeline.groups.multi_agent import MultiLearnerGroup, OneModule, check_module_class, steps_counter
 
 NOT_YET = "is not built for multi-agent runs yet (issue 27)"
@@ -54,6 +56,10 @@ class MultiAgentSetup:
     """The module specs every runner group is built with (one dict, changed in place as modules come and
     go, so recreated runners hold the run's modules)."""
     runner_mapping: CurrentMapping | None = None
+    connectors: ModuleConnectors | None = None
+    """The driver's copy of each module's env-to-module pipeline (``env_to_module_connector``); None without."""
+    connector_spaces: dict[str, tuple[Any, Any]] | None = None
+    """Each module's spaces as the env gives them (its pipeline's input); the plan's specs hold the outputs."""
 
     def __post_init__(self) -> None:
         self.runner_specs.update(sorted(self.plan.module_specs.items()))
@@ -94,10 +100,11 @@ class MultiAgentSetup:
         """``EnvRunnerGroup`` arguments: the runner class, its plan pieces and how its steps count.
         Evaluators count env steps (``evaluation_duration`` timesteps are env steps)."""
         count_steps_by = "env_steps" if evaluation else self.plan.count_steps_by
+        kwargs = {"connector_spaces": self.connector_spaces} if self.connectors is not None else {}
         return {"runner_class": MultiAgentEnvRunner,
                 # sorted, so the runners' modules draw their exploration in the same order in every process
                 "runner_kwargs": {"module_specs": self.runner_specs, "policy_mapping_fn": self.runner_mapping,
-                                  "count_steps_by": count_steps_by},
+                                  "count_steps_by": count_steps_by, **kwargs},
                 "count_steps": steps_counter(count_steps_by)}
 
     def runner_timestep(self, metrics: MetricsLogger, env_steps: int) -> int:
@@ -109,13 +116,22 @@ class MultiAgentSetup:
     def learner_group(self, learner_class: type, config: AlgorithmConfig) -> MultiLearnerGroup:
         return MultiLearnerGroup(learner_class, config, self.plan)
 
-    def policy(self, module_id: str | None, where: str) -> DriverPolicy:
+    def module_id(self, module_id: str | None, where: str) -> str:
+        """``module_id`` checked (None: the run's one module), or a KeyError naming the run's modules."""
         if module_id is None and len(self.driver_policies) == 1:
             module_id = self.module_ids[0]
         if module_id not in self.driver_policies:
             raise KeyError(f"{where}: module {module_id!r} is not one of this run's modules {self.module_ids}; "
                            f"name one, e.g. {where}(..., policy_id={self.module_ids[0]!r})")
-        return self.driver_policies[module_id]
+        return module_id
+
+    def policy(self, module_id: str | None, where: str) -> DriverPolicy:
+        return self.driver_policies[self.module_id(module_id, where)]
+
+    def env_observation_space(self, module_id: str | None, where: str) -> Any:
+        """What the env gives the agents of ``module_id``: its pipeline's input, or its module's space."""
+        mid = self.module_id(module_id, where)
+        return self.connectors.input_space(mid) if self.connectors is not None else self.policy(mid, where).observation_space
 
     def compute_actions(self, group: MultiLearnerGroup, obs: Any, explore: bool, timestep: int,
                         module_id: str | None) -> Any:
@@ -147,11 +163,33 @@ def multi_agent_setup(config: AlgorithmConfig, creator: Callable | None, learner
         raise NotImplementedError(f"rl_module(rl_module_spec=...) and multi_agent(...) settings on a single-agent env "
                                   f"({config.env!r}) {NOT_YET}: leave them out (rl_module(model_config=...) sets "
                                   f"the one module's network)")
+    connectors, spaces = module_connectors(config, plan)
+    if connectors is not None:  # every stage builds its module for what the pipeline puts out
+        plan = dataclasses.replace(plan, module_specs={
+            mid: dataclasses.replace(spec, observation_space=connectors.observation_space(mid))
+            for mid, spec in plan.module_specs.items()})
     policies = {}
     for mid, spec in plan.module_specs.items():
         check_module_class(learner_class, mid, spec)
         policies[mid] = DriverPolicy.build(spec, config, spec.observation_space, spec.action_space)
-    return MultiAgentSetup(plan, policies)
+    return MultiAgentSetup(plan, policies, connectors=connectors, connector_spaces=spaces)
+
+
+def module_connectors(config: AlgorithmConfig, plan: MultiAgentPlan
+                      ) -> tuple[ModuleConnectors | None, dict[str, tuple[Any, Any]] | None]:
+    """The driver's per-module env-to-module pipelines and their input spaces (None, None without
+    ``env_to_module_connector``); pieces that cannot run per module are a ConfigError naming them."""
+    factory = config.env_to_module_connector
+    if isinstance(factory, str):
+        factory = resolve_import_path(factory, "env_to_module_connector")
+    if factory is None:
+        return None, None
+    spaces = {mid: (spec.observation_space, spec.action_space) for mid, spec in plan.module_specs.items()}
+    try:
+        connectors = ModuleConnectors.build(factory, spaces)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"env_to_module_connector: {err}") from err
+    return connectors, (spaces if connectors is not None else None)
 
 
 def refuse_unbuilt(config: AlgorithmConfig, learner_class: type) -> None:

@@ -96,14 +96,13 @@ def function_setting(value: Any, name: str) -> Callable | None:
 
 def connector_pipeline(config: AlgorithmConfig, observation_space: Any, action_space: Any,
                        multi_agent: bool) -> ConnectorPipeline | None:
-    """The driver's copy of the env-to-module pipeline (None without ``env_to_module_connector``); a
-    factory that fails, or pieces that do not fit the env's spaces, are a ConfigError naming the cause."""
+    """The driver's copy of the env-to-module pipeline (None without ``env_to_module_connector``, and in a
+    multi-agent run, whose per-module pipelines ``pipeline.algorithm_multi_agent`` builds, once the settings
+    that rule connectors out are checked here); a factory that fails, or pieces that do not fit the env's
+    spaces, are a ConfigError naming the cause."""
     factory = function_setting(config.env_to_module_connector, "env_to_module_connector")
     if factory is None:
         return None
-    if multi_agent:
-        raise ConfigError("env_to_module_connector is single-agent for now: a multi-agent run would need one "
-                          "pipeline per agent; preprocess in the MultiAgentEnv, or leave env_to_module_connector unset")
     if config.external_clients_config:
         raise ConfigError("env_to_module_connector runs in env runners, and with external_clients the observations "
                           "come from clients: preprocess in the client, or leave env_to_module_connector unset")
@@ -111,6 +110,8 @@ def connector_pipeline(config: AlgorithmConfig, observation_space: Any, action_s
         raise ConfigError("env_to_module_connector runs in env runners, and with offline_data(input_=...) the "
                           "observations come from a recording: leave env_to_module_connector unset (a recording "
                           "made with connectors holds what they recorded)")
+    if multi_agent:  # one pipeline per module: pipeline.algorithm_multi_agent builds them
+        return None
     try:
         pipeline = build_pipeline(factory, observation_space, action_space)
     except (TypeError, ValueError) as err:

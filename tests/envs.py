@@ -4,6 +4,8 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
+from actors.env.multi_agent_env import SingleAgentCopies
+
 
 class CountingEnv(gym.Env):
     """obs = [step index]; reward 1 per step; terminates after ``length`` steps (truncates if ``truncate``)."""
@@ -199,3 +201,17 @@ class StatelessCartPole(gym.ObservationWrapper):
 
     def observation(self, observation):
         return observation[[0, 2]].astype(np.float32)
+
+
+class PlainAndScaledCartPoles(SingleAgentCopies):
+    """Two agents: agent 0 plays CartPole-v1 as it is, agent 1 a ``ScaledCartPole`` (observations shifted by
+    hundreds and scaled up to 400x). Mapped to two modules, each module's ``MeanStdFilter`` must learn its own
+    statistics."""
+
+    def __init__(self, config=None):
+        self._made = 0
+        super().__init__({**(config or {}), "num_agents": 2})
+
+    def make_single(self, config):
+        self._made += 1
+        return gym.make("CartPole-v1") if self._made == 1 else ScaledCartPole()

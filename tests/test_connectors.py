@@ -291,9 +291,9 @@ def test_connector_settings_that_cannot_work_are_config_errors():
          .external_clients(address="tcp://127.0.0.1:0")
          .env_runners(num_env_runners=0, env_to_module_connector=lambda env: MeanStdFilter()).build())
     ma = make_multi_agent("CartPole-v1")
-    with pytest.raises(ConfigError, match="single-agent"):
+    with pytest.raises(ConfigError, match="view rebuilt"):  # multi-agent pipelines hold no per-sub-env memory
         (PPOConfig().environment(ma, env_config={"num_agents": 2})
-         .env_runners(num_env_runners=0, env_to_module_connector=lambda env: MeanStdFilter())
+         .env_runners(num_env_runners=0, env_to_module_connector=lambda env: FrameStackingEnvToModule(num_frames=4))
          .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_by_agent).build())
 
 

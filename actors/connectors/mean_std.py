@@ -88,9 +88,7 @@ class MeanStdFilter(ConnectorV2):
     def __init__(self, input_observation_space: gym.Space | None = None, input_action_space: gym.Space | None = None,
                  *, clip: float | None = 10.0, epsilon: float = 1e-8, multi_agent: bool = False, **kwargs: Any) -> None:
         super().__init__(input_observation_space, input_action_space, **kwargs)
-        if multi_agent:
-            raise ValueError("MeanStdFilter(multi_agent=True): runnel's connectors are single-agent for now; "
-                             "multi-agent runs refuse env_to_module_connector")
+        del multi_agent  # RLlib's flag: a multi-agent run builds one pipeline (and one filter) per module anyway
         if clip is not None and not clip > 0:
             raise ValueError(f"MeanStdFilter clip must be > 0 or None, got {clip!r}")
         self.clip, self.epsilon = clip, float(epsilon)

@@ -41,8 +41,7 @@ class FlattenObservations(ConnectorV2):
     def __init__(self, input_observation_space: gym.Space | None = None, input_action_space: gym.Space | None = None,
                  *, multi_agent: bool = False, **kwargs: Any) -> None:
         super().__init__(input_observation_space, input_action_space, **kwargs)
-        if multi_agent:
-            raise ValueError("FlattenObservations(multi_agent=True): runnel's connectors are single-agent for now")
+        del multi_agent  # RLlib's flag: a multi-agent run builds one pipeline per module anyway
 
     def recompute_output_observation_space(self, input_observation_space: gym.Space,
                                            input_action_space: gym.Space) -> gym.Space:
@@ -68,7 +67,8 @@ class FrameStackingEnvToModule(ConnectorV2):
                  *, num_frames: int = 4, multi_agent: bool = False, **kwargs: Any) -> None:
         super().__init__(input_observation_space, input_action_space, **kwargs)
         if multi_agent:
-            raise ValueError("FrameStackingEnvToModule(multi_agent=True): runnel's connectors are single-agent for now")
+            raise ValueError("FrameStackingEnvToModule(multi_agent=True): frame stacking per agent is not built yet; "
+                             "stack frames in the MultiAgentEnv's observations instead")
         if not isinstance(num_frames, int) or num_frames < 1:
             raise ValueError(f"num_frames must be an int >= 1, got {num_frames!r}")
         self.num_frames = num_frames

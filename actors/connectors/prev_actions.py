@@ -29,7 +29,8 @@ class PrevActionsPrevRewards(ConnectorV2):
                  *, n_prev_actions: int = 1, n_prev_rewards: int = 1, multi_agent: bool = False, **kwargs: Any) -> None:
         super().__init__(input_observation_space, input_action_space, **kwargs)
         if multi_agent:
-            raise ValueError("PrevActionsPrevRewards(multi_agent=True): runnel's connectors are single-agent for now")
+            raise ValueError("PrevActionsPrevRewards(multi_agent=True): per-agent memory of actions and rewards is "
+                             "not built yet; add them to the MultiAgentEnv's observations instead")
         for name, n in (("n_prev_actions", n_prev_actions), ("n_prev_rewards", n_prev_rewards)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"PrevActionsPrevRewards({name}={n!r}): give a whole number >= 0")

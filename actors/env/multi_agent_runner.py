@@ -37,6 +37,8 @@ from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, make_exploration
 from actors.env.lockstep_sampler import LockstepSampler, lockstep_fits
+from actors.connectors.multi_agent import ModuleConnectors
+from actors.env.multi_agent_connectors import AgentObservations
 from actors.env.multi_agent_env import checks_itself
 from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks, RunnerListener
 from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler, PolicyMappingFn
@@ -60,10 +62,13 @@ NAMED_KEYS = ("perf/", "callbacks/", "fault_tolerance/", "stream/")
 class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
     def __init__(self, settings: EnvRunnerSettings, module_specs: dict[str, ModuleSpec],
                  policy_mapping_fn: PolicyMappingFn, worker_index: int = 0, recreated: bool = False,
-                 count_steps_by: str = "env_steps", check_env: bool = True, lockstep: bool = True) -> None:
+                 count_steps_by: str = "env_steps", check_env: bool = True, lockstep: bool = True,
+                 connector_spaces: dict[str, tuple[Any, Any]] | None = None) -> None:
         """``lockstep``: sample envs of ``make_multi_agent`` copies with the ``LockstepSampler`` when nothing
         needs ``MultiAgentEpisode`` objects (no ``on_episode_*`` callbacks); False: always the general
-        ``MultiAgentSampler`` (the two give the same chunks)."""
+        ``MultiAgentSampler`` (the two give the same chunks). ``connector_spaces``: each module's (observation,
+        action) spaces as the env gives them, the input of its env-to-module pipeline (``settings.env_to_module``
+        builds them; ``module_specs`` then hold the pipelines' output spaces)."""
         if count_steps_by not in COUNT_UNITS:
             raise ValueError(f"count_steps_by={count_steps_by!r}; use one of {COUNT_UNITS}")
         if not module_specs:
@@ -91,6 +96,11 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         self.module = MultiRLModule({})
         self.explorations: dict[str, Exploration] = {}
         self.env_actions: dict[str, EnvActions] = {}
+        if settings.env_to_module is not None and connector_spaces is None:
+            raise ValueError("a multi-agent runner with env_to_module_connector needs connector_spaces, each "
+                             "module's spaces as the env gives them")
+        self.connectors = ModuleConnectors.build(settings.env_to_module, connector_spaces or {})
+        """Each module's env-to-module pipeline (``actors.connectors.multi_agent``); None without them."""
         for mid, spec in module_specs.items():
             self._build_module(mid, spec)
         self.weights_version = 0
@@ -112,7 +122,12 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         pieces = dict(env_runner_index=worker_index, listener=self.listener, check_observations=check_env,
                       rng=acting_rng(settings.seed, worker_index))
         self.sampler: MultiAgentSampler | LockstepSampler
-        if lockstep and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
+        if self.connectors is not None:  # the lockstep sampler's time-major rows do not pass pipelines yet
+            pieces["observations"] = AgentObservations(self.connectors, update=not settings.in_evaluation,
+                                                       check_observations=check_env)
+            self.sampler = MultiAgentSampler(self.envs, self.module.members, self.explorations, self.env_actions,
+                                             policy_mapping_fn, **pieces)
+        elif lockstep and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
             self.sampler = LockstepSampler(self.envs, self.module.members, self.explorations, self.env_actions,
                                            policy_mapping_fn, **pieces)
         else:
@@ -327,6 +342,9 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         if module_id in self.module_specs:
             raise ValueError(f"module {module_id!r} exists already (modules: {self.module_ids}); remove_module() "
                              f"it first or pick another id")
+        if self.connectors is not None:
+            raise NotImplementedError(f"add_module({module_id!r}) in a run with env_to_module_connector: a pipeline "
+                                      f"for a module added while training is not built yet")
         module = self._build_module(module_id, spec)
         if weights is not None:
             module.set_state(weights)
@@ -387,7 +405,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                 "num_agent_steps_sampled_lifetime": self.num_agent_steps_sampled_lifetime,
                 "timestep_offset": self._timestep_offset,
                 "exploration": {mid: e.get_state() for mid, e in self.explorations.items()},
-                "torch_rng": torch.get_rng_state().numpy(), "numpy_rng": rng_state(self.sampler.acting.rng)}
+                "torch_rng": torch.get_rng_state().numpy(), "numpy_rng": rng_state(self.sampler.acting.rng),
+                "connectors": None if self.connectors is None else self.connectors.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         missing = sorted(set(state.get("module_ids", [])) - set(self.module_specs))
@@ -404,6 +423,18 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
             torch.set_rng_state(torch.as_tensor(np.array(state["torch_rng"], np.uint8)))  # a writable copy
         if state.get("numpy_rng") is not None:
             set_rng_state(self.sampler.acting.rng, state["numpy_rng"])
+        if state.get("connectors") is not None and self.connectors is not None:
+            self.connectors.set_state(state["connectors"])
+
+    # --- connectors -------------------------------------------------------------------------
+    def pop_connector_deltas(self) -> dict[str, list[Any]] | None:
+        """What each module's pipeline learned since the last call (running statistics); None without them."""
+        return None if self.connectors is None else self.connectors.pop_deltas()
+
+    def sync_connectors(self, state: dict[str, Any]) -> None:
+        """The driver's merged state of every module's pipeline; what was gathered since is kept."""
+        if self.connectors is not None and state is not None:
+            self.connectors.sync(state)
 
     # --- the stage --------------------------------------------------------------------------
     def ping(self) -> str:

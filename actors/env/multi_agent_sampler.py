@@ -33,6 +33,7 @@ import torch
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration
 from actors.env.multi_agent_acting import ModuleActing
+from actors.env.multi_agent_connectors import AgentObservations
 from actors.env.numpy_acting import acting_rng
 from actors.env.sampling import plain_info
 from actors.metrics import MetricsLogger
@@ -108,7 +109,8 @@ class MultiAgentSampler:
                  env_actions: Mapping[str, EnvActions], policy_mapping_fn: PolicyMappingFn, *,
                  env_runner_index: int = 0, seed: int | None = None, record_infos: bool = False,
                  weights_version: int = 0, listener: EpisodeListener | None = None,
-                 check_observations: bool = False, rng: np.random.Generator | None = None) -> None:
+                 check_observations: bool = False, rng: np.random.Generator | None = None,
+                 observations: AgentObservations | None = None) -> None:
         if not envs:
             raise ValueError("MultiAgentSampler needs at least one env, got none")
         self.acting = ModuleActing(modules, explorations, env_actions,
@@ -123,6 +125,8 @@ class MultiAgentSampler:
         """Keep each agent's infos in its chunks (a recording that writes them)."""
         self._weights_version = weights_version
         self.listener = listener
+        self.observations = observations
+        """The env-to-module pipelines every observation passes before its episode records it (None: none)."""
         self._fast_path = True
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
@@ -163,6 +167,8 @@ class MultiAgentSampler:
             raise ValueError(f"env {index}'s reset() returned {_short(result)}; a multi-agent env's reset returns "
                              "(observations, infos), two dicts keyed by agent id")
         obs, infos = result
+        if self.observations is not None:
+            obs = self.observations.transform([(index, ep, obs)])[0]
         ep.add_reset(obs, self._infos(infos))
         if self.listener is not None:
             self.listener.episode_started(index, ep)
@@ -221,11 +227,18 @@ class MultiAgentSampler:
                     module_steps[m] = module_steps.get(m, 0) + len(waiting[m][0])
                 agent_steps += len(who)
             envs, plain_results = self.envs, not self.record_infos
+            if self.observations is not None:  # every env steps first: one pipeline call per module for them all
+                results = [self._step_result(i, envs[i].step(to_env[i])) for i in range(n)]
+                new_obs = self.observations.transform([(i, ep, r[0]) for i, (ep, r) in enumerate(zip(self.episodes, results))])
+                results = [(o, *r[1:]) for o, r in zip(new_obs, results)]
             for i, ep in enumerate(self.episodes):
-                result = envs[i].step(to_env[i])
-                # a plain 5-tuple with infos not kept goes to the episode as it is
-                if type(result) is not tuple or len(result) != 5 or not plain_results:
-                    result = self._step_result(i, result)
+                if self.observations is not None:
+                    result = results[i]
+                else:
+                    result = envs[i].step(to_env[i])
+                    # a plain 5-tuple with infos not kept goes to the episode as it is
+                    if type(result) is not tuple or len(result) != 5 or not plain_results:
+                        result = self._step_result(i, result)
                 ep.add_step(*result)
                 if ep.is_terminated or ep.is_truncated:  # is_done, without a property call per env
                     _add(chunks, ep.take_chunks())

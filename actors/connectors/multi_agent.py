@@ -1,0 +1,121 @@
+"""ModuleConnectors: a multi-agent run's env-to-module pipelines, one per module.
+
+Each module gets its own copy of the pipeline the user's ``env_to_module_connector`` factory builds, for
+that module's spaces (the factory is called once per module with an ``EnvSpaces`` of them). A multi-agent
+runner passes every observation an agent gets through the pipeline of the module the agent is mapped to,
+before the episode records it: chunks hold what the module saw, as in single-agent runs, so learners need
+nothing more. A module's ``MeanStdFilter`` gathers statistics over every agent mapped to it (RLlib's
+``multi_agent=True`` filter keeps them per agent; here agents that share a module share its normalisation,
+as they share its weights).
+
+The state methods mirror ``ConnectorPipeline``'s, keyed by module id, so the driver merges the runners'
+deltas, syncs runners and evaluators and checkpoints the state the same way for both kinds of run.
+
+Only recording pieces without memory of their own per sub-env fit here (``MeanStdFilter``,
+``FlattenObservations``, a user's stateless or statistics-gathering piece): a view (frame stacking) or a piece
+that remembers each sub-env's last steps (``PrevActionsPrevRewards``) would need that memory per agent, which
+is not built; each is refused naming the piece.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from actors.connectors.base import ConnectorPipeline, ConnectorV2, build_pipeline
+from protocols import nested
+
+
+class ModuleConnectors:
+    """One ``ConnectorPipeline`` per module id, built by ``build`` (which gives None for no factory)."""
+
+    def __init__(self, pipelines: Mapping[str, ConnectorPipeline]) -> None:
+        self.pipelines = dict(pipelines)
+
+    @classmethod
+    def build(cls, factory: Callable[..., Any] | None, spaces: Mapping[str, tuple[gym.Space, gym.Space]]
+              ) -> "ModuleConnectors | None":
+        """``spaces``: each module's (observation space as the env gives it, action space). None without a
+        factory, or when it gives no pieces."""
+        if factory is None:
+            return None
+        pipelines = {}
+        for mid, (obs_space, act_space) in sorted(spaces.items()):
+            pipeline = build_pipeline(factory, obs_space, act_space)
+            if pipeline is None:
+                return None
+            for piece in pipeline.pieces:
+                refuse_per_env_memory(piece)
+            pipelines[mid] = pipeline
+        return cls(pipelines)
+
+    def observation_space(self, module_id: str) -> gym.Space:
+        """What module ``module_id`` gets: its pipeline's output space."""
+        return self.pipelines[module_id].observation_space
+
+    def input_space(self, module_id: str) -> gym.Space:
+        """What the env gives the agents of module ``module_id``: its pipeline's input space."""
+        return self.pipelines[module_id].input_observation_space
+
+    def record(self, module_id: str, batch: Any, update: bool) -> Any:
+        """A batch of module ``module_id``'s observations through its pipeline (``update``: the pieces may
+        learn from it)."""
+        pipeline = self.pipelines.get(module_id)
+        if pipeline is None:
+            raise KeyError(f"no env-to-module pipeline for module {module_id!r}; the modules with one are "
+                           f"{sorted(self.pipelines)}")
+        return pipeline.record(batch, np.zeros(nested.batch_len(batch), bool), update)
+
+    @property
+    def views(self) -> list[ConnectorV2]:
+        return []  # refused at build
+
+    @property
+    def stateful(self) -> bool:
+        return any(p.stateful for p in self.pipelines.values())
+
+    def get_state(self) -> dict[str, list[dict[str, Any]]]:
+        return {mid: p.get_state() for mid, p in self.pipelines.items()}
+
+    def set_state(self, states: Mapping[str, Any]) -> None:
+        self._check_modules(states)
+        for mid, p in self.pipelines.items():
+            p.set_state(states[mid])
+
+    def sync(self, states: Mapping[str, Any]) -> None:
+        self._check_modules(states)
+        for mid, p in self.pipelines.items():
+            p.sync(states[mid])
+
+    def pop_deltas(self) -> dict[str, list[Any]]:
+        return {mid: p.pop_deltas() for mid, p in self.pipelines.items()}
+
+    def absorb(self, deltas: list[Mapping[str, list[Any]] | None]) -> None:
+        """``deltas``: one ``pop_deltas()`` dict per runner."""
+        for mid, p in self.pipelines.items():
+            p.absorb([d[mid] for d in deltas if d is not None and d.get(mid) is not None])
+
+    def _check_modules(self, states: Any) -> None:
+        if not isinstance(states, Mapping) or set(states) != set(self.pipelines):
+            saved = sorted(states) if isinstance(states, Mapping) else type(states).__name__
+            raise ValueError(f"the saved env-to-module connector state is for modules {saved}, this run's "
+                             f"pipelines are for {sorted(self.pipelines)}: restore with the modules and the "
+                             f"env_to_module_connector the state was saved with")
+
+    def __repr__(self) -> str:
+        return f"ModuleConnectors({self.pipelines})"
+
+
+def refuse_per_env_memory(piece: ConnectorV2) -> None:
+    """ValueError for a piece a multi-agent runner cannot host yet (it keeps memory per sub-env)."""
+    why = ("is a view rebuilt from each sub-env's earlier observations" if not piece.records else
+           "hears each sub-env's actions and rewards" if piece.watches_steps else
+           "keeps memory per sub-env (it overrides reset_stack)"
+           if type(piece).reset_stack is not ConnectorV2.reset_stack else None)
+    if why is not None:
+        raise ValueError(f"{piece!r} {why}; multi-agent runs hold per-module pipelines of pieces without such "
+                         f"memory (MeanStdFilter, FlattenObservations, pieces of your own): keep that memory in the "
+                         f"MultiAgentEnv instead (e.g. stack frames in its observations)")
+
