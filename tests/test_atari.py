@@ -131,6 +131,43 @@ def test_make_atari_observations_and_frames_per_step():
     assert frame.shape == (42, 42, 1) and info["episode_frame_number"] == 2
 
 
+class SeedCounting(Frames):
+    """``Frames`` that counts the seeds its resets get (an ALE env reloads its ROM for each)."""
+
+    def __init__(self, reseed_each_episode=None):
+        super().__init__(rewards=(1.0,) * 3)
+        self.seeds = []
+        if reseed_each_episode is not None:
+            self.reseed_each_episode = reseed_each_episode
+
+    def reset(self, *, seed=None, options=None):
+        if seed is not None:
+            self.seeds.append(seed)
+        return super().reset(seed=seed, options=options)
+
+
+@pytest.mark.parametrize("reseed", [None, False])
+def test_seeded_runs_reseed_every_episode_unless_the_env_says_a_seeded_reset_costs_too_much(reseed):
+    from actors.env.vector_env import SyncVectorEnv
+
+    def run():
+        vec = SyncVectorEnv(lambda ctx: SeedCounting(reseed), {}, 2, worker_index=1, num_workers=1, seed=7,
+                            restart_failed=False)
+        vec.reset()
+        for _ in range(10):  # 3 steps an episode: 3 more episodes per sub-env
+            vec.step(np.zeros(2, np.int64))
+        return vec
+
+    vec = run()
+    seeds = [env.seeds for env in vec.envs]
+    assert [len(s) for s in seeds] == ([4, 4] if reseed is None else [1, 1])
+    assert seeds == [env.seeds for env in run().envs]  # the same run for the same seed either way
+    state = vec.get_state()
+    assert (state["seeds"][0] is not None) == (reseed is None)  # a checkpoint replays the episode only when seeded
+    assert make_atari("ALE/Pong-v5").reseed_each_episode is False
+    assert make_atari("ALE/Pong-v5", {"atari": False}).reseed_each_episode is False
+
+
 def test_noop_reset_starts_after_1_to_noop_max_frames():
     env = NoopReset(ale_env("ALE/Pong-v5"), noop_max=30)
     env.reset(seed=0)  # later resets draw their no-op counts from the generator this seeds

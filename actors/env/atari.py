@@ -118,7 +118,7 @@ def make_atari(env_id: str, env_config: Mapping[str, Any] | None = None) -> gym.
     config = dict(env_config or {})
     atari = config.pop(ATARI_KEY, True)
     if atari is False:
-        return gym.make(name, **config)
+        return seeded_once(gym.make(name, **config))
     settings = AtariSettings.from_config(atari)
     evaluation = bool(getattr(env_config, "in_evaluation", False))
     for key, allowed, instead in (("frameskip", 1, "frame_skip"), ("obs_type", "grayscale", "screen_size")):
@@ -136,4 +136,11 @@ def make_atari(env_id: str, env_config: Mapping[str, Any] | None = None) -> gym.
     env = wrappers.AreaResize(env, settings.screen_size)
     if settings.clip_rewards if settings.clip_rewards is not None else not evaluation:
         env = wrappers.clip_rewards(env)
+    return seeded_once(env)
+
+
+def seeded_once(env: gym.Env) -> gym.Env:
+    """``env`` marked for runnel's vector env: seed its first reset only (``reseed_each_episode``). A seeded ALE
+    reset reloads the ROM (``ale_py.env.AtariEnv.reset`` calls ``load_game``), about 80 ms each episode."""
+    env.reseed_each_episode = False
     return env

@@ -95,6 +95,7 @@ class SyncVectorEnv:
         self.episodes = [0] * num_envs  # episodes started, per sub-env (drives the reset seeds)
         self._episode_seed: list[int | None] = [None] * num_envs
         self._actions: list[list] = [[] for _ in range(num_envs)]  # this episode's, when seeded
+        self._seeded = [False] * num_envs  # whether sub-env i (this env object) had its first, seeded reset
         self.envs = [self._make(i) for i in range(num_envs)]
         self.num_envs = num_envs
         self.single_observation_space = self.envs[0].observation_space
@@ -107,6 +108,7 @@ class SyncVectorEnv:
         ctx = EnvContext(self.env_config, self.worker_index, i, self.num_workers, recreated or self.recreated,
                          self.in_evaluation)
         env = self.creator(ctx)
+        self._seeded[i] = False
         if self.on_created is not None:
             self.on_created(i, env, ctx)
         return env
@@ -116,10 +118,15 @@ class SyncVectorEnv:
         return self.envs
 
     def _reset(self, i: int) -> Any:
-        """Start sub-env i's next episode (seeded, when the run is)."""
+        """Start sub-env i's next episode (seeded, when the run is: every episode, so a checkpoint can replay the
+        running one from its seed and actions -- or only the env's first, for envs that say a seeded reset costs
+        too much, ``reseed_each_episode = False``: an ALE env reloads its ROM to take a seed, 80 ms, and seeded
+        Atari runs spent a tenth of their sampling time there. Their later episodes follow the env's own
+        generator, still the same run for the same seed, and a restored runner starts them afresh.)"""
         seed = None
-        if self.seed is not None:
+        if self.seed is not None and (not self._seeded[i] or getattr(self.envs[i], "reseed_each_episode", True)):
             seed = int(np.random.SeedSequence([self.seed, self.worker_index, i, self.episodes[i]]).generate_state(1)[0])
+            self._seeded[i] = True
         self.episodes[i] += 1
         self._episode_seed[i] = seed
         self._actions[i] = []
