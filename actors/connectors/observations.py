@@ -73,7 +73,10 @@ class FrameStackingEnvToModule(ConnectorV2):
             raise ValueError(f"num_frames must be an int >= 1, got {num_frames!r}")
         self.num_frames = num_frames
         self.look_back = num_frames - 1
-        self.stack: np.ndarray | None = None  # [num_envs, ..., c * num_frames]: the runner's recent frames
+        self.frames: np.ndarray | None = None
+        """``[num_frames, num_envs, ...]``: each sub-env's recent frames, a ring whose newest is at ``head`` (a
+        step writes one frame instead of shifting the others)."""
+        self.head = 0
 
     def recompute_output_observation_space(self, input_observation_space: gym.Space,
                                            input_action_space: gym.Space) -> gym.Space:
@@ -85,28 +88,33 @@ class FrameStackingEnvToModule(ConnectorV2):
                               s.shape[:-1] + (s.shape[-1] * k,), s.dtype)
 
     def reset_stack(self, num_envs: int) -> None:
-        self.stack = None
+        self.frames = None
 
     def __call__(self, obs: Any, *, episode_starts: np.ndarray, update: bool) -> Any:
         x = np.asarray(obs)
-        k, c = self.num_frames, x.shape[-1]
-        if self.stack is None or self.stack.shape[0] != x.shape[0]:
-            self.stack = np.concatenate([x] * k, axis=-1)
-            return self.stack.copy()
-        if c * (k - 1):
-            self.stack[..., : c * (k - 1)] = self.stack[..., c:]
-        self.stack[..., c * (k - 1):] = x
-        starts = np.flatnonzero(episode_starts)
-        if len(starts):
-            self.stack[starts] = np.concatenate([x[starts]] * k, axis=-1)
-        return self.stack.copy()
+        k = self.num_frames
+        if self.frames is None or self.frames.shape[1] != x.shape[0] or self.frames.dtype != x.dtype:
+            self.frames = np.repeat(x[None], k, axis=0)
+            self.head = k - 1
+        else:
+            self.head = (self.head + 1) % k
+            self.frames[self.head] = x
+            starts = np.flatnonzero(episode_starts)
+            if len(starts):  # an episode's first frame fills its whole stack
+                self.frames[:, starts] = x[starts]
+        return np.concatenate([self.frames[i] for i in self._oldest_first()], axis=-1)
+
+    def _oldest_first(self) -> list[int]:
+        k = self.num_frames
+        return [(self.head + 1 + j) % k for j in range(k)]
 
     def recent(self) -> np.ndarray:
         """Each sub-env's ``num_frames - 1`` frames before its newest one: ``[num_envs, num_frames - 1, ...]``
         (the look-back of a chunk that starts at the newest frame)."""
-        n, c, k = self.stack.shape[0], self.stack.shape[-1] // self.num_frames, self.num_frames
-        frames = self.stack.reshape(self.stack.shape[:-1] + (k, c))
-        return np.ascontiguousarray(np.moveaxis(frames, -2, 1)[:, : k - 1])
+        order = self._oldest_first()[:-1]
+        if not order:
+            return np.empty((self.frames.shape[1], 0) + self.frames.shape[2:], self.frames.dtype)
+        return np.stack([self.frames[i] for i in order], axis=1)
 
     def view_of(self, rows: np.ndarray, look_back: np.ndarray | None) -> np.ndarray:
         k = self.num_frames
