@@ -151,3 +151,41 @@ def test_lockstep_cuts_the_chunks_of_the_general_path_as_modules_come_and_go():
             got, want = fast.sample(num_timesteps=40), general.sample(num_timesteps=40)
             assert_same_chunks(got, want, ids, rnd)
     assert {c.module_id for c in fast.sample(num_timesteps=40)} == {"p0", "p0_v1"}
+
+
+@pytest.mark.parametrize("case", ["two CartPoles", "one shared module"])
+def test_lockstep_with_env_to_module_pipelines_cuts_the_chunks_of_the_general_path(case):
+    """Each module's MeanStdFilter sees the same batches in the same order in both samplers: the same
+    normalised observations, chunks and statistics, bit for bit."""
+    from actors.connectors.multi_agent import ModuleConnectors
+    from pipeline.connectors import mean_std_filter
+
+    creator, mapping = CASES[case]
+
+    def make(fast: bool) -> MultiAgentEnvRunner:
+        env = creator({})
+        spaces = {mapping(a, None): (env.get_observation_space(a), env.get_action_space(a)) for a in env.possible_agents}
+        conns = ModuleConnectors.build(mean_std_filter, spaces)
+        specs = {mid: ModuleSpec(conns.observation_space(mid), act, {"fcnet_hiddens": [8]}) for mid, (_, act) in spaces.items()}
+        torch.manual_seed(0)
+        r = MultiAgentEnvRunner(EnvRunnerSettings(env_creator=creator, num_envs=3, rollout_fragment_length=7, seed=3,
+                                                  env_to_module=mean_std_filter),
+                                specs, mapping, worker_index=1, lockstep=fast, connector_spaces=spaces)
+        r.sampler.use_fast_path(fast)
+        return r
+
+    fast, general = make(True), make(False)
+    assert type(fast.sampler).__name__ == "LockstepSampler" and type(general.sampler).__name__ == "MultiAgentSampler"
+    ids: dict[str, str] = {}
+    for rnd in range(8):
+        torch.manual_seed(rnd)
+        got = fast.sample(num_timesteps=40)
+        torch.manual_seed(rnd)
+        want = general.sample(num_timesteps=40)
+        assert_same_chunks(got, want, ids, (case, rnd))
+        assert all(np.abs(c.obs).max() <= 10.0 for c in got)  # what the filter put out
+    for mid, states in general.connectors.get_state().items():
+        mine = fast.connectors.get_state()[mid][0]["state"]
+        assert mine["count"] == states[0]["state"]["count"] > 0
+        for key in ("mean", "m2"):
+            assert mine[key].tobytes() == states[0]["state"][key].tobytes()

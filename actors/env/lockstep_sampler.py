@@ -26,6 +26,7 @@ import torch
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration
 from actors.env.multi_agent_acting import ModuleActing
+from actors.env.multi_agent_connectors import AgentObservations
 from actors.env.multi_agent_env import CopiesStepper, checks_itself
 from actors.env.multi_agent_sampler import (EpisodeListener, MultiAgentSample, PolicyMappingFn, checked_mapping_fn,
                                            run_target)
@@ -116,7 +117,7 @@ class LockstepSampler:
                  env_actions: Mapping[str, EnvActions], policy_mapping_fn: PolicyMappingFn, *,
                  env_runner_index: int = 0, seed: int | None = None, weights_version: int = 0,
                  listener: EpisodeListener | None = None, check_observations: bool = False,
-                 rng: np.random.Generator | None = None) -> None:
+                 rng: np.random.Generator | None = None, observations: AgentObservations | None = None) -> None:
         if not envs:
             raise ValueError("LockstepSampler needs at least one env, got none")
         for i, env in enumerate(envs):
@@ -132,6 +133,8 @@ class LockstepSampler:
         self.weights_version = weights_version
         """Stamped on every chunk cut from now on."""
         self.listener = listener
+        self.observations = observations
+        """The env-to-module pipelines each new observation passes before it is recorded and acted on (None: none)."""
         sizes = [len(env.possible_agents) for env in self.envs]
         self.bases = [int(b) for b in np.cumsum([0] + sizes[:-1])]
         """Env ``i``'s agent ``k`` is slot ``bases[i] + k``."""
@@ -183,11 +186,24 @@ class LockstepSampler:
             self.obs[j] = obs[k]
             self._chunk_index[j] = self._t_started[j] = 0
             self._start_row[j] = row
+        if self.observations is not None:
+            self._transform([self.bases[index] + k for k in range(len(env.possible_agents))], ep)
         self.episodes[index] = ep
         self._plan = None
         self.stepper.refresh()
         if self.listener is not None:
             self.listener.episode_started(index, ep)
+
+    def _transform(self, slots: list[int], episode: CopiesEpisode | None = None) -> None:
+        """The observations of ``slots`` through their modules' pipelines, in place (``episode``: the one the
+        slots' env starts, not yet in ``episodes``)."""
+        rows = []
+        for j in slots:
+            i, k = self.slots[j]
+            ep = episode if episode is not None else self.episodes[i]
+            rows.append((i, k, ep.modules[k], self.obs[j]))
+        for j, value in zip(slots, self.observations.transform_rows(rows)):
+            self.obs[j] = value
 
     def _make_plan(self) -> tuple[dict[str, tuple[list, list[int]]], dict, dict, list[int]]:
         """The playing slots grouped by module (their (env, agent) rows and slot indices, in slot order), the
@@ -272,6 +288,8 @@ class LockstepSampler:
                 for j, o, r in zip(playing_slots, o_t, r_t):
                     obs[j] = o
                     rewards[j] = r
+            if self.observations is not None:  # the agents that stepped, final observations included
+                self._transform(playing_slots)
             for ep in episodes:
                 ep.steps += 1
             if ended_now:

@@ -28,26 +28,27 @@ class AgentObservations:
         """``items``: (env index, its episode, the observation dict its env returned) -> the dicts with each
         agent's observation as its module gets it. A value that is not a dict is left to the episode's
         own check."""
-        rows: dict[str, tuple[list[tuple[int, Any]], list[Any]]] = {}
-        out: list[Any] = []
-        for k, (_, ep, obs) in enumerate(items):
-            if not isinstance(obs, Mapping):
-                out.append(obs)
-                continue
-            out.append(dict(obs))
-            for aid, value in obs.items():
-                mid = ep.module_for(aid)
-                part = rows.get(mid)
-                if part is None:
-                    part = rows[mid] = ([], [])
-                part[0].append((k, aid))
-                part[1].append(value)
-        for mid, (where, values) in rows.items():
+        rows: list[tuple[int, Any, str, Any]] = []
+        for i, ep, obs in items:
+            if isinstance(obs, Mapping):
+                rows.extend((i, aid, ep.module_for(aid), value) for aid, value in obs.items())
+        done = iter(self.transform_rows(rows))
+        return [{aid: next(done) for aid in obs} if isinstance(obs, Mapping) else obs for _, _, obs in items]
+
+    def transform_rows(self, rows: list[tuple[int, Any, str, Any]]) -> list[Any]:
+        """(env index, agent id, module id, observation) rows -> each row's observation as its module gets it,
+        in the same order; one pipeline call per module."""
+        by_module: dict[str, list[int]] = {}
+        for r, row in enumerate(rows):
+            by_module.setdefault(row[2], []).append(r)
+        out: list[Any] = [None] * len(rows)
+        for mid, picked in by_module.items():
+            values = [rows[r][3] for r in picked]
             if self.check_observations:
-                self._check(mid, values, [(items[k][0], aid) for k, aid in where])
+                self._check(mid, values, [(rows[r][0], rows[r][1]) for r in picked])
             batch = self.connectors.record(mid, nested.stack(values), self.update)
-            for j, (k, aid) in enumerate(where):
-                out[k][aid] = nested.map_structure(lambda a, j=j: a[j], batch)
+            for j, r in enumerate(picked):
+                out[r] = nested.map_structure(lambda a, j=j: a[j], batch)
         return out
 
     def _check(self, mid: str, values: list[Any], who: list[tuple[int, Any]]) -> None:

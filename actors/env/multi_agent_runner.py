@@ -122,12 +122,10 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         pieces = dict(env_runner_index=worker_index, listener=self.listener, check_observations=check_env,
                       rng=acting_rng(settings.seed, worker_index))
         self.sampler: MultiAgentSampler | LockstepSampler
-        if self.connectors is not None:  # the lockstep sampler's time-major rows do not pass pipelines yet
+        if self.connectors is not None:
             pieces["observations"] = AgentObservations(self.connectors, update=not settings.in_evaluation,
                                                        check_observations=check_env)
-            self.sampler = MultiAgentSampler(self.envs, self.module.members, self.explorations, self.env_actions,
-                                             policy_mapping_fn, **pieces)
-        elif lockstep and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
+        if lockstep and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
             self.sampler = LockstepSampler(self.envs, self.module.members, self.explorations, self.env_actions,
                                            policy_mapping_fn, **pieces)
         else:
