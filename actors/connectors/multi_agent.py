@@ -3,8 +3,8 @@
 Each module gets its own copy of the pipeline the user's ``env_to_module_connector`` factory builds, for
 that module's spaces (the factory is called once per module with an ``EnvSpaces`` of them). A multi-agent
 runner's sampler (either: ``actors.env.multi_agent_connectors``) passes every observation an agent gets
-through the pipeline of the module the agent is mapped to, one batch per module and step, before it records it: chunks hold what the module saw, as in single-agent runs, so learners need
-nothing more. A module's ``MeanStdFilter`` gathers statistics over every agent mapped to it (RLlib's
+through the pipeline of the module the agent is mapped to, one batch per module and step, before it records
+it: chunks hold what the module saw, as in single-agent runs, so learners need nothing more. A module's ``MeanStdFilter`` gathers statistics over every agent mapped to it (RLlib's
 ``multi_agent=True`` filter keeps them per agent; here agents that share a module share its normalisation,
 as they share its weights).
 
