@@ -131,7 +131,9 @@ class MultiAgentSetup:
     def env_observation_space(self, module_id: str | None, where: str) -> Any:
         """What the env gives the agents of ``module_id``: its pipeline's input, or its module's space."""
         mid = self.module_id(module_id, where)
-        return self.connectors.input_space(mid) if self.connectors is not None else self.policy(mid, where).observation_space
+        if self.connectors is not None:
+            return self.connectors.input_space(mid)
+        return self.policy(mid, where).observation_space
 
     def compute_actions(self, group: MultiLearnerGroup, obs: Any, explore: bool, timestep: int,
                         module_id: str | None) -> Any:

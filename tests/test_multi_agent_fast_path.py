@@ -164,9 +164,11 @@ def test_lockstep_with_env_to_module_pipelines_cuts_the_chunks_of_the_general_pa
 
     def make(fast: bool) -> MultiAgentEnvRunner:
         env = creator({})
-        spaces = {mapping(a, None): (env.get_observation_space(a), env.get_action_space(a)) for a in env.possible_agents}
+        spaces = {mapping(a, None): (env.get_observation_space(a), env.get_action_space(a))
+                  for a in env.possible_agents}
         conns = ModuleConnectors.build(mean_std_filter, spaces)
-        specs = {mid: ModuleSpec(conns.observation_space(mid), act, {"fcnet_hiddens": [8]}) for mid, (_, act) in spaces.items()}
+        specs = {mid: ModuleSpec(conns.observation_space(mid), act, {"fcnet_hiddens": [8]})
+                 for mid, (_, act) in spaces.items()}
         torch.manual_seed(0)
         r = MultiAgentEnvRunner(EnvRunnerSettings(env_creator=creator, num_envs=3, rollout_fragment_length=7, seed=3,
                                                   env_to_module=mean_std_filter),

@@ -4,9 +4,9 @@ Each module gets its own copy of the pipeline the user's ``env_to_module_connect
 that module's spaces (the factory is called once per module with an ``EnvSpaces`` of them). A multi-agent
 runner's sampler (either: ``actors.env.multi_agent_connectors``) passes every observation an agent gets
 through the pipeline of the module the agent is mapped to, one batch per module and step, before it records
-it: chunks hold what the module saw, as in single-agent runs, so learners need nothing more. A module's ``MeanStdFilter`` gathers statistics over every agent mapped to it (RLlib's
-``multi_agent=True`` filter keeps them per agent; here agents that share a module share its normalisation,
-as they share its weights).
+it: chunks hold what the module saw, as in single-agent runs, so learners need nothing more. A module's
+``MeanStdFilter`` gathers statistics over every agent mapped to it (RLlib's ``multi_agent=True`` filter keeps
+them per agent; here agents that share a module share its normalisation, as they share its weights).
 
 The state methods mirror ``ConnectorPipeline``'s, keyed by module id, so the driver merges the runners'
 deltas, syncs runners and evaluators and checkpoints the state the same way for both kinds of run.

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from actors.callbacks import build_callbacks, call_hook, overrides
+from actors.connectors.multi_agent import ModuleConnectors
 from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration, make_exploration
 from actors.env.lockstep_sampler import LockstepSampler, lockstep_fits
-from actors.connectors.multi_agent import ModuleConnectors
 from actors.env.multi_agent_connectors import AgentObservations
 from actors.env.multi_agent_env import checks_itself
 from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks, RunnerListener

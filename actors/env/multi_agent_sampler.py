@@ -229,7 +229,8 @@ class MultiAgentSampler:
             envs, plain_results = self.envs, not self.record_infos
             if self.observations is not None:  # every env steps first: one pipeline call per module for them all
                 results = [self._step_result(i, envs[i].step(to_env[i])) for i in range(n)]
-                new_obs = self.observations.transform([(i, ep, r[0]) for i, (ep, r) in enumerate(zip(self.episodes, results))])
+                new_obs = self.observations.transform([(i, ep, r[0]) for i, (ep, r)
+                                                       in enumerate(zip(self.episodes, results))])
                 results = [(o, *r[1:]) for o, r in zip(new_obs, results)]
             for i, ep in enumerate(self.episodes):
                 if self.observations is not None:
