@@ -1,0 +1,78 @@
+"""Multi-agent sampling with per-module env-to-module pipelines: what a MeanStdFilter costs.
+
+Two CartPole copies (``make_multi_agent``), one module each, 8 envs, one in-process runner, one torch thread.
+Three runners, rounds interleaved, agent steps per CPU-second of this process (medians of ``--rounds`` rounds of
+``--seconds``): ``plain`` (no connectors, the lockstep sampler), ``filter`` (a ``MeanStdFilter`` per module, the
+lockstep sampler) and ``filter_general`` (the same through the general ``MultiAgentSampler``). Prints one JSON
+line.
+
+    python tests/benchmarks/multi_agent_connectors.py [--rounds 5] [--seconds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from actors.connectors.multi_agent import ModuleConnectors  # noqa: E402
+from actors.env.multi_agent_env import make_multi_agent  # noqa: E402
+from actors.env.multi_agent_runner import MultiAgentEnvRunner  # noqa: E402
+from actors.env.settings import EnvRunnerSettings  # noqa: E402
+from actors.modules import ModuleSpec  # noqa: E402
+from pipeline.connectors import mean_std_filter  # noqa: E402
+
+CARTPOLES = make_multi_agent("CartPole-v1")
+
+
+def two_cartpoles(ctx):
+    return CARTPOLES({"num_agents": 2})
+
+
+def by_agent(agent_id, episode, **kwargs):
+    return f"p{agent_id}"
+
+
+def runner(filtered: bool, lockstep: bool = True) -> MultiAgentEnvRunner:
+    env = two_cartpoles({})
+    spaces = {by_agent(a, None): (env.get_observation_space(a), env.get_action_space(a)) for a in env.possible_agents}
+    extra = {}
+    if filtered:
+        connectors = ModuleConnectors.build(mean_std_filter, spaces)
+        specs = {m: ModuleSpec(connectors.observation_space(m), act, {}) for m, (_, act) in spaces.items()}
+        extra = {"connector_spaces": spaces}
+    else:
+        specs = {m: ModuleSpec(obs, act, {}) for m, (obs, act) in spaces.items()}
+    settings = EnvRunnerSettings(env_creator=two_cartpoles, num_envs=8, rollout_fragment_length=64, seed=0,
+                                 env_to_module=mean_std_filter if filtered else None)
+    return MultiAgentEnvRunner(settings, specs, by_agent, worker_index=1, lockstep=lockstep, **extra)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=2.0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    cases = {"plain": runner(False), "filter": runner(True), "filter_general": runner(True, lockstep=False)}
+    rates: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(args.rounds):
+        for name, r in cases.items():
+            before, t0 = r.num_agent_steps_sampled_lifetime, time.process_time()
+            while time.process_time() - t0 < args.seconds:
+                r.sample(num_timesteps=512)
+            rates[name].append((r.num_agent_steps_sampled_lifetime - before) / (time.process_time() - t0))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(json.dumps({"bench": "multi_agent_connectors", **{k: round(v) for k, v in med.items()},
+                      "filter_over_plain": round(med["filter"] / med["plain"], 3),
+                      "general_over_plain": round(med["filter_general"] / med["plain"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
