@@ -144,6 +144,29 @@ def test_ray_runners_share_each_modules_statistics_and_a_checkpoint_restores_the
         restored.stop()
 
 
+@pytest.mark.slow
+def test_streaming_runners_gather_each_modules_statistics_too(ray_cluster):
+    """APPO: runners sample in their own threads while the driver takes and syncs the statistics."""
+    from pipeline import APPOConfig
+
+    algo = (APPOConfig().environment(PlainAndScaledCartPoles)
+            .env_runners(num_env_runners=2, num_envs_per_env_runner=2, env_to_module_connector=mean_std_filter)
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
+            .training(train_batch_size_per_learner=500).debugging(seed=0).build(logdir=None))
+    try:
+        counts = []
+        while len(counts) < 3 or counts[-1][1] <= counts[0][1]:
+            algo.train()
+            state = algo.connector.get_state()
+            counts.append((state["p0"][0]["state"]["count"], state["p1"][0]["state"]["count"]))
+        for earlier, later in zip(counts, counts[1:]):  # every module's count only grows
+            assert later[0] >= earlier[0] and later[1] >= earlier[1]
+        assert min(counts[-1]) > 0
+        np.testing.assert_allclose(state["p1"][0]["state"]["mean"], ScaledCartPole.SHIFT, rtol=0.2, atol=10)
+    finally:
+        algo.stop()
+
+
 def _scaled_agent_return(filtered: bool, budget: int) -> tuple[float, int]:
     """The best smoothed return of module p1 (the agent whose observations are scaled) within ``budget`` env steps."""
     algo = (PPOConfig().environment(PlainAndScaledCartPoles)
