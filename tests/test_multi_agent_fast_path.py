@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from actors.connectors.multi_agent import ModuleConnectors
 from actors.env.multi_agent_env import make_multi_agent
 from actors.env.multi_agent_runner import MultiAgentEnvRunner
 from actors.env.settings import EnvRunnerSettings
@@ -26,15 +27,18 @@ CARTPOLES = make_multi_agent("CartPole-v1")
 
 
 def runner(creator: Any, mapping: Any, fast: bool, num_envs: int = 3, **settings: Any) -> MultiAgentEnvRunner:
+    """``settings`` may hold ``env_to_module``: the modules are then built for its pipelines' output spaces."""
     env = creator({})
-    agents = env.possible_agents
-    specs = {mapping(a, None): ModuleSpec(env.get_observation_space(a), env.get_action_space(a), {"fcnet_hiddens": [8]})
-             for a in agents}
+    spaces = {mapping(a, None): (env.get_observation_space(a), env.get_action_space(a)) for a in env.possible_agents}
+    conns = ModuleConnectors.build(settings.get("env_to_module"), spaces)
+    specs = {mid: ModuleSpec(obs if conns is None else conns.observation_space(mid), act, {"fcnet_hiddens": [8]})
+             for mid, (obs, act) in spaces.items()}
+    extra = {} if conns is None else {"connector_spaces": spaces}
     torch.manual_seed(0)  # the modules' weights alike
     count_steps_by = settings.pop("count_steps_by", "env_steps")
     r = MultiAgentEnvRunner(EnvRunnerSettings(env_creator=creator, num_envs=num_envs, rollout_fragment_length=7,
                                               seed=3, **settings), specs, mapping, worker_index=1, lockstep=fast,
-                            count_steps_by=count_steps_by)
+                            count_steps_by=count_steps_by, **extra)
     r.sampler.use_fast_path(fast)
     for checked in r.envs:
         if hasattr(checked, "checker"):  # make_multi_agent's copies check themselves
@@ -157,26 +161,11 @@ def test_lockstep_cuts_the_chunks_of_the_general_path_as_modules_come_and_go():
 def test_lockstep_with_env_to_module_pipelines_cuts_the_chunks_of_the_general_path(case):
     """Each module's MeanStdFilter sees the same batches in the same order in both samplers: the same
     normalised observations, chunks and statistics, bit for bit."""
-    from actors.connectors.multi_agent import ModuleConnectors
     from pipeline.connectors import mean_std_filter
 
     creator, mapping = CASES[case]
-
-    def make(fast: bool) -> MultiAgentEnvRunner:
-        env = creator({})
-        spaces = {mapping(a, None): (env.get_observation_space(a), env.get_action_space(a))
-                  for a in env.possible_agents}
-        conns = ModuleConnectors.build(mean_std_filter, spaces)
-        specs = {mid: ModuleSpec(conns.observation_space(mid), act, {"fcnet_hiddens": [8]})
-                 for mid, (_, act) in spaces.items()}
-        torch.manual_seed(0)
-        r = MultiAgentEnvRunner(EnvRunnerSettings(env_creator=creator, num_envs=3, rollout_fragment_length=7, seed=3,
-                                                  env_to_module=mean_std_filter),
-                                specs, mapping, worker_index=1, lockstep=fast, connector_spaces=spaces)
-        r.sampler.use_fast_path(fast)
-        return r
-
-    fast, general = make(True), make(False)
+    fast = runner(creator, mapping, True, env_to_module=mean_std_filter)
+    general = runner(creator, mapping, False, env_to_module=mean_std_filter)
     assert type(fast.sampler).__name__ == "LockstepSampler" and type(general.sampler).__name__ == "MultiAgentSampler"
     ids: dict[str, str] = {}
     for rnd in range(8):

@@ -69,10 +69,6 @@ class ModuleConnectors:
         return pipeline.record(batch, np.zeros(nested.batch_len(batch), bool), update)
 
     @property
-    def views(self) -> list[ConnectorV2]:
-        return []  # refused at build
-
-    @property
     def stateful(self) -> bool:
         return any(p.stateful for p in self.pipelines.values())
 

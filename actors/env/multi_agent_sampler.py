@@ -227,14 +227,10 @@ class MultiAgentSampler:
                     module_steps[m] = module_steps.get(m, 0) + len(waiting[m][0])
                 agent_steps += len(who)
             envs, plain_results = self.envs, not self.record_infos
-            if self.observations is not None:  # every env steps first: one pipeline call per module for them all
-                results = [self._step_result(i, envs[i].step(to_env[i])) for i in range(n)]
-                new_obs = self.observations.transform([(i, ep, r[0]) for i, (ep, r)
-                                                       in enumerate(zip(self.episodes, results))])
-                results = [(o, *r[1:]) for o, r in zip(new_obs, results)]
+            piped = None if self.observations is None else self._step_through_pipelines(to_env)
             for i, ep in enumerate(self.episodes):
-                if self.observations is not None:
-                    result = results[i]
+                if piped is not None:
+                    result = piped[i]
                 else:
                     result = envs[i].step(to_env[i])
                     # a plain 5-tuple with infos not kept goes to the episode as it is
@@ -254,6 +250,12 @@ class MultiAgentSampler:
             ep.cut()
             _add(chunks, ep.take_chunks())
         return MultiAgentSample(chunks, env_steps, agent_steps, module_steps, ended)
+
+    def _step_through_pipelines(self, to_env: list[dict[AgentID, Any]]) -> list[tuple]:
+        """Every env steps first, then their observations pass the pipelines: one call per module for them all."""
+        results = [self._step_result(i, env.step(to_env[i])) for i, env in enumerate(self.envs)]
+        new_obs = self.observations.transform([(i, ep, r[0]) for i, (ep, r) in enumerate(zip(self.episodes, results))])
+        return [(o, *r[1:]) for o, r in zip(new_obs, results)]
 
     def policy_of(self, env_index: int, agent_id: AgentID) -> str:
         """The module ``agent_id`` of env ``env_index``'s running episode acts with."""
