@@ -7,7 +7,10 @@ one codec frame (``protocols.codec``; no compression, checksummed) holding a pla
   "timestep": int, "obs": nested arrays [k, ...]}`` -- the observations of the runner's k sub-envs
   at one step; ``runner`` is the runner's worker index (exploration noise is drawn per runner),
   ``seq`` counts the runner's requests (a resent request keeps its number), ``timestep`` is the
-  run's env steps as the runner knows them (exploration schedules);
+  run's env steps as the runner knows them (exploration schedules); optional ``"lane": int`` (0 when
+  absent, below ``MAX_LANES``): a runner that keeps two requests out at once (double buffering: one half of
+  its sub-envs steps while the other half's actions are inferred) sends each half on its own lane, and
+  the server keeps one observation buffer and one shared-memory mapping per lane;
 * server -> runner, ``actions``: ``{"op": "actions", "seq": int, "weights_version": int,
   "actions": [k, ...], "logp": [k], "dist_inputs": [k, d]}`` -- the module's actions (before the
   env's rescaling), their log-probabilities and the distribution inputs, which the chunks carry;
@@ -43,6 +46,9 @@ LIMITS = Limits(max_frame_bytes=256 << 20, max_decoded_bytes=256 << 20, max_buff
 """Decode bounds: a request of a few thousand Atari frames fits; a forged frame claiming more is refused."""
 
 
+MAX_LANES = 8
+"""Lanes a runner may use (requests it keeps out at once)."""
+
 SHM_DTYPE_KINDS = "biuf"
 """Dtype kinds an observation block in shared memory may have (numbers and flags: nothing with objects)."""
 
@@ -66,6 +72,8 @@ class ActRequest:
     """Nested arrays with one leading row per sub-env (None when they are in ``shared``)."""
     rows: int
     shared: SharedBlock | None = None
+    lane: int = 0
+    """Which of the runner's requests out at once this is (``MAX_LANES``)."""
 
 
 @dataclass
@@ -90,9 +98,11 @@ class ActReply:
 
 
 def act_request(runner: int, seq: int, obs: Any, explore: bool, timestep: int,
-                shared: SharedBlock | None = None) -> bytes:
+                shared: SharedBlock | None = None, lane: int = 0) -> bytes:
     """``shared``: the observations are in shared memory there (``obs`` is then not sent)."""
     msg = {"op": ACT, "runner": int(runner), "seq": int(seq), "explore": bool(explore), "timestep": int(timestep)}
+    if lane:
+        msg["lane"] = int(lane)
     if shared is None:
         msg["obs"] = obs
     else:
@@ -134,13 +144,17 @@ def read_request(frame: bytes) -> ActRequest:
     msg = _fields(frame, ACT, {"runner": int, "seq": int, "explore": bool, "timestep": int})
     if msg["op"] == ERROR:
         raise ProtocolError("a runner sent an 'error' message")
+    lane = msg.get("lane", 0)
+    if type(lane) is not int or not 0 <= lane < MAX_LANES:
+        raise ProtocolError(f"'act' message field 'lane' must be an int in [0, {MAX_LANES}), got {lane!r:.50}")
     if "obs_shm" in msg:
         if "obs" in msg:
             raise ProtocolError("an 'act' message carries 'obs' or 'obs_shm', not both")
         shared = _shared_block(msg["obs_shm"])
-        return ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], None, shared.shape[0], shared)
+        return ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], None, shared.shape[0], shared,
+                          lane)
     rows = _rows(msg.get("obs"), "obs")
-    return ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], msg["obs"], rows)
+    return ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], msg["obs"], rows, lane=lane)
 
 
 def _shared_block(ref: Any) -> SharedBlock:

@@ -57,21 +57,26 @@ def test_runners_under_central_inference_import_no_torch():
 
 @pytest.mark.slow
 def test_runners_on_the_servers_node_send_frames_through_shared_memory():
-    """Remote runners of Atari-sized frames: every request goes through /dev/shm (the runners share the
-    server's node), each segment's name is gone once answered, and the server acted for every step."""
+    """Remote runners of Atari-sized frames, double-buffered (each half of a runner's 4 sub-envs on its own
+    lane): every request goes through /dev/shm (the runners share the server's node), one segment per lane,
+    each segment's name is gone once answered, and the server acted for every step of every sub-env."""
     from tests.envs import FrameEnv
 
-    algo = (PPOConfig().environment(FrameEnv).env_runners(num_env_runners=2, num_envs_per_env_runner=2)
-            .inference(mode="central").build())
+    algo = (PPOConfig().environment(FrameEnv).env_runners(num_env_runners=2, num_envs_per_env_runner=4)
+            .inference(mode="central", double_buffer=True).build())
     try:
         m = MetricsLogger()
-        chunks = algo.env_runner_group.sample(100, m)
-        assert sum(len(c) for c in chunks) >= 100
+        chunks = algo.env_runner_group.sample(200, m)
+        assert sum(len(c) for c in chunks) >= 200
         counts = servers(algo).foreach_actor("get_metrics")[0].value
-        requests, shm = (counts[f"inference/{k}"]["value"] for k in ("num_requests", "num_shm_requests"))
+        requests, shm, actions = (counts[f"inference/{k}"]["value"]
+                                  for k in ("num_requests", "num_shm_requests", "num_actions"))
         assert requests > 0 and shm == requests
-        paths = algo.foreach_env_runner(lambda r: r.acting.segment.path, local_env_runner=False)
-        assert len(paths) == 2 and all(p and not os.path.exists(p) for p in paths)
+        assert actions == sum(len(c) for c in chunks) == 2 * requests  # two sub-envs a request: halves
+        paths = algo.foreach_env_runner(lambda r: [lane.segment.path for lane in r.acting.lanes],
+                                        local_env_runner=False)
+        assert len(paths) == 2 and all(len(set(p)) == 2 for p in paths)
+        assert all(p and not os.path.exists(p) for lanes in paths for p in lanes)
     finally:
         algo.stop()
 
@@ -226,13 +231,18 @@ def test_dqn_with_central_inference_learns():
 
 
 # --- a server killed mid-run ----------------------------------------------------------------------
-def run_with_a_killed_server(tmp_path, target=None):
+def run_with_a_killed_server(tmp_path, target=None, double_buffer=False):
     """PPO (2 runners, one server) whose server runner 1 kills at its first episode end after the first
     iteration, mid-sample; then 3 iterations, or training on to ``target``. Returns what the group's sample
-    calls returned (episode id, chunk index, length, done), the first and the last result, the best return."""
+    calls returned (episode id, chunk index, length, done), the first and the last result, the best return.
+    ``double_buffer``: the runners step separate CartPole envs (not its vector implementation) in two halves,
+    each with a request out when the server dies."""
     pid_file = str(tmp_path / "server.pid")
-    config = (cartpole(PPOConfig).inference(mode="central", resend_after_s=1.0, health_check_interval_s=0.5)
+    config = (cartpole(PPOConfig).inference(mode="central", resend_after_s=1.0, health_check_interval_s=0.5,
+                                            double_buffer=double_buffer)
               .callbacks(on_episode_end=functools.partial(kill_server_once, pid_file)))
+    if double_buffer:  # separate envs: a vector env that steps them by halves
+        config.env_runners(gym_env_vectorize_mode="sync", num_envs_per_env_runner=4)
     algo = config.build()
     seen = []
     sample = algo.env_runner_group.sample
@@ -254,6 +264,8 @@ def run_with_a_killed_server(tmp_path, target=None):
                 result = algo.train()
         else:
             best, result = train_until(algo, target, 400_000)
+        buffered = algo.foreach_env_runner(lambda r: r.sampler.double_buffered(), local_env_runner=False)
+        assert buffered == [double_buffer] * 2
     finally:
         algo.stop()
     assert os.path.exists(pid_file + ".taken"), "the server was never killed"
@@ -279,8 +291,9 @@ def check_recovered_and_every_chunk_once(seen, first, result):
 
 
 @pytest.mark.slow
-def test_killed_server_is_recreated_runners_reconnect_and_no_chunk_is_lost_or_doubled(tmp_path):
-    seen, first, result, _ = run_with_a_killed_server(tmp_path)
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["one_request", "double_buffered"])
+def test_killed_server_is_recreated_runners_reconnect_and_no_chunk_is_lost_or_doubled(tmp_path, double_buffer):
+    seen, first, result, _ = run_with_a_killed_server(tmp_path, double_buffer=double_buffer)
     check_recovered_and_every_chunk_once(seen, first, result)
     assert result["training_iteration"] == 4 and result["inference"]["weights_version"] == 4
 

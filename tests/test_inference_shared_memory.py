@@ -110,7 +110,7 @@ def test_a_server_that_lost_the_segment_is_sent_a_new_one(served):
 
 def test_a_server_that_cannot_open_segments_gets_inline_observations(served):
     class NoSharedMemory:
-        def view(self, runner, block):
+        def view(self, runner, block, lane=0):
             raise SegmentUnavailable("another /dev/shm")
 
         def close(self):

@@ -162,13 +162,16 @@ class EpisodeHooks:
                 for suffix, reduce in (("mean", "mean"), ("min", "min"), ("max", "max")):
                     self.metrics.log_value(f"custom_metrics/{key}_{suffix}", value, reduce=reduce, window=self.window)
 
-    def step_all(self, actions: np.ndarray, rewards: np.ndarray, next_obs: Any, res: Any) -> None:
+    def step_all(self, actions: np.ndarray, rewards: np.ndarray, next_obs: Any, res: Any, first: int = 0) -> None:
         """Feed one vector step: ``next_obs`` batched (reset observations where episodes ended),
-        the ended sub-envs' last observations in ``res.final_obs``."""
+        the ended sub-envs' last observations in ``res.final_obs``. ``first``: the sub-env of the arrays'
+        first row (a double-buffering runner steps half its sub-envs at a time; ``final_obs`` is keyed by
+        sub-env)."""
         infos = res.infos or [None] * len(rewards)
-        for j in range(len(rewards)):
+        for k in range(len(rewards)):
+            j = first + k
             ended = j in res.final_obs
-            obs = res.final_obs[j] if ended else nested.map_structure(lambda a: a[j], next_obs)
-            self.stepped(j, actions[j], rewards[j], obs, infos[j], res.terminated[j], res.truncated[j])
+            obs = res.final_obs[j] if ended else nested.map_structure(lambda a: a[k], next_obs)
+            self.stepped(j, actions[k], rewards[k], obs, infos[k], res.terminated[k], res.truncated[k])
             if ended:
-                self.started(j, nested.map_structure(lambda a: a[j], next_obs), (res.reset_infos or {}).get(j))
+                self.started(j, nested.map_structure(lambda a: a[k], next_obs), (res.reset_infos or {}).get(j))

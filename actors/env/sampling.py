@@ -8,6 +8,7 @@ happens once per fragment, in ``EpisodeSlots.cut``.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -17,9 +18,11 @@ from actors.connectors.module_to_env import ModuleToEnvPipeline
 from actors.env.actions import EnvActions
 from actors.env.episode_hooks import EpisodeHooks
 from actors.env.episode_slots import EpisodeSlots, Fragment
+from actors.env.split_sampling import run_split, split_problem
 from actors.env.vector_env import AsyncVectorEnv, SyncVectorEnv
 from protocols import nested
 
+log = logging.getLogger("runnel")
 
 class FragmentSampler:
     """Steps every sub-env with the acting piece. ``obs`` is None until the first reset (and again after
@@ -47,6 +50,7 @@ class FragmentSampler:
         self.obs_infos: list[dict] | None = None  # the info of each sub-env's current observation
         self.oldest_version = 0
         """The oldest weights version that acted in the last ``run`` (what its chunks are stamped with)."""
+        self._told = False  # why double buffering is off was logged
 
     def reset(self) -> None:
         """Reset every sub-env; each starts a fresh episode."""
@@ -81,6 +85,15 @@ class FragmentSampler:
         else:
             self.module_obs = raw_obs
 
+    def double_buffered(self) -> bool:
+        """Steps one half of the sub-envs while the other half's actions are inferred (``split_sampling``):
+        central inference with ``double_buffer`` on, where this loop allows it (why not is logged once)."""
+        problem = split_problem(self)
+        if problem is not None and len(getattr(self.acting, "lanes", ())) > 1 and not self._told:
+            log.info("env runner: double buffering off: %s; stepping every sub-env at once", problem)
+            self._told = True
+        return problem is None
+
     def _observe(self, raw: Any, starts: np.ndarray, update: bool | None = None) -> tuple[Any, Any]:
         """Raw env observations -> (what chunks store, what the module acts on)."""
         update = self.update_connector if update is None else update
@@ -97,6 +110,8 @@ class FragmentSampler:
     def run(self, steps: int, explore: bool, t0: int) -> Fragment:
         """``steps`` steps of every sub-env from ``obs``; ``t0`` is the timestep exploration
         schedules start from. The caller runs this in the acting piece's ``session()``."""
+        if self.double_buffered():
+            return run_split(self, steps, explore, t0)
         n = self.num_envs
         obs_rows, act_rows, logp_rows, dist_rows = [], [], [], []
         rewards = np.zeros((steps, n), np.float32)

@@ -141,7 +141,13 @@ class SyncVectorEnv:
         return nested.stack(self._last_obs)
 
     def step(self, actions: np.ndarray) -> StepResult:
-        n = self.num_envs
+        return self.step_rows(0, self.num_envs, actions)
+
+    def step_rows(self, lo: int, hi: int, actions: np.ndarray) -> StepResult:
+        """Step sub-envs ``lo..hi-1`` only, with one action each (a runner that double-buffers steps one half
+        while the other's actions are inferred): the result's arrays cover that range, ``final_obs`` and
+        ``reset_infos`` are keyed by sub-env index."""
+        n = hi - lo
         rewards = np.zeros(n, np.float32)
         terminated = np.zeros(n, bool)
         truncated = np.zeros(n, bool)
@@ -152,13 +158,14 @@ class SyncVectorEnv:
             actions = actions.tolist()
         record = self.seed is not None
         infos: list[dict] | None = [{} for _ in range(n)] if self.keep_infos else None
-        for i, env in enumerate(self.envs):
+        for k in range(n):
+            i = lo + k
             try:
-                obs, rew, term, trunc, info = env.step(actions[i])
+                obs, rew, term, trunc, info = self.envs[i].step(actions[k])
                 if infos is not None:
-                    infos[i] = info
+                    infos[k] = info
                 if record and len(self._actions[i]) < MAX_RECORDED_ACTIONS:
-                    self._actions[i].append(actions[i])
+                    self._actions[i].append(actions[k])
                 if term or trunc:
                     final_obs[i] = obs
                     obs = self._reset(i)
@@ -169,12 +176,12 @@ class SyncVectorEnv:
                 final_obs[i], rew, term, trunc = last_obs[i], 0.0, False, True
                 restarted.append(i)
             last_obs[i] = obs
-            rewards[i] = rew
-            terminated[i] = term
-            truncated[i] = trunc
+            rewards[k] = rew
+            terminated[k] = term
+            truncated[k] = trunc
         reset_infos = {i: self.reset_infos[i] for i in final_obs} if infos is not None else None
-        return StepResult(nested.stack(last_obs), rewards, terminated, truncated, final_obs, restarted, infos,
-                          reset_infos)
+        return StepResult(nested.stack(last_obs[lo:hi] if n != self.num_envs else last_obs), rewards, terminated,
+                          truncated, final_obs, restarted, infos, reset_infos)
 
     def _restart(self, i: int, err: Exception) -> Any:
         log.warning("sub-environment %d of env runner %d raised %r; recreating it", i, self.worker_index, err)

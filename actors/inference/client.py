@@ -10,9 +10,13 @@ is unchanged, so chunks look the same with either piece.
 A runner on its server's node passes large observation blocks through shared memory
 (``actors.inference.shared_obs``; ``InferenceSettings.shared_memory``), other runners inline in the frame.
 
+Double buffering (``InferenceSettings.double_buffer``, ``actors.env.split_sampling``): the runner keeps two
+requests out at once, one per half of its sub-envs, on two lanes (``send``/``receive``), and steps one half
+while the server infers the other's actions. Each lane has its own segment and request number.
+
 No answer within ``resend_after_s`` (the server died, or is slow): the runner looks its server up in
-the directory (``actors.inference.directory``), reconnects if the address changed, and sends the same
-request again under the same number. An answer to an older number is dropped, so a step is acted on
+the directory (``actors.inference.directory``), reconnects if the address changed, and sends every
+request still out again under its number. An answer to an older number is dropped, so a step is acted on
 exactly once and no chunk is lost or doubled. After ``reply_timeout_s`` without any answer the runner
 raises and its group recreates it. An ``error`` answer (the server could not serve the request)
 raises at once, naming the server's message.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +42,20 @@ from protocols import inference as wire
 from protocols.errors import ProtocolError
 
 log = logging.getLogger("runnel")
+
+
+@dataclass
+class Lane:
+    """One of a runner's requests out at once: its segment, and the request waiting for an answer."""
+
+    index: int
+    segment: ObsSegment | None = None
+    seq: int = 0
+    """The number of the request out on this lane (0: none)."""
+    request: tuple[Any, bool, int] | None = None
+    """(observations, explore, timestep) of that request, to send again."""
+    reply: wire.ActReply | None = None
+    """Its answer, once it came (while the runner waited on another lane)."""
 
 
 class RemoteActing:
@@ -57,11 +76,17 @@ class RemoteActing:
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self.address: str | None = None
-        self.segment: ObsSegment | None = None
-        """Where observations go when the server shares this node (None: inline)."""
+        self.lanes = [Lane(i) for i in range(max(1, settings.lanes))]
+        """Requests this runner may keep out at once (``send``/``receive``; ``act`` uses lane 0)."""
         self._shm_refusals = 0
         self._shm_wanted = settings.shared_memory and shared_memory_available()
+        self._last_sent = 0.0  # when a request last went out (resends are due resend_after_s later)
         self._connect(self._wait_for_address(time.monotonic() + settings.reply_timeout_s))
+
+    @property
+    def segment(self) -> ObsSegment | None:
+        """Lane 0's shared-memory segment (None: observations go inline)."""
+        return self.lanes[0].segment
 
     def _wait_for_address(self, deadline: float) -> str:
         while True:
@@ -80,11 +105,13 @@ class RemoteActing:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         self._sock, self.address = sock, address
-        if self.segment is not None:  # a new server: it knows no segment of ours yet
-            self.segment.close()
-            self.segment = None
-        if self._shm_wanted and _host(address) in _local_hosts():
-            self.segment = ObsSegment(self.worker_index)
+        local = self._shm_wanted and _host(address) in _local_hosts()
+        for lane in self.lanes:
+            if lane.segment is not None:  # a new server: it knows no segment of ours yet
+                lane.segment.close()
+                lane.segment = None
+            if local:
+                lane.segment = ObsSegment(self.worker_index)
 
     def session(self) -> contextlib.AbstractContextManager:
         """What the runner holds around a sampling run (the local piece: torch's inference mode)."""
@@ -92,82 +119,119 @@ class RemoteActing:
 
     def act(self, obs: Any, explore: bool, timestep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(module actions, their log-probabilities, distribution inputs, weights version) for one step."""
+        self.send(0, obs, explore, timestep)
+        return self.receive(0)
+
+    def send(self, lane: int, obs: Any, explore: bool, timestep: int) -> None:
+        """Ask for the actions of ``obs`` on ``lane`` and return at once (double buffering: the runner steps
+        its other sub-envs meanwhile); ``receive(lane)`` gets them. One request per lane at a time: a request
+        still out there (a sampling run that raised midway) is abandoned, its answer dropped when it comes."""
+        out = self.lanes[lane]
         self.seq += 1
-        frame = self._request(obs, explore, timestep)
-        sock = self._sock
-        sock.send(frame, copy=False)
-        started = last_sent = time.monotonic()
-        while True:
-            wait_ms = int(max(0.0, last_sent + self.s.resend_after_s - time.monotonic()) * 1000)
-            if sock.poll(wait_ms, zmq.POLLIN):
-                reply = self._read(sock.recv())
-                if reply == "resend":  # the server could not open our segment: a new one, or inline
-                    frame = self._request(obs, explore, timestep)
-                    sock.send(frame, copy=False)
-                    last_sent = time.monotonic()
-                    continue
-                if reply is not None:
-                    if self.segment is not None:
-                        self.segment.answered()
-                    self.weights_version = reply.weights_version
-                    return reply.actions, reply.logp, reply.dist_inputs, reply.weights_version
+        out.seq, out.request, out.reply = self.seq, (obs, explore, timestep), None
+        self._sock.send(self._frame(out), copy=False)
+        self._last_sent = time.monotonic()
+
+    def receive(self, lane: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """The answer to ``lane``'s request (answers to other lanes that come first are kept for them)."""
+        out = self.lanes[lane]
+        if out.request is None:
+            raise RuntimeError(f"env runner {self.worker_index}: lane {lane} has no request out")
+        started = time.monotonic()
+        while out.reply is None:
+            wait_ms = int(max(0.0, self._last_sent + self.s.resend_after_s - time.monotonic()) * 1000)
+            if self._sock.poll(wait_ms, zmq.POLLIN):
+                self._take(self._sock.recv())
                 continue
             now = time.monotonic()
             if now - started >= self.s.reply_timeout_s:
                 raise RuntimeError(f"env runner {self.worker_index}: no answer from inference server {self.server} "
                                    f"at {self.address} for {now - started:.0f} s (reply_timeout_s="
-                                   f"{self.s.reply_timeout_s}); request {self.seq} was sent {self.num_resends} times")
-            address = lookup_address(self.s, self.server, timeout_s=min(5.0, self.s.resend_after_s))
-            if address is not None and address != self.address:
-                log.warning("env runner %d: inference server %d moved from %s to %s; resending request %d",
-                            self.worker_index, self.server, self.address, address, self.seq)
-                self._connect(address)
-                self.num_reconnects += 1
-                sock = self._sock
-                frame = self._request(obs, explore, timestep)  # a new server: a new segment too
-            sock.send(frame, copy=False)
-            self.num_resends += 1
-            last_sent = time.monotonic()
+                                   f"{self.s.reply_timeout_s}); request {out.seq} was sent {self.num_resends} times")
+            self._resend_all()
+        reply, out.reply, out.request = out.reply, None, None
+        if out.segment is not None:
+            out.segment.answered()
+        self.weights_version = reply.weights_version
+        return reply.actions, reply.logp, reply.dist_inputs, reply.weights_version
 
-    def _request(self, obs: Any, explore: bool, timestep: int) -> bytes:
-        segment = self.segment
+    def _take(self, frame: bytes) -> None:
+        """File an answer with the lane that waits for it (a stale one is dropped; a refused segment resent)."""
+        reply = self._read(frame)
+        if reply is None:
+            return
+        lane = next((x for x in self.lanes if x.request is not None and x.seq == reply.seq), None)
+        if lane is None or lane.reply is not None:
+            return  # about a request resent since, or answered twice (a resend crossed the first answer)
+        if isinstance(reply, wire.ServerError):  # "shm_unavailable": a new segment, or inline
+            self._refused_segment(lane, reply)
+            self._sock.send(self._frame(lane), copy=False)
+            self._last_sent = time.monotonic()
+            return
+        self._shm_refusals = 0
+        lane.reply = reply
+
+    def _resend_all(self) -> None:
+        """No answer for ``resend_after_s``: look the server up (it may have moved) and send every request still
+        out again, under its number."""
+        address = lookup_address(self.s, self.server, timeout_s=min(5.0, self.s.resend_after_s))
+        if address is not None and address != self.address:
+            log.warning("env runner %d: inference server %d moved from %s to %s; resending request(s) %s",
+                        self.worker_index, self.server, self.address, address,
+                        [x.seq for x in self.lanes if x.request is not None and x.reply is None])
+            self._connect(address)  # a new server: new segments too
+            self.num_reconnects += 1
+        for lane in self.lanes:
+            if lane.request is not None and lane.reply is None:
+                self._sock.send(self._frame(lane), copy=False)
+                self.num_resends += 1
+        self._last_sent = time.monotonic()
+
+    def _frame(self, lane: Lane) -> bytes:
+        obs, explore, timestep = lane.request
+        segment = lane.segment
         if segment is not None and type(obs) is np.ndarray and obs.nbytes >= MIN_BYTES:
             try:
                 shared = segment.write(obs)
             except OSError as err:  # /dev/shm full or gone: inline from now on
                 log.warning("env runner %d: no room for observations in shared memory (%s); sending them inline",
                             self.worker_index, err)
-                segment.close()
-                self.segment, self._shm_wanted = None, False
+                self._inline_from_now_on()
             else:
-                return wire.act_request(self.worker_index, self.seq, None, explore, timestep, shared)
-        return wire.act_request(self.worker_index, self.seq, obs, explore, timestep)
+                return wire.act_request(self.worker_index, lane.seq, None, explore, timestep, shared, lane.index)
+        return wire.act_request(self.worker_index, lane.seq, obs, explore, timestep, lane=lane.index)
 
-    def _read(self, frame: bytes) -> wire.ActReply | str | None:
-        """The awaited reply, None for a stale one (an answer to a request resent since), or "resend"."""
+    def _inline_from_now_on(self) -> None:
+        for lane in self.lanes:
+            if lane.segment is not None:
+                lane.segment.close()
+                lane.segment = None
+        self._shm_wanted = False
+
+    def _refused_segment(self, lane: Lane, err: wire.ServerError) -> None:
+        if lane.segment is None:
+            return
+        self._shm_refusals += 1
+        if self._shm_refusals >= 2:  # twice: this server cannot see our /dev/shm; inline from now on
+            log.warning("env runner %d: inference server %d at %s cannot open shared memory (%s); sending "
+                        "observations inline", self.worker_index, self.server, self.address, err.message)
+            self._inline_from_now_on()
+        else:
+            lane.segment.renew()
+
+    def _read(self, frame: bytes) -> wire.ActReply | wire.ServerError | None:
+        """A reply, a "shm_unavailable" refusal to send again, or None for one to drop."""
         try:
             reply = wire.read_reply(frame)
         except ProtocolError as err:
             raise RuntimeError(f"env runner {self.worker_index}: a malformed answer from inference server "
                                f"{self.server} at {self.address}: {err}") from None
         if isinstance(reply, wire.ServerError):
-            if reply.code == "shm_unavailable" and reply.seq != self.seq:
-                return None  # about a request resent since
-            if reply.code == "shm_unavailable" and self.segment is not None:
-                self._shm_refusals += 1
-                if self._shm_refusals >= 2:  # twice: this server cannot see our /dev/shm; inline from now on
-                    log.warning("env runner %d: inference server %d at %s cannot open shared memory (%s); sending "
-                                "observations inline", self.worker_index, self.server, self.address, reply.message)
-                    self.segment.close()
-                    self.segment, self._shm_wanted = None, False
-                else:
-                    self.segment.renew()
-                return "resend"
+            waiting = any(x.request is not None and x.seq == reply.seq for x in self.lanes)
+            if reply.code == "shm_unavailable":
+                return reply if waiting else None  # else about a request resent since
             raise RuntimeError(f"env runner {self.worker_index}: inference server {self.server} at {self.address} "
-                               f"refused request {self.seq}: {reply}")
-        if reply.seq != self.seq:
-            return None
-        self._shm_refusals = 0
+                               f"refused request {reply.seq}: {reply}")
         return reply
 
     # --- what the runner asks of any acting piece ----------------------------------------------
@@ -192,9 +256,10 @@ class RemoteActing:
         pass
 
     def close(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
+        for lane in self.lanes:
+            if lane.segment is not None:
+                lane.segment.close()
+                lane.segment = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

@@ -173,11 +173,11 @@ class InferenceServer(InferenceRole):
         self.queue.add((route, request), request.rows)
 
     def _copy_shared(self, request: wire.ActRequest) -> np.ndarray:
-        """The runner's block copied out of its segment into this server's buffer for that runner (pinned on
-        CUDA), before any check: what is checked is what acts. A runner has one request out at a time (a
-        resent one holds the same observations), so one buffer per runner serves."""
-        view = self.segments.view(request.runner, request.shared)
-        out = self.forward.host_array(("runner", request.runner), view.shape, view.dtype)
+        """The runner's block copied out of its segment into this server's buffer for that runner and lane
+        (pinned on CUDA), before any check: what is checked is what acts. A runner has one request out at a
+        time per lane (a resent one holds the same observations), so one buffer per lane serves."""
+        view = self.segments.view(request.runner, request.shared, request.lane)
+        out = self.forward.host_array(("runner", request.runner, request.lane), view.shape, view.dtype)
         np.copyto(out, view)
         self.counts["num_shm_requests"] += 1
         return out

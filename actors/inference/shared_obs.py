@@ -100,18 +100,19 @@ class SegmentUnavailable(Exception):
 
 
 class SegmentMaps:
-    """A server's mappings of its runners' segments, by path."""
+    """A server's mappings of its runners' segments, by path (one segment per runner and lane: a runner that
+    keeps two requests out writes each into its own)."""
 
     def __init__(self, max_segments: int = MAX_SEGMENTS) -> None:
         self.max_segments = max_segments
         self._maps: dict[str, mmap.mmap] = {}
-        self._of_runner: dict[int, str] = {}
+        self._of_runner: dict[tuple[int, int], str] = {}
 
-    def view(self, runner: int, block: SharedBlock) -> np.ndarray:
+    def view(self, runner: int, block: SharedBlock, lane: int = 0) -> np.ndarray:
         """A read-only view of the block (copy it before checking: the runner could still write there)."""
         mm = self._maps.get(block.path)
         if mm is None:
-            mm = self._open(runner, block.path)
+            mm = self._open((runner, lane), block.path)
         shape, dtype = block.shape, block.dtype
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes > len(mm):
@@ -119,7 +120,7 @@ class SegmentMaps:
                                 f"the segment has {len(mm)}")
         return np.ndarray(shape, dtype, buffer=mm)
 
-    def _open(self, runner: int, path: str) -> mmap.mmap:
+    def _open(self, runner: tuple[int, int], path: str) -> mmap.mmap:
         directory, name = os.path.split(path)
         if directory != SHM_DIR or not name.startswith(PREFIX) or os.sep in name or name in (".", ".."):
             raise ProtocolError(f"'obs_shm' path must name a file {SHM_DIR}/{PREFIX}..., got {path!r:.200}")

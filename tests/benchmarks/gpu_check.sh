@@ -20,8 +20,10 @@
 #
 # Here, from the repository root:   bash tests/benchmarks/gpu_wheels.sh     (fills .whl/, about 50 MiB)
 # There (device run, carry [".whl"], timeout_s 480):   bash tests/benchmarks/gpu_check.sh
-# Expected about 4 minutes; each step has its own time limit (60 + 60 + 150 + 240 s at most), so a hang
-# costs one step, never the run.
+# Expected about 4 minutes; each step has its own time limit (60 + 60 + 130 + 220 s at most), so a hang
+# costs one step, never the run. GPU_CHECK_PONG_S=N adds a 5th step: APPO on Pong (tuned/pong-appo.yaml, needs
+# ale-py among the wheels) for N seconds at most; its log and learning curve come back as pong.log and
+# pong_progress.csv. GPU_CHECK_DEADLINE_S=S shortens it so the whole run ends S seconds after it started.
 # What it wrote comes back from $OUT: gpu_check.log (everything), cuda_tests.xml, inference_bench.jsonl.
 # A dry run without a GPU (the CUDA cases skip, the benchmark runs on CPU only, smaller):
 #   GPU_CHECK_DRY=1 GPU_CHECK_BENCH_ARGS="--runners 2 --envs 2 --servers 1" PYTHON=.venv/bin/python \
@@ -34,7 +36,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 RAY_DEDUP_LOGS=0
 unset RAY_ADDRESS
 DRY=${GPU_CHECK_DRY:-0}
-GPU_CHECK_BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---runners 8 --envs 4 --servers 8 --cpu-modes local}
+GPU_CHECK_BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---runners 8 --envs 4 --servers 8 --cpu-modes local --gpu-servers 1,2 --double-buffer on,off}
+PONG_S=${GPU_CHECK_PONG_S:-0}  # > 0: then APPO on Pong (tuned/pong-appo.yaml) for at most this many seconds
 failed=()
 started=$(date +%s)
 
@@ -83,7 +86,7 @@ fi
 # --- 3. every CUDA test --------------------------------------------------------------------------------
 mapfile -t cuda_files < <(grep -l "cuda.is_available" tests/test_*.py)
 echo "cuda test files: ${cuda_files[*]}"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider --timeout=100 -rs -k cuda --junitxml="$OUT/cuda_tests.xml" \
+timeout 130 "$PY" -m pytest -q -p no:cacheprovider --timeout=100 -rs -k cuda --junitxml="$OUT/cuda_tests.xml" \
     "${cuda_files[@]}"
 if "$PY" - "$OUT/cuda_tests.xml" "$DRY" <<'EOF'
 import json, sys
@@ -116,7 +119,7 @@ fi
 skip=()
 [ "$DRY" = 1 ] && skip=(--skip-gpu)
 # shellcheck disable=SC2086
-timeout 240 "$PY" tests/benchmarks/inference.py --workloads frames_cnn --seconds 2 --repeats 1 ${GPU_CHECK_BENCH_ARGS} \
+timeout 220 "$PY" tests/benchmarks/inference.py --workloads frames_cnn --seconds 2 --repeats 1 ${GPU_CHECK_BENCH_ARGS} \
     "${skip[@]}" | tee "$OUT/inference_bench.jsonl"
 if "$PY" - "$OUT/inference_bench.jsonl" "$DRY" <<'EOF'
 import json, sys
@@ -127,8 +130,10 @@ if summary is None:
 dry = sys.argv[2] == "1"
 if not dry:
     ratios = {k: v for k, v in summary.items() if k.startswith("frames_cnn_central_cuda") and k.endswith("_over_local")}
+    single = {k: v for k, v in summary.items() if k.startswith("frames_cnn_central_single_cuda")}
     ratio = max(ratios.values()) if ratios else None
-    print(f"INFO central on CUDA / local, by servers sharing the GPU: {ratios}")
+    print(f"INFO central on CUDA / local, by servers sharing the GPU, runners double-buffering: {ratios}")
+    print(f"INFO the same with one request out per runner: {single}")
     trip = next((r for r in rows if r.get("bench") == "round_trip" and r["device"] == "cuda" and r["batch"] == 256
                  and r.get("transport", "shm") == "shm"), {})
     appo = next((r for r in rows if r.get("bench") == "appo_frames"), {})
@@ -143,6 +148,30 @@ then
     result benchmark ok "tests/benchmarks/inference.py ran to its summary (targets: the PASS/FAIL target lines)"
 else
     result benchmark fail "tests/benchmarks/inference.py did not finish (output above)"
+fi
+
+# --- 5. optional: APPO on Pong, learner on the GPU, for what time is left ------------------------------
+if [ -n "${GPU_CHECK_DEADLINE_S:-}" ] && [ "$PONG_S" -gt $((GPU_CHECK_DEADLINE_S - $(elapsed))) ]; then
+    PONG_S=$((GPU_CHECK_DEADLINE_S - $(elapsed)))  # what is left before the run's own deadline
+    [ "$PONG_S" -lt 90 ] && { echo "INFO pong skipped: ${PONG_S} s left before GPU_CHECK_DEADLINE_S"; PONG_S=0; }
+fi
+if [ "$PONG_S" -gt 0 ]; then
+    rm -rf /tmp/pong
+    stop_s=$((PONG_S - 60))  # building (12 runner actors) and the final checkpoint fit in the rest
+    dry=()
+    [ "$DRY" = 1 ] && dry=(--config '{"num_gpus_per_learner": 0, "num_env_runners": 1}')
+    timeout -k 20 -s INT "$PONG_S" "$PY" -m pipeline.cli train file tuned/pong-appo.yaml --output-dir /tmp/pong "${dry[@]}" \
+        --stop "{\"env_runners/episode_return_mean\": 18, \"num_env_steps_sampled_lifetime\": 2500000, \"time_total_s\": $stop_s}" \
+        > "$OUT/pong.log" 2>&1
+    code=$?
+    progress=$(find /tmp/pong -name progress.csv 2>/dev/null | head -1)
+    [ -n "$progress" ] && cp "$progress" "$OUT/pong_progress.csv"
+    tail -25 "$OUT/pong.log"
+    if [ -n "$progress" ]; then
+        result pong ok "ran ${PONG_S} s at most (exit $code); its curve in pong_progress.csv"
+    else
+        result pong fail "no progress.csv (exit $code; pong.log above)"
+    fi
 fi
 
 if [ ${#failed[@]} -eq 0 ]; then

@@ -17,9 +17,9 @@ PY=${PY:-.venv/bin/python}
 
 # the packages gpu_check.sh needs beyond the machine's (Ray's own needs included: jsonschema and its
 # parts; ray.tune's pydantic and its parts; gymnasium's farama-notifications; tensorboardX for the results;
-# typing-extensions and packaging newer than the machine's may be, for pydantic and Ray)
+# typing-extensions and packaging newer than the machine's may be, for pydantic and Ray; ale-py for the Pong run)
 PKGS="ray gymnasium farama-notifications pyzmq lz4 jsonschema jsonschema-specifications referencing rpds-py
-      pydantic pydantic-core annotated-types typing-inspection typing-extensions packaging tensorboardX"
+      pydantic pydantic-core annotated-types typing-inspection typing-extensions packaging tensorboardX ale-py"
 pins=$("$PY" - $PKGS <<'EOF'
 import sys
 from importlib import metadata

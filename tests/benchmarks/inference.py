@@ -2,7 +2,8 @@
 
 Prints one JSON object per line:
   {"bench": "machine", ...}
-  {"bench": "sampling", "workload": "frames_cnn"|"cartpole_mlp", "mode": "local"|"central", "device",
+  {"bench": "sampling", "workload": "frames_cnn"|"cartpole_mlp", "mode": "local"|"central"|"central_single",
+   "device",
    "runners", "envs", "repeat", "env_steps_per_s"; central: "batch_size_mean" (rows per forward pass),
    "batch_ms_mean" (a server's time per batch: forward pass, exploration, answers), "shm_share" (the share
    of requests whose observations came through shared memory)}
@@ -10,7 +11,9 @@ Prints one JSON object per line:
         training): "frames_cnn" is an 84x84x4 uint8 frame env that costs next to nothing to step
         (``tests.envs.FrameEnv``) with the default CNN; "cartpole_mlp" CartPole-v1 with PPO's default
         MLP. "local": every runner runs its own module (one torch thread each); "central": ``--servers``
-        inference servers (``--server-cpus`` torch threads each) act for them. Modes alternate within each
+        inference servers (``--server-cpus`` torch threads each) act for them, runners double-buffering
+        (half their sub-envs step while the other half's actions are inferred); "central_single": the same
+        with one request out per runner (``--double-buffer on,off`` runs both). Modes alternate within each
         repeat.
   {"bench": "round_trip", "workload", "device", "batch", "transport", "p50_ms", "p99_ms", "n"}
         one client sending ``batch`` observations at a time to a server actor and waiting for the answer
@@ -71,8 +74,8 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespace, gpu_servers: int = 1
-                  ) -> tuple[float, dict]:
+def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespace, gpu_servers: int = 1,
+                  double_buffer: bool = True) -> tuple[float, dict]:
     """Env steps per second the runner group samples (median over ``--seconds`` of sample calls), and the
     servers' mean batch size and milliseconds per batch (central)."""
     steps = args.runners * args.envs * args.fragment
@@ -84,7 +87,7 @@ def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespac
         cuda = device == "cuda"  # ``gpu_servers`` sharing the GPU; on CPU, a server per core (at most one per runner)
         config.inference(mode="central", num_inference_servers=gpu_servers if cuda else min(args.servers, args.runners),
                          num_cpus_per_inference_server=args.server_cpus, max_batch=args.runners * args.envs,
-                         max_wait_s=args.max_wait_s, shared_memory=not args.no_shm,
+                         max_wait_s=args.max_wait_s, shared_memory=not args.no_shm, double_buffer=double_buffer,
                          num_gpus_per_inference_server=1 / gpu_servers if cuda else 0)
     algo = config.build(logdir=None)
     try:
@@ -255,6 +258,9 @@ def main() -> None:
     p.add_argument("--gpu-servers", default="1,2,4", help="inference servers sharing the GPU (each a run)")
     p.add_argument("--appo-servers", type=int, default=2, help="inference servers of the APPO run (half the GPU)")
     p.add_argument("--no-shm", action="store_true", help="sampling runs send observations inline, not through /dev/shm")
+    p.add_argument("--double-buffer", default="on",
+                   help="central sampling runs with runners double-buffering (on), one request at a time (off), or "
+                        "both (on,off: each a run; 'off' runs are reported as mode central_single)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.skip_gpu
     ray.init(address="local", num_cpus=args.runners + (args.servers + 1) * args.server_cpus + 2,
@@ -265,10 +271,20 @@ def main() -> None:
          server_cpus=args.server_cpus, max_wait_s=args.max_wait_s)
     workloads = args.workloads.split(",")
     rates: dict = {}
+    buffering = [b == "on" for b in args.double_buffer.split(",")]
+
+    def central_modes(modes: list[str]) -> list[tuple[str, bool]]:
+        """(mode name, double_buffer) runs: "central" double-buffered, "central_single" one request at a time."""
+        out = []
+        for mode in modes:
+            out += [(mode, True)] if mode != "central" else [("central" if b else "central_single", b)
+                                                              for b in buffering]
+        return out
+
     for r in range(args.repeats):
         for workload in workloads:
-            for mode in args.cpu_modes.split(","):
-                rate, served = sampling_rate(workload, mode, "cpu", args)
+            for mode, buffered in central_modes(args.cpu_modes.split(",")):
+                rate, served = sampling_rate(workload, mode.split("_")[0], "cpu", args, double_buffer=buffered)
                 rates.setdefault((workload, mode, "cpu"), []).append(rate)
                 emit(bench="sampling", workload=workload, mode=mode, device="cpu", runners=args.runners,
                      envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1), **served)
@@ -289,10 +305,12 @@ def main() -> None:
         for r in range(args.repeats):
             for workload in workloads:
                 for n in [int(n) for n in args.gpu_servers.split(",")]:
-                    rate, served = sampling_rate(workload, "central", "cuda", args, n)
-                    rates.setdefault((workload, "central", f"cuda{n}"), []).append(rate)
-                    emit(bench="sampling", workload=workload, mode="central", device="cuda", servers=n,
-                         runners=args.runners, envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1), **served)
+                    for mode, buffered in central_modes(["central"]):
+                        rate, served = sampling_rate(workload, "central", "cuda", args, n, buffered)
+                        rates.setdefault((workload, mode, f"cuda{n}"), []).append(rate)
+                        emit(bench="sampling", workload=workload, mode=mode, device="cuda", servers=n,
+                             runners=args.runners, envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1),
+                             **served)
         emit(bench="appo_frames", device="cuda", **appo_frames(args))
     summary = {f"{w}_{m}_{d}_env_steps_per_s": round(statistics.median(v), 1) for (w, m, d), v in rates.items()}
     for workload in workloads:
@@ -300,10 +318,11 @@ def main() -> None:
         if not local:
             continue
         for device in ["cpu"] + ([f"cuda{n}" for n in args.gpu_servers.split(",")] if cuda else []):
-            central = rates.get((workload, "central", device))
-            if central:
-                summary[f"{workload}_central_{device}_over_local"] = round(statistics.median(central)
-                                                                           / statistics.median(local), 2)
+            for mode in ("central", "central_single"):
+                central = rates.get((workload, mode, device))
+                if central:
+                    summary[f"{workload}_{mode}_{device}_over_local"] = round(statistics.median(central)
+                                                                              / statistics.median(local), 2)
         if (workload, "central", "cpu") in rates:
             # each repeat's central run beside the local run just before it: less exposed to a load that drifts
             summary[f"{workload}_central_cpu_over_local_paired"] = round(statistics.median(
