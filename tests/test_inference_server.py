@@ -156,7 +156,7 @@ def test_weights_swap_between_batches_answers_every_request_with_the_version_tha
     s.server.set_weights(versions[1], 1)
     obs = rows(4)
     expected = {v: logits(w, obs) for v, w in versions.items()}
-    seen, stop = [], threading.Event()
+    seen, stop = {1: [], 2: []}, threading.Event()
 
     def swap():
         for v in range(2, 6):
@@ -164,7 +164,7 @@ def test_weights_swap_between_batches_answers_every_request_with_the_version_tha
 
     def act(client):
         while not stop.is_set():
-            seen.append(client.act(obs, False, 0))
+            seen[client.worker_index].append(client.act(obs, False, 0))
 
     clients = [s.client(i) for i in (1, 2)]
     actors = [threading.Thread(target=act, args=(c,)) for c in clients]
@@ -174,12 +174,16 @@ def test_weights_swap_between_batches_answers_every_request_with_the_version_tha
     stop.set()
     for t in actors:
         t.join(30)
-    assert seen and all(not t.is_alive() for t in actors)
-    for actions, _, dist_inputs, version in seen:  # every answer computed by the weights it names
-        np.testing.assert_allclose(dist_inputs, expected[version], rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(actions, expected[version].argmax(-1))  # explore=False: greedy
-    assert seen[-1][3] == 5 and s.server.weights_version == 5
-    assert clients[0].act(obs, False, 0)[3] == 5  # after set_weights returned, only the new weights act
+    assert all(seen.values()) and all(not t.is_alive() for t in actors)
+    for answers in seen.values():
+        for actions, _, dist_inputs, version in answers:  # every answer computed by the weights it names
+            np.testing.assert_allclose(dist_inputs, expected[version], rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(actions, expected[version].argmax(-1))  # explore=False: greedy
+        got = [version for *_, version in answers]
+        assert got == sorted(got)  # a runner never gets older weights after newer ones
+    # (a thread's last answer may predate the last swap: it can be appended after swap() returned)
+    assert s.server.weights_version == 5
+    assert [c.act(obs, False, 0)[3] for c in clients] == [5, 5]  # after set_weights returned, only the new act
 
 
 def test_set_weights_refuses_weights_of_another_model():

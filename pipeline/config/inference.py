@@ -42,12 +42,9 @@ def inference_problems(config: Any) -> list[str]:
     x = InferenceSettings(**d)
     if x.mode not in MODES:
         return [f"inference mode={x.mode!r} is not one of {list(MODES)}"]
-    for key in ("shared_memory", "cuda_graphs"):
+    for key in ("shared_memory", "cuda_graphs", "double_buffer"):
         if not isinstance(getattr(x, key), bool):
             problems.append(f"inference {key} must be True or False, got {getattr(x, key)!r}")
-    if not (isinstance(x.double_buffer, bool) or x.double_buffer == "auto"):
-        problems.append(f"inference double_buffer must be True, False or 'auto' (on with GPU servers), got "
-                        f"{x.double_buffer!r}")
     if x.runner_backend not in RUNNER_BACKENDS:
         problems.append(f"inference runner_backend={x.runner_backend!r} is not one of {list(RUNNER_BACKENDS)}")
     for key in ("num_inference_servers", "max_batch"):

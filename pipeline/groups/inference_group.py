@@ -84,7 +84,7 @@ class InferenceGroup:
             num_servers=self.x.num_inference_servers,
             directory=self.directory if self.in_process else self._directory_name, namespace=self._namespace,
             resend_after_s=self.x.resend_after_s, reply_timeout_s=self.x.reply_timeout_s,
-            shared_memory=self.x.shared_memory, double_buffer=self.x.runners_double_buffer)
+            shared_memory=self.x.shared_memory, double_buffer=self.x.double_buffer)
 
     def runner_settings(self, settings: EnvRunnerSettings) -> EnvRunnerSettings:
         """The runners' copy of ``settings``: acting through the servers, and without the module class and
