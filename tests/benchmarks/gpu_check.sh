@@ -36,7 +36,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 RAY_DEDUP_LOGS=0
 unset RAY_ADDRESS
 DRY=${GPU_CHECK_DRY:-0}
-GPU_CHECK_BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---runners 8 --envs 4 --servers 8 --cpu-modes local --gpu-servers 1,2 --double-buffer on,off}
+GPU_CHECK_BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---runners 8 --envs 4 --servers 8 --cpu-modes local --gpu-servers 1,2 --double-buffer off,on}
 PONG_S=${GPU_CHECK_PONG_S:-0}  # > 0: then APPO on Pong (tuned/pong-appo.yaml) for at most this many seconds
 failed=()
 started=$(date +%s)
@@ -130,10 +130,10 @@ if summary is None:
 dry = sys.argv[2] == "1"
 if not dry:
     ratios = {k: v for k, v in summary.items() if k.startswith("frames_cnn_central_cuda") and k.endswith("_over_local")}
-    single = {k: v for k, v in summary.items() if k.startswith("frames_cnn_central_single_cuda")}
+    double = {k: v for k, v in summary.items() if k.startswith("frames_cnn_central_double_cuda")}
     ratio = max(ratios.values()) if ratios else None
-    print(f"INFO central on CUDA / local, by servers sharing the GPU, runners double-buffering: {ratios}")
-    print(f"INFO the same with one request out per runner: {single}")
+    print(f"INFO central on CUDA / local, by servers sharing the GPU: {ratios}")
+    print(f"INFO the same with runners double-buffering: {double}")
     trip = next((r for r in rows if r.get("bench") == "round_trip" and r["device"] == "cuda" and r["batch"] == 256
                  and r.get("transport", "shm") == "shm"), {})
     appo = next((r for r in rows if r.get("bench") == "appo_frames"), {})

@@ -2,7 +2,7 @@
 
 Prints one JSON object per line:
   {"bench": "machine", ...}
-  {"bench": "sampling", "workload": "frames_cnn"|"cartpole_mlp", "mode": "local"|"central"|"central_single",
+  {"bench": "sampling", "workload": "frames_cnn"|"cartpole_mlp", "mode": "local"|"central"|"central_double",
    "device",
    "runners", "envs", "repeat", "env_steps_per_s"; central: "batch_size_mean" (rows per forward pass),
    "batch_ms_mean" (a server's time per batch: forward pass, exploration, answers), "shm_share" (the share
@@ -11,10 +11,10 @@ Prints one JSON object per line:
         training): "frames_cnn" is an 84x84x4 uint8 frame env that costs next to nothing to step
         (``tests.envs.FrameEnv``) with the default CNN; "cartpole_mlp" CartPole-v1 with PPO's default
         MLP. "local": every runner runs its own module (one torch thread each); "central": ``--servers``
-        inference servers (``--server-cpus`` torch threads each) act for them, runners double-buffering
-        (half their sub-envs step while the other half's actions are inferred); "central_single": the same
-        with one request out per runner (``--double-buffer on,off`` runs both). Modes alternate within each
-        repeat.
+        inference servers (``--server-cpus`` torch threads each) act for them, one request out per runner
+        (the default); "central_double": the same with runners double-buffering (half their sub-envs step
+        while the other half's actions are inferred; ``--double-buffer off,on`` runs both). Modes alternate
+        within each repeat. (Results files of 2026-11-27 named these "central_single" and "central".)
   {"bench": "round_trip", "workload", "device", "batch", "transport", "p50_ms", "p99_ms", "n"}
         one client sending ``batch`` observations at a time to a server actor and waiting for the answer
         (encode, ZeroMQ over loopback, decode, forward pass, exploration, answer); transport "shm": the
@@ -75,7 +75,7 @@ def emit(**fields) -> None:
 
 
 def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespace, gpu_servers: int = 1,
-                  double_buffer: bool = True) -> tuple[float, dict]:
+                  double_buffer: bool = False) -> tuple[float, dict]:
     """Env steps per second the runner group samples (median over ``--seconds`` of sample calls), and the
     servers' mean batch size and milliseconds per batch (central)."""
     steps = args.runners * args.envs * args.fragment
@@ -258,9 +258,9 @@ def main() -> None:
     p.add_argument("--gpu-servers", default="1,2,4", help="inference servers sharing the GPU (each a run)")
     p.add_argument("--appo-servers", type=int, default=2, help="inference servers of the APPO run (half the GPU)")
     p.add_argument("--no-shm", action="store_true", help="sampling runs send observations inline, not through /dev/shm")
-    p.add_argument("--double-buffer", default="on",
-                   help="central sampling runs with runners double-buffering (on), one request at a time (off), or "
-                        "both (on,off: each a run; 'off' runs are reported as mode central_single)")
+    p.add_argument("--double-buffer", default="off",
+                   help="central sampling runs with one request out per runner (off, the default), runners "
+                        "double-buffering (on, reported as mode central_double), or both (off,on: each a run)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.skip_gpu
     ray.init(address="local", num_cpus=args.runners + (args.servers + 1) * args.server_cpus + 2,
@@ -274,11 +274,11 @@ def main() -> None:
     buffering = [b == "on" for b in args.double_buffer.split(",")]
 
     def central_modes(modes: list[str]) -> list[tuple[str, bool]]:
-        """(mode name, double_buffer) runs: "central" double-buffered, "central_single" one request at a time."""
+        """(mode name, double_buffer) runs: "central" one request at a time, "central_double" double-buffered."""
         out = []
         for mode in modes:
-            out += [(mode, True)] if mode != "central" else [("central" if b else "central_single", b)
-                                                              for b in buffering]
+            out += [(mode, False)] if mode != "central" else [("central_double" if b else "central", b)
+                                                               for b in buffering]
         return out
 
     for r in range(args.repeats):
@@ -318,7 +318,7 @@ def main() -> None:
         if not local:
             continue
         for device in ["cpu"] + ([f"cuda{n}" for n in args.gpu_servers.split(",")] if cuda else []):
-            for mode in ("central", "central_single"):
+            for mode in ("central", "central_double"):
                 central = rates.get((workload, mode, device))
                 if central:
                     summary[f"{workload}_{mode}_{device}_over_local"] = round(statistics.median(central)
