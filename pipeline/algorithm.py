@@ -144,7 +144,8 @@ class Algorithm(Trainable):
         if single:
             obs_space = self.connector.observation_space
         self.observation_space, self.action_space = obs_space, act_space
-        check_module_to_env(config, obs_space, act_space, self.multi_agent is not None)
+        check_module_to_env(config, obs_space, act_space, None if self.multi_agent is None else {
+            mid: (spec.observation_space, spec.action_space) for mid, spec in self.multi_agent.plan.module_specs.items()})
         self.learner_connector = learner_pipeline(config, self.chunk_observation_space, act_space,
                                                   self.multi_agent.plan.module_specs if self.multi_agent else None)
         """The learner pipeline each learner gets a copy of (None without ``learner_connector``)."""

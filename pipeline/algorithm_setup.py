@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from actors.connectors.base import ConnectorPipeline, build_pipeline
 from actors.connectors.learner import LearnerPipeline, build_learner_pipeline
-from actors.connectors.module_to_env import build_module_to_env
+from actors.connectors.module_to_env import build_module_pipelines, build_module_to_env
 from actors.manager import FaultToleranceSettings
 from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.config.connectors import learner_connector_factory
@@ -128,15 +128,20 @@ def connector_pipeline(config: AlgorithmConfig, observation_space: Any, action_s
     return pipeline
 
 
-def check_module_to_env(config: AlgorithmConfig, observation_space: Any, action_space: Any, multi_agent: bool) -> None:
+def check_module_to_env(config: AlgorithmConfig, observation_space: Any, action_space: Any,
+                        module_spaces: dict[str, tuple[Any, Any]] | None = None) -> None:
     """A ``module_to_env_connector`` that runners cannot use is a ConfigError at ``build()``, naming the cause
-    (its pieces are built once here to find out; each runner builds its own)."""
+    (its pieces are built once here to find out; each runner builds its own). ``module_spaces``: a multi-agent
+    run's (observation, action) spaces per module, each module getting its own pipeline."""
     factory = function_setting(config.module_to_env_connector, "module_to_env_connector")
     if factory is None:
         return
-    if multi_agent:
-        raise ConfigError("module_to_env_connector is single-agent for now; leave it unset in a multi-agent run and "
-                          "convert actions in the MultiAgentEnv")
+    if module_spaces is not None:
+        try:
+            build_module_pipelines(factory, module_spaces)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"module_to_env_connector: {err}") from err
+        return
     if config.external_clients_config:
         raise ConfigError("module_to_env_connector runs in env runners, and with external_clients the clients step "
                           "their own envs: convert actions in the client, or leave module_to_env_connector unset")

@@ -215,3 +215,36 @@ class PlainAndScaledCartPoles(SingleAgentCopies):
     def make_single(self, config):
         self._made += 1
         return gym.make("CartPole-v1") if self._made == 1 else ScaledCartPole()
+
+
+class ActionEcho(gym.Env):
+    """Observes the action it got last (and pays it as the reward): what the env received, step by step."""
+
+    observation_space = gym.spaces.Box(-10, 10, (1,), np.float32)
+    action_space = gym.spaces.Discrete(3)
+
+    def __init__(self, length: int = 6) -> None:
+        self.length, self.t = length, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        assert self.action_space.contains(action), action
+        self.t += 1
+        return np.array([float(action)], np.float32), float(action), False, self.t >= self.length, {}
+
+
+class ActionEchoes(SingleAgentCopies):
+    """``ActionEcho`` copies, one per agent (``num_agents``, default 2): each agent observes the action its env
+    got last and is paid it, so chunks show what each env received."""
+
+    def __init__(self, config=None):
+        config = dict(config or {})
+        config.setdefault("num_agents", 2)
+        super().__init__(config)
+
+    def make_single(self, config):
+        return ActionEcho()

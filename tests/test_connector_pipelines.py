@@ -16,29 +16,10 @@ from actors.env import EnvRunner, EnvRunnerSettings
 from pipeline import APPOConfig, ConfigError, DQNConfig, PPOConfig
 from pipeline.callbacks import DefaultCallbacks
 from protocols.episode import EpisodeChunk
+from tests.envs import ActionEcho
 
 BOX = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
 ACT = gym.spaces.Discrete(3)
-
-
-class ActionEcho(gym.Env):
-    """Observes the action it got last (and pays it as the reward): what the env received, step by step."""
-
-    observation_space = gym.spaces.Box(-10, 10, (1,), np.float32)
-    action_space = gym.spaces.Discrete(3)
-
-    def __init__(self, length: int = 6) -> None:
-        self.length, self.t = length, 0
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return np.zeros(1, np.float32), {}
-
-    def step(self, action):
-        assert self.action_space.contains(action), action
-        self.t += 1
-        return np.array([float(action)], np.float32), float(action), False, self.t >= self.length, {}
 
 
 def _runner(**kwargs) -> EnvRunner:

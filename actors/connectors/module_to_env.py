@@ -15,9 +15,13 @@ format) sets ``"actions_for_env"``; the learner then trains on what the module c
 changes ``"actions"`` changes what is recorded too, and must give the ``"action_logp"`` that goes with it
 (on-policy losses divide by it). Whatever a piece leaves in ``"actions"`` is still checked against the
 action space by the learner before it trains.
+
+In a multi-agent run each module gets its own pipeline (``build_module_pipelines``), built for the spaces that
+module acts in, and each step's batch holds that module's agents' rows (``actors.env.multi_agent_sampler``).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import gymnasium as gym
@@ -89,3 +93,18 @@ def build_module_to_env(factory: Callable[..., Any] | None, observation_space: g
     pieces = factory_pieces(factory, "module_to_env_connector", (env,), (env, None), "lambda env: YourPiece()")
     return ModuleToEnvPipeline(pieces, observation_space, action_space) if pieces else None
 
+
+
+def build_module_pipelines(factory: Callable[..., Any] | None, spaces: Mapping[str, tuple[gym.Space, gym.Space]]
+                           ) -> dict[str, ModuleToEnvPipeline] | None:
+    """A multi-agent run's module-to-env pipelines: one per module, each built by ``factory`` for that module's
+    (observation, action) spaces; None without a factory or pieces."""
+    if factory is None:
+        return None
+    pipelines = {}
+    for mid, (obs_space, act_space) in sorted(spaces.items()):
+        pipeline = build_module_to_env(factory, obs_space, act_space)
+        if pipeline is None:
+            return None
+        pipelines[mid] = pipeline
+    return pipelines

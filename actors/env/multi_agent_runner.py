@@ -3,8 +3,9 @@
 The multi-agent counterpart of ``env_runner.EnvRunner``, implementing the same ``EnvRunnerRole`` so a
 stage group hosts it in-process or as a Ray actor alike. The stepping and recording are a sampler's (one
 batched forward pass per module per step): ``LockstepSampler`` for envs of ``make_multi_agent`` copies when
-no ``on_episode_*`` callback needs ``MultiAgentEpisode`` objects (time-major rows, cut by slicing: the same
-chunks at a fraction of the Python), ``MultiAgentSampler`` for every other env; this class is the stage
+no ``on_episode_*`` callback needs ``MultiAgentEpisode`` objects and no module-to-env pipeline is set (time-major
+rows, cut by slicing: the same chunks at a fraction of the Python), ``MultiAgentSampler`` for every other env;
+this class is the stage
 around it: building the envs (each behind a ``MultiAgentStepChecker`` unless ``check_env`` is off,
 RLlib's ``disable_env_checking``) and the modules, what it is asked to do (sample by steps or by
 episodes, weights, state, modules added and removed, a new mapping) and what it reports.
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from actors.callbacks import build_callbacks, call_hook, overrides
+from actors.connectors.module_to_env import build_module_pipelines
 from actors.connectors.multi_agent import ModuleConnectors
 from actors.core import EnvRunnerRole, call_user_fn
 from actors.env.actions import EnvActions
@@ -103,6 +105,9 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         """Each module's env-to-module pipeline (``actors.connectors.multi_agent``); None without them."""
         for mid, spec in module_specs.items():
             self._build_module(mid, spec)
+        self.module_to_env = build_module_pipelines(
+            settings.module_to_env, {mid: (spec.observation_space, spec.action_space) for mid, spec in module_specs.items()})
+        """Each module's module-to-env pipeline, for the spaces the module acts in; None without them."""
         self.weights_version = 0
         self.init_streaming()
         self.num_env_steps_sampled_lifetime = 0
@@ -125,6 +130,9 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         if self.connectors is not None:
             pieces["observations"] = AgentObservations(self.connectors, update=not settings.in_evaluation,
                                                        check_observations=check_env)
+        if self.module_to_env is not None:  # only the general sampler runs module-to-env pipelines
+            pieces["module_to_env"] = self.module_to_env
+            lockstep = False
         if lockstep and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
             self.sampler = LockstepSampler(self.envs, self.module.members, self.explorations, self.env_actions,
                                            policy_mapping_fn, **pieces)
@@ -340,9 +348,10 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         if module_id in self.module_specs:
             raise ValueError(f"module {module_id!r} exists already (modules: {self.module_ids}); remove_module() "
                              f"it first or pick another id")
-        if self.connectors is not None:
-            raise NotImplementedError(f"add_module({module_id!r}) in a run with env_to_module_connector: a pipeline "
-                                      f"for a module added while training is not built yet")
+        if self.connectors is not None or self.module_to_env is not None:
+            raise NotImplementedError(f"add_module({module_id!r}) in a run with env_to_module_connector or "
+                                      f"module_to_env_connector: a pipeline for a module added while training is "
+                                      f"not built yet")
         module = self._build_module(module_id, spec)
         if weights is not None:
             module.set_state(weights)
@@ -404,7 +413,9 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                 "timestep_offset": self._timestep_offset,
                 "exploration": {mid: e.get_state() for mid, e in self.explorations.items()},
                 "torch_rng": torch.get_rng_state().numpy(), "numpy_rng": rng_state(self.sampler.acting.rng),
-                "connectors": None if self.connectors is None else self.connectors.get_state()}
+                "connectors": None if self.connectors is None else self.connectors.get_state(),
+                "module_to_env": None if self.module_to_env is None else {
+                    mid: p.get_state() for mid, p in self.module_to_env.items()}}
 
     def set_state(self, state: dict[str, Any]) -> None:
         missing = sorted(set(state.get("module_ids", [])) - set(self.module_specs))
@@ -423,6 +434,10 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
             set_rng_state(self.sampler.acting.rng, state["numpy_rng"])
         if state.get("connectors") is not None and self.connectors is not None:
             self.connectors.set_state(state["connectors"])
+        if state.get("module_to_env") is not None and self.module_to_env is not None:
+            for mid, pipeline_state in state["module_to_env"].items():
+                if mid in self.module_to_env:
+                    self.module_to_env[mid].set_state(pipeline_state)
 
     # --- connectors -------------------------------------------------------------------------
     def pop_connector_deltas(self) -> dict[str, list[Any]] | None:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from actors.connectors.module_to_env import ModuleToEnvPipeline
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration
 from actors.env.multi_agent_acting import ModuleActing
@@ -38,6 +39,7 @@ from actors.env.numpy_acting import acting_rng
 from actors.env.sampling import plain_info
 from actors.metrics import MetricsLogger
 from actors.modules import RLModule
+from protocols import nested
 from protocols.episode import EpisodeChunk
 from protocols.multi_agent_episode import AgentID, MultiAgentEpisode, add_action_batch
 
@@ -110,7 +112,8 @@ class MultiAgentSampler:
                  env_runner_index: int = 0, seed: int | None = None, record_infos: bool = False,
                  weights_version: int = 0, listener: EpisodeListener | None = None,
                  check_observations: bool = False, rng: np.random.Generator | None = None,
-                 observations: AgentObservations | None = None) -> None:
+                 observations: AgentObservations | None = None,
+                 module_to_env: Mapping[str, ModuleToEnvPipeline] | None = None) -> None:
         if not envs:
             raise ValueError("MultiAgentSampler needs at least one env, got none")
         self.acting = ModuleActing(modules, explorations, env_actions,
@@ -127,6 +130,9 @@ class MultiAgentSampler:
         self.listener = listener
         self.observations = observations
         """The env-to-module pipelines every observation passes before its episode records it (None: none)."""
+        self.module_to_env = module_to_env
+        """Each module's module-to-env pipeline, applied to its rows' actions before they are recorded and sent
+        (None: none)."""
         self._fast_path = True
         self.episodes: list[MultiAgentEpisode] = []
         """The episode running in each env."""
@@ -214,6 +220,9 @@ class MultiAgentSampler:
                 if acted is None:
                     continue
                 present, who, acts, env_acts, columns = acted
+                if self.module_to_env is not None:
+                    acts, env_acts, columns = self._through_module_to_env(present, waiting, acts, env_acts, columns,
+                                                                          explore)
                 keys = tuple(columns)
                 rows = list(zip(*columns.values()))  # each agent's policy outputs, in keys' order
                 if self._fast_path and add_action_batch(self.episodes, who, acts, keys, rows):
@@ -250,6 +259,34 @@ class MultiAgentSampler:
             ep.cut()
             _add(chunks, ep.take_chunks())
         return MultiAgentSample(chunks, env_steps, agent_steps, module_steps, ended)
+
+    def _through_module_to_env(self, present: list[str], waiting: dict, acts: Any, env_acts: list[Any],
+                               columns: dict[str, np.ndarray], explore: bool) -> tuple[Any, list[Any], dict]:
+        """A group's actions through each module's module-to-env pipeline, its rows (grouped by module in
+        ``present``'s order) one batch per module: what the pieces leave in "actions" is recorded, their
+        "actions_for_env" (else the converted actions) is what the env gets."""
+        acts = np.asarray(acts)
+        parts, env_parts, col_parts = [], [], {k: [] for k in columns}
+        start = 0
+        for mid in present:
+            rows = slice(start, start + len(waiting[mid][0]))
+            start = rows.stop
+            batch = {k: v[rows] for k, v in columns.items()}
+            batch["actions"] = acts[rows]
+            env_part = env_acts[rows]
+            pipeline = self.module_to_env.get(mid)
+            if pipeline is not None:
+                batch = pipeline(batch, nested.stack(waiting[mid][1]), explore)
+                for_env = batch.pop("actions_for_env", None)
+                env_part = np.asarray(self.acting.env_actions[mid](np.asarray(batch["actions"])) if for_env is None
+                                      else for_env)
+                env_part = env_part.tolist() if env_part.ndim == 1 else list(env_part)
+            parts.append(np.asarray(batch["actions"]))
+            env_parts += env_part
+            for k in columns:
+                col_parts[k].append(np.asarray(batch[k]))
+        return (np.concatenate(parts), env_parts,
+                {k: np.concatenate(v) for k, v in col_parts.items()})
 
     def _step_through_pipelines(self, to_env: list[dict[AgentID, Any]]) -> list[tuple]:
         """Every env steps first, then their observations pass the pipelines: one call per module for them all."""
