@@ -97,6 +97,28 @@ def test_appo_loss_on_policy_is_minus_mean_advantage_with_zero_kl(module):
     assert float(loss.detach()) == pytest.approx(float(stats["policy_loss"]) + 0.5 * float(vf.detach()), rel=1e-5)
 
 
+def test_appo_normalized_advantages_are_scale_free(module):
+    """With normalize_advantages the policy loss is the same for advantages shifted and scaled (a sparse-reward
+    task's tiny ones count as much as large ones), and on-policy it is minus the mean normalised advantage: 0."""
+    cfg = APPOConfig(entropy_coeff=0.0, normalize_advantages=True)
+    batch = fake_batch(module)
+    _, stats = appo_loss(module, batch, cfg, kl_coeff=1.0)
+    small = {**batch, "pg_advantages": batch["pg_advantages"] * 1e-3 + 0.5}
+    _, small_stats = appo_loss(module, small, cfg, kl_coeff=1.0)
+    assert float(stats["policy_loss"]) == pytest.approx(0.0, abs=1e-4)  # float32 ratios of exactly 1, nearly
+    grads = []
+    for b in (batch, small):
+        module.zero_grad()
+        loss, _ = appo_loss(module, b, APPOConfig(entropy_coeff=0.0, vf_loss_coeff=0.0, normalize_advantages=True),
+                            kl_coeff=1.0)
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None]).clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6)
+    assert float(small_stats["policy_loss"]) == pytest.approx(0.0, abs=1e-4)
+    with pytest.raises(ConfigError, match="normalize_advantages must be True or False"):
+        APPOConfig(normalize_advantages="yes").validate()
+
+
 def test_appo_ratio_is_clipped_against_the_target_policy(module):
     cfg = APPOConfig(vf_loss_coeff=0.0, entropy_coeff=0.0, clip_param=0.4)
     batch = fake_batch(module)

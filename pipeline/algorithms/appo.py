@@ -67,6 +67,10 @@ class APPOConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     """Train batches the circular buffer holds (N in the IMPACT paper)."""
     circular_buffer_iterations_per_batch: int = 2
     """Updates a batch may serve before it leaves the buffer (K in the IMPACT paper)."""
+    normalize_advantages: bool = False
+    """Scale each minibatch's V-trace policy-gradient advantages to zero mean and unit variance (runnel's own;
+    Sample Factory's APPO does it by default, RLlib's does not): once the value function is good the raw
+    advantages of a sparse-reward task are small beside the entropy bonus."""
 
     def _problems(self) -> list[str]:
         problems = super()._problems() + self.async_plan_problems() + self.vtrace_problems()
@@ -75,6 +79,8 @@ class APPOConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
         for key in ("kl_coeff", "kl_target", "target_worker_clipping"):
             if not is_number(getattr(self, key)) or getattr(self, key) <= 0:
                 problems.append(f"{key} must be a number > 0, got {getattr(self, key)!r}")
+        if not isinstance(self.normalize_advantages, bool):
+            problems.append(f"normalize_advantages must be True or False, got {self.normalize_advantages!r}")
         for key in ("target_network_update_freq", "circular_buffer_num_batches", "circular_buffer_iterations_per_batch"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
@@ -101,6 +107,8 @@ def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_co
     is_ratio = torch.exp(behaviour_logp - old_logp).clamp(0.0, config.target_worker_clipping)
     ratio = is_ratio * torch.exp(logp - behaviour_logp)
     adv = batch["pg_advantages"]
+    if config.normalize_advantages and adv.numel() > 1:
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - config.clip_param, 1 + config.clip_param) * adv)
     policy_loss = -surrogate.mean()
     targets = batch["vtrace_targets"]
