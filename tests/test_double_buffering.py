@@ -50,7 +50,7 @@ def logits(obs_space, w, obs):
 def test_two_requests_out_each_answered_with_its_own_rows(features):
     space = gym.spaces.Box(-1, 1, (features,), np.float32)
     server, directory, w = serve(space)
-    client = RemoteActing(InferenceClientSettings(1, directory), 1)
+    client = RemoteActing(InferenceClientSettings(1, directory, double_buffer=True), 1)
     try:
         assert len(client.lanes) == 2
         rng = np.random.default_rng(0)
@@ -84,7 +84,7 @@ def test_a_request_abandoned_midway_is_superseded():
     to the old one is dropped rather than taken for the new one's."""
     space = gym.spaces.Box(-1, 1, (4,), np.float32)
     server, directory, w = serve(space)
-    client = RemoteActing(InferenceClientSettings(1, directory), 1)
+    client = RemoteActing(InferenceClientSettings(1, directory, double_buffer=True), 1)
     try:
         old, new = np.full((2, 4), 0.9, np.float32), np.full((2, 4), -0.9, np.float32)
         client.send(0, old, False, 0)

@@ -295,6 +295,19 @@ def build_pipeline(factory: Callable[..., Any] | None, observation_space: gym.Sp
     return ConnectorPipeline(pieces, observation_space, action_space) if pieces else None
 
 
+def per_module(build: Callable[[gym.Space, gym.Space], Any], spaces: dict[str, tuple[gym.Space, gym.Space]]
+               ) -> dict[str, Any] | None:
+    """A multi-agent run's pipelines: ``build(observation_space, action_space)`` for each module's spaces, in
+    module id order; None when it builds none (the factory gives no pieces)."""
+    pipelines = {}
+    for mid, (obs_space, act_space) in sorted(spaces.items()):
+        pipeline = build(obs_space, act_space)
+        if pipeline is None:
+            return None
+        pipelines[mid] = pipeline
+    return pipelines
+
+
 def factory_pieces(factory: Callable[..., Any] | None, name: str, args: tuple, more_args: tuple,
                    example: str) -> list[Any]:
     """The pieces a connector factory gives: ``factory(*args)``, or ``factory(*more_args)`` when it takes more

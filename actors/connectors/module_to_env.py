@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import gymnasium as gym
 
-from actors.connectors.base import ConnectorV2, EnvSpaces, factory_pieces, pieces_state, set_pieces_state
+from actors.connectors.base import ConnectorV2, EnvSpaces, factory_pieces, per_module, pieces_state, set_pieces_state
 
 COLUMNS = ("actions", "action_logp", "action_dist_inputs")
 
@@ -101,10 +101,4 @@ def build_module_pipelines(factory: Callable[..., Any] | None, spaces: Mapping[s
     (observation, action) spaces; None without a factory or pieces."""
     if factory is None:
         return None
-    pipelines = {}
-    for mid, (obs_space, act_space) in sorted(spaces.items()):
-        pipeline = build_module_to_env(factory, obs_space, act_space)
-        if pipeline is None:
-            return None
-        pipelines[mid] = pipeline
-    return pipelines
+    return per_module(lambda obs_space, act_space: build_module_to_env(factory, obs_space, act_space), dict(spaces))

@@ -24,7 +24,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from actors.connectors.base import ConnectorPipeline, ConnectorV2, build_pipeline
+from actors.connectors.base import ConnectorPipeline, ConnectorV2, build_pipeline, per_module
 from protocols import nested
 
 
@@ -41,15 +41,15 @@ class ModuleConnectors:
         factory, or when it gives no pieces."""
         if factory is None:
             return None
-        pipelines = {}
-        for mid, (obs_space, act_space) in sorted(spaces.items()):
+
+        def build(obs_space: gym.Space, act_space: gym.Space) -> ConnectorPipeline | None:
             pipeline = build_pipeline(factory, obs_space, act_space)
-            if pipeline is None:
-                return None
-            for piece in pipeline.pieces:
+            for piece in pipeline.pieces if pipeline is not None else ():
                 refuse_per_env_memory(piece)
-            pipelines[mid] = pipeline
-        return cls(pipelines)
+            return pipeline
+
+        pipelines = per_module(build, dict(spaces))
+        return None if pipelines is None else cls(pipelines)
 
     def observation_space(self, module_id: str) -> gym.Space:
         """What module ``module_id`` gets: its pipeline's output space."""

@@ -221,8 +221,7 @@ class MultiAgentSampler:
                     continue
                 present, who, acts, env_acts, columns = acted
                 if self.module_to_env is not None:
-                    acts, env_acts, columns = self._through_module_to_env(present, waiting, acts, env_acts, columns,
-                                                                          explore)
+                    acts, env_acts, columns = self._through_module_to_env(present, waiting, acts, columns, explore)
                 keys = tuple(columns)
                 rows = list(zip(*columns.values()))  # each agent's policy outputs, in keys' order
                 if self._fast_path and add_action_batch(self.episodes, who, acts, keys, rows):
@@ -260,11 +259,12 @@ class MultiAgentSampler:
             _add(chunks, ep.take_chunks())
         return MultiAgentSample(chunks, env_steps, agent_steps, module_steps, ended)
 
-    def _through_module_to_env(self, present: list[str], waiting: dict, acts: Any, env_acts: list[Any],
+    def _through_module_to_env(self, present: list[str], waiting: dict, acts: Any,
                                columns: dict[str, np.ndarray], explore: bool) -> tuple[Any, list[Any], dict]:
         """A group's actions through each module's module-to-env pipeline, its rows (grouped by module in
         ``present``'s order) one batch per module: what the pieces leave in "actions" is recorded, their
-        "actions_for_env" (else the converted actions) is what the env gets."""
+        "actions_for_env" (else the converted actions) is what the env gets. Every module has a pipeline
+        (``build_module_pipelines`` builds one per module, and ``add_module`` is refused)."""
         acts = np.asarray(acts)
         parts, env_parts, col_parts = [], [], {k: [] for k in columns}
         start = 0
@@ -273,14 +273,11 @@ class MultiAgentSampler:
             start = rows.stop
             batch = {k: v[rows] for k, v in columns.items()}
             batch["actions"] = acts[rows]
-            env_part = env_acts[rows]
-            pipeline = self.module_to_env.get(mid)
-            if pipeline is not None:
-                batch = pipeline(batch, nested.stack(waiting[mid][1]), explore)
-                for_env = batch.pop("actions_for_env", None)
-                env_part = np.asarray(self.acting.env_actions[mid](np.asarray(batch["actions"])) if for_env is None
-                                      else for_env)
-                env_part = env_part.tolist() if env_part.ndim == 1 else list(env_part)
+            batch = self.module_to_env[mid](batch, nested.stack(waiting[mid][1]), explore)
+            for_env = batch.pop("actions_for_env", None)
+            env_part = np.asarray(self.acting.env_actions[mid](np.asarray(batch["actions"])) if for_env is None
+                                  else for_env)
+            env_part = env_part.tolist() if env_part.ndim == 1 else list(env_part)
             parts.append(np.asarray(batch["actions"]))
             env_parts += env_part
             for k in columns:

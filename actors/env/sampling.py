@@ -24,6 +24,7 @@ from protocols import nested
 
 log = logging.getLogger("runnel")
 
+
 class FragmentSampler:
     """Steps every sub-env with the acting piece. ``obs`` is None until the first reset (and again after
     ``sample(num_episodes=n)``, whose unfinished episodes are dropped)."""
@@ -50,7 +51,7 @@ class FragmentSampler:
         self.obs_infos: list[dict] | None = None  # the info of each sub-env's current observation
         self.oldest_version = 0
         """The oldest weights version that acted in the last ``run`` (what its chunks are stamped with)."""
-        self._told = False  # why double buffering is off was logged
+        self._split: bool | None = None  # double-buffered (decided at the first run: nothing it rests on changes)
 
     def reset(self) -> None:
         """Reset every sub-env; each starts a fresh episode."""
@@ -87,12 +88,13 @@ class FragmentSampler:
 
     def double_buffered(self) -> bool:
         """Steps one half of the sub-envs while the other half's actions are inferred (``split_sampling``):
-        central inference with ``double_buffer`` on, where this loop allows it (why not is logged once)."""
-        problem = split_problem(self)
-        if problem is not None and len(getattr(self.acting, "lanes", ())) > 1 and not self._told:
-            log.info("env runner: double buffering off: %s; stepping every sub-env at once", problem)
-            self._told = True
-        return problem is None
+        central inference with ``double_buffer`` on, where this loop allows it (why not is logged)."""
+        if self._split is None:
+            problem = split_problem(self)
+            if problem is not None and len(getattr(self.acting, "lanes", ())) > 1:
+                log.info("env runner: double buffering off: %s; stepping every sub-env at once", problem)
+            self._split = problem is None
+        return self._split
 
     def _observe(self, raw: Any, starts: np.ndarray, update: bool | None = None) -> tuple[Any, Any]:
         """Raw env observations -> (what chunks store, what the module acts on)."""

@@ -43,7 +43,7 @@ class InferenceSettings:
     server infers the other's actions (Sample Factory's double-buffered sampling). Used where the runner's loop
     allows it (``actors.env.split_sampling.split_problem``: two or more sub-envs stepped in its process, no
     connector pipelines, kept infos or recurrent state); elsewhere it steps all sub-envs at once. Off by
-    default: measured slower both on 2 CPU cores (0.95x) and with servers on an H200 (0.80-0.89x), because a
+    default: measured slower both on 2 CPU cores (0.83x) and with servers on an H200 (0.80-0.89x), because a
     server's time goes mostly to per-request work, which twice the requests of half the size double. Seeded
     runs repeat exactly either way, but draw each half's noise separately (not the same actions as local
     inference at the same seed)."""
@@ -69,7 +69,7 @@ class InferenceClientSettings:
     resend_after_s: float = 5.0
     reply_timeout_s: float = 120.0
     shared_memory: bool = True
-    double_buffer: bool = True
+    double_buffer: bool = False
 
     @property
     def lanes(self) -> int:

@@ -33,7 +33,7 @@ from actors.learner import ChunkBatch, Learner, grad_if, piecewise
 from actors.learner.feed import TakeBatch
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
-from pipeline.algorithms.returns import adapt_kl_coeff
+from pipeline.algorithms.returns import adapt_kl_coeff, normalized
 from pipeline.algorithms.vtrace import VTraceSettings, policy_inputs, sgd_epochs, value_pass, vtrace_targets
 from pipeline.plans.asynchronous import AsyncPlan, AsyncPlanSettings
 from pipeline.config.base import AlgorithmConfig
@@ -107,8 +107,8 @@ def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_co
     is_ratio = torch.exp(behaviour_logp - old_logp).clamp(0.0, config.target_worker_clipping)
     ratio = is_ratio * torch.exp(logp - behaviour_logp)
     adv = batch["pg_advantages"]
-    if config.normalize_advantages and adv.numel() > 1:
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    if config.normalize_advantages:
+        adv = normalized(adv)
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - config.clip_param, 1 + config.clip_param) * adv)
     policy_loss = -surrogate.mean()
     targets = batch["vtrace_targets"]

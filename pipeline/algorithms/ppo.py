@@ -21,7 +21,7 @@ from actors.learner import Learner, as_batch, grad_if, piecewise
 from actors.learner.sequences import chunks_to_sequences, sequence_outputs, sequence_sgd
 from actors.modules import RLModule
 from pipeline.algorithm import Algorithm
-from pipeline.algorithms.returns import adapt_kl_coeff, gae
+from pipeline.algorithms.returns import adapt_kl_coeff, gae, normalized
 from pipeline.config.base import AlgorithmConfig
 from pipeline.registry import register_algorithm
 from protocols import nested
@@ -100,8 +100,8 @@ def ppo_loss(module: RLModule, batch: dict[str, Any], config: PPOConfig, kl_coef
     logp = dist.logp(batch["actions"])
     ratio = torch.exp(logp - batch["action_logp"])
     adv = batch["advantages"]
-    if config.normalize_advantages and adv.numel() > 1:
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    if config.normalize_advantages:
+        adv = normalized(adv)
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - config.clip_param, 1 + config.clip_param) * adv)
     policy_loss = -surrogate.mean()
     total = policy_loss

@@ -8,6 +8,8 @@ padded to the longest one), never as a Python loop over single steps.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -61,6 +63,14 @@ def gae(rewards: np.ndarray, values: np.ndarray, lengths: np.ndarray, terminated
         adv[:, t] = running
     advantages = _unpad(adv, lengths)
     return advantages, (advantages + v).astype(np.float32)
+
+
+def normalized(adv: Any) -> Any:
+    """Advantages (a torch tensor) scaled to zero mean and unit standard deviation; a single value as it is.
+    PPO always, APPO with ``normalize_advantages``, per minibatch."""
+    if adv.numel() > 1:
+        return (adv - adv.mean()) / (adv.std() + 1e-8)
+    return adv
 
 
 def adapt_kl_coeff(coeff: float, kl: float, kl_target: float) -> float:
