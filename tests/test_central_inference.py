@@ -112,6 +112,22 @@ def test_same_seed_and_weights_give_the_same_actions_with_central_and_local_infe
     assert len({int(a) for c in central for a in c.actions}) == 2  # both actions taken: the draws matter
 
 
+@pytest.mark.slow
+def test_a_server_acting_in_bfloat16_draws_what_a_runner_acting_in_bfloat16_draws():
+    """precision="bfloat16" on both sides, one runner (so the server's batches are the runner's own, computed
+    by the same bfloat16 kernels): the same actions, log-probabilities and distribution inputs."""
+    config = (cartpole(PPOConfig, runners=1, envs=4, seed=3).env_runners(rollout_fragment_length=25)
+              .inference(precision="bfloat16"))
+    local = sample_twice(config.copy(), steps=200)
+    central = sample_twice(config.copy().inference(mode="central"), steps=200)
+    assert len(local) == len(central) > 8
+    for a, b in zip(local, central):
+        assert (a.env_index, a.chunk_index, len(a)) == (b.env_index, b.chunk_index, len(b))
+        np.testing.assert_array_equal(a.actions, b.actions)
+        np.testing.assert_allclose(a.extra["action_logp"], b.extra["action_logp"], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a.extra["action_dist_inputs"], b.extra["action_dist_inputs"], rtol=1e-6, atol=1e-6)
+
+
 def test_central_inference_config_is_checked_at_build():
     with pytest.raises(ConfigError, match=r"inference mode='remote' is not one of \['local', 'central'\]"):
         cartpole(PPOConfig).inference(mode="remote").build()

@@ -36,7 +36,7 @@ class LocalActing:
         self._torch = torch
         module = module_class_of(settings)(observation_space, action_space, settings.model_config,
                                            inference_only=True, **settings.module_kwargs)
-        self.forward = PolicyForward(module)
+        self.forward = PolicyForward(module, precision=settings.precision)
         self.module = self.forward.module
         self.exploration = make_exploration(settings.exploration_config, module.dist_spec)
         self.weights_version = 0
@@ -72,7 +72,7 @@ class LocalActing:
                 self.state[rows] = 0.0
 
     def set_weights(self, weights: dict[str, Any], weights_version: int) -> None:
-        self.module.set_state(weights)
+        self.forward.set_state(weights)
         self.weights_version = weights_version
 
     def get_weights(self) -> dict[str, np.ndarray]:

@@ -74,6 +74,8 @@ class EnvRunnerSettings:
     """Act with numpy alone: the driver's ``actors.modules.export.acting_plan`` of the module and exploration
     (then ``module_class``, ``module_kwargs`` and ``exploration_config`` are left out of the runners' copy,
     so no torch is imported to read them); None: the torch module acts."""
+    precision: str = "float32"
+    """The dtype the runner's own torch forward pass computes in (``InferenceSettings.precision``)."""
     niceness: int = 0
     """Raise this runner's OS niceness by this much (a remote runner only): evaluators running beside
     training take the CPU time training leaves idle instead of slowing it down."""

@@ -15,9 +15,18 @@ the rows) and replayed: the batch is copied into the bucket's static input, the 
 rows of its static output are the answer. Weights are copied into the module's tensors in place
 (``load_weights``), so the captured graphs act with new weights without a new capture. A module whose
 pass cannot be captured (a sync to the CPU, data-dependent shapes) runs eagerly, as before.
+
+Precision (``precision="bfloat16"``): the pass runs a bfloat16 copy of the module under autocast; the
+float32 module stays the one whose weights are read and written (``set_state``, ``load_weights`` refresh
+the copy). On CPUs with bfloat16 matrix units (AMX, AVX512-BF16) the Nature CNN's pass costs about half the
+float32 one (8 frames: 0.9 against 1.8 ms on one thread), on a GPU's tensor cores less still; on CPUs without
+them it costs several times more. The distribution inputs come back as float32 and the actions are drawn
+from them as before: the log-probabilities recorded are those of the policy that acted (the bfloat16 one),
+which is what the learners' importance ratios need.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from typing import Any
@@ -26,6 +35,7 @@ import numpy as np
 import torch
 
 from actors.env.exploration import Exploration
+from actors.inference.settings import PRECISIONS
 from actors.modules import RLModule
 from protocols import nested
 
@@ -38,11 +48,17 @@ GRAPH_MAX_ROWS = 1024
 
 
 class PolicyForward:
-    def __init__(self, module: RLModule, device: torch.device | str = "cpu", graphs: bool = False) -> None:
-        """``graphs``: replay CUDA graphs of the pass (on a CUDA device; ignored on the CPU)."""
+    def __init__(self, module: RLModule, device: torch.device | str = "cpu", graphs: bool = False,
+                 precision: str = "float32") -> None:
+        """``graphs``: replay CUDA graphs of the pass (on a CUDA device; ignored on the CPU). ``precision``: one
+        of ``PRECISIONS``, the dtype the pass computes in."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"inference precision={precision!r} is not one of {list(PRECISIONS)}")
         self.device = torch.device(device)
         self.module = module.to(self.device)
         self.module.eval()
+        self.precision = precision
+        self._low: RLModule | None = None  # the bfloat16 copy that runs the pass, made at the first one
         self.dist_spec = module.dist_spec
         self.cuda = self.device.type == "cuda"
         self._pinned: dict[tuple, torch.Tensor] = {}  # (leaf, dtype, row shape) -> a pinned host buffer
@@ -54,16 +70,38 @@ class PolicyForward:
     def dist_inputs(self, obs: Any, explore: bool) -> torch.Tensor:
         """The action distribution inputs for a batch of numpy observations, on the CPU. The caller
         holds ``torch.inference_mode``."""
-        module = self.module
-        forward = module.forward_exploration if explore else module.forward_inference
         if not self.cuda:
-            return forward(nested.map_structure(_tensor, obs))["action_dist_inputs"]
+            return self._pass(explore, nested.map_structure(_tensor, obs))["action_dist_inputs"]
         if self.graphs and type(obs) is np.ndarray and 0 < len(obs) <= GRAPH_MAX_ROWS:
             return self._replayed(obs, explore)
         leaf = itertools.count()
-        inputs = forward(nested.map_structure(lambda a: self._upload(next(leaf), a), obs))["action_dist_inputs"]
+        inputs = self._pass(explore, nested.map_structure(lambda a: self._upload(next(leaf), a), obs))
         # waits for the pass (the answers are needed now); the pinned buffers are free again after it
-        return inputs.to("cpu")
+        return inputs["action_dist_inputs"].to("cpu")
+
+    def _pass(self, explore: bool, obs: Any, *state: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The module's acting pass in this forward's precision; float32 outputs."""
+        if self.precision == "float32":
+            module = self.module
+            return (module.forward_exploration if explore else module.forward_inference)(obs, *state)
+        module = self._low_module()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            out = (module.forward_exploration if explore else module.forward_inference)(
+                obs, *(s.to(torch.bfloat16) for s in state))
+        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+
+    def _low_module(self) -> RLModule:
+        if self._low is None:  # normal tensors, even when the first pass runs in inference mode: updated later
+            with torch.inference_mode(False), torch.no_grad():
+                self._low = copy.deepcopy(self.module).to(torch.bfloat16)
+        return self._low
+
+    def _refresh(self) -> None:
+        """The float32 module's weights changed: the bfloat16 copy takes them (in place, so captured graphs
+        read them)."""
+        if self._low is not None:
+            with torch.inference_mode(False), torch.no_grad():
+                self._low.load_state_dict(self.module.state_dict())
 
     @property
     def num_graphs(self) -> int:
@@ -104,35 +142,32 @@ class PolicyForward:
 
     def _capture(self, key: tuple, obs: np.ndarray) -> tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]:
         rows, explore = key[0], key[1]
-        module = self.module
-        forward = module.forward_exploration if explore else module.forward_inference
         static_in = torch.zeros((rows, *obs.shape[1:]), dtype=_tensor(obs[:0]).dtype, device=self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up off the capture: cuDNN picks its kernels, the allocator its blocks
             for _ in range(2):
-                forward(static_in)
+                self._pass(explore, static_in)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_out = forward(static_in)["action_dist_inputs"]
+            static_out = self._pass(explore, static_in)["action_dist_inputs"]
         return static_in, graph, static_out
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Tensors already on the module's device, copied into its own in place (captured graphs read those)."""
         self.module.load_state_dict(weights)
+        self._refresh()
 
     def recurrent_dist_inputs(self, obs: Any, state: np.ndarray, explore: bool) -> tuple[torch.Tensor, np.ndarray]:
         """A recurrent module's step: (action distribution inputs on the CPU, the next states as numpy)
         for a batch of observations and the states ``[B, 2, cell]`` they act from."""
-        module = self.module
-        forward = module.forward_exploration if explore else module.forward_inference
         if not self.cuda:
-            out = forward(nested.map_structure(_tensor, obs), torch.from_numpy(state))
+            out = self._pass(explore, nested.map_structure(_tensor, obs), torch.from_numpy(state))
             return out["action_dist_inputs"], out["state_out"].numpy()
         leaf = itertools.count()
         t_obs = nested.map_structure(lambda a: self._upload(next(leaf), a), obs)
-        out = forward(t_obs, self._upload(-1, state))
+        out = self._pass(explore, t_obs, self._upload(-1, state))
         return out["action_dist_inputs"].to("cpu"), out["state_out"].to("cpu").numpy()
 
     def host_array(self, key: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -172,6 +207,7 @@ class PolicyForward:
 
     def set_state(self, weights: dict[str, Any]) -> None:
         self.module.set_state(weights)
+        self._refresh()
 
     def get_state(self) -> dict[str, np.ndarray]:
         return self.module.get_state()

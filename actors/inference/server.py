@@ -91,7 +91,8 @@ class InferenceServer(InferenceRole):
         def build() -> Any:
             return cls(obs_space, act_space, settings.model_config, inference_only=True, **settings.module_kwargs)
 
-        self.forward = PolicyForward(build(), device, graphs=inference.cuda_graphs)
+        self.forward = PolicyForward(build(), device, graphs=inference.cuda_graphs,
+                                     precision=inference.precision)
         dist_spec = self.forward.dist_spec
         chooser = (NumpyChooser(NumpyPolicy(settings.numpy_policy["policy"]), settings.numpy_policy["exploration"])
                    if settings.numpy_policy is not None else None)  # only its choosing is used: weights need not match

@@ -7,6 +7,7 @@ from typing import Any
 
 MODES = ("local", "central")
 RUNNER_BACKENDS = ("auto", "numpy", "torch")
+PRECISIONS = ("float32", "bfloat16")
 
 
 @dataclass
@@ -21,6 +22,14 @@ class InferenceSettings:
     process never imports torch), "torch", or "auto": numpy where the built-in module, exploration and
     callbacks allow (``actors.modules.export.acting_plan``), else torch. Under central inference the servers
     draw each runner's actions the way this picks, so central and local act alike."""
+    precision: str = "float32"
+    """The dtype the acting forward pass computes in, wherever it runs (a runner's own torch module, or the
+    servers'): "float32", or "bfloat16" (a bfloat16 copy of the module under autocast, refreshed with every
+    weights update; the recorded log-probabilities are the bfloat16 policy's, the one that acted). bfloat16
+    halves the Nature CNN's cost on CPUs with bfloat16 units (Intel AMX or AVX512-BF16; ``lscpu`` lists
+    ``amx_bf16``/``avx512_bf16``) and on GPUs, and costs several times more on CPUs without them. Numpy acting
+    computes in float32 only: with bfloat16, "auto" runners act with torch, and runner_backend="numpy" is
+    refused."""
     num_inference_servers: int = 1
     """Servers; env runner i asks server ``i % num_inference_servers``."""
     num_cpus_per_inference_server: float = 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from actors.inference.settings import MODES, RUNNER_BACKENDS, InferenceSettings
+from actors.inference.settings import MODES, PRECISIONS, RUNNER_BACKENDS, InferenceSettings
 from pipeline.config.keys import dict_setting_problems
 from pipeline.config.multi_agent import settings_used
 from pipeline.config.offline import mixes_sampler
@@ -47,6 +47,14 @@ def inference_problems(config: Any) -> list[str]:
             problems.append(f"inference {key} must be True or False, got {getattr(x, key)!r}")
     if x.runner_backend not in RUNNER_BACKENDS:
         problems.append(f"inference runner_backend={x.runner_backend!r} is not one of {list(RUNNER_BACKENDS)}")
+    if x.precision not in PRECISIONS:
+        problems.append(f"inference precision={x.precision!r} is not one of {list(PRECISIONS)}")
+    elif x.precision != "float32" and x.runner_backend == "numpy":
+        problems.append(f"inference precision={x.precision!r} needs torch acting; numpy acting computes in float32: "
+                        f"set runner_backend='auto' or 'torch', or precision='float32'")
+    elif x.precision != "float32" and settings_used(config):
+        problems.append(f"inference precision={x.precision!r} serves single-agent runners and inference servers; "
+                        f"multi-agent runners act in float32: drop precision or set precision='float32'")
     for key in ("num_inference_servers", "max_batch"):
         value = getattr(x, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

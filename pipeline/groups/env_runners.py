@@ -34,6 +34,7 @@ def runner_settings(c: AlgorithmConfig, creator: Callable | None, module_class: 
                        if isinstance(c.module_to_env_connector, str) else c.module_to_env_connector),
         env_observation_space=env_observation_space,
     )
+    settings.precision = (c.inference_config or {}).get("precision", "float32")
     if c.external_clients_config is None and not settings_used(c):  # single-agent env runners act
         settings.numpy_policy = numpy_plan(settings, runner_backend(c))
     return settings
@@ -52,7 +53,7 @@ def numpy_plan(settings: EnvRunnerSettings, backend: str) -> dict | None:
     ``backend`` "auto" exports when the module, its exploration and the callbacks allow and the module has no
     convolutions (numpy runs those several times slower than torch), "numpy" insists
     (a ``ConfigError`` says why it cannot), "torch" never exports."""
-    if backend == "torch":
+    if backend == "torch" or settings.precision != "float32":  # numpy computes in float32 only
         return None
     try:
         plan = _export_plan(settings)

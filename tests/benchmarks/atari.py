@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import os
 import platform
 import pstats
@@ -73,23 +74,26 @@ def cnn_cost(calls: int = 200) -> None:
     import numpy as np
     import torch
 
+    from actors.inference.forward import PolicyForward
     from actors.modules import ActorCriticModule
 
     torch.set_num_threads(1)
-    for channels in (1, 4):
+    for channels, precision in itertools.product((1, 4), ("float32", "bfloat16")):
         space = gym.spaces.Box(0, 255, (84, 84, channels), np.uint8)
-        module = ActorCriticModule(space, gym.spaces.Discrete(6), inference_only=True)
-        obs = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (NUM_ENVS, 84, 84, channels), dtype=np.uint8))
+        forward = PolicyForward(ActorCriticModule(space, gym.spaces.Discrete(6), inference_only=True),
+                                precision=precision)
+        obs = np.random.default_rng(0).integers(0, 256, (NUM_ENVS, 84, 84, channels), dtype=np.uint8)
         times = []
         with torch.inference_mode():
             for _ in range(20):
-                module.forward_inference(obs)
+                forward.dist_inputs(obs, True)
             for _ in range(5):
                 t0 = time.perf_counter()
                 for _ in range(calls // 5):
-                    module.forward_inference(obs)
+                    forward.dist_inputs(obs, True)
                 times.append((time.perf_counter() - t0) / (calls // 5))
-        emit(bench="cnn", channels=channels, batch=NUM_ENVS, ms_per_forward=round(1e3 * statistics.median(times), 3))
+        emit(bench="cnn", channels=channels, batch=NUM_ENVS, precision=precision,
+             ms_per_forward=round(1e3 * statistics.median(times), 3))
 
 
 def bare_case():
@@ -115,16 +119,17 @@ def bare_case():
     return sample, lambda: [env.close() for env in envs], 1
 
 
-def runner_case():
+def runner_case(precision: str = "float32"):
     from actors.env import EnvRunner, EnvRunnerSettings
     from pipeline.envs import env_creator
 
     runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator(ENV_ID), num_envs=NUM_ENVS,
-                                         rollout_fragment_length=FRAGMENT, seed=0), worker_index=1)
+                                         rollout_fragment_length=FRAGMENT, seed=0, precision=precision),
+                       worker_index=1)
     return (lambda: sum(len(c) for c in runner.sample())), runner.stop, 1
 
 
-def stacked_runner_case():
+def stacked_runner_case(precision: str = "float32"):
     """``runner_case`` with 4-frame stacking (``FrameStackingEnvToModule``): the CNN gets 84x84x4 stacks, the
     chunks keep one frame per step."""
     from actors.env import EnvRunner, EnvRunnerSettings
@@ -132,7 +137,8 @@ def stacked_runner_case():
     from pipeline.envs import env_creator
 
     runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator(ENV_ID), num_envs=NUM_ENVS,
-                                         rollout_fragment_length=FRAGMENT, seed=0, env_to_module=atari_frame_stack),
+                                         rollout_fragment_length=FRAGMENT, seed=0, env_to_module=atari_frame_stack,
+                                         precision=precision),
                        worker_index=1)
     return (lambda: sum(len(c) for c in runner.sample())), runner.stop, 1
 
@@ -163,12 +169,12 @@ def shipped_bytes() -> None:
              ratio=round(one / four, 3))
 
 
-def ray_case():
+def ray_case(precision: str = "float32"):
     from pipeline import PPOConfig
 
     algo = (PPOConfig().environment(ENV_ID)
             .env_runners(num_env_runners=2, num_envs_per_env_runner=NUM_ENVS, rollout_fragment_length=FRAGMENT)
-            .debugging(seed=0).build(logdir=None))
+            .inference(precision=precision).debugging(seed=0).build(logdir=None))
     group = algo.env_runner_group
     return (lambda: sum(len(c) for c in group.sample(2 * NUM_ENVS * FRAGMENT, algo.metrics))), algo.stop, 2
 
@@ -188,9 +194,14 @@ def sampling(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     makers = [("bare", bare_case), ("runnel 1x8", runner_case), ("runnel 1x8 stack4", stacked_runner_case)]
+    if args.bf16:
+        makers += [("runnel 1x8 bf16", lambda: runner_case("bfloat16")),
+                   ("runnel 1x8 stack4 bf16", lambda: stacked_runner_case("bfloat16"))]
     if not args.no_ray:
         ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False, num_cpus=4)
         makers.append(("runnel 2x8", ray_case))
+        if args.bf16:
+            makers.append(("runnel 2x8 bf16", lambda: ray_case("bfloat16")))
     figures: dict[str, list[float]] = {}
     built = []
     try:
@@ -207,9 +218,9 @@ def sampling(args: argparse.Namespace) -> None:
         if ray.is_initialized():
             ray.shutdown()
     bare = statistics.median(figures["bare"])
-    plain = statistics.median(figures["runnel 1x8"])
     for name, rates in figures.items():
         med = statistics.median(rates)
+        plain = statistics.median(figures["runnel 1x8 bf16" if "bf16" in name else "runnel 1x8"])
         emit(bench="sampling_summary", case=name, median_frames_per_s_per_core=round(med),
              runnel_over_bare=round(med / bare, 3), rounds=len(rates),
              **({"cost_over_unstacked": round(plain / med, 3)} if "stack" in name else {}))
@@ -250,6 +261,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=5.0, help="measuring time per case and round")
     p.add_argument("--no-ray", action="store_true", help="leave out the two Ray runner actors")
+    p.add_argument("--bf16", action="store_true",
+                   help="add each runnel case again with inference precision bfloat16 (on CPUs with AMX/AVX512-BF16)")
     p.add_argument("--profile", type=float, default=0.0, metavar="S",
                    help="also profile the in-process runner for S seconds")
     return p.parse_args()

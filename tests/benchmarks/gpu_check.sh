@@ -36,7 +36,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 RAY_DEDUP_LOGS=0
 unset RAY_ADDRESS
 DRY=${GPU_CHECK_DRY:-0}
-GPU_CHECK_BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---runners 8 --envs 4 --servers 8 --cpu-modes local --gpu-servers 1,2 --double-buffer off,on}
+GPU_CHECK_BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---runners 8 --envs 4 --servers 8 --cpu-modes local --gpu-servers 1,2 --double-buffer off}
 PONG_S=${GPU_CHECK_PONG_S:-0}  # > 0: then APPO on Pong (tuned/pong-appo.yaml) for at most this many seconds
 failed=()
 started=$(date +%s)
@@ -119,7 +119,8 @@ fi
 skip=()
 [ "$DRY" = 1 ] && skip=(--skip-gpu)
 # shellcheck disable=SC2086
-timeout 220 "$PY" tests/benchmarks/inference.py --workloads frames_cnn --seconds 2 --repeats 1 ${GPU_CHECK_BENCH_ARGS} \
+timeout 220 "$PY" tests/benchmarks/inference.py --workloads frames_cnn --seconds 2 --repeats 1 \
+    --gpu-precisions float32,bfloat16 ${GPU_CHECK_BENCH_ARGS} \
     "${skip[@]}" | tee "$OUT/inference_bench.jsonl"
 if "$PY" - "$OUT/inference_bench.jsonl" "$DRY" <<'EOF'
 import json, sys
@@ -129,7 +130,8 @@ if summary is None:
     sys.exit("the benchmark printed no summary")
 dry = sys.argv[2] == "1"
 if not dry:
-    ratios = {k: v for k, v in summary.items() if k.startswith("frames_cnn_central_cuda") and k.endswith("_over_local")}
+    ratios = {k: v for k, v in summary.items() if k.startswith("frames_cnn_central") and "_cuda" in k
+              and k.endswith("_over_local") and "double" not in k}  # float32 and bfloat16 servers
     double = {k: v for k, v in summary.items() if k.startswith("frames_cnn_central_double_cuda")}
     ratio = max(ratios.values()) if ratios else None
     print(f"INFO central on CUDA / local, by servers sharing the GPU: {ratios}")

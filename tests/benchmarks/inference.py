@@ -35,12 +35,14 @@ Prints one JSON object per line:
         (Sample Factory reports about 3.8k frames/s per core for Atari).
 
     python tests/benchmarks/inference.py [--seconds 8] [--repeats 3] [--runners 8] [--envs 4]
-        [--workloads frames_cnn,cartpole_mlp] [--cpu-modes local,central] [--skip-gpu]
+        [--workloads frames_cnn,cartpole_mlp] [--cpu-modes local,central] [--precisions float32,bfloat16]
+        [--skip-gpu]
     (tests/benchmarks/gpu_check.sh runs a short pass on a GPU machine: frames_cnn, 2 s a point)
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -75,14 +77,15 @@ def emit(**fields) -> None:
 
 
 def sampling_rate(workload: str, mode: str, device: str, args: argparse.Namespace, gpu_servers: int = 1,
-                  double_buffer: bool = False) -> tuple[float, dict]:
+                  double_buffer: bool = False, precision: str = "float32") -> tuple[float, dict]:
     """Env steps per second the runner group samples (median over ``--seconds`` of sample calls), and the
     servers' mean batch size and milliseconds per batch (central)."""
     steps = args.runners * args.envs * args.fragment
     config = (PPOConfig().environment(WORKLOADS[workload])
               .env_runners(num_env_runners=args.runners, num_envs_per_env_runner=args.envs,
                            rollout_fragment_length=args.fragment)
-              .training(train_batch_size_per_learner=steps, minibatch_size=min(128, steps)))
+              .training(train_batch_size_per_learner=steps, minibatch_size=min(128, steps))
+              .inference(precision=precision))
     if mode == "central":
         cuda = device == "cuda"  # ``gpu_servers`` sharing the GPU; on CPU, a server per core (at most one per runner)
         config.inference(mode="central", num_inference_servers=gpu_servers if cuda else min(args.servers, args.runners),
@@ -261,6 +264,12 @@ def main() -> None:
     p.add_argument("--double-buffer", default="off",
                    help="central sampling runs with one request out per runner (off, the default), runners "
                         "double-buffering (on, reported as mode central_double), or both (off,on: each a run)")
+    p.add_argument("--gpu-precisions", default="float32",
+                   help="GPU sampling runs acting in these precisions (each a run; bfloat16 modes named with _bf16), "
+                        "each against float32 local CPU inference")
+    p.add_argument("--precisions", default="float32",
+                   help="CPU sampling runs acting in these precisions (float32,bfloat16: each a run, bfloat16 modes "
+                        "named with _bf16; bfloat16 pays on CPUs with AMX/AVX512-BF16)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.skip_gpu
     ray.init(address="local", num_cpus=args.runners + (args.servers + 1) * args.server_cpus + 2,
@@ -281,13 +290,18 @@ def main() -> None:
                                                                for b in buffering]
         return out
 
+    precisions = args.precisions.split(",")
+    suffix = {"float32": "", "bfloat16": "_bf16"}
     for r in range(args.repeats):
         for workload in workloads:
-            for mode, buffered in central_modes(args.cpu_modes.split(",")):
-                rate, served = sampling_rate(workload, mode.split("_")[0], "cpu", args, double_buffer=buffered)
-                rates.setdefault((workload, mode, "cpu"), []).append(rate)
-                emit(bench="sampling", workload=workload, mode=mode, device="cpu", runners=args.runners,
-                     envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1), **served)
+            for precision in precisions:
+                for mode, buffered in central_modes(args.cpu_modes.split(",")):
+                    rate, served = sampling_rate(workload, mode.split("_")[0], "cpu", args, double_buffer=buffered,
+                                                 precision=precision)
+                    name = mode + suffix[precision]
+                    rates.setdefault((workload, name, "cpu"), []).append(rate)
+                    emit(bench="sampling", workload=workload, mode=name, device="cpu", runners=args.runners,
+                         envs=args.envs, precision=precision, repeat=r, env_steps_per_s=round(rate, 1), **served)
     devices = ["cpu"] + (["cuda"] if cuda else [])
     if "frames_cnn" in workloads:
         for device in devices:
@@ -304,29 +318,40 @@ def main() -> None:
     if cuda:
         for r in range(args.repeats):
             for workload in workloads:
-                for n in [int(n) for n in args.gpu_servers.split(",")]:
+                for n, precision in itertools.product([int(n) for n in args.gpu_servers.split(",")],
+                                                      args.gpu_precisions.split(",")):
                     for mode, buffered in central_modes(["central"]):
-                        rate, served = sampling_rate(workload, "central", "cuda", args, n, buffered)
-                        rates.setdefault((workload, mode, f"cuda{n}"), []).append(rate)
-                        emit(bench="sampling", workload=workload, mode=mode, device="cuda", servers=n,
-                             runners=args.runners, envs=args.envs, repeat=r, env_steps_per_s=round(rate, 1),
-                             **served)
+                        rate, served = sampling_rate(workload, "central", "cuda", args, n, buffered, precision)
+                        name = mode + suffix[precision]
+                        rates.setdefault((workload, name, f"cuda{n}"), []).append(rate)
+                        emit(bench="sampling", workload=workload, mode=name, device="cuda", servers=n,
+                             runners=args.runners, envs=args.envs, precision=precision, repeat=r,
+                             env_steps_per_s=round(rate, 1), **served)
         emit(bench="appo_frames", device="cuda", **appo_frames(args))
     summary = {f"{w}_{m}_{d}_env_steps_per_s": round(statistics.median(v), 1) for (w, m, d), v in rates.items()}
-    for workload in workloads:
-        local = rates.get((workload, "local", "cpu"))
+    for workload, end in itertools.product(workloads, [suffix[p] for p in precisions]):
+        local = rates.get((workload, "local" + end, "cpu"))
         if not local:
             continue
-        for device in ["cpu"] + ([f"cuda{n}" for n in args.gpu_servers.split(",")] if cuda else []):
-            for mode in ("central", "central_double"):
-                central = rates.get((workload, mode, device))
-                if central:
-                    summary[f"{workload}_{mode}_{device}_over_local"] = round(statistics.median(central)
-                                                                              / statistics.median(local), 2)
-        if (workload, "central", "cpu") in rates:
+        for mode in ("central" + end, "central_double" + end):
+            central = rates.get((workload, mode, "cpu"))
+            if central:
+                summary[f"{workload}_{mode}_cpu_over_local"] = round(statistics.median(central)
+                                                                     / statistics.median(local), 2)
+        if (workload, "central" + end, "cpu") in rates:
             # each repeat's central run beside the local run just before it: less exposed to a load that drifts
-            summary[f"{workload}_central_cpu_over_local_paired"] = round(statistics.median(
-                c / l for c, l in zip(rates[(workload, "central", "cpu")], local)), 2)
+            summary[f"{workload}_central{end}_cpu_over_local_paired"] = round(statistics.median(
+                c / l for c, l in zip(rates[(workload, "central" + end, "cpu")], local)), 2)
+        if end:  # bfloat16 against float32 acting, local and central
+            for mode in ("local", "central"):
+                low, full = rates.get((workload, mode + end, "cpu")), rates.get((workload, mode, "cpu"))
+                if low and full:
+                    summary[f"{workload}_{mode}{end}_over_float32"] = round(statistics.median(low)
+                                                                            / statistics.median(full), 2)
+    for (workload, mode, device), v in rates.items():  # the GPU runs, each against float32 local CPU inference
+        if device.startswith("cuda") and rates.get((workload, "local", "cpu")):
+            summary[f"{workload}_{mode}_{device}_over_local"] = round(statistics.median(v) / statistics.median(
+                rates[(workload, "local", "cpu")]), 2)
     emit(bench="summary", **summary)
 
 
