@@ -38,7 +38,7 @@ from pipeline.algorithm_evaluation import AlgorithmEvaluation
 from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
-from pipeline.algorithm_setup import (algorithm_config, check_module_to_env, connector_pipeline, frame_compression,
+from pipeline.algorithm_setup import (algorithm_config, connector_pipeline, driver_module_to_env, frame_compression,
                                       function_setting, import_in_background, learner_pipeline, policy_spaces,
                                       runner_fault_tolerance)
 from pipeline.config.connectors import replay_side_intake
@@ -144,7 +144,7 @@ class Algorithm(Trainable):
         if single:
             obs_space = self.connector.observation_space
         self.observation_space, self.action_space = obs_space, act_space
-        check_module_to_env(config, obs_space, act_space, None if self.multi_agent is None else {
+        module_to_env = driver_module_to_env(config, obs_space, act_space, None if self.multi_agent is None else {
             mid: (spec.observation_space, spec.action_space) for mid, spec in self.multi_agent.plan.module_specs.items()})
         self.learner_connector = learner_pipeline(config, self.chunk_observation_space, act_space,
                                                   self.multi_agent.plan.module_specs if self.multi_agent else None)
@@ -159,6 +159,11 @@ class Algorithm(Trainable):
             self.driver_policy = DriverPolicy.build(self.module_spec, config, obs_space, act_space)
         else:
             self.driver_policy = self.multi_agent.driver_policies[self.multi_agent.module_ids[0]]
+        if module_to_env is not None:  # compute_actions' actions go through the driver's copy, as a runner's do
+            policies = {"default_policy": self.driver_policy} if self.multi_agent is None else \
+                self.multi_agent.driver_policies
+            for mid, policy in policies.items():
+                policy.module_to_env = module_to_env if self.multi_agent is None else module_to_env[mid]
         try:
             self.callbacks = build_callbacks(config.callbacks_spec())
         except ValueError as err:

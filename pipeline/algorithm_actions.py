@@ -12,6 +12,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from actors.connectors.module_to_env import ModuleToEnvPipeline
 from actors.env.actions import EnvActions
 from actors.env.exploration import make_exploration
 from actors.modules import ModuleSpec, RLModule, to_torch
@@ -29,6 +30,10 @@ class DriverPolicy:
         self.env_actions = env_actions
         self.observation_space = observation_space
         self.module_version = -1  # weights version self.module holds (refreshed by current_module)
+        self.module_to_env: ModuleToEnvPipeline | None = None
+        """The driver's own copy of the run's module-to-env pipeline (``module_to_env_connector``), which the
+        actions computed here pass through as a runner's do; its pieces' state is this copy's own (a runner's
+        state stays in that runner). None without one."""
 
     @classmethod
     def build(cls, module_spec: ModuleSpec, config: AlgorithmConfig, observation_space: Any,
@@ -57,11 +62,22 @@ class DriverPolicy:
     def compute_actions(self, learner_group: LearnerGroup, obs: Any, explore: bool, timestep: int) -> np.ndarray:
         """A batch of observations -> a batch of env actions; ``timestep`` drives exploration schedules."""
         module = self.current_module(learner_group)
+        obs = as_arrays(obs, self.observation_space)
         with torch.inference_mode():
-            t_obs = to_torch(as_arrays(obs, self.observation_space))
-            dist = module.action_dist(module.forward_inference(t_obs)["action_dist_inputs"])
+            inputs = module.forward_inference(to_torch(obs))["action_dist_inputs"]
+            dist = module.action_dist(inputs)
             actions = self.exploration.actions(dist, explore, timestep)
-        return self.env_actions(actions.numpy())
+            return self.to_env(actions, dist, inputs, obs, explore)
+
+    def to_env(self, actions: torch.Tensor, dist: Any, inputs: torch.Tensor, obs: Any, explore: bool) -> np.ndarray:
+        """The module's actions as the env gets them: through the module-to-env pipeline when there is one
+        (its ``actions_for_env``, else its ``actions`` converted), else converted."""
+        if self.module_to_env is None:
+            return self.env_actions(actions.numpy())
+        out = self.module_to_env({"actions": actions.numpy(), "action_logp": dist.logp(actions).numpy(),
+                                  "action_dist_inputs": inputs.numpy()}, obs, explore)
+        for_env = out.get("actions_for_env")
+        return self.env_actions(np.asarray(out["actions"])) if for_env is None else np.asarray(for_env)
 
 
     def compute_recurrent(self, learner_group: LearnerGroup, obs: Any, state: Any, explore: bool,
@@ -69,15 +85,17 @@ class DriverPolicy:
         """A recurrent module: (env actions, next states) for a batch of observations and their states
         ``[B, 2, cell]`` (None: fresh ones)."""
         module = self.current_module(learner_group)
+        obs = as_arrays(obs, self.observation_space)
         with torch.inference_mode():
-            t_obs = to_torch(as_arrays(obs, self.observation_space))
+            t_obs = to_torch(obs)
             n = nested.batch_len(t_obs)
             if state is None:
                 state = module.initial_state(n)
             t_state = torch.as_tensor(np.asarray(state, np.float32))
             out = module.forward_inference(t_obs, t_state)
-            actions = self.exploration.actions(module.action_dist(out["action_dist_inputs"]), explore, timestep)
-        return self.env_actions(actions.numpy()), out["state_out"].numpy()
+            dist = module.action_dist(out["action_dist_inputs"])
+            actions = self.exploration.actions(dist, explore, timestep)
+            return self.to_env(actions, dist, out["action_dist_inputs"], obs, explore), out["state_out"].numpy()
 
 
 def batch_of_one(obs: Any, space: Any) -> Any:

@@ -128,25 +128,25 @@ def connector_pipeline(config: AlgorithmConfig, observation_space: Any, action_s
     return pipeline
 
 
-def check_module_to_env(config: AlgorithmConfig, observation_space: Any, action_space: Any,
-                        module_spaces: dict[str, tuple[Any, Any]] | None = None) -> None:
-    """A ``module_to_env_connector`` that runners cannot use is a ConfigError at ``build()``, naming the cause
-    (its pieces are built once here to find out; each runner builds its own). ``module_spaces``: a multi-agent
-    run's (observation, action) spaces per module, each module getting its own pipeline."""
+def driver_module_to_env(config: AlgorithmConfig, observation_space: Any, action_space: Any,
+                         module_spaces: dict[str, tuple[Any, Any]] | None = None) -> Any:
+    """The driver's copy of the ``module_to_env_connector`` pipeline (what ``compute_actions`` passes its actions
+    through; each runner builds its own), or None without one; for a multi-agent run (``module_spaces``: each
+    module's (observation, action) spaces) a dict of one pipeline per module. A factory runners cannot use is a
+    ConfigError at ``build()``, naming the cause."""
     factory = function_setting(config.module_to_env_connector, "module_to_env_connector")
     if factory is None:
-        return
+        return None
     if module_spaces is not None:
         try:
-            build_module_pipelines(factory, module_spaces)
+            return build_module_pipelines(factory, module_spaces)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"module_to_env_connector: {err}") from err
-        return
     if config.external_clients_config:
         raise ConfigError("module_to_env_connector runs in env runners, and with external_clients the clients step "
                           "their own envs: convert actions in the client, or leave module_to_env_connector unset")
     try:
-        build_module_to_env(factory, observation_space, action_space)
+        return build_module_to_env(factory, observation_space, action_space)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"module_to_env_connector: {err}") from err
 

@@ -285,3 +285,25 @@ def test_a_users_observation_piece_is_still_refused_in_the_other_pipelines():
 
     with pytest.raises(TypeError, match="LearnerConnector"):
         LearnerPipeline([Plain()], BOX, ACT)
+
+
+def test_compute_actions_in_the_driver_go_through_the_module_to_env_pipeline():
+    """algo.compute_single_action / compute_actions give what a runner would send the env: the driver's copy of
+    the pipeline's ``actions_for_env`` (Shift), or the recorded action a piece chose (Greedy), converted."""
+    base = (PPOConfig().environment(ActionEcho).env_runners(num_env_runners=0, num_envs_per_env_runner=2)
+            .debugging(seed=0))
+    plain = base.copy().build(logdir=None)
+    shifted = base.copy().env_runners(module_to_env_connector=lambda env: Shift()).build(logdir=None)
+    greedy = base.copy().env_runners(module_to_env_connector=lambda env: Greedy()).build(logdir=None)
+    try:
+        shifted.learner_group.set_weights(plain.learner_group.get_weights())
+        obs = np.array([[0.0], [1.0], [2.0], [-1.0]], np.float32)
+        chosen = plain.compute_actions(obs, explore=False)
+        np.testing.assert_array_equal(shifted.compute_actions(obs, explore=False), (chosen + 1) % 3)
+        assert shifted.compute_single_action(obs[1], explore=False) == (int(chosen[1]) + 1) % 3
+        assert shifted.driver_policy.module_to_env.pieces[0].calls == 2  # the driver's own copy, its own state
+        assert all(a == 2 for a in greedy.compute_actions(obs, explore=True))
+        assert greedy.compute_single_action(obs[0]) == 2
+    finally:
+        for algo in (plain, shifted, greedy):
+            algo.stop()

@@ -113,6 +113,28 @@ def test_a_piece_that_overrides_the_choice_is_recorded_and_a_runner_restores_its
         second.stop()
 
 
+def test_compute_actions_in_the_driver_go_through_the_modules_pipeline():
+    shift_by_module.made = 0
+    plain = ppo(None).build(logdir=None)
+    shifted = ppo(shift_by_module).build(logdir=None)
+    try:
+        policies = shifted.multi_agent.driver_policies
+        shifts = {mid: policies[mid].module_to_env.pieces[0].shift for mid in ("p0", "p1")}
+        assert len({s % 3 for s in shifts.values()}) == 2  # the driver's copies: one pipeline per module
+        obs = np.array([[0.0], [1.0], [2.0]], np.float32)
+        for mid in ("p0", "p1"):
+            same = plain.get_module(mid).get_state(), shifted.get_module(mid).get_state()
+            assert all(np.array_equal(same[0][k], same[1][k]) for k in same[0])  # one seed: the same weights
+            chosen = plain.compute_actions(obs, explore=False, policy_id=mid)
+            np.testing.assert_array_equal(shifted.compute_actions(obs, explore=False, policy_id=mid),
+                                          (chosen + shifts[mid]) % 3)
+            assert shifted.compute_single_action(obs[2], explore=False, policy_id=mid) == \
+                (int(chosen[2]) + shifts[mid]) % 3
+    finally:
+        plain.stop()
+        shifted.stop()
+
+
 def test_ray_runners_run_each_modules_pipeline(ray_cluster):
     algo = ppo(lambda env: [ShiftFor(1)], runners=2).build(logdir=None)
     try:
