@@ -1,7 +1,13 @@
-"""Acting in bfloat16 (``.inference(precision="bfloat16")``): the pass runs a bfloat16 copy of the module that
-follows every weights update, its outputs come back as float32, the log-probabilities recorded are the ones
-of the policy that acted, bad settings are refused with the fix, and PPO learns CartPole acting in bfloat16
-within its float32 test's budget."""
+"""bfloat16 in runnel.
+
+Acting (``.inference(precision="bfloat16")``): the pass runs a bfloat16 copy of the module that follows every
+weights update, its outputs come back as float32, the log-probabilities recorded are the ones of the policy
+that acted, bad settings are refused with the fix, and PPO learns CartPole acting in bfloat16 within its
+float32 test's budget.
+
+Learning (``.learners(learner_precision="bfloat16")``): a module's forward methods run under autocast and
+hand back float32 (a user's subclass too), gradients and weights stay float32, every algorithm's update runs
+and moves the weights, and PPO learns CartPole within its float32 test's budget."""
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -10,8 +16,9 @@ import yaml
 
 from actors.env import EnvRunner
 from actors.inference.forward import PolicyForward
-from actors.modules import ActorCriticModule
-from pipeline import PPOConfig
+from actors.modules import ActorCriticModule, RLModule
+from actors.modules.rl_module import set_autocast
+from pipeline import APPOConfig, DQNConfig, IMPALAConfig, PPOConfig, SACConfig
 from pipeline.config.base import ConfigError
 from pipeline.envs import env_creator, probe_spaces
 from pipeline.groups.env_runners import runner_settings
@@ -132,6 +139,92 @@ def test_ppo_acting_in_bfloat16_reaches_450_within_the_float32_budget(ray_cluste
     config.update_from_dict(spec["config"])
     algo = config.inference(precision="bfloat16").build()
     try:
+        best, result = train_until(algo, 450, 120_000)
+    finally:
+        algo.stop()
+    assert best >= 450, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
+
+
+# --- learning in bfloat16 ------------------------------------------------------------------------------
+class Doubler(RLModule):
+    """A user's module: its forward method is wrapped as the built-in ones are."""
+
+    def __init__(self, observation_space, action_space, model_config=None, inference_only=False):
+        super().__init__(observation_space, action_space, model_config, inference_only)
+        self.net = torch.nn.Linear(4, 2)
+
+    def forward_inference(self, obs):
+        out = self.net(obs)
+        return {"action_dist_inputs": out, "seen_dtype": torch.tensor(0.0, dtype=out.dtype)}
+
+
+def test_autocast_forward_methods_give_float32_outputs_and_float32_gradients():
+    torch.manual_seed(0)
+    module = ActorCriticModule(FRAMES, gym.spaces.Discrete(6))
+    obs = torch.as_tensor(frames(16))
+    full = {k: v.detach() for k, v in module.forward_train(obs).items()}
+    set_autocast(module, "bfloat16", "cpu")
+    low = module.forward_train(obs)
+    assert {k: v.dtype for k, v in low.items()} == {"action_dist_inputs": torch.float32, "vf_preds": torch.float32}
+    for k in full:
+        assert float((low[k].detach() - full[k]).abs().max()) < 0.05 * float(full[k].abs().max()) + 1e-3, k
+    assert float((low["vf_preds"].detach() - full["vf_preds"]).abs().max()) > 0  # it did compute in bfloat16
+    low["vf_preds"].sum().backward()
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in module.parameters())
+    assert all(p.dtype == torch.float32 for p in module.parameters())
+    assert module.compute_values(obs).dtype == torch.float32  # it calls forward_train inside: one autocast
+    set_autocast(module, "float32", "cpu")
+    torch.testing.assert_close(module.forward_train(obs)["vf_preds"], full["vf_preds"])
+    user = Doubler(gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2))
+    set_autocast(user, "bfloat16", "cpu")
+    out = user.forward_inference(torch.ones(3, 4))
+    assert out["action_dist_inputs"].dtype == torch.float32 and out["seen_dtype"].dtype == torch.float32
+    assert user.forward_inference.__wrapped__  # wrapped at class creation
+
+
+def test_a_bad_learner_precision_names_the_choices():
+    with pytest.raises(ConfigError, match=r"learner_precision='fp16' is not one of \['float32', 'bfloat16'\]"):
+        PPOConfig().environment("CartPole-v1").learners(learner_precision="fp16").validate()
+
+
+@pytest.mark.parametrize("config_cls,env", [(PPOConfig, "CartPole-v1"), (APPOConfig, "CartPole-v1"),
+                                            (IMPALAConfig, "CartPole-v1"), (DQNConfig, "CartPole-v1"),
+                                            (SACConfig, "Pendulum-v1")])
+def test_every_algorithm_updates_in_bfloat16(config_cls, env):
+    config = (config_cls().environment(env).env_runners(num_env_runners=0, rollout_fragment_length=50)
+              .learners(learner_precision="bfloat16").debugging(seed=0))
+    if config_cls in (DQNConfig, SACConfig):
+        config.training(num_steps_sampled_before_learning_starts=100, train_batch_size_per_learner=32)
+    else:
+        config.training(train_batch_size_per_learner=200, minibatch_size=100)
+    algo = config.build(logdir=None)
+    try:
+        learner = algo.learner_group.local
+        assert learner.module.autocast_dtype == torch.bfloat16
+        assert all(t.autocast_dtype == torch.bfloat16 for t in learner.targets.values())
+        before = learner.get_weights()
+        for _ in range(6):  # until an iteration trained (off-policy ones start learning after 100 steps)
+            stats = algo.train()["learners"].get("default_policy", {})
+            if any("loss" in k for k in stats):
+                break
+        losses = [v for k, v in stats.items() if "loss" in k]
+        assert losses and all(np.isfinite(v) for v in losses), stats
+        after = learner.get_weights()
+        assert any(not np.array_equal(before[k], after[k]) for k in before)
+        assert all(np.asarray(v).dtype == np.float32 for v in after.values())
+    finally:
+        algo.stop()
+
+
+@pytest.mark.learning
+def test_ppo_learning_in_bfloat16_reaches_450_within_the_float32_budget(ray_cluster):
+    """test_ppo_train's run of the tuned CartPole file (2 runner actors, 120k steps), the learner in bfloat16."""
+    spec = yaml.safe_load(open("tuned/cartpole-ppo.yaml"))
+    config = PPOConfig().environment("CartPole-v1").debugging(seed=0)
+    config.update_from_dict(spec["config"])
+    algo = config.learners(learner_precision="bfloat16").build()
+    try:
+        assert algo.learner_group.local.module.autocast_dtype == torch.bfloat16
         best, result = train_until(algo, 450, 120_000)
     finally:
         algo.stop()

@@ -39,6 +39,7 @@ from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
 from actors.learner.gradients import FlatGrads
 from actors.modules import ActorCriticModule, RLModule
+from actors.modules.rl_module import set_autocast
 from actors.schedules import piecewise
 from protocols import nested
 from protocols.codec import decode
@@ -69,6 +70,9 @@ class LearnerSettings:
     allow_nonfinite_observations: bool = False
     """Train on batches whose Box observations hold NaN or infinities (a module that handles them);
     by default such a batch is refused, like one with an action outside the action space."""
+    precision: str = "float32"
+    """"bfloat16": the module's and the targets' forward passes run under bfloat16 autocast (``RLModule.
+    autocast_dtype``), their outputs cast back to float32; weights, gradients and optimizer state stay float32."""
 
 
 @dataclass
@@ -115,6 +119,9 @@ class Learner(FedByStreams, LearnerRole):
         self.targets: dict[str, nn.Module] = {}
         for name, target in self.build_targets().items():
             self.targets[name] = target.to(self.device).requires_grad_(False).eval()
+        if settings.precision != "float32":
+            for m in (self.module, *self.targets.values()):
+                set_autocast(m, settings.precision, self.device.type)
         self.optimizers: dict[str, Optimizer] = self.build_optimizers()
         self.flat_grads: dict[str, FlatGrads] = FlatGrads.for_slots({n: s.params for n, s in self.optimizers.items()})
         """Per optimizer slot whose parameters are its own: its gradients as views of one buffer (``gradients``)."""

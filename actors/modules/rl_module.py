@@ -7,10 +7,17 @@ A subclass lists in ``train_only_prefixes`` the parameters an inference-only cop
 (value heads, critics, target networks' sources), so runners hold and receive only what they use.
 Observations with an ``"action_mask"`` key are split here (``split_mask``/``mask_outputs``, see
 ``actors.modules.action_mask``): a subclass builds its encoder on ``encoder_space``.
+
+Mixed precision (a learner's ``learner_precision="bfloat16"``, ``set_autocast``): a module with
+``autocast_dtype`` set runs its forward methods (``AUTOCAST_METHODS``, in every subclass, a user's too)
+under ``torch.autocast`` and hands back float32 outputs, so the losses -- log-softmax, ratios, value
+errors -- compute in float32 while the convolutions and matrix products run in bfloat16. Parameters,
+gradients and optimizer state stay float32. A method called from inside another runs in its autocast.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import functools
+from typing import Any, Callable, ClassVar
 
 import gymnasium as gym
 import numpy as np
@@ -23,9 +30,24 @@ from actors.modules.encoders import ModelConfig
 from protocols import nested
 
 
+AUTOCAST_METHODS = ("forward_train", "forward_sequences", "forward_inference", "forward_exploration",
+                    "compute_values", "q_values")
+"""The forward methods a module with ``autocast_dtype`` runs under autocast (those its subclasses define)."""
+
+
 class RLModule(nn.Module):
     train_only_prefixes: ClassVar[tuple[str, ...]] = ()
     """State-dict prefixes that exist only in the full (learner) module."""
+    autocast_dtype: torch.dtype | None = None
+    """Set by ``set_autocast``: the forward methods run under autocast to this dtype (None: as built)."""
+    autocast_device: str = "cpu"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in AUTOCAST_METHODS:
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "autocasts", False):
+                setattr(cls, name, _autocasting(method))
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space,
                  model_config: dict[str, Any] | ModelConfig | None = None, inference_only: bool = False) -> None:
@@ -83,6 +105,41 @@ class RLModule(nn.Module):
             for k, t in own.items():
                 v = state[k]
                 t.copy_(v if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v, copy=True)))
+
+
+def set_autocast(module: nn.Module, precision: str, device_type: str) -> None:
+    """Every ``RLModule`` in ``module`` runs its forward methods under autocast to ``precision`` ("bfloat16")
+    on ``device_type``, with float32 outputs; "float32" turns it off."""
+    dtype = None if precision == "float32" else getattr(torch, precision)
+    for m in module.modules():
+        if isinstance(m, RLModule):
+            m.autocast_dtype, m.autocast_device = dtype, device_type
+
+
+def _autocasting(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def run(self: RLModule, *args: Any, **kwargs: Any) -> Any:
+        dtype = self.autocast_dtype
+        if dtype is None or torch.is_autocast_enabled(self.autocast_device):  # off, or inside an outer call's
+            return method(self, *args, **kwargs)
+        with torch.autocast(self.autocast_device, dtype=dtype):
+            out = method(self, *args, **kwargs)
+        return _float32(out)
+
+    run.autocasts = True  # type: ignore[attr-defined]
+    return run
+
+
+def _float32(out: Any) -> Any:
+    """Low-precision float tensors in a method's output (a tensor, or dicts, lists and tuples of them) as float32."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() and out.dtype != torch.float32 and out.dtype != torch.float64 \
+            else out
+    if isinstance(out, dict):
+        return {k: _float32(v) for k, v in out.items()}
+    if isinstance(out, (list, tuple)):
+        return type(out)(_float32(v) for v in out)
+    return out
 
 
 def to_torch(obs: Any, device: torch.device | str = "cpu") -> Any:

@@ -114,6 +114,11 @@ class AlgorithmConfig:
     """CPUs Ray reserves for each learner actor."""
     learner_placement_timeout_s: float = 300.0
     """Fail (naming the resources) when learner actors cannot be placed on the cluster within this."""
+    learner_precision: str = "float32"
+    """runnel's own: "bfloat16" runs the learners' forward passes (module and target networks) under bfloat16
+    autocast, outputs cast back to float32 for the losses; weights, gradients and optimizer state stay float32
+    (``actors.modules.rl_module``). Pays on GPUs and on CPUs with bfloat16 units (AMX, AVX512-BF16); costs
+    more on CPUs without them."""
 
     # training
     gamma: float = 0.99

@@ -20,6 +20,7 @@ CHOICES = {
     "gym_env_vectorize_mode": VECTORIZE_MODES,
     "log_level": ("DEBUG", "INFO", "WARN", "WARNING", "ERROR"),
     "evaluation_duration_unit": ("episodes", "timesteps"),
+    "learner_precision": ("float32", "bfloat16"),
 }
 AT_LEAST_ZERO = ("num_env_runners", "num_learners", "min_sample_timesteps_per_iteration",
                  "min_train_timesteps_per_iteration", "max_num_env_runner_restarts", "max_num_learner_restarts",

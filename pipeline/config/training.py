@@ -60,6 +60,7 @@ def learner_settings(config: Any) -> LearnerSettings:
     external = config.external_clients_config  # policy servers that accept non-finite observations
     return LearnerSettings(lr=config.lr, grad_clip=config.grad_clip, grad_clip_by=config.grad_clip_by, seed=config.seed,
                            model_config=config.model_config, module_kwargs=config.module_kwargs(),
+                           precision=config.learner_precision,
                            callbacks=config.callbacks_spec(), allow_nonfinite_observations=isinstance(external, dict)
                            and bool(external.get("allow_nonfinite_observations", False)))
 
