@@ -5,7 +5,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from actors.connectors import FlattenObservations, FrameStackingEnvToModule, MeanStdFilter, PrevActionsPrevRewards
+from actors.connectors import (ConnectorV2, FlattenObservations, FrameStackingEnvToModule, MeanStdFilter,
+                               PrevActionsPrevRewards)
 from actors.connectors.multi_agent import ModuleConnectors
 from pipeline import Algorithm, ConfigError, PPOConfig
 from pipeline.connectors import mean_std_filter
@@ -71,8 +72,14 @@ def test_runner_deltas_merge_per_module_and_the_state_round_trips_bit_for_bit():
         again.set_state({"a": state["a"]})
 
 
+class LastRewards(ConnectorV2):
+    """A user's piece that hears each sub-env's steps but cannot keep its memory per agent (not keyed)."""
+
+    watches_steps = True
+
+
 @pytest.mark.parametrize("piece, why", [(lambda: FrameStackingEnvToModule(num_frames=4), "view"),
-                                        (lambda: PrevActionsPrevRewards(), "actions and rewards")])
+                                        (lambda: LastRewards(), "actions and rewards")])
 def test_pieces_with_memory_per_sub_env_are_refused_naming_them(piece, why):
     with pytest.raises(ValueError, match=why):
         ModuleConnectors.build(lambda env: piece(), {"a": (SMALL, ACT)})
@@ -85,6 +92,7 @@ def test_pieces_with_memory_per_sub_env_are_refused_naming_them(piece, why):
 def test_rllibs_multi_agent_flag_is_accepted_where_a_module_pipeline_does_the_same():
     MeanStdFilter(multi_agent=True)
     FlattenObservations(multi_agent=True)
+    PrevActionsPrevRewards(multi_agent=True)  # its memory is per agent in multi-agent runs anyway
     with pytest.raises(ValueError, match="not built"):
         FrameStackingEnvToModule(multi_agent=True)
 

@@ -43,6 +43,11 @@ class ConnectorV2:
     """Rows of earlier observations a view needs beside each step's own (frame stacking: frames - 1)."""
     watches_steps: bool = False
     """The piece hears every step's actions and rewards (``on_step``): ``PrevActionsPrevRewards``."""
+    keyed: bool = False
+    """A recording piece with memory per sub-env that can keep it per key instead: a multi-agent runner, whose
+    rows are agents coming and going, calls ``call_keyed``/``step_keyed``/``forget_keys`` with an
+    ``(env index, agent id)`` key per row (``PrevActionsPrevRewards``: each agent's own last actions and
+    rewards)."""
 
     def __init__(self, input_observation_space: gym.Space | None = None,
                  input_action_space: gym.Space | None = None, **kwargs: Any) -> None:
@@ -64,6 +69,20 @@ class ConnectorV2:
     def on_step(self, actions: Any, rewards: np.ndarray) -> None:
         """With ``watches_steps``: the module's actions of the step just taken (``[num_envs, ...]``) and the
         rewards it brought, before the piece gets the observations that step returned."""
+
+    def call_keyed(self, obs: Any, keys: list[Any], starts: np.ndarray, update: bool) -> Any:
+        """``keyed``: a batch of observations whose rows belong to ``keys`` (``starts``: True where a key's
+        episode starts with this row), each row from its own key's memory."""
+        raise NotImplementedError(f"{type(self).__name__} sets keyed but has no call_keyed()")
+
+    def step_keyed(self, keys: list[Any], actions: Any, rewards: np.ndarray) -> None:
+        """``keyed`` and ``watches_steps``: the actions ``keys`` took last (module form, a row each) and the
+        rewards they got since, heard before their next observations."""
+        raise NotImplementedError(f"{type(self).__name__} sets keyed but has no step_keyed()")
+
+    def forget_keys(self, keys: list[Any]) -> None:
+        """``keyed``: these keys' episodes are over; drop their memory."""
+        raise NotImplementedError(f"{type(self).__name__} sets keyed but has no forget_keys()")
 
     def final_observation(self, obs: Any, env_index: int) -> Any:
         """A recording piece's output for the final observation of sub-env ``env_index``'s episode (a batch of
@@ -160,6 +179,29 @@ class ConnectorPipeline:
                 break
             obs = piece.final_observation(obs, env_index)
         return obs
+
+    @property
+    def keyed(self) -> bool:
+        """Some recording piece keeps memory per key (``ConnectorV2.keyed``): a multi-agent runner records
+        through ``record_keyed``."""
+        return any(p.keyed for p in self.recording_pieces)
+
+    def record_keyed(self, obs: Any, keys: list[Any], starts: np.ndarray, update: bool) -> Any:
+        """``record`` for rows that belong to keys (a multi-agent runner's agents): keyed pieces read and keep
+        each key's memory, the others see the rows as a batch with ``starts`` as its episode starts."""
+        for piece in self.recording_pieces:
+            obs = piece.call_keyed(obs, keys, starts, update) if piece.keyed else \
+                piece(obs, episode_starts=starts, update=update)
+        return obs
+
+    def step_keyed(self, keys: list[Any], actions: Any, rewards: np.ndarray) -> None:
+        for piece in self.step_watchers:
+            piece.step_keyed(keys, actions, rewards)
+
+    def forget_keys(self, keys: list[Any]) -> None:
+        for piece in self.recording_pieces:
+            if piece.keyed:
+                piece.forget_keys(keys)
 
     def after_step(self, actions: Any, rewards: np.ndarray) -> None:
         """Every piece that watches steps hears the step's actions and rewards."""

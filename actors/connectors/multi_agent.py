@@ -11,10 +11,11 @@ them per agent; here agents that share a module share its normalisation, as they
 The state methods mirror ``ConnectorPipeline``'s, keyed by module id, so the driver merges the runners'
 deltas, syncs runners and evaluators and checkpoints the state the same way for both kinds of run.
 
-Only recording pieces without memory of their own per sub-env fit here (``MeanStdFilter``,
-``FlattenObservations``, a user's stateless or statistics-gathering piece): a view (frame stacking) or a piece
-that remembers each sub-env's last steps (``PrevActionsPrevRewards``) would need that memory per agent, which
-is not built; each is refused naming the piece.
+Recording pieces fit here: those without memory per sub-env (``MeanStdFilter``, ``FlattenObservations``, a
+user's stateless or statistics-gathering piece) and those that can keep it per agent (``keyed``:
+``PrevActionsPrevRewards``, whose rows the sampler keys by (env index, agent id), telling each agent's episode
+start, its last action and the rewards it got since). A view (frame stacking), or a piece with per-sub-env
+memory that cannot be keyed, would need memory per agent that is not built; each is refused naming the piece.
 """
 from __future__ import annotations
 
@@ -59,14 +60,31 @@ class ModuleConnectors:
         """What the env gives the agents of module ``module_id``: its pipeline's input space."""
         return self.pipelines[module_id].input_observation_space
 
-    def record(self, module_id: str, batch: Any, update: bool) -> Any:
+    def record(self, module_id: str, batch: Any, update: bool, keys: list[Any] | None = None,
+               starts: np.ndarray | None = None) -> Any:
         """A batch of module ``module_id``'s observations through its pipeline (``update``: the pieces may
-        learn from it)."""
+        learn from it). ``keys``: each row's (env index, agent id), with ``starts`` True where the agent's
+        episode starts: keyed pieces answer from each agent's memory. Without keys every row is taken as
+        mid-episode with fresh memory (``compute_single_action``)."""
         pipeline = self.pipelines.get(module_id)
         if pipeline is None:
             raise KeyError(f"no env-to-module pipeline for module {module_id!r}; the modules with one are "
                            f"{sorted(self.pipelines)}")
-        return pipeline.record(batch, np.zeros(nested.batch_len(batch), bool), update)
+        if keys is not None and pipeline.keyed:
+            return pipeline.record_keyed(batch, keys, starts, update)
+        return pipeline.record(batch, np.zeros(nested.batch_len(batch), bool) if starts is None else starts, update)
+
+    @property
+    def keyed(self) -> bool:
+        """Some module's pipeline keeps memory per agent (the sampler tells it actions, rewards and ends)."""
+        return any(p.keyed for p in self.pipelines.values())
+
+    def step_keyed(self, module_id: str, keys: list[Any], actions: Any, rewards: np.ndarray) -> None:
+        """The last actions of module ``module_id``'s agents ``keys`` and the rewards they got since."""
+        self.pipelines[module_id].step_keyed(keys, actions, rewards)
+
+    def forget_keys(self, module_id: str, keys: list[Any]) -> None:
+        self.pipelines[module_id].forget_keys(keys)
 
     @property
     def stateful(self) -> bool:
@@ -105,13 +123,16 @@ class ModuleConnectors:
 
 
 def refuse_per_env_memory(piece: ConnectorV2) -> None:
-    """ValueError for a piece a multi-agent runner cannot host yet (it keeps memory per sub-env)."""
+    """ValueError for a piece a multi-agent runner cannot host yet (it keeps memory per sub-env and cannot
+    keep it per agent: not ``keyed``)."""
     why = ("is a view rebuilt from each sub-env's earlier observations" if not piece.records else
+           None if piece.keyed else
            "hears each sub-env's actions and rewards" if piece.watches_steps else
            "keeps memory per sub-env (it overrides reset_stack)"
            if type(piece).reset_stack is not ConnectorV2.reset_stack else None)
     if why is not None:
         raise ValueError(f"{piece!r} {why}; multi-agent runs hold per-module pipelines of pieces without such "
-                         f"memory (MeanStdFilter, FlattenObservations, pieces of your own): keep that memory in the "
-                         f"MultiAgentEnv instead (e.g. stack frames in its observations)")
+                         f"memory or with memory per agent (MeanStdFilter, FlattenObservations, PrevActionsPrevRewards, "
+                         f"pieces of your own): keep that memory in the MultiAgentEnv instead (e.g. stack frames in "
+                         f"its observations)")
 

@@ -9,6 +9,11 @@ records: chunks store the Dict, so learners train on exactly what the module saw
 
 It hears each step's actions and rewards from the runner (``on_step``) and keeps ``[num_envs, n]`` of each;
 that memory is part of the runner's state, so a restored runner's running episodes go on with it.
+
+In a multi-agent run (each module's pipeline its own copy) the memory is each agent's (``keyed``): an agent's
+last actions and the rewards it got between its observations (summed, when it did not act every env step),
+zeros when it enters the episode; a multi-agent runner starts fresh episodes when restored, so this memory
+is not part of its state. ``multi_agent=True`` (RLlib's flag) is accepted and changes nothing.
 """
 from __future__ import annotations
 
@@ -24,13 +29,11 @@ OBS_KEY, ACTIONS_KEY, REWARDS_KEY = "_obs", "prev_n_actions", "prev_n_rewards"
 
 class PrevActionsPrevRewards(ConnectorV2):
     watches_steps = True
+    keyed = True
 
     def __init__(self, input_observation_space: gym.Space | None = None, input_action_space: gym.Space | None = None,
                  *, n_prev_actions: int = 1, n_prev_rewards: int = 1, multi_agent: bool = False, **kwargs: Any) -> None:
         super().__init__(input_observation_space, input_action_space, **kwargs)
-        if multi_agent:
-            raise ValueError("PrevActionsPrevRewards(multi_agent=True): per-agent memory of actions and rewards is "
-                             "not built yet; add them to the MultiAgentEnv's observations instead")
         for name, n in (("n_prev_actions", n_prev_actions), ("n_prev_rewards", n_prev_rewards)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"PrevActionsPrevRewards({name}={n!r}): give a whole number >= 0")
@@ -40,6 +43,7 @@ class PrevActionsPrevRewards(ConnectorV2):
         self.n_actions, self.n_rewards = n_prev_actions, n_prev_rewards
         self.actions: np.ndarray | None = None  # [num_envs, n_actions, action width], oldest first
         self.rewards: np.ndarray | None = None  # [num_envs, n_rewards]
+        self.by_key: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # key -> ([n_actions, width], [n_rewards])
         self._restored = False  # set_state's memory survives the resumed runner's first call
 
     # --- spaces -------------------------------------------------------------------------------
@@ -70,22 +74,55 @@ class PrevActionsPrevRewards(ConnectorV2):
             self.actions = np.zeros((n, self.n_actions, self._action_width()), np.float32)
             self.rewards = np.zeros((n, self.n_rewards), np.float32)
 
+    def _action_rows(self, actions: Any, n: int) -> np.ndarray:
+        """``n`` actions as rows of the module's form: one-hot for Discrete, flattened for Box."""
+        a = np.asarray(actions)
+        if isinstance(self.input_action_space, gym.spaces.Discrete):
+            row = np.zeros((n, self._action_width()), np.float32)
+            row[np.arange(n), np.clip(a.reshape(n).astype(np.int64) - int(self.input_action_space.start), 0,
+                                      row.shape[1] - 1)] = 1.0
+            return row
+        return a.reshape(n, -1).astype(np.float32)
+
     def on_step(self, actions: Any, rewards: np.ndarray) -> None:
         n = len(rewards)
         self._sized(n)
         if self.n_actions:
             self.actions[:, :-1] = self.actions[:, 1:]
-            a = np.asarray(actions)
-            if isinstance(self.input_action_space, gym.spaces.Discrete):
-                row = np.zeros((n, self.actions.shape[-1]), np.float32)
-                row[np.arange(n), np.clip(a.reshape(n).astype(np.int64) - int(self.input_action_space.start), 0,
-                                          row.shape[1] - 1)] = 1.0
-            else:
-                row = a.reshape(n, -1).astype(np.float32)
-            self.actions[:, -1] = row
+            self.actions[:, -1] = self._action_rows(actions, n)
         if self.n_rewards:
             self.rewards[:, :-1] = self.rewards[:, 1:]
             self.rewards[:, -1] = np.asarray(rewards, np.float32)
+
+    # --- a multi-agent runner's calls: memory per (env index, agent id) ------------------------
+    def _fresh(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((self.n_actions, self._action_width()), np.float32), np.zeros(self.n_rewards, np.float32)
+
+    def step_keyed(self, keys: list[Any], actions: Any, rewards: np.ndarray) -> None:
+        rows = self._action_rows(actions, len(keys))
+        for key, row, reward in zip(keys, rows, np.asarray(rewards, np.float32)):
+            acts, rews = self.by_key.get(key) or self._fresh()
+            if self.n_actions:
+                acts = np.concatenate([acts[1:], row[None]])
+            if self.n_rewards:
+                rews = np.append(rews[1:], reward)
+            self.by_key[key] = (acts, rews)
+
+    def call_keyed(self, obs: Any, keys: list[Any], starts: np.ndarray, update: bool) -> Any:
+        memory = []
+        for key, start in zip(keys, starts):
+            if start or key not in self.by_key:
+                self.by_key[key] = self._fresh()
+            memory.append(self.by_key[key])
+        n = len(keys)
+        actions = np.stack([m[0] for m in memory]) if n else np.zeros((0, self.n_actions, self._action_width()),
+                                                                       np.float32)
+        rewards = np.stack([m[1] for m in memory]) if n else np.zeros((0, self.n_rewards), np.float32)
+        return self._dict(obs, actions, rewards)
+
+    def forget_keys(self, keys: list[Any]) -> None:
+        for key in keys:
+            self.by_key.pop(key, None)
 
     def __call__(self, obs: Any, *, episode_starts: np.ndarray, update: bool) -> Any:
         n = len(episode_starts)
@@ -112,6 +149,7 @@ class PrevActionsPrevRewards(ConnectorV2):
 
     def reset_stack(self, num_envs: int) -> None:
         self.actions = self.rewards = None
+        self.by_key.clear()
         self._restored = False
 
     # --- state --------------------------------------------------------------------------------

@@ -4,11 +4,20 @@ The envs' observation dicts pass through it before their episodes record them: e
 checked against the space the env declares for its module's agents (when observations are checked), then
 goes through that module's pipeline with the other observations of the same module in the same step, one
 batch per module. The episodes then record, and the modules act on, what the pipelines put out.
+
+Pipelines with memory per agent (``ModuleConnectors.keyed``: ``PrevActionsPrevRewards``) get each row's
+(env index, agent id) key, whether the agent's episode starts with it, and -- before its next observation --
+the action the agent took last and the rewards it got since (summed over the env steps in between). The
+sampler tells this class what it needs for that: ``new_episode`` when an env resets, ``note_actions`` after
+each group acts, ``add_rewards`` after the envs step. Only the general ``MultiAgentSampler`` does; a runner
+with such pipelines does not use the lockstep sampler.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from actors.connectors.multi_agent import ModuleConnectors
 from actors.env.multi_agent_checks import MultiAgentEnvError
@@ -23,6 +32,38 @@ class AgentObservations:
         self.connectors, self.update = connectors, update
         self.check_observations = check_observations
         self._checks: dict[str, BatchProblemFinder] = {}
+        self.keyed = connectors.keyed
+        """Some pipeline keeps memory per agent: the sampler reports episodes, actions and rewards."""
+        self._seen: dict[int, dict[Any, str]] = {}  # env index -> the agents observed in its episode -> module
+        self._acted: dict[tuple[int, Any], Any] = {}  # (env, agent) -> its action since its last observation
+        self._earned: dict[tuple[int, Any], float] = {}  # (env, agent) -> rewards since its last observation
+
+    def new_episode(self, index: int) -> None:
+        """Env ``index`` resets: its agents' memory goes."""
+        if not self.keyed:
+            return
+        by_module: dict[str, list[tuple[int, Any]]] = {}
+        for aid, mid in self._seen.pop(index, {}).items():
+            by_module.setdefault(mid, []).append((index, aid))
+            self._acted.pop((index, aid), None)
+            self._earned.pop((index, aid), None)
+        for mid, keys in by_module.items():
+            self.connectors.forget_keys(mid, keys)
+
+    def note_actions(self, who: list[tuple[int, Any]], actions: Any) -> None:
+        """The module-form actions ``who`` (env index, agent id) took this step, a row each."""
+        if self.keyed:
+            self._acted.update(zip(who, actions))
+
+    def add_rewards(self, rewards: list[tuple[int, Any]]) -> None:
+        """``(env index, its step's reward dict)`` of every env that stepped."""
+        if not self.keyed:
+            return
+        earned = self._earned
+        for i, by_agent in rewards:
+            if isinstance(by_agent, Mapping):
+                for aid, r in by_agent.items():
+                    earned[(i, aid)] = earned.get((i, aid), 0.0) + float(r)
 
     def transform(self, items: list[tuple[int, MultiAgentEpisode, Any]]) -> list[Any]:
         """``items``: (env index, its episode, the observation dict its env returned) -> the dicts with each
@@ -46,10 +87,29 @@ class AgentObservations:
             values = [rows[r][3] for r in picked]
             if self.check_observations:
                 self._check(mid, values, [(rows[r][0], rows[r][1]) for r in picked])
-            batch = self.connectors.record(mid, nested.stack(values), self.update)
+            if self.keyed:
+                batch = self._record_keyed(mid, [(rows[r][0], rows[r][1]) for r in picked], nested.stack(values))
+            else:
+                batch = self.connectors.record(mid, nested.stack(values), self.update)
             for j, r in enumerate(picked):
                 out[r] = nested.map_structure(lambda a, j=j: a[j], batch)
         return out
+
+    def _record_keyed(self, mid: str, keys: list[tuple[int, Any]], batch: Any) -> Any:
+        """One module's rows through its pipeline with their keys: the agents that acted since their last
+        observation first hear that action and what it earned; an agent new to its episode starts afresh."""
+        stepped = [k for k in keys if k in self._acted]
+        if stepped:
+            self.connectors.step_keyed(mid, stepped, np.stack([np.asarray(self._acted.pop(k)) for k in stepped]),
+                                       np.array([self._earned.pop(k, 0.0) for k in stepped], np.float32))
+        starts = np.zeros(len(keys), bool)
+        for r, (i, aid) in enumerate(keys):
+            seen = self._seen.setdefault(i, {})
+            if aid not in seen:
+                seen[aid] = mid
+                starts[r] = True
+            self._earned.pop((i, aid), None)  # earned before acting at all: nothing to pair it with
+        return self.connectors.record(mid, batch, self.update, keys=keys, starts=starts)
 
     def _check(self, mid: str, values: list[Any], who: list[tuple[int, Any]]) -> None:
         check = self._checks.get(mid)

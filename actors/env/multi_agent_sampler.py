@@ -174,6 +174,7 @@ class MultiAgentSampler:
                              "(observations, infos), two dicts keyed by agent id")
         obs, infos = result
         if self.observations is not None:
+            self.observations.new_episode(index)
             obs = self.observations.transform([(index, ep, obs)])[0]
         ep.add_reset(obs, self._infos(infos))
         if self.listener is not None:
@@ -203,6 +204,7 @@ class MultiAgentSampler:
         module_steps: dict[str, int] = {}
         env_steps = agent_steps = 0
         n = len(self.envs)
+        keyed = self.observations is not None and self.observations.keyed
         while (agent_steps if by_agents else env_steps) < target:
             timestep = t0 + (agent_steps if by_agents else env_steps)
             # every waiting observation of every env, grouped by module: (env index, agent), observation
@@ -222,6 +224,8 @@ class MultiAgentSampler:
                 present, who, acts, env_acts, columns = acted
                 if self.module_to_env is not None:
                     acts, env_acts, columns = self._through_module_to_env(present, waiting, acts, columns, explore)
+                if keyed:
+                    self.observations.note_actions(who, acts)
                 keys = tuple(columns)
                 rows = list(zip(*columns.values()))  # each agent's policy outputs, in keys' order
                 if self._fast_path and add_action_batch(self.episodes, who, acts, keys, rows):
@@ -288,6 +292,7 @@ class MultiAgentSampler:
     def _step_through_pipelines(self, to_env: list[dict[AgentID, Any]]) -> list[tuple]:
         """Every env steps first, then their observations pass the pipelines: one call per module for them all."""
         results = [self._step_result(i, env.step(to_env[i])) for i, env in enumerate(self.envs)]
+        self.observations.add_rewards([(i, r[1]) for i, r in enumerate(results)])
         new_obs = self.observations.transform([(i, ep, r[0]) for i, (ep, r) in enumerate(zip(self.episodes, results))])
         return [(o, *r[1:]) for o, r in zip(new_obs, results)]
 

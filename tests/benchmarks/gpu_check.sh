@@ -24,6 +24,8 @@
 # costs one step, never the run. GPU_CHECK_PONG_S=N adds a 5th step: APPO on Pong (tuned/pong-appo.yaml, needs
 # ale-py among the wheels) for N seconds at most; its log and learning curve come back as pong.log and
 # pong_progress.csv. GPU_CHECK_DEADLINE_S=S shortens it so the whole run ends S seconds after it started.
+# GPU_CHECK_PONG_CONFIG='{"learner_precision": "bfloat16", "inference_config": {"precision": "bfloat16"}}' (any
+# JSON of config settings) overrides the tuned file's for that run.
 # What it wrote comes back from $OUT: gpu_check.log (everything), cuda_tests.xml, inference_bench.jsonl.
 # A dry run without a GPU (the CUDA cases skip, the benchmark runs on CPU only, smaller):
 #   GPU_CHECK_DRY=1 GPU_CHECK_BENCH_ARGS="--runners 2 --envs 2 --servers 1" PYTHON=.venv/bin/python \
@@ -161,6 +163,7 @@ if [ "$PONG_S" -gt 0 ]; then
     rm -rf /tmp/pong
     stop_s=$((PONG_S - 60))  # building (12 runner actors) and the final checkpoint fit in the rest
     dry=()
+    [ -n "${GPU_CHECK_PONG_CONFIG:-}" ] && dry=(--config "$GPU_CHECK_PONG_CONFIG")
     [ "$DRY" = 1 ] && dry=(--config '{"num_gpus_per_learner": 0, "num_env_runners": 1}')
     timeout -k 20 -s INT "$PONG_S" "$PY" -m pipeline.cli train file tuned/pong-appo.yaml --output-dir /tmp/pong "${dry[@]}" \
         --stop "{\"env_runners/episode_return_mean\": 18, \"num_env_steps_sampled_lifetime\": 2500000, \"time_total_s\": $stop_s}" \
