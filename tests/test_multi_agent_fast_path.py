@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from actors.connectors import ModuleToEnvConnector, PrevActionsPrevRewards
 from actors.connectors.multi_agent import ModuleConnectors
 from actors.env.multi_agent_env import make_multi_agent
 from actors.env.multi_agent_runner import MultiAgentEnvRunner
@@ -180,3 +181,37 @@ def test_lockstep_with_env_to_module_pipelines_cuts_the_chunks_of_the_general_pa
         assert mine["count"] == states[0]["state"]["count"] > 0
         for key in ("mean", "m2"):
             assert mine[key].tobytes() == states[0]["state"][key].tobytes()
+
+
+class Flip(ModuleToEnvConnector):
+    """Sends the env the other of CartPole's two actions; the module's choice is what chunks record."""
+
+    def __call__(self, batch, *, observations=None, explore=True):
+        return {**batch, "actions_for_env": 1 - np.asarray(batch["actions"])}
+
+
+@pytest.mark.parametrize("case", ["two CartPoles", "one shared module"])
+def test_lockstep_with_per_agent_memory_and_module_to_env_pipelines_cuts_the_chunks_of_the_general_path(case):
+    """PrevActionsPrevRewards (memory per agent) before the modules and a module-to-env piece after them: the
+    lockstep sampler runs both and cuts the chunks the general sampler cuts, bit for bit."""
+    creator, mapping = CASES[case]
+    pieces = dict(env_to_module=lambda env: [PrevActionsPrevRewards(n_prev_actions=2, n_prev_rewards=2)],
+                  module_to_env=lambda env: [Flip()])
+    fast = runner(creator, mapping, True, **pieces)
+    general = runner(creator, mapping, False, **pieces)
+    assert type(fast.sampler).__name__ == "LockstepSampler" and type(general.sampler).__name__ == "MultiAgentSampler"
+    assert fast.sampler.module_to_env is not None and fast.sampler.observations.keyed
+    ids: dict[str, str] = {}
+    for rnd in range(6):
+        torch.manual_seed(rnd)
+        got = fast.sample(num_timesteps=40)
+        torch.manual_seed(rnd)
+        want = general.sample(num_timesteps=40)
+        assert_same_chunks(got, want, ids, (case, rnd))
+        for c in got:  # each agent's own last action and reward, beside its observation
+            t = len(c) - 1
+            if t >= 1:
+                assert c.obs["prev_n_actions"][t][-2:].argmax() == c.actions[t - 1]
+                assert c.obs["prev_n_rewards"][t][-1] == c.rewards[t - 1]
+    memory = [p.pieces[0].by_key for p in fast.connectors.pipelines.values()]
+    assert 0 < sum(len(m) for m in memory) <= 6  # 3 envs x 2 agents: ended episodes' agents forgotten

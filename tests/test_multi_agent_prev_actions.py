@@ -3,13 +3,14 @@
 Each module's pipeline keeps the last actions and rewards of every agent mapped to it, keyed by (env index,
 agent id): an agent sees its own last actions and the rewards it got between its observations (summed over
 the env steps in between when it does not act every step), zeros when it enters an episode, and the memory
-of an env's agents goes when the env resets. Runs with such a pipeline sample through the general
-multi-agent sampler, also for ``make_multi_agent`` copies."""
+of an env's agents goes when the env resets. Both multi-agent samplers run it (``make_multi_agent`` copies
+through the lockstep one; ``tests/test_multi_agent_fast_path.py`` checks the two cut the same chunks)."""
 from __future__ import annotations
 
 import numpy as np
 
 from actors.connectors import FlattenObservations, PrevActionsPrevRewards
+from actors.env.lockstep_sampler import LockstepSampler
 from actors.env.multi_agent_sampler import MultiAgentSampler
 from pipeline import PPOConfig
 from tests.envs import ActionEchoes
@@ -71,12 +72,12 @@ def test_turn_taking_agents_hear_their_own_actions_and_the_rewards_summed_betwee
             algo.stop()
 
 
-def test_copies_of_an_env_sample_through_the_general_sampler_and_ppo_trains_on_the_dicts():
+def test_copies_of_an_env_sample_through_the_lockstep_sampler_and_ppo_trains_on_the_dicts():
     factory = lambda env: [PrevActionsPrevRewards(n_prev_actions=1, n_prev_rewards=1), FlattenObservations()]  # noqa
     algo = ppo(ActionEchoes, factory, envs=3, fragment=6).build(logdir=None)
     try:
         runner = algo.env_runner_group.local
-        assert isinstance(runner.sampler, MultiAgentSampler)  # not the lockstep sampler
+        assert isinstance(runner.sampler, LockstepSampler)
         for c in runner.sample():
             obs = np.asarray(c.obs)
             # flattened: [the echo of the last env action, its one-hot (3), the last reward]

@@ -23,13 +23,14 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from actors.connectors.module_to_env import ModuleToEnvPipeline
 from actors.env.actions import EnvActions
 from actors.env.exploration import Exploration
 from actors.env.multi_agent_acting import ModuleActing
 from actors.env.multi_agent_connectors import AgentObservations
 from actors.env.multi_agent_env import CopiesStepper, checks_itself
 from actors.env.multi_agent_sampler import (EpisodeListener, MultiAgentSample, PolicyMappingFn, checked_mapping_fn,
-                                           run_target)
+                                           run_target, through_module_to_env)
 from actors.env.numpy_acting import acting_rng
 from actors.modules import RLModule
 from protocols import nested
@@ -117,7 +118,8 @@ class LockstepSampler:
                  env_actions: Mapping[str, EnvActions], policy_mapping_fn: PolicyMappingFn, *,
                  env_runner_index: int = 0, seed: int | None = None, weights_version: int = 0,
                  listener: EpisodeListener | None = None, check_observations: bool = False,
-                 rng: np.random.Generator | None = None, observations: AgentObservations | None = None) -> None:
+                 rng: np.random.Generator | None = None, observations: AgentObservations | None = None,
+                 module_to_env: Mapping[str, ModuleToEnvPipeline] | None = None) -> None:
         if not envs:
             raise ValueError("LockstepSampler needs at least one env, got none")
         for i, env in enumerate(envs):
@@ -135,6 +137,9 @@ class LockstepSampler:
         self.listener = listener
         self.observations = observations
         """The env-to-module pipelines each new observation passes before it is recorded and acted on (None: none)."""
+        self.module_to_env = module_to_env
+        """Each module's module-to-env pipeline, applied to its rows' actions before they are recorded and sent
+        (None: none)."""
         sizes = [len(env.possible_agents) for env in self.envs]
         self.bases = [int(b) for b in np.cumsum([0] + sizes[:-1])]
         """Env ``i``'s agent ``k`` is slot ``bases[i] + k``."""
@@ -187,6 +192,7 @@ class LockstepSampler:
             self._chunk_index[j] = self._t_started[j] = 0
             self._start_row[j] = row
         if self.observations is not None:
+            self.observations.new_episode(index)
             self._transform([self.bases[index] + k for k in range(len(env.possible_agents))], ep)
         self.episodes[index] = ep
         self._plan = None
@@ -238,6 +244,7 @@ class LockstepSampler:
         ended_at: dict[int, int] = {}  # id(episode) -> the round it ended in
         module_steps: dict[str, int] = {}
         env_steps = agent_steps = t = 0
+        keyed = self.observations is not None and self.observations.keyed
         while (agent_steps if by_agents else env_steps) < target:
             timestep = t0 + (agent_steps if by_agents else env_steps)
             if self._plan is None:
@@ -258,7 +265,12 @@ class LockstepSampler:
                 acted = acting.act_group(group, waiting, forwards, explore, timestep, cur if flat else None, rows)
                 if acted is None:
                     continue
-                present, _, acts, env_acts, columns = acted
+                present, who, acts, env_acts, columns = acted
+                if self.module_to_env is not None:
+                    acts, env_acts, columns = through_module_to_env(self.module_to_env, acting.env_actions, present,
+                                                                    waiting, acts, columns, explore)
+                if keyed:
+                    self.observations.note_actions(who, acts)
                 index = slot_index.get(tuple(present))
                 if index is None:
                     listed = [j for m in present for j in by_module[m][1]]
@@ -289,6 +301,8 @@ class LockstepSampler:
                     obs[j] = o
                     rewards[j] = r
             if self.observations is not None:  # the agents that stepped, final observations included
+                if keyed:
+                    self.observations.add_reward_rows([self.slots[j] for j in playing_slots], r_t)
                 self._transform(playing_slots)
             for ep in episodes:
                 ep.steps += 1

@@ -9,8 +9,7 @@ Pipelines with memory per agent (``ModuleConnectors.keyed``: ``PrevActionsPrevRe
 (env index, agent id) key, whether the agent's episode starts with it, and -- before its next observation --
 the action the agent took last and the rewards it got since (summed over the env steps in between). The
 sampler tells this class what it needs for that: ``new_episode`` when an env resets, ``note_actions`` after
-each group acts, ``add_rewards`` after the envs step. Only the general ``MultiAgentSampler`` does; a runner
-with such pipelines does not use the lockstep sampler.
+each group acts, ``add_rewards`` (``add_reward_rows``: the lockstep sampler's rows) after the envs step.
 """
 from __future__ import annotations
 
@@ -54,6 +53,12 @@ class AgentObservations:
         """The module-form actions ``who`` (env index, agent id) took this step, a row each."""
         if self.keyed:
             self._acted.update(zip(who, actions))
+
+    def add_reward_rows(self, keys: list[tuple[int, Any]], rewards: Any) -> None:
+        """The step's reward of each (env index, agent id) in ``keys``, in order (the lockstep sampler's rows)."""
+        earned = self._earned
+        for key, r in zip(keys, rewards):
+            earned[key] = earned.get(key, 0.0) + float(r)
 
     def add_rewards(self, rewards: list[tuple[int, Any]]) -> None:
         """``(env index, its step's reward dict)`` of every env that stepped."""

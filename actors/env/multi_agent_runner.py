@@ -130,11 +130,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         if self.connectors is not None:
             pieces["observations"] = AgentObservations(self.connectors, update=not settings.in_evaluation,
                                                        check_observations=check_env)
-        if self.module_to_env is not None:  # only the general sampler runs module-to-env pipelines
+        if self.module_to_env is not None:
             pieces["module_to_env"] = self.module_to_env
-            lockstep = False
-        if self.connectors is not None and self.connectors.keyed:  # and pipelines with memory per agent
-            lockstep = False
         if lockstep and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
             self.sampler = LockstepSampler(self.envs, self.module.members, self.explorations, self.env_actions,
                                            policy_mapping_fn, **pieces)

@@ -223,7 +223,8 @@ class MultiAgentSampler:
                     continue
                 present, who, acts, env_acts, columns = acted
                 if self.module_to_env is not None:
-                    acts, env_acts, columns = self._through_module_to_env(present, waiting, acts, columns, explore)
+                    acts, env_acts, columns = through_module_to_env(self.module_to_env, self.acting.env_actions,
+                                                                    present, waiting, acts, columns, explore)
                 if keyed:
                     self.observations.note_actions(who, acts)
                 keys = tuple(columns)
@@ -263,32 +264,6 @@ class MultiAgentSampler:
             _add(chunks, ep.take_chunks())
         return MultiAgentSample(chunks, env_steps, agent_steps, module_steps, ended)
 
-    def _through_module_to_env(self, present: list[str], waiting: dict, acts: Any,
-                               columns: dict[str, np.ndarray], explore: bool) -> tuple[Any, list[Any], dict]:
-        """A group's actions through each module's module-to-env pipeline, its rows (grouped by module in
-        ``present``'s order) one batch per module: what the pieces leave in "actions" is recorded, their
-        "actions_for_env" (else the converted actions) is what the env gets. Every module has a pipeline
-        (``build_module_pipelines`` builds one per module, and ``add_module`` is refused)."""
-        acts = np.asarray(acts)
-        parts, env_parts, col_parts = [], [], {k: [] for k in columns}
-        start = 0
-        for mid in present:
-            rows = slice(start, start + len(waiting[mid][0]))
-            start = rows.stop
-            batch = {k: v[rows] for k, v in columns.items()}
-            batch["actions"] = acts[rows]
-            batch = self.module_to_env[mid](batch, nested.stack(waiting[mid][1]), explore)
-            for_env = batch.pop("actions_for_env", None)
-            env_part = np.asarray(self.acting.env_actions[mid](np.asarray(batch["actions"])) if for_env is None
-                                  else for_env)
-            env_part = env_part.tolist() if env_part.ndim == 1 else list(env_part)
-            parts.append(np.asarray(batch["actions"]))
-            env_parts += env_part
-            for k in columns:
-                col_parts[k].append(np.asarray(batch[k]))
-        return (np.concatenate(parts), env_parts,
-                {k: np.concatenate(v) for k, v in col_parts.items()})
-
     def _step_through_pipelines(self, to_env: list[dict[AgentID, Any]]) -> list[tuple]:
         """Every env steps first, then their observations pass the pipelines: one call per module for them all."""
         results = [self._step_result(i, env.step(to_env[i])) for i, env in enumerate(self.envs)]
@@ -312,6 +287,34 @@ class MultiAgentSampler:
             return result
         obs, rewards, terminateds, truncateds, infos = result
         return obs, rewards, terminateds, truncateds, self._infos(infos)
+
+
+def through_module_to_env(pipelines: Mapping[str, ModuleToEnvPipeline], env_actions: Mapping[str, Any],
+                          present: list[str], waiting: dict, acts: Any, columns: dict[str, np.ndarray],
+                          explore: bool) -> tuple[Any, list[Any], dict]:
+    """A group's actions through each module's module-to-env pipeline, its rows (grouped by module in
+    ``present``'s order; ``waiting[mid]`` starts with the module's rows and their observations) one batch per
+    module: what the pieces leave in "actions" is recorded, their "actions_for_env" (else the actions converted
+    by ``env_actions[mid]``) is what the env gets. Every module has a pipeline (``build_module_pipelines`` builds
+    one per module, and ``add_module`` is refused). Both multi-agent samplers run it."""
+    acts = np.asarray(acts)
+    parts, env_parts, col_parts = [], [], {k: [] for k in columns}
+    start = 0
+    for mid in present:
+        rows = slice(start, start + len(waiting[mid][0]))
+        start = rows.stop
+        batch = {k: v[rows] for k, v in columns.items()}
+        batch["actions"] = acts[rows]
+        batch = pipelines[mid](batch, nested.stack(waiting[mid][1]), explore)
+        for_env = batch.pop("actions_for_env", None)
+        env_part = np.asarray(env_actions[mid](np.asarray(batch["actions"])) if for_env is None else for_env)
+        env_part = env_part.tolist() if env_part.ndim == 1 else list(env_part)
+        parts.append(np.asarray(batch["actions"]))
+        env_parts += env_part
+        for k in columns:
+            col_parts[k].append(np.asarray(batch[k]))
+    return (np.concatenate(parts), env_parts,
+            {k: np.concatenate(v) for k, v in col_parts.items()})
 
 
 def checked_mapping_fn(policy_mapping_fn: Any) -> PolicyMappingFn:

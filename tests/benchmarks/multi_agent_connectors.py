@@ -1,11 +1,13 @@
-"""Multi-agent sampling with per-module connector pipelines: what a MeanStdFilter and a module-to-env piece cost.
+"""Multi-agent sampling with per-module connector pipelines: what a MeanStdFilter, PrevActionsPrevRewards and a
+module-to-env piece cost.
 
 Two CartPole copies (``make_multi_agent``), one module each, 8 envs, one in-process runner, one torch thread.
-Five runners, rounds interleaved, agent steps per CPU-second of this process (medians of ``--rounds`` rounds of
+Seven runners, rounds interleaved, agent steps per CPU-second of this process (medians of ``--rounds`` rounds of
 ``--seconds``): ``plain`` (no connectors, the lockstep sampler), ``filter`` (a ``MeanStdFilter`` per module, the
 lockstep sampler), ``filter_general`` (the same through the general ``MultiAgentSampler``), ``plain_general``
-(no connectors, the general sampler) and ``to_env`` (a module-to-env piece per module that passes the actions
-through, which runs in the general sampler only). Prints one JSON line.
+(no connectors, the general sampler), ``to_env`` and ``to_env_general`` (a module-to-env piece per module that
+passes the actions through, in either sampler) and ``prev_actions`` (``PrevActionsPrevRewards`` per module, its
+memory per agent, the lockstep sampler). Prints one JSON line.
 
     python tests/benchmarks/multi_agent_connectors.py [--rounds 5] [--seconds 2]
 """
@@ -22,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from actors.connectors import ModuleToEnvConnector  # noqa: E402
+from actors.connectors import FlattenObservations, ModuleToEnvConnector, PrevActionsPrevRewards  # noqa: E402
 from actors.connectors.multi_agent import ModuleConnectors  # noqa: E402
 from actors.env.multi_agent_env import make_multi_agent  # noqa: E402
 from actors.env.multi_agent_runner import MultiAgentEnvRunner  # noqa: E402
@@ -48,18 +50,22 @@ class PassThrough(ModuleToEnvConnector):
         return batch
 
 
-def runner(filtered: bool, lockstep: bool = True, to_env: bool = False) -> MultiAgentEnvRunner:
+def prev_actions(env):
+    return [PrevActionsPrevRewards(n_prev_actions=1, n_prev_rewards=1), FlattenObservations()]
+
+
+def runner(filtered: bool, lockstep: bool = True, to_env: bool = False, factory=mean_std_filter) -> MultiAgentEnvRunner:
     env = two_cartpoles({})
     spaces = {by_agent(a, None): (env.get_observation_space(a), env.get_action_space(a)) for a in env.possible_agents}
     extra = {}
     if filtered:
-        connectors = ModuleConnectors.build(mean_std_filter, spaces)
+        connectors = ModuleConnectors.build(factory, spaces)
         specs = {m: ModuleSpec(connectors.observation_space(m), act, {}) for m, (_, act) in spaces.items()}
         extra = {"connector_spaces": spaces}
     else:
         specs = {m: ModuleSpec(obs, act, {}) for m, (obs, act) in spaces.items()}
     settings = EnvRunnerSettings(env_creator=two_cartpoles, num_envs=8, rollout_fragment_length=64, seed=0,
-                                 env_to_module=mean_std_filter if filtered else None,
+                                 env_to_module=factory if filtered else None,
                                  module_to_env=(lambda env: PassThrough()) if to_env else None)
     return MultiAgentEnvRunner(settings, specs, by_agent, worker_index=1, lockstep=lockstep, **extra)
 
@@ -71,7 +77,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     cases = {"plain": runner(False), "filter": runner(True), "filter_general": runner(True, lockstep=False),
-             "plain_general": runner(False, lockstep=False), "to_env": runner(False, to_env=True)}
+             "plain_general": runner(False, lockstep=False), "to_env": runner(False, to_env=True),
+             "to_env_general": runner(False, lockstep=False, to_env=True),
+             "prev_actions": runner(True, factory=prev_actions)}
     rates: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.rounds):
         for name, r in cases.items():
@@ -83,8 +91,9 @@ def main() -> None:
     print(json.dumps({"bench": "multi_agent_connectors", **{k: round(v) for k, v in med.items()},
                       "filter_over_plain": round(med["filter"] / med["plain"], 3),
                       "general_over_plain": round(med["filter_general"] / med["plain"], 3),
-                      "to_env_over_plain_general": round(med["to_env"] / med["plain_general"], 3),
-                      "to_env_over_plain": round(med["to_env"] / med["plain"], 3)}))
+                      "to_env_over_plain": round(med["to_env"] / med["plain"], 3),
+                      "to_env_general_over_plain_general": round(med["to_env_general"] / med["plain_general"], 3),
+                      "prev_actions_over_plain": round(med["prev_actions"] / med["plain"], 3)}))
 
 
 if __name__ == "__main__":
