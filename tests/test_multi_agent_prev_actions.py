@@ -93,3 +93,27 @@ def test_copies_of_an_env_sample_through_the_lockstep_sampler_and_ppo_trains_on_
         assert algo.compute_single_action(np.array([1.0], np.float32), policy_id="p0") in (0, 1, 2)
     finally:
         algo.stop()
+
+
+class BadReward(TurnTaking):
+    """TurnTaking whose fourth step pays agent "a" a string."""
+
+    def step(self, action_dict):
+        obs, rewards, terms, truncs, infos = super().step(action_dict)
+        if self.t == 4:
+            rewards = {**rewards, "a": "four"}
+        return obs, rewards, terms, truncs, infos
+
+
+def test_a_bad_reward_is_the_episodes_to_report_with_or_without_the_memory():
+    errors = []
+    for factory in (None, lambda env: PrevActionsPrevRewards()):
+        algo = ppo(BadReward, factory, by_agent, ("pa", "pb"), envs=1, fragment=EPISODE_STEPS).build(logdir=None)
+        try:
+            try:
+                algo.env_runner_group.local.sample()
+            except Exception as err:  # noqa: BLE001 - compared below
+                errors.append((type(err), str(err)))
+        finally:
+            algo.stop()
+    assert len(errors) == 2 and errors[0] == errors[1] and "'a'" in errors[0][1], errors

@@ -13,6 +13,7 @@ each group acts, ``add_rewards`` (``add_reward_rows``: the lockstep sampler's ro
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,7 +59,8 @@ class AgentObservations:
         """The step's reward of each (env index, agent id) in ``keys``, in order (the lockstep sampler's rows)."""
         earned = self._earned
         for key, r in zip(keys, rewards):
-            earned[key] = earned.get(key, 0.0) + float(r)
+            if isinstance(r, numbers.Real):  # anything else is the episode's check to report, not this memory's
+                earned[key] = earned.get(key, 0.0) + float(r)
 
     def add_rewards(self, rewards: list[tuple[int, Any]]) -> None:
         """``(env index, its step's reward dict)`` of every env that stepped."""
@@ -68,7 +70,8 @@ class AgentObservations:
         for i, by_agent in rewards:
             if isinstance(by_agent, Mapping):
                 for aid, r in by_agent.items():
-                    earned[(i, aid)] = earned.get((i, aid), 0.0) + float(r)
+                    if isinstance(r, numbers.Real):  # anything else is the episode's check to report
+                        earned[(i, aid)] = earned.get((i, aid), 0.0) + float(r)
 
     def transform(self, items: list[tuple[int, MultiAgentEpisode, Any]]) -> list[Any]:
         """``items``: (env index, its episode, the observation dict its env returned) -> the dicts with each
