@@ -213,5 +213,5 @@ def test_lockstep_with_per_agent_memory_and_module_to_env_pipelines_cuts_the_chu
             if t >= 1:
                 assert c.obs["prev_n_actions"][t][-2:].argmax() == c.actions[t - 1]
                 assert c.obs["prev_n_rewards"][t][-1] == c.rewards[t - 1]
-    memory = [p.pieces[0].by_key for p in fast.connectors.pipelines.values()]
-    assert 0 < sum(len(m) for m in memory) <= 6  # 3 envs x 2 agents: ended episodes' agents forgotten
+    memory = [p.pieces[0].num_keys for p in fast.connectors.pipelines.values()]
+    assert 0 < sum(memory) <= 6  # 3 envs x 2 agents: ended episodes' agents forgotten

@@ -67,7 +67,7 @@ def test_turn_taking_agents_hear_their_own_actions_and_the_rewards_summed_betwee
                 for c in cs:  # the rewards themselves are the turn sums (what the memory was checked against)
                     np.testing.assert_array_equal(np.asarray(c.rewards), own_step_rewards(aid))
             pieces = [p.pieces[0] for p in runner.connectors.pipelines.values()]
-            assert sum(len(p.by_key) for p in pieces) <= 2  # one env, two agents: ended episodes forgotten
+            assert sum(p.num_keys for p in pieces) <= 2  # one env, two agents: ended episodes forgotten
         finally:
             algo.stop()
 

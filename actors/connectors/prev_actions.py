@@ -43,7 +43,10 @@ class PrevActionsPrevRewards(ConnectorV2):
         self.n_actions, self.n_rewards = n_prev_actions, n_prev_rewards
         self.actions: np.ndarray | None = None  # [num_envs, n_actions, action width], oldest first
         self.rewards: np.ndarray | None = None  # [num_envs, n_rewards]
-        self.by_key: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # key -> ([n_actions, width], [n_rewards])
+        self.slot_of: dict[Any, int] = {}  # multi-agent runs: a key's row in key_actions / key_rewards
+        self.key_actions = np.zeros((0, n_prev_actions, 1), np.float32)  # [slots, n_actions, width] once grown
+        self.key_rewards = np.zeros((0, n_prev_rewards), np.float32)
+        self.free_slots: list[int] = []
         self._restored = False  # set_state's memory survives the resumed runner's first call
 
     # --- spaces -------------------------------------------------------------------------------
@@ -95,34 +98,58 @@ class PrevActionsPrevRewards(ConnectorV2):
             self.rewards[:, -1] = np.asarray(rewards, np.float32)
 
     # --- a multi-agent runner's calls: memory per (env index, agent id) ------------------------
-    def _fresh(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros((self.n_actions, self._action_width()), np.float32), np.zeros(self.n_rewards, np.float32)
+    # Each key holds a slot of two growing arrays (freed slots reused), so a batch's memory moves in a few
+    # array operations whatever the number of agents.
+    @property
+    def num_keys(self) -> int:
+        """Keys (agents) with memory now."""
+        return len(self.slot_of)
+
+    def _slots(self, keys: list[Any]) -> np.ndarray:
+        """Each key's slot, a fresh zeroed one for a key without."""
+        slot_of, out = self.slot_of, np.empty(len(keys), np.intp)
+        for r, key in enumerate(keys):
+            slot = slot_of.get(key)
+            if slot is None:
+                if not self.free_slots:
+                    self._grow()
+                slot = slot_of[key] = self.free_slots.pop()
+                self.key_actions[slot] = 0.0
+                self.key_rewards[slot] = 0.0
+            out[r] = slot
+        return out
+
+    def _grow(self) -> None:
+        old = len(self.key_rewards)
+        size = max(16, 2 * old)
+        actions = np.zeros((size, self.n_actions, self._action_width()), np.float32)
+        rewards = np.zeros((size, self.n_rewards), np.float32)
+        actions[:old], rewards[:old] = self.key_actions, self.key_rewards
+        self.key_actions, self.key_rewards = actions, rewards
+        self.free_slots.extend(range(size - 1, old - 1, -1))
 
     def step_keyed(self, keys: list[Any], actions: Any, rewards: np.ndarray) -> None:
-        rows = self._action_rows(actions, len(keys))
-        for key, row, reward in zip(keys, rows, np.asarray(rewards, np.float32)):
-            acts, rews = self.by_key.get(key) or self._fresh()
-            if self.n_actions:
-                acts = np.concatenate([acts[1:], row[None]])
-            if self.n_rewards:
-                rews = np.append(rews[1:], reward)
-            self.by_key[key] = (acts, rews)
+        slots = self._slots(keys)
+        if self.n_actions:
+            self.key_actions[slots, :-1] = self.key_actions[slots, 1:]
+            self.key_actions[slots, -1] = self._action_rows(actions, len(keys))
+        if self.n_rewards:
+            self.key_rewards[slots, :-1] = self.key_rewards[slots, 1:]
+            self.key_rewards[slots, -1] = np.asarray(rewards, np.float32)
 
     def call_keyed(self, obs: Any, keys: list[Any], starts: np.ndarray, update: bool) -> Any:
-        memory = []
-        for key, start in zip(keys, starts):
-            if start or key not in self.by_key:
-                self.by_key[key] = self._fresh()
-            memory.append(self.by_key[key])
-        n = len(keys)
-        actions = np.stack([m[0] for m in memory]) if n else np.zeros((0, self.n_actions, self._action_width()),
-                                                                       np.float32)
-        rewards = np.stack([m[1] for m in memory]) if n else np.zeros((0, self.n_rewards), np.float32)
-        return self._dict(obs, actions, rewards)
+        slots = self._slots(keys)
+        started = slots[np.asarray(starts, bool)]
+        if len(started):
+            self.key_actions[started] = 0.0
+            self.key_rewards[started] = 0.0
+        return self._dict(obs, self.key_actions[slots], self.key_rewards[slots])
 
     def forget_keys(self, keys: list[Any]) -> None:
         for key in keys:
-            self.by_key.pop(key, None)
+            slot = self.slot_of.pop(key, None)
+            if slot is not None:
+                self.free_slots.append(slot)
 
     def __call__(self, obs: Any, *, episode_starts: np.ndarray, update: bool) -> Any:
         n = len(episode_starts)
@@ -149,7 +176,8 @@ class PrevActionsPrevRewards(ConnectorV2):
 
     def reset_stack(self, num_envs: int) -> None:
         self.actions = self.rewards = None
-        self.by_key.clear()
+        self.slot_of.clear()
+        self.free_slots = list(range(len(self.key_rewards) - 1, -1, -1))
         self._restored = False
 
     # --- state --------------------------------------------------------------------------------
