@@ -75,6 +75,19 @@ def assert_same_chunks(got: list, want: list, ids: dict[str, str], where: Any) -
     assert len(set(ids.values())) == len(ids)
 
 
+def sampled_alike(fast: MultiAgentEnvRunner, general: MultiAgentEnvRunner, rounds: int, where: Any) -> Any:
+    """Each round, both runners sample 40 steps from the same torch seed and must cut the same chunks; yields
+    the fast runner's chunks of each round."""
+    ids: dict[str, str] = {}
+    for rnd in range(rounds):
+        torch.manual_seed(rnd)
+        got = fast.sample(num_timesteps=40)
+        torch.manual_seed(rnd)
+        want = general.sample(num_timesteps=40)
+        assert_same_chunks(got, want, ids, (where, rnd))
+        yield got
+
+
 def episode_figures(r: MultiAgentEnvRunner) -> dict[str, Any]:
     """What the runner reports of its ended episodes: returns, lengths, per-agent and per-module returns."""
     out = {}
@@ -98,13 +111,8 @@ def test_shortcuts_cut_the_chunks_of_the_general_path(case):
     assert type(fast.sampler).__name__ == ("LockstepSampler" if "CartPole" in case or "shared" in case
                                            else "MultiAgentSampler")
     assert type(general.sampler).__name__ == "MultiAgentSampler"
-    ids: dict[str, str] = {}
-    for rnd in range(12):
-        torch.manual_seed(rnd)
-        got = fast.sample(num_timesteps=40)
-        torch.manual_seed(rnd)
-        want = general.sample(num_timesteps=40)
-        assert_same_chunks(got, want, ids, (case, rnd))
+    for _ in sampled_alike(fast, general, 12, case):
+        pass
     assert fast.num_agent_steps_sampled_lifetime == general.num_agent_steps_sampled_lifetime
     figures = episode_figures(general)
     assert any("agent_episode_returns_mean" in key for key in figures)
@@ -201,13 +209,7 @@ def test_lockstep_with_per_agent_memory_and_module_to_env_pipelines_cuts_the_chu
     general = runner(creator, mapping, False, **pieces)
     assert type(fast.sampler).__name__ == "LockstepSampler" and type(general.sampler).__name__ == "MultiAgentSampler"
     assert fast.sampler.module_to_env is not None and fast.sampler.observations.keyed
-    ids: dict[str, str] = {}
-    for rnd in range(6):
-        torch.manual_seed(rnd)
-        got = fast.sample(num_timesteps=40)
-        torch.manual_seed(rnd)
-        want = general.sample(num_timesteps=40)
-        assert_same_chunks(got, want, ids, (case, rnd))
+    for got in sampled_alike(fast, general, 6, case):
         for c in got:  # each agent's own last action and reward, beside its observation
             t = len(c) - 1
             if t >= 1:

@@ -36,6 +36,13 @@ def cnn_pair(seed=0):
     return PolicyForward(module), PolicyForward(twin, precision="bfloat16")
 
 
+def tuned_cartpole_ppo() -> PPOConfig:
+    """test_ppo_train's run: the tuned CartPole file's settings, seed 0."""
+    config = PPOConfig().environment("CartPole-v1").debugging(seed=0)
+    config.update_from_dict(yaml.safe_load(open("tuned/cartpole-ppo.yaml"))["config"])
+    return config
+
+
 def frames(n=8, seed=0):
     return np.random.default_rng(seed).integers(0, 256, (n, *FRAMES.shape), dtype=np.uint8)
 
@@ -134,10 +141,7 @@ def test_a_bfloat16_runner_acts_with_torch_and_records_the_logp_of_the_policy_th
 @pytest.mark.learning
 def test_ppo_acting_in_bfloat16_reaches_450_within_the_float32_budget(ray_cluster):
     """test_ppo_train's run of the tuned CartPole file (2 runner actors, 120k steps), acting in bfloat16."""
-    spec = yaml.safe_load(open("tuned/cartpole-ppo.yaml"))
-    config = PPOConfig().environment("CartPole-v1").debugging(seed=0)
-    config.update_from_dict(spec["config"])
-    algo = config.inference(precision="bfloat16").build()
+    algo = tuned_cartpole_ppo().inference(precision="bfloat16").build()
     try:
         best, result = train_until(algo, 450, 120_000)
     finally:
@@ -219,10 +223,7 @@ def test_every_algorithm_updates_in_bfloat16(config_cls, env):
 @pytest.mark.learning
 def test_ppo_learning_in_bfloat16_reaches_450_within_the_float32_budget(ray_cluster):
     """test_ppo_train's run of the tuned CartPole file (2 runner actors, 120k steps), the learner in bfloat16."""
-    spec = yaml.safe_load(open("tuned/cartpole-ppo.yaml"))
-    config = PPOConfig().environment("CartPole-v1").debugging(seed=0)
-    config.update_from_dict(spec["config"])
-    algo = config.learners(learner_precision="bfloat16").build()
+    algo = tuned_cartpole_ppo().learners(learner_precision="bfloat16").build()
     try:
         assert algo.learner_group.local.module.autocast_dtype == torch.bfloat16
         best, result = train_until(algo, 450, 120_000)
