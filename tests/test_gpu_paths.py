@@ -33,11 +33,13 @@ def small(algo: str):
     ).reporting(min_sample_timesteps_per_iteration=0)
 
 
-def build(algo: str, device: str, central: bool):
+def build(algo: str, device: str, central: bool, precision: str = "float32"):
+    """``precision``: the learner's and the acting pass's (``learner_precision``, ``inference(precision=)``)."""
     gpus = 1 if device == "cuda" else 0
     config = (small(algo).env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=50)
-              .rl_module(model_config={"fcnet_hiddens": [32, 32]}).learners(num_gpus_per_learner=gpus)
-              .debugging(seed=0))
+              .rl_module(model_config={"fcnet_hiddens": [32, 32]})
+              .learners(num_gpus_per_learner=gpus, learner_precision=precision).debugging(seed=0))
+    config.inference(precision=precision)
     if central:
         config.inference(mode="central", num_gpus_per_inference_server=gpus)
     return config.build(logdir=None)
@@ -58,7 +60,27 @@ def actor_weights(algo) -> tuple[dict, int]:
 @pytest.mark.parametrize("algo,central", [("PPO", False), ("PPO", True), ("APPO", False), ("APPO", True),
                                           ("DQN", False), ("DQN", True), ("SAC", False), ("SAC", True)])
 def test_learner_on_device_trains_and_what_acts_gets_its_weights(algo, central, device):
-    a = build(algo, device, central)
+    check_training_on_device(build(algo, device, central), device, central)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo,central", [("PPO", True), ("APPO", False), ("DQN", True)])
+def test_bfloat16_learner_and_acting_on_device(algo, central, device):
+    """learner_precision and inference precision "bfloat16": the learner's autocast passes on the device train,
+    and the bfloat16 copy that acts (a runner's, or a server's on the device) follows its weights."""
+    a = build(algo, device, central, precision="bfloat16")
+    try:
+        assert a.learner_group.local.module.autocast_dtype == torch.bfloat16
+        acting = a.env_runner_group.inference.manager.handle(0) if central else a.foreach_env_runner(lambda r: r)[0].acting
+        assert acting.forward.precision == "bfloat16"
+    except BaseException:
+        a.stop()
+        raise
+    check_training_on_device(a, device, central)
+
+
+def check_training_on_device(a, device: str, central: bool) -> None:
+    """Three iterations: the learner's weights on ``device`` change and stay finite, and what acts holds them."""
     try:
         learner = a.learner_group.local
         assert {p.device.type for p in learner.module.parameters()} == {device}

@@ -283,11 +283,14 @@ def test_gpu_server_without_cuda_is_a_clear_error():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_server_answers_as_the_cpu_module_does():
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_cuda_server_answers_as_the_cpu_module_does(precision):
     """Observations through the pinned buffers (growing with the batch), the pass on the GPU (replayed CUDA
     graphs), answers on the CPU: the same logits as the module on the CPU, for batches of several sizes,
-    before and after new weights."""
-    server = InferenceServer(settings(), InferenceSettings("central", num_gpus_per_inference_server=1))
+    before and after new weights (in bfloat16: within its rounding)."""
+    tol = {"rtol": 1e-4, "atol": 1e-5} if precision == "float32" else {"rtol": 0.03, "atol": 0.03}
+    server = InferenceServer(settings(), InferenceSettings("central", num_gpus_per_inference_server=1,
+                                                           precision=precision))
     directory = InferenceDirectory()
     directory.publish(0, server.address())
     client = RemoteActing(InferenceClientSettings(1, directory), 1)
@@ -298,7 +301,7 @@ def test_cuda_server_answers_as_the_cpu_module_does():
             obs = rows(n)
             actions, _, dist_inputs, version = client.act(obs, False, 0)
             assert version == 2 and actions.shape == (n,)
-            np.testing.assert_allclose(dist_inputs, logits(w, obs), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(dist_inputs, logits(w, obs), **tol)
         # new weights after the passes were captured as CUDA graphs: the replays act with them
         w = weights(5)
         server.set_weights(w, 3)
@@ -306,7 +309,7 @@ def test_cuda_server_answers_as_the_cpu_module_does():
             obs = rows(n, start=0.5)
             _, _, dist_inputs, version = client.act(obs, explore, 0)
             assert version == 3
-            np.testing.assert_allclose(dist_inputs, logits(w, obs), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(dist_inputs, logits(w, obs), **tol)
         assert server.forward.graphs and server.forward.num_graphs >= 4
     finally:
         client.close()

@@ -85,7 +85,8 @@ class PolicyForward:
             module = self.module
             return (module.forward_exploration if explore else module.forward_inference)(obs, *state)
         module = self._low_module()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+        # no cast cache: the copy's weights are bfloat16 already, and a cache must stay off in CUDA graph capture
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False):
             out = (module.forward_exploration if explore else module.forward_inference)(
                 obs, *(s.to(torch.bfloat16) for s in state))
         return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}

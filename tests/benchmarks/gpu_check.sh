@@ -20,7 +20,7 @@
 #
 # Here, from the repository root:   bash tests/benchmarks/gpu_wheels.sh     (fills .whl/, about 50 MiB)
 # There (device run, carry [".whl"], timeout_s 480):   bash tests/benchmarks/gpu_check.sh
-# Expected about 4 minutes; each step has its own time limit (60 + 60 + 130 + 220 s at most), so a hang
+# Expected about 4 minutes; each step has its own time limit (60 + 60 + 160 + 220 s at most), so a hang
 # costs one step, never the run. GPU_CHECK_PONG_S=N adds a 5th step: APPO on Pong (tuned/pong-appo.yaml, needs
 # ale-py among the wheels) for N seconds at most; its log and learning curve come back as pong.log and
 # pong_progress.csv. GPU_CHECK_DEADLINE_S=S shortens it so the whole run ends S seconds after it started.
@@ -88,7 +88,7 @@ fi
 # --- 3. every CUDA test --------------------------------------------------------------------------------
 mapfile -t cuda_files < <(grep -l "cuda.is_available" tests/test_*.py)
 echo "cuda test files: ${cuda_files[*]}"
-timeout 130 "$PY" -m pytest -q -p no:cacheprovider --timeout=100 -rs -k cuda --junitxml="$OUT/cuda_tests.xml" \
+timeout 160 "$PY" -m pytest -q -p no:cacheprovider --timeout=100 -rs -k cuda --junitxml="$OUT/cuda_tests.xml" \
     "${cuda_files[@]}"
 if "$PY" - "$OUT/cuda_tests.xml" "$DRY" <<'EOF'
 import json, sys
