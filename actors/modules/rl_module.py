@@ -120,7 +120,7 @@ def _autocasting(method: Callable) -> Callable:
     @functools.wraps(method)
     def run(self: RLModule, *args: Any, **kwargs: Any) -> Any:
         dtype = self.autocast_dtype
-        if dtype is None or torch.is_autocast_enabled(self.autocast_device):  # off, or inside an outer call's
+        if dtype is None or _autocast_on(self.autocast_device):  # off, or inside an outer call's
             return method(self, *args, **kwargs)
         with torch.autocast(self.autocast_device, dtype=dtype):
             out = method(self, *args, **kwargs)
@@ -128,6 +128,13 @@ def _autocasting(method: Callable) -> Callable:
 
     run.autocasts = True  # type: ignore[attr-defined]
     return run
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: one function per device
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
 def _float32(out: Any) -> Any:
