@@ -2,12 +2,13 @@
 
 Acting (``.inference(precision="bfloat16")``): the pass runs a bfloat16 copy of the module that follows every
 weights update, its outputs come back as float32, the log-probabilities recorded are the ones of the policy
-that acted, bad settings are refused with the fix, and PPO learns CartPole acting in bfloat16 within its
-float32 test's budget.
+that acted, and bad settings are refused with the fix.
 
 Learning (``.learners(learner_precision="bfloat16")``): a module's forward methods run under autocast and
 hand back float32 (a user's subclass too), gradients and weights stay float32, every algorithm's update runs
-and moves the weights, and PPO learns CartPole within its float32 test's budget."""
+and moves the weights.
+
+And PPO acting and learning in bfloat16 reaches 450 on CartPole within its float32 test's budget."""
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -138,16 +139,6 @@ def test_a_bfloat16_runner_acts_with_torch_and_records_the_logp_of_the_policy_th
         assert np.abs(chunk.extra["action_dist_inputs"] - exact_inputs).max() > 1e-4
 
 
-@pytest.mark.learning
-def test_ppo_acting_in_bfloat16_reaches_450_within_the_float32_budget(ray_cluster):
-    """test_ppo_train's run of the tuned CartPole file (2 runner actors, 120k steps), acting in bfloat16."""
-    algo = tuned_cartpole_ppo().inference(precision="bfloat16").build()
-    try:
-        best, result = train_until(algo, 450, 120_000)
-    finally:
-        algo.stop()
-    assert best >= 450, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
-
 
 # --- learning in bfloat16 ------------------------------------------------------------------------------
 class Doubler(RLModule):
@@ -221,11 +212,13 @@ def test_every_algorithm_updates_in_bfloat16(config_cls, env):
 
 
 @pytest.mark.learning
-def test_ppo_learning_in_bfloat16_reaches_450_within_the_float32_budget(ray_cluster):
-    """test_ppo_train's run of the tuned CartPole file (2 runner actors, 120k steps), the learner in bfloat16."""
-    algo = tuned_cartpole_ppo().learners(learner_precision="bfloat16").build()
+def test_ppo_acting_and_learning_in_bfloat16_reaches_450_within_the_float32_budget(ray_cluster):
+    """test_ppo_train's run of the tuned CartPole file (2 runner actors, 120k steps), its runners acting and its
+    learner training in bfloat16."""
+    algo = tuned_cartpole_ppo().inference(precision="bfloat16").learners(learner_precision="bfloat16").build()
     try:
         assert algo.learner_group.local.module.autocast_dtype == torch.bfloat16
+        assert algo.env_runner_group.settings.precision == "bfloat16"
         best, result = train_until(algo, 450, 120_000)
     finally:
         algo.stop()
