@@ -119,28 +119,22 @@ def bare_case():
     return sample, lambda: [env.close() for env in envs], 1
 
 
-def runner_case(precision: str = "float32"):
-    from actors.env import EnvRunner, EnvRunnerSettings
-    from pipeline.envs import env_creator
-
-    runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator(ENV_ID), num_envs=NUM_ENVS,
-                                         rollout_fragment_length=FRAGMENT, seed=0, precision=precision),
-                       worker_index=1)
-    return (lambda: sum(len(c) for c in runner.sample())), runner.stop, 1
-
-
-def stacked_runner_case(precision: str = "float32"):
-    """``runner_case`` with 4-frame stacking (``FrameStackingEnvToModule``): the CNN gets 84x84x4 stacks, the
-    chunks keep one frame per step."""
+def runner_case(precision: str = "float32", stack: bool = False):
+    """One ``EnvRunner`` in this process; ``stack``: with 4-frame stacking (``FrameStackingEnvToModule``): the CNN
+    gets 84x84x4 stacks, the chunks keep one frame per step."""
     from actors.env import EnvRunner, EnvRunnerSettings
     from pipeline.connectors import atari_frame_stack
     from pipeline.envs import env_creator
 
     runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator(ENV_ID), num_envs=NUM_ENVS,
-                                         rollout_fragment_length=FRAGMENT, seed=0, env_to_module=atari_frame_stack,
-                                         precision=precision),
+                                         rollout_fragment_length=FRAGMENT, seed=0, precision=precision,
+                                         env_to_module=atari_frame_stack if stack else None),
                        worker_index=1)
     return (lambda: sum(len(c) for c in runner.sample())), runner.stop, 1
+
+
+def stacked_runner_case(precision: str = "float32"):
+    return runner_case(precision, stack=True)
 
 
 def shipped_bytes() -> None:
