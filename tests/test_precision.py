@@ -15,9 +15,12 @@ import pytest
 import torch
 import yaml
 
-from actors.env import EnvRunner
+from actors.env import EnvRunner, EnvRunnerSettings
+from actors.env.multi_agent_env import make_multi_agent
+from actors.env.multi_agent_runner import MultiAgentEnvRunner
 from actors.inference.forward import PolicyForward
-from actors.modules import ActorCriticModule, RLModule
+from actors.modules import ActorCriticModule, ModuleSpec, RLModule
+from actors.modules.multi import SEP
 from actors.modules.rl_module import set_autocast
 from pipeline import APPOConfig, DQNConfig, IMPALAConfig, PPOConfig, SACConfig
 from pipeline.config.base import ConfigError
@@ -26,6 +29,7 @@ from pipeline.groups.env_runners import runner_settings
 from tests.helpers import train_until
 
 FRAMES = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)
+CARTPOLES = make_multi_agent("CartPole-v1")
 
 
 def cnn_pair(seed=0):
@@ -99,9 +103,6 @@ def test_bad_precision_settings_name_the_fix():
         config.copy().inference(precision="fp16").validate()
     with pytest.raises(ConfigError, match="numpy acting computes in float32: set runner_backend='auto' or 'torch'"):
         config.copy().inference(precision="bfloat16", runner_backend="numpy").validate()
-    with pytest.raises(ConfigError, match="multi-agent runners act in float32"):
-        config.copy().multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a") \
-            .inference(precision="bfloat16").validate()
 
 
 def test_a_bfloat16_runner_acts_with_torch_and_records_the_logp_of_the_policy_that_acted():
@@ -138,6 +139,50 @@ def test_a_bfloat16_runner_acts_with_torch_and_records_the_logp_of_the_policy_th
         # and the float32 policy's are farther off (bfloat16 keeps 8 bits of mantissa): it did act in bfloat16
         assert np.abs(chunk.extra["action_dist_inputs"] - exact_inputs).max() > 1e-4
 
+
+
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "general"])
+def test_a_bfloat16_multi_agent_runner_records_the_logp_of_the_policies_that_acted(lockstep):
+    """Each module acts under its own autocast (not fused into the float32 pass two alike modules share)."""
+    mapping = lambda agent, episode, **kw: f"p{agent}"  # noqa: E731
+    config = PPOConfig().environment(CARTPOLES, env_config={"num_agents": 2}) \
+        .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=mapping).inference(precision="bfloat16")
+    config.validate()  # multi-agent runs may act in bfloat16
+    env = CARTPOLES({"num_agents": 2})
+    obs_space, act_space = env.get_observation_space(0), env.get_action_space(0)
+    specs = {m: ModuleSpec(obs_space, act_space, {"fcnet_hiddens": [32]}) for m in ("p0", "p1")}
+    runner = MultiAgentEnvRunner(EnvRunnerSettings(env_creator=lambda ctx: CARTPOLES({"num_agents": 2}), num_envs=2,
+                                                   rollout_fragment_length=40, seed=3, precision="bfloat16"),
+                                 specs, mapping, worker_index=1, lockstep=lockstep)
+    weights = {}
+    for i, mid in enumerate(("p0", "p1")):
+        torch.manual_seed(10 + i)
+        state = ActorCriticModule(obs_space, act_space, {"fcnet_hiddens": [32]}, inference_only=True).get_state()
+        weights.update({f"{mid}{SEP}{k}": v * 200.0 if k.startswith("pi_head.") else v for k, v in state.items()})
+    try:
+        runner.set_weights(weights, 1)
+        assert all(m.autocast_dtype is torch.bfloat16 for m in runner.module.members.values())
+        assert all(fused is None for _, fused in runner.sampler.acting.groups())
+        chunks = runner.sample()
+    finally:
+        runner.stop()
+    seen = set()
+    for chunk in chunks:
+        own = {k.split(SEP, 1)[1]: v for k, v in weights.items() if k.startswith(chunk.module_id + SEP)}
+        judge, exact = (PolicyForward(ActorCriticModule(obs_space, act_space, {"fcnet_hiddens": [32]},
+                                                        inference_only=True), precision=p) for p in ("bfloat16", "float32"))
+        judge.set_state(own)
+        exact.set_state(own)
+        obs = np.asarray(chunk.obs[:len(chunk)], np.float32)
+        with torch.inference_mode():
+            inputs = judge.dist_inputs(obs, True)
+            logp = judge.dist_spec.build(inputs).logp(torch.as_tensor(np.asarray(chunk.actions))).numpy()
+            exact_inputs = exact.dist_inputs(obs, True).numpy()
+        np.testing.assert_allclose(chunk.extra["action_dist_inputs"], inputs.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(chunk.extra["action_logp"], logp, rtol=1e-5, atol=1e-5)
+        assert np.abs(chunk.extra["action_dist_inputs"] - exact_inputs).max() > 1e-4  # it did act in bfloat16
+        seen.add(chunk.module_id)
+    assert seen == {"p0", "p1"}
 
 
 # --- learning in bfloat16 ------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from actors.env.vector_env import EnvContext
 from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec, RLModule
 from actors.modules.multi import SEP, MultiRLModule
+from actors.modules.rl_module import set_autocast
 from actors.sys_usage import SysUsage
 from protocols.codec import encode
 from protocols.episode import EpisodeChunk
@@ -161,6 +162,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                             f"(observation_space, action_space, model_config, module_class, module_kwargs)")
         module = spec.build(inference_only=True)
         module.eval()
+        if self.s.precision != "float32":  # its forward methods run under autocast and hand back float32
+            set_autocast(module, self.s.precision, "cpu")
         self.module.members[module_id] = module  # the id was checked above, as MultiRLModule checks its own
         self.module_specs[module_id] = spec
         self.explorations[module_id] = make_exploration(self.s.exploration_config, module.dist_spec)

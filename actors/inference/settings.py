@@ -29,7 +29,8 @@ class InferenceSettings:
     halves the Nature CNN's cost on CPUs with bfloat16 units (Intel AMX or AVX512-BF16; ``lscpu`` lists
     ``amx_bf16``/``avx512_bf16``) and on GPUs, and costs several times more on CPUs without them. Numpy acting
     computes in float32 only: with bfloat16, "auto" runners act with torch, and runner_backend="numpy" is
-    refused."""
+    refused. Multi-agent runners run each module's forward methods under autocast instead of a copy (weights
+    cast at every pass), each module alone (no fused pass)."""
     num_inference_servers: int = 1
     """Servers; env runner i asks server ``i % num_inference_servers``."""
     num_cpus_per_inference_server: float = 1

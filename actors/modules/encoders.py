@@ -156,7 +156,11 @@ class CNNEncoder(nn.Module):
         self.scale = 1.0 / 255.0 if space.dtype == np.uint8 else 1.0
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs.permute(0, 3, 1, 2).float() * self.scale)
+        x = obs.permute(0, 3, 1, 2)
+        if x.is_floating_point():
+            return self.net(x.float() * self.scale)
+        # uint8 frames: .float() makes a new tensor, so scaling it in place spares a second frame-sized buffer
+        return self.net(x.float().mul_(self.scale))
 
 
 def build_encoder(space: gym.Space, cfg: ModelConfig) -> nn.Module:

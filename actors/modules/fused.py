@@ -38,6 +38,8 @@ def fusion_key(module: RLModule) -> tuple | None:
     """Modules with equal keys can act in one pass; None: this module cannot be fused."""
     if type(module) is not ActorCriticModule or module.masking is not None:
         return None
+    if module.autocast_dtype is not None:  # acts alone, under its autocast (the fused pass is float32)
+        return None
     if (isinstance(module.observation_space, (gym.spaces.Dict, gym.spaces.Tuple)) or type(module.encoder) is not ObsEncoder
             or len(module.encoder.leaves) != 1 or module.encoder.leaves[0][0] != "box"):
         return None  # one array leaf of numbers: the features are the observation itself, flattened

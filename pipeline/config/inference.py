@@ -52,9 +52,6 @@ def inference_problems(config: Any) -> list[str]:
     elif x.precision != "float32" and x.runner_backend == "numpy":
         problems.append(f"inference precision={x.precision!r} needs torch acting; numpy acting computes in float32: "
                         f"set runner_backend='auto' or 'torch', or precision='float32'")
-    elif x.precision != "float32" and settings_used(config):
-        problems.append(f"inference precision={x.precision!r} serves single-agent runners and inference servers; "
-                        f"multi-agent runners act in float32: drop precision or set precision='float32'")
     for key in ("num_inference_servers", "max_batch"):
         value = getattr(x, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
