@@ -195,10 +195,10 @@ def test_compute_single_action_takes_and_returns_the_state():
 
 
 def test_recurrent_settings_that_cannot_work_are_config_errors():
-    from pipeline import APPOConfig, DQNConfig
+    from pipeline import APPOConfig, SACConfig
 
     with pytest.raises(ConfigError, match="does not train recurrent modules"):
-        DQNConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).validate()
+        SACConfig().environment("Pendulum-v1").rl_module(model_config={"use_lstm": True}).validate()
     with pytest.raises(ConfigError, match="one learner"):
         APPOConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).learners(
             num_learners=2).validate()

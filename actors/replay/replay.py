@@ -111,6 +111,35 @@ class ReplaySettings:
         return out + limiter_problems(self.samples_per_insert, min_size, self.error_buffer)
 
 
+def priority_arrays(indices: Any, priorities: Any, size: int, unit: str) -> tuple[np.ndarray, np.ndarray]:
+    """``update_priorities``' arguments as flat arrays, or ValueError naming what is wrong with them."""
+    idx, pri = np.asarray(indices).reshape(-1), np.asarray(priorities, np.float64).reshape(-1)
+    if len(idx) != len(pri):
+        raise ValueError(f"update_priorities got {len(idx)} indices but {len(pri)} priorities: pass one each")
+    if len(idx) and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= size):
+        raise ValueError(f"indices must be {unit} in [0, {size}) as returned by sample()")
+    if not np.all(np.isfinite(pri)):
+        raise ValueError(f"priorities must be finite, got {pri[~np.isfinite(pri)][:5]!r}")
+    return idx, pri
+
+
+def prioritized_draw(tree: SumTree, rng: np.random.Generator, count: int, per_batch: int, population: int,
+                     beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` entries drawn in proportion to their priorities, and their importance weights
+    ``(population * P(i)) ** -beta`` normalised by the largest within each batch of ``per_batch``."""
+    total = tree.total()
+    drawn = tree.sample(rng.random(count) * total)
+    weights = ((population * tree.get(drawn) / total) ** -beta).reshape(-1, per_batch)
+    return drawn, (weights / weights.max(axis=1, keepdims=True)).reshape(-1).astype(np.float32)
+
+
+def log_counts(metrics: MetricsLogger, key: str, n: int, size: int, num_samples: int, num_inserts: int) -> None:
+    """A buffer's counters after an insert or a sample of ``n`` steps."""
+    metrics.log_value(key, n, reduce="lifetime_sum")
+    metrics.log_value("size", size, reduce="max", window=1)
+    metrics.log_value("samples_per_insert", num_samples / max(1, num_inserts), reduce="max", window=1)
+
+
 MAX_BATCHES_PER_CALL = 32
 """Batches a plan draws at once for one learner call, at most: they are drawn together, so a long run
 of them would train on stale priorities; a training step that allows more makes several calls."""
@@ -270,11 +299,7 @@ class ReplayBuffer(ReplayRole):
 
     def _draw(self, batch_size: int, per_batch: int) -> tuple[np.ndarray, np.ndarray]:
         if self.tree is not None:
-            total = self.tree.total()
-            rows = self.tree.sample(self.rng.random(batch_size) * total)
-            prob = self.tree.get(rows) / total
-            weights = ((len(self) * prob) ** -self.settings.beta).reshape(-1, per_batch)
-            return rows, (weights / weights.max(axis=1, keepdims=True)).reshape(-1).astype(np.float32)
+            return prioritized_draw(self.tree, self.rng, batch_size, per_batch, len(self), self.settings.beta)
         has_action, filled = self.storage.cols["has_action"], self.storage.filled
         parts, need = [], batch_size
         for _ in range(8):
@@ -295,13 +320,7 @@ class ReplayBuffer(ReplayRole):
         """Set sampled rows' priorities to (|p| + epsilon) ** alpha (a no-op for uniform replay).
         A row overwritten since it was sampled keeps priority 0 if it is no step now, and otherwise
         takes the priority meant for its old transition (rare: as in RLlib's buffers)."""
-        idx, pri = np.asarray(indices).reshape(-1), np.asarray(priorities, np.float64).reshape(-1)
-        if len(idx) != len(pri):
-            raise ValueError(f"update_priorities got {len(idx)} indices but {len(pri)} priorities: pass one each")
-        if len(idx) and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= self.settings.capacity):
-            raise ValueError(f"indices must be rows in [0, {self.settings.capacity}) as returned by sample()")
-        if not np.all(np.isfinite(pri)):
-            raise ValueError(f"priorities must be finite, got {pri[~np.isfinite(pri)][:5]!r}")
+        idx, pri = priority_arrays(indices, priorities, self.settings.capacity, "rows")
         if self.tree is None or not len(idx):
             return
         with self.lock:
@@ -323,10 +342,7 @@ class ReplayBuffer(ReplayRole):
             self.metrics.log_value("blocked_s", self._blocked_s() - before, reduce="lifetime_sum")
 
     def _log(self, key: str, n: int) -> None:
-        m = self.metrics
-        m.log_value(key, n, reduce="lifetime_sum")
-        m.log_value("size", len(self), reduce="max", window=1)
-        m.log_value("samples_per_insert", self.num_samples / max(1, self.num_inserts), reduce="max", window=1)
+        log_counts(self.metrics, key, n, len(self), self.num_samples, self.num_inserts)
 
     def get_metrics(self) -> dict[str, Any]:
         """What was logged since the last call (``MetricsLogger.export``); raises if the stream

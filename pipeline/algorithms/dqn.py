@@ -12,7 +12,7 @@ Here: ``DQNConfig``, ``dqn_loss`` (a pure function of module, target, batch and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from actors.learner import Learner, batch_slices, combined_stats
 from actors.modules import QModule
 from pipeline.algorithm import Algorithm
+from pipeline.algorithms.dqn_recurrent import r2d2_loss, sequence_priorities
 from pipeline.config.base import AlgorithmConfig
 from pipeline.config.checks import check_schedule, is_int, is_number
 from pipeline.plans.offpolicy import OffPolicyPlan, OffPolicySettings, polyak, to_tensors
@@ -32,6 +33,8 @@ TD_ERROR_LOSS_FNS = ("huber", "mse")
 @dataclass
 class DQNConfig(OffPolicySettings, AlgorithmConfig):
     algo_name = "DQN"
+    supports_recurrent: ClassVar[bool] = True
+    """``model_config`` ``use_lstm``: R2D2 -- sequences replayed with their stored states (``dqn_recurrent``)."""
 
     num_envs_per_env_runner: int = 8
     """Sub-environments each runner steps as one vector."""
@@ -72,6 +75,9 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
     """Highest return the distribution's support covers."""
     epsilon: list = field(default_factory=lambda: [[0, 1.0], [10_000, 0.02]])
     """Epsilon-greedy schedule ``[[timestep, epsilon], ...]`` over env steps sampled (off when explore=False)."""
+    burn_in: int = 0
+    """Recurrent modules (``use_lstm``): steps at the start of each replayed sequence that the networks run
+    over without training, to refresh the stored state (R2D2's burn-in); below ``max_seq_len``."""
     td_error_loss_fn: str = "huber"
     """Loss on the TD error: "huber" or "mse" (ignored with num_atoms > 1, which uses cross-entropy)."""
     model_config: dict = field(default_factory=lambda: {"fcnet_activation": "relu"})
@@ -98,9 +104,45 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
             problems.append(f"tau must be in (0, 1], got {self.tau!r}")
         problems += [p.replace("epsilon must", "epsilon must be a schedule; it must") for p in
                      check_schedule("epsilon", self.epsilon) if not isinstance(self.epsilon, (int, float))]
+        problems += self._recurrent_problems()
         if isinstance(self.epsilon, (int, float)):
             problems.append(f"epsilon must be a schedule [[timestep, epsilon], ...], got {self.epsilon!r}; "
                             f"a constant is [[0, {self.epsilon}]]")
+        return problems
+
+
+    def _recurrent_problems(self) -> list[str]:
+        recurrent = isinstance(self.model_config, dict) and bool(self.model_config.get("use_lstm"))
+        max_seq_len = self.model_config.get("max_seq_len", 20) if isinstance(self.model_config, dict) else 20
+        if not is_int(self.burn_in) or self.burn_in < 0:
+            return [f"burn_in must be an int >= 0, got {self.burn_in!r}"]
+        if not recurrent:
+            return [] if self.burn_in == 0 else [f"burn_in={self.burn_in} is for recurrent modules: set model_config "
+                                                 f"use_lstm=True, or burn_in=0"]
+        problems = []
+        if is_int(max_seq_len) and self.burn_in >= max_seq_len:
+            problems.append(f"burn_in={self.burn_in} leaves no step of a max_seq_len={max_seq_len} sequence to train: "
+                            f"lower burn_in or raise model_config max_seq_len")
+        fragment = self.get_rollout_fragment_length()
+        if is_int(max_seq_len) and is_int(fragment) and fragment < max_seq_len:
+            problems.append(f"rollout_fragment_length={fragment} with use_lstm=True cuts sequences of {fragment} steps, "
+                            f"each stored in a slot of max_seq_len={max_seq_len}: set rollout_fragment_length="
+                            f"{max_seq_len} (or a multiple), or lower max_seq_len")
+        if self.num_atoms != 1:
+            problems.append(f"num_atoms={self.num_atoms} with use_lstm=True: recurrent DQN learns one Q-value per "
+                            f"action; set num_atoms=1")
+        c = self.replay_buffer_config if isinstance(self.replay_buffer_config, dict) else {}
+        for key, why in (("remote", "the replay actor stores transitions"),
+                         ("prefill_from", "recordings are replayed as transitions")):
+            if c.get(key) not in (None, False):
+                problems.append(f"replay_buffer_config {key}={c[key]!r} with use_lstm=True: not built for sequence "
+                                f"replay ({why}); leave it unset")
+        if (self.offline_data_config or {}).get("input_") is not None:
+            problems.append("offline input with DQN use_lstm=True: recorded chunks carry no recurrent states; "
+                            "leave input_ unset")
+        if self.learner_connector is not None:
+            problems.append("learner_connector with DQN use_lstm=True: the sequence replay runs no learner pipeline; "
+                            "leave it unset")
         return problems
 
 
@@ -218,8 +260,16 @@ class DQNLearner(Learner):
         """One gradient step per slice, the batch converted to tensors once and the statistics read once."""
         cfg = self.config
         steps, td_errors = [], []
+        recurrent = self.module.is_recurrent
+        trained = 0
         for part in batch_slices(to_tensors(batch, self.device), num_batches):
-            loss, stats, td_error = dqn_loss(self.module, self.targets["target"], part, cfg)
+            if recurrent:  # sequences: td_error per sequence, R2D2's priority mix
+                loss, stats, td_abs, valid = r2d2_loss(self.module, self.targets["target"], part, cfg.gamma,
+                                                       cfg.burn_in, cfg.td_error_loss_fn, cfg.double_q)
+                td_error = sequence_priorities(td_abs, valid)
+                trained = valid.sum()
+            else:
+                loss, stats, td_error = dqn_loss(self.module, self.targets["target"], part, cfg)
             stats["gradients_global_norm"] = self.apply_gradients(loss)
             if timestep - self.last_target_update >= cfg.target_network_update_freq:
                 polyak(self.targets["target"], self.module, cfg.tau)
@@ -230,7 +280,7 @@ class DQNLearner(Learner):
         self.last_outputs = {"td_error": torch.cat(td_errors).cpu().numpy()}
         out = combined_stats(steps)
         out["num_target_updates"] = float(self.num_target_updates)
-        out["num_module_steps_trained"] = float(len(batch["rewards"]) // num_batches)  # per update
+        out["num_module_steps_trained"] = float(trained) if recurrent else float(len(batch["rewards"]) // num_batches)
         return out
 
 

@@ -33,7 +33,7 @@ def recurrent_problems(config: Any, multi_agent: bool) -> list[str]:
     out = []
     if not getattr(type(config), "supports_recurrent", False):
         out.append(f"model_config use_lstm=True: {config.algo_name} does not train recurrent modules yet (PPO, "
-                   f"IMPALA and APPO do); use one of those, or leave use_lstm off")
+                   f"IMPALA, APPO and DQN do); use one of those, or leave use_lstm off")
     if config.external_clients_config:
         out.append("model_config use_lstm=True with external_clients: policy servers do not carry client "
                    "states yet; leave use_lstm off")

@@ -28,8 +28,11 @@ from protocols.episode import EpisodeChunk
 
 
 def batch_steps(batch: list[EpisodeChunk] | dict[str, Any]) -> int:
-    """Env steps in a batch: a list of chunks, or a replayed batch of transitions (a dict of arrays)."""
-    return len(batch["rewards"]) if isinstance(batch, dict) else sum(len(c) for c in batch)
+    """Env steps in a batch: a list of chunks, or a replayed batch of transitions (a dict of arrays; of
+    sequences, with the ``mask`` of their real steps)."""
+    if isinstance(batch, dict):
+        return int(np.asarray(batch["mask"]).sum()) if "mask" in batch else len(batch["rewards"])
+    return sum(len(c) for c in batch)
 
 
 def shard_rows(num_rows: int, n: int, num_batches: int = 1) -> list[np.ndarray]:

@@ -248,7 +248,7 @@ class OffPolicyPlan:
         self.prioritized = settings.prioritized
         self.steps_per_training_step = config.steps_per_training_step()
         self.streaming = None
-        self.replay: ReplayBuffer | None = None
+        self.replay: ReplayBuffer | Any = None  # or a SequenceReplay (recurrent DQN)
         self.multi = None
         self.mix = None
         if multi_agent is not None:
@@ -261,6 +261,10 @@ class OffPolicyPlan:
 
             self.streaming = StreamingReplay(config, settings, env_runners, learners, metrics, observation_space,
                                              action_space, compress, intake)
+        elif recurrent(config):  # R2D2: whole chunks replayed as sequences with their stored states
+            from actors.replay.sequences import SequenceReplay
+
+            self.replay = SequenceReplay(settings, config.model_config.get("max_seq_len", 20))
         else:
             self.replay = ReplayBuffer(settings, intake)
             if config.replay_buffer_config.get("prefill_from") is not None:
@@ -347,6 +351,11 @@ class OffPolicyPlan:
             self.streaming.stop()
         else:
             self.replay.stop()
+
+
+def recurrent(config: Any) -> bool:
+    """The module is recurrent (``model_config`` ``use_lstm``): its replay holds sequences."""
+    return isinstance(config.model_config, dict) and bool(config.model_config.get("use_lstm"))
 
 
 def mix_ratio(config: Any) -> float:

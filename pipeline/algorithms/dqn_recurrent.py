@@ -1,0 +1,114 @@
+"""Recurrent DQN (R2D2, Kapturowski et al. 2019): the loss on replayed sequences.
+
+DQN with ``model_config={"use_lstm": True}`` replays whole sequences (``actors.replay.sequences``): the
+chunks the runners cut, at most ``max_seq_len`` steps each, with the recurrent state stored at their start.
+For each sequence the online and the target network unroll from that stored state; with ``burn_in`` = k
+both first run over the sequence's first k steps without gradients, so the state the loss starts from is
+the current network's rather than the stale stored one, and only the steps after them are trained. Every
+trained step's target is its n-step return inside the sequence (never past its end; the sequence's last
+observation is the bootstrap observation) plus the discounted target network's value of the online
+network's best action there (double Q); 0 after a terminal step. Priorities: R2D2's mix of a sequence's
+TD errors (``sequence_priorities``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from actors.modules import QModule
+from protocols import nested
+
+PRIORITY_ETA = 0.9
+"""R2D2's weight of a sequence's largest TD error in its priority (the rest: the mean)."""
+
+
+def sequence_n_step(rewards: torch.Tensor, lengths: torch.Tensor, terminated: torch.Tensor, n_steps: torch.Tensor,
+                    gamma: float, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n-step returns of the steps ``start..T-1`` of padded sequences.
+
+    ``rewards`` ``[B, T]`` (zeros past each sequence's length), ``lengths`` ``[B]``, ``terminated`` ``[B]`` (the
+    episode ended in a terminal state at the sequence's last step), ``n_steps`` ``[B]``. Returns, each
+    ``[B, T - start]``: the discounted sums of up to n rewards (fewer near the sequence's end), the index of
+    the bootstrap observation (counted from ``start``), its discount (``gamma ** steps used``, 0 when that
+    observation is the terminal one) and the mask of real steps."""
+    b, t = rewards.shape
+    width = t - start
+    pos = torch.arange(start, t, device=rewards.device)[None, :]  # absolute step index
+    used = torch.minimum(n_steps[:, None], lengths[:, None] - pos).clamp(min=0)  # [B, width]
+    valid = used > 0
+    padded = torch.cat([rewards[:, start:], rewards.new_zeros(b, int(n_steps.max()))], 1)
+    returns = torch.zeros(b, width, dtype=torch.float32, device=rewards.device)
+    for i in range(int(n_steps.max())):
+        returns = returns + (gamma ** i) * padded[:, i:i + width] * (i < used)
+    boot = pos - start + used  # the observation after the last step used, relative to start
+    ends_terminal = (pos + used == lengths[:, None]) & terminated[:, None]
+    discounts = torch.where(ends_terminal | ~valid, torch.zeros((), device=rewards.device),
+                            torch.pow(torch.full((), gamma, device=rewards.device), used.float()))
+    return returns, boot, discounts, valid
+
+
+def r2d2_loss(module: QModule, target: QModule, batch: dict[str, Any], gamma: float, burn_in: int,
+              td_error_loss_fn: str = "huber", double_q: bool = True
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The loss on a batch of sequences (``SequenceReplay.sample`` as tensors); returns ``(loss, stats, |TD error|
+    [B, T - burn_in], trained-step mask [B, T - burn_in])``. Each sequence's mean step loss is weighted by its
+    importance weight; MultiDiscrete branches are trained against their own targets and averaged."""
+    obs, state = batch["obs"], batch["state_in"]
+    k = burn_in
+    if k > 0:
+        with torch.no_grad():
+            head = nested.map_structure(lambda a: a[:, :k], obs)
+            online_state = module.forward_sequences(head, state)["state_out"]
+            target_state = target.forward_sequences(head, state)["state_out"]
+        obs = nested.map_structure(lambda a: a[:, k:], obs)
+    else:
+        online_state = target_state = state
+    online = module.forward_sequences(obs, online_state)
+    with torch.no_grad():
+        tgt = target.forward_sequences(obs, target_state)
+    returns, boot, discounts, valid = sequence_n_step(batch["rewards"], batch["lengths"], batch["terminated"],
+                                                      batch["n_steps"], gamma, start=k)
+    width = returns.shape[1]
+    actions = batch["actions"][:, k:].long().reshape(returns.shape[0], width, -1)
+    mask = online.get("action_mask")
+
+    def at_boot(x: torch.Tensor) -> torch.Tensor:  # [B, T+1-k, n] -> the bootstrap rows [B, width, n]
+        return x.gather(1, boot[..., None].expand(-1, -1, x.shape[-1]))
+
+    losses, td_abs = [], []
+    for branch, (q, tq) in enumerate(zip(online["branch_logits"], tgt["branch_logits"])):
+        q_taken = q[:, :width].gather(2, actions[:, :, branch:branch + 1]).squeeze(2)
+        with torch.no_grad():
+            select = at_boot(q.detach() if double_q else tq)
+            if mask is not None:  # only legal bootstrap actions (a row with none keeps all: its discount is 0)
+                legal = at_boot(_branch_mask(module, mask, branch).float()).bool()
+                select = torch.where(legal | ~legal.any(-1, keepdim=True), select, torch.finfo(select.dtype).min)
+            best = select.argmax(-1, keepdim=True)
+            y = returns + discounts * at_boot(tq).gather(2, best).squeeze(2)
+        td = y - q_taken
+        per_step = F.huber_loss(q_taken, y, reduction="none") if td_error_loss_fn == "huber" else 0.5 * td.pow(2)
+        per_seq = (per_step * valid).sum(1) / valid.sum(1).clamp(min=1)
+        losses.append((batch["weights"] * per_seq).mean())
+        td_abs.append(td.detach().abs())
+    loss = torch.stack(losses).mean()
+    td = torch.stack(td_abs).mean(0)
+    taken = q_taken.detach()[valid] if bool(valid.any()) else q_taken.new_zeros(1)  # all within burn-in: none
+    stats = {"qf_loss": loss.detach(), "qf_mean": taken.mean(), "qf_min": taken.min(), "qf_max": taken.max(),
+             "td_error_mean": td[valid].mean(), "num_steps_trained_per_sequence": valid.sum(1).float().mean()}
+    return loss, stats, td, valid
+
+
+def _branch_mask(module: QModule, mask: torch.Tensor, branch: int) -> torch.Tensor:
+    """The action mask's columns of one branch ``[..., n_branch]``."""
+    lo = sum(module.branches[:branch])
+    return mask[..., lo:lo + module.branches[branch]]
+
+
+def sequence_priorities(td_abs: torch.Tensor, valid: torch.Tensor, eta: float = PRIORITY_ETA) -> torch.Tensor:
+    """R2D2's priority of each sequence from its steps' absolute TD errors and the mask of the steps trained
+    (both ``[B, T]``): ``eta * max + (1 - eta) * mean`` over those steps (0 for a sequence with none)."""
+    td = torch.where(valid, td_abs, torch.zeros((), device=td_abs.device))
+    count = valid.sum(1)
+    return eta * td.max(1).values + (1 - eta) * td.sum(1) / count.clamp(min=1)
