@@ -385,4 +385,4 @@ def test_the_tuned_pong_file_is_a_valid_appo_config():
     assert spec["stop"]["num_env_steps_sampled_lifetime"] * 4 == 10_000_000  # the 10M frames
     config = APPOConfig().environment(spec["env"]).update_from_dict(spec["config"])
     config.validate()  # unknown keys or bad values raise
-    assert config.env_config == {"repeat_action_probability": 0.0} and config.clip_param == 0.3
+    assert config.env_config == {"repeat_action_probability": 0.0} and config.clip_param == 0.1 and config.grad_clip == 0.5

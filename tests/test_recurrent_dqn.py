@@ -215,15 +215,15 @@ def _stateless_dqn(model_config: dict, seed: int, target: float, budget: int) ->
 
 @pytest.mark.learning
 def test_r2d2_learns_stateless_cartpole():
-    """Seed 0 passed 100 at 90k env steps (best 146 by 150k; seeds 1 and 2: see the README's "Recurrent
+    """Seed 0 passed 75 at 78k env steps and 100 at 90k (146 by 150k; seeds 1 and 2: see the README's "Recurrent
     policies"); DQN's MLP with the same settings peaked at 45 within 150k (the next test, in make test-seeds)."""
     best, steps = _stateless_dqn({"use_lstm": True, "lstm_cell_size": 64, "max_seq_len": 20, "fcnet_hiddens": [64],
-                                  "fcnet_activation": "relu"}, 0, 100, 150_000)
-    assert best >= 100, f"{best} after {steps} env steps"
+                                  "fcnet_activation": "relu"}, 0, 75, 150_000)
+    assert best >= 75, f"{best} after {steps} env steps"
 
 
 @pytest.mark.learning
 @pytest.mark.seeds
 def test_dqn_with_an_mlp_does_not_learn_stateless_cartpole():
-    best, steps = _stateless_dqn({"fcnet_hiddens": [64, 64], "fcnet_activation": "relu"}, 0, 100, 150_000)
-    assert best < 100, f"the MLP reached {best} without velocities ({steps} env steps): the task is not a memory test"
+    best, steps = _stateless_dqn({"fcnet_hiddens": [64, 64], "fcnet_activation": "relu"}, 0, 75, 150_000)
+    assert best < 75, f"the MLP reached {best} without velocities ({steps} env steps): the task is not a memory test"
