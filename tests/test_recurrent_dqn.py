@@ -2,8 +2,8 @@
 
 The recurrent Q-module's step and sequence passes agree; the sequence replay stores runners' chunks with their
 start states, samples padded sequences, restores exactly from its state and follows priorities; the n-step
-targets inside a sequence are the hand-computed ones; the loss fits exact returns, and burn-in hands the
-trained steps the state a full unroll would; bad settings are refused with the fix; and on stateless
+targets inside a sequence are the hand-computed ones; the loss fits exact returns, and burn-in (over each
+sequence's previous chunk) hands the trained steps the state one unroll over both chunks reaches; bad settings are refused with the fix; and on stateless
 CartPole (velocities hidden) R2D2 learns what DQN's MLP cannot."""
 from __future__ import annotations
 
@@ -118,9 +118,6 @@ def test_n_step_targets_stay_inside_each_sequence_and_stop_at_a_terminal_step():
     # sequence 0 ends terminal: bootstraps that land on its last observation get 0; sequence 1 was cut (truncated)
     torch.testing.assert_close(disc, torch.tensor([[g * g, 0.0, 0.0, 0.0], [g ** 3, g ** 3, g ** 2, g]]))
     assert valid.tolist() == [[True, True, True, False], [True, True, True, True]]
-    r2, b2, d2, v2 = sequence_n_step(rewards, lengths, terminated, torch.tensor([2, 3]), g, start=2)
-    torch.testing.assert_close(r2, returns[:, 2:])
-    assert (b2 == boot[:, 2:] - 2).all() and (d2 == disc[:, 2:]).all() and (v2 == valid[:, 2:]).all()
     p = sequence_priorities(torch.tensor([[1.0, 3.0, 9.0], [2.0, 2.0, 2.0]]), torch.tensor([[1, 1, 0], [0, 0, 0]]).bool())
     torch.testing.assert_close(p, torch.tensor([0.9 * 3 + 0.1 * 2, 0.0]))
 
@@ -142,7 +139,7 @@ def test_the_loss_fits_the_returns_of_terminated_sequences():
     for i in range(800):
         if i % 25 == 0:
             target.load_state_dict(module.state_dict())
-        loss, stats, td, valid = r2d2_loss(module, target, batch, 0.9, burn_in=0)
+        loss, stats, td, valid = r2d2_loss(module, target, batch, 0.9)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -154,28 +151,43 @@ def test_the_loss_fits_the_returns_of_terminated_sequences():
     assert td.shape == valid.shape == (16, 5) and int(valid.sum()) == 8 * 3 + 8 * 5
 
 
-def test_burn_in_trains_only_the_later_steps_from_the_state_a_full_unroll_reaches():
-    """With burn-in 2, the TD errors of steps 2.. are those of both networks unrolled over the whole sequence
-    from the stored state (double Q: the online network picks the bootstrap action, the target values it)."""
+def test_burn_in_starts_each_sequence_from_the_state_its_previous_chunk_leads_to():
+    """The replay hands each sequence the chunk before it (while stored); the loss's TD errors are then those of
+    both networks unrolled over the previous chunk and the sequence in one go, from the previous chunk's state."""
     torch.manual_seed(1)
+    replay = SequenceReplay(ReplaySettings(capacity=25, seed=0), max_seq_len=5, burn_in=True)  # 5 slots
+    first, second = chunk(5, 0.0, episode="a", state=0.3), chunk(4, 5.0, terminated=True, episode="a", index=1)
+    lone = chunk(3, 50.0, episode="b", index=4, state=0.7)  # its chunk 3 was never stored
+    replay.add([first, second, lone])
+    batch = replay.sample(30)
+    for i, slot in enumerate(batch["indices"]):
+        if slot == 1:  # "a" chunk 1: burn-in over chunk 0
+            assert batch["burn_lengths"][i] == 5 and np.all(batch["burn_state"][i] == 0.3)
+            np.testing.assert_array_equal(batch["burn_obs"][i][:, 0], np.arange(5.0))
+        else:  # nothing before it: its own state, no steps
+            assert batch["burn_lengths"][i] == 0 and np.all(batch["burn_state"][i] == batch["state_in"][i])
+    assert set(batch["indices"]) == {0, 1, 2}
+    replay.add([chunk(2, 70.0, episode=f"c{k}") for k in range(3)])  # overwrites "a" chunk 0 (slot 0), then more
+    assert replay.sample(30)["burn_lengths"].max() == 0  # "a" chunk 1 lost its previous chunk
+
     module, target = QModule(OBS, gym.spaces.Discrete(2), LSTM), QModule(OBS, gym.spaces.Discrete(2), LSTM)
-    batch = fake_sequences()
-    batch["state_in"] = torch.randn(16, 2, 8) * 0.3
-    batch["actions"] = torch.randint(0, 2, (16, 5))
-    loss, stats, td, valid = r2d2_loss(module, target, batch, 0.9, burn_in=2)
-    assert td.shape == (16, 3) and valid[:8].sum() == 8 and valid[8:].sum() == 8 * 3  # steps 2.. only
+    b = {k: torch.as_tensor(v) for k, v in batch.items()}
+    b["actions"] = torch.randint(0, 2, b["actions"].shape)
+    loss, stats, td, valid = r2d2_loss(module, target, b, 0.9, burn_in=True)
+    assert td.shape == valid.shape == (6, 5) and (valid == b["mask"]).all()  # every real step is trained
     with torch.no_grad():
-        q = module.forward_sequences(batch["obs"], batch["state_in"])["q_values"]
-        tq = target.forward_sequences(batch["obs"], batch["state_in"])["q_values"]
-    returns, boot, disc, _ = sequence_n_step(batch["rewards"], batch["lengths"], batch["terminated"], batch["n_steps"],
-                                             0.9, start=2)
-    rows = torch.arange(16)[:, None]
-    best = q[rows, boot + 2].argmax(-1)
-    y = returns + disc * tq[rows, boot + 2].gather(2, best[..., None]).squeeze(2)
-    taken = q[:, 2:5].gather(2, batch["actions"][:, 2:, None]).squeeze(2)
+        def unrolled(net):  # [B, 6, 2] Q-values of the sequence after the previous chunk, in one unroll
+            joined = torch.cat([b["burn_obs"], b["obs"]], 1)
+            rows = [net.forward_sequences(joined[r:r + 1, 5 - int(b["burn_lengths"][r]):], b["burn_state"][r:r + 1])
+                    ["q_values"][0, int(b["burn_lengths"][r]):] for r in range(6)]
+            return torch.stack(rows)
+        q, tq = unrolled(module), unrolled(target)
+    returns, boot, disc, _ = sequence_n_step(b["rewards"], b["lengths"], b["terminated"], b["n_steps"], 0.9)
+    rows = torch.arange(6)[:, None]
+    best = q[rows, boot].argmax(-1)
+    y = returns + disc * tq[rows, boot].gather(2, best[..., None]).squeeze(2)
+    taken = q[:, :5].gather(2, b["actions"][..., None]).squeeze(2)
     torch.testing.assert_close(td[valid], (y - taken).abs()[valid], atol=1e-5, rtol=1e-5)
-    grads = torch.autograd.grad(loss, [p for p in module.parameters()])
-    assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
 
 
 # --- config -------------------------------------------------------------------------------------------
@@ -185,10 +197,11 @@ def test_recurrent_dqn_settings_that_cannot_work_name_the_fix():
     base.validate()
     with pytest.raises(ConfigError, match="rollout_fragment_length=4 with use_lstm=True cuts sequences of 4 steps"):
         base.copy().env_runners(rollout_fragment_length=4).validate()
-    with pytest.raises(ConfigError, match="burn_in=8 leaves no step of a max_seq_len=8 sequence"):
+    base.copy().training(burn_in=True).validate()
+    with pytest.raises(ConfigError, match="burn_in must be True or False, got 8"):
         base.copy().training(burn_in=8).validate()
-    with pytest.raises(ConfigError, match="burn_in=2 is for recurrent modules"):
-        DQNConfig().environment("CartPole-v1").training(burn_in=2).validate()
+    with pytest.raises(ConfigError, match="burn_in=True is for recurrent modules"):
+        DQNConfig().environment("CartPole-v1").training(burn_in=True).validate()
     with pytest.raises(ConfigError, match="num_atoms=51 with use_lstm=True"):
         base.copy().training(num_atoms=51).validate()
     with pytest.raises(ConfigError, match="remote=True with use_lstm=True: not built for sequence replay"):

@@ -109,28 +109,39 @@ class QModule(RLModule):
         """``n`` fresh recurrent states ``[n, 2, cell]`` (hidden and cell state, zeros), float32."""
         return np.zeros((n, 2, self.config.lstm_cell_size), np.float32)
 
-    def _unroll(self, feats: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LSTM over ``feats`` ``[B, T, dim]`` from ``state`` ``[B, 2, cell]``: outputs ``[B, T, cell]``
-        and the state after the last step."""
+    def _unroll(self, feats: torch.Tensor, state: torch.Tensor, lengths: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LSTM over ``feats`` ``[B, T, dim]`` from ``state`` ``[B, 2, cell]``: outputs ``[B, T, cell]`` and
+        the state after the last step -- or, with ``lengths`` ``[B]``, after each row's own last real step (a row
+        of length 0 keeps ``state``; its outputs are zeros)."""
         want = (feats.shape[0], 2, self.config.lstm_cell_size)
         if tuple(state.shape) != want:
             raise ValueError(f"recurrent state of shape {tuple(state.shape)}; this module takes {want} "
                              f"(rows, hidden and cell, lstm_cell_size)")
         h0, c0 = (state[:, i].unsqueeze(0).contiguous() for i in (0, 1))
-        out, (h, c) = self.lstm(feats, (h0, c0))
-        return out, torch.stack([h[0], c[0]], 1)
+        if lengths is None:
+            out, (h, c) = self.lstm(feats, (h0, c0))
+            return out, torch.stack([h[0], c[0]], 1)
+        packed = nn.utils.rnn.pack_padded_sequence(feats, lengths.clamp(min=1).cpu(), batch_first=True,
+                                                   enforce_sorted=False)
+        out, (h, c) = self.lstm(packed, (h0, c0))
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=feats.shape[1])
+        some = (lengths > 0)[:, None, None]
+        return out * some, torch.where(some, torch.stack([h[0], c[0]], 1), state)
 
-    def forward_sequences(self, obs: Any, state_in: torch.Tensor) -> dict[str, Any]:
+    def forward_sequences(self, obs: Any, state_in: torch.Tensor, lengths: torch.Tensor | None = None
+                          ) -> dict[str, Any]:
         """``B`` sequences of ``T`` steps, ``obs`` ``[B, T, ...]``, unrolled from ``state_in`` ``[B, 2, cell]``:
         ``branch_logits`` (per branch ``[B, T, n]``), ``q_values`` ``[B, T, sum(n)]``, ``state_out`` (after
-        step T) and, with action masks, ``action_mask`` ``[B, T, n]``."""
+        step T, or with ``lengths`` after each sequence's last real step) and, with action masks,
+        ``action_mask`` ``[B, T, n]``."""
         if self.lstm is None:
             raise RuntimeError("forward_sequences is for recurrent modules (model_config use_lstm=True)")
         first = nested.first_leaf(obs)
         b, t = first.shape[0], first.shape[1]
         flat, mask = self.split_mask(nested.map_structure(lambda a: a.reshape(b * t, *a.shape[2:]), obs))
         feats = self.trunk(self.encoder(flat)).reshape(b, t, -1)
-        out, state_out = self._unroll(feats, state_in)
+        out, state_out = self._unroll(feats, state_in, lengths)
         logits = self.heads(out.reshape(b * t, -1))
         result = {"branch_logits": [q.reshape(b, t, *q.shape[1:]) for q in logits],
                   "q_values": self.q_values(logits).reshape(b, t, -1), "state_out": state_out}

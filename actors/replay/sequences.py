@@ -6,8 +6,15 @@ of preallocated arrays -- its ``T + 1`` observations (the last is the bootstrap 
 and rewards, its start state and whether its episode terminated at its end -- padded to ``max_seq_len``.
 Slots are overwritten oldest first. A batch is a set of slots, drawn uniformly or (``prioritized``) in
 proportion to ``priority ** alpha``, where a sequence's priority is R2D2's mix of its steps' absolute TD
-errors: ``eta * max + (1 - eta) * mean`` (``pipeline.algorithms.dqn_recurrent``). Returns are not computed here: the loss needs the online and target
+errors: ``eta * max + (1 - eta) * mean``. Returns are not computed here: the loss needs the online and target
 networks over the whole sequence anyway (``pipeline.algorithms.dqn_recurrent``).
+
+Burn-in (``burn_in=True``): each stored sequence remembers the slot of the chunk before it in its episode (while
+that slot still holds it), and a batch carries that chunk's steps and stored state (``burn_obs``,
+``burn_lengths``, ``burn_state``), which the loss unrolls without gradients to refresh the state its sequence
+starts from. Chunks do not overlap, so every stored step is trained (R2D2 overlaps its sequences by half to
+the same end); a sequence whose previous chunk is gone, or that starts its episode, gets length 0 and its own
+stored state.
 
 The samples-per-insert limiter counts env steps, as the transition buffer's does (a batch of ``batch_size``
 steps is ``batch_size // max_seq_len`` sequences, at least one), so ``training_intensity`` keeps its meaning.
@@ -31,7 +38,7 @@ from protocols.codec import decode
 from protocols.episode import EpisodeChunk
 
 class SequenceReplay(ReplayRole):
-    def __init__(self, settings: ReplaySettings, max_seq_len: int) -> None:
+    def __init__(self, settings: ReplaySettings, max_seq_len: int, burn_in: bool = False) -> None:
         problems = settings.problems()
         if not isinstance(max_seq_len, int) or max_seq_len < 1:
             problems.append(f"max_seq_len must be an int >= 1, got {max_seq_len!r}")
@@ -40,7 +47,10 @@ class SequenceReplay(ReplayRole):
                             f"{max_seq_len}: raise the capacity to at least {2 * max_seq_len}")
         if problems:
             raise ValueError("invalid sequence replay settings: " + "; ".join(problems))
-        self.settings, self.max_seq_len = settings, max_seq_len
+        self.settings, self.max_seq_len, self.burn_in = settings, max_seq_len, bool(burn_in)
+        self.latest: dict[str, list[int]] = {}
+        """Episode id -> [chunk_index, slot, stamp] of its newest stored chunk, for episodes not ended."""
+        self.num_written = 0
         self.n_lo, self.n_hi = n_step_range(settings.n_step)
         self.num_slots = settings.capacity // max_seq_len
         self.lock = threading.RLock()
@@ -113,7 +123,9 @@ class SequenceReplay(ReplayRole):
         self.actions = [np.zeros((s, t, *shape), dtype) for shape, dtype in spec["actions"]["leaves"]]
         self.cols = {"rewards": np.zeros((s, t), np.float32), "lengths": np.zeros(s, np.int64),
                      "terminated": np.zeros(s, np.bool_),
-                     "state_in": np.zeros((s, *np.shape(chunk.state_in)), np.float32)}
+                     "state_in": np.zeros((s, *np.shape(chunk.state_in)), np.float32),
+                     "stamp": np.full(s, -1, np.int64), "prev": np.full(s, -1, np.int64),
+                     "prev_stamp": np.full(s, -1, np.int64)}
 
     def _store(self, chunk: EpisodeChunk) -> None:
         if self.spec is None:
@@ -131,6 +143,16 @@ class SequenceReplay(ReplayRole):
         self.cols["lengths"][slot] = n
         self.cols["terminated"][slot] = chunk.terminated
         self.cols["state_in"][slot] = chunk.state_in
+        prev = self.latest.pop(chunk.episode_id, None)
+        linked = prev is not None and prev[0] == chunk.chunk_index - 1
+        self.cols["prev"][slot], self.cols["prev_stamp"][slot] = (prev[1], prev[2]) if linked else (-1, -1)
+        self.cols["stamp"][slot] = self.num_written
+        if not (chunk.terminated or chunk.truncated):
+            self.latest[chunk.episode_id] = [int(chunk.chunk_index), int(slot), self.num_written]
+        self.num_written += 1
+        if len(self.latest) > 2 * self.num_slots:  # episodes abandoned mid-way (a runner restarted): forget them
+            stamps = self.cols["stamp"]
+            self.latest = {e: v for e, v in self.latest.items() if stamps[v[1]] == v[2]}
         if self.tree is not None:
             self.tree.update(np.array([slot]), np.array([self.max_priority**self.settings.alpha]))
         self.head = (slot + 1) % self.num_slots
@@ -184,11 +206,24 @@ class SequenceReplay(ReplayRole):
                 "weights": weights,
                 "indices": slots,
             }
+            if self.burn_in:
+                batch.update(self._previous(slots, batch["state_in"]))
             self.num_samples += steps
             if self.limiter is not None:
                 self.limiter.record_sample(steps)
             self._log("samples", steps)
             return batch
+
+    def _previous(self, slots: np.ndarray, own_state: np.ndarray) -> dict[str, Any]:
+        """The burn-in part of a batch: each sequence's previous chunk (steps and stored state), where stored."""
+        prev = self.cols["prev"].take(slots)
+        there = (prev >= 0) & (self.cols["stamp"].take(np.maximum(prev, 0)) == self.cols["prev_stamp"].take(slots))
+        src = np.where(there, prev, slots)
+        lengths = np.where(there, self.cols["lengths"].take(src), 0)
+        obs = [r.take(src, axis=0)[:, : self.max_seq_len] for r in self.obs]
+        state = np.where(there.reshape(-1, *[1] * (own_state.ndim - 1)), self.cols["state_in"].take(src, axis=0),
+                         own_state)
+        return {"burn_obs": unflatten(self.spec["obs"]["skeleton"], obs), "burn_lengths": lengths, "burn_state": state}
 
     def _draw(self, count: int, per_batch: int) -> tuple[np.ndarray, np.ndarray]:
         if self.tree is None:
@@ -244,6 +279,7 @@ class SequenceReplay(ReplayRole):
                 "actions": {str(i): a.copy() for i, a in enumerate(self.actions)},
                 "cols": {k: v.copy() for k, v in self.cols.items()},
                 "head": self.head, "filled": self.filled, "num_steps": self.num_steps,
+                "latest": {e: list(v) for e, v in self.latest.items()}, "num_written": self.num_written,
                 "sum_tree": None if self.tree is None else self.tree.get_state(),
                 "max_priority": self.max_priority,
                 "limiter": None if self.limiter is None else self.limiter.get_state(),
@@ -265,6 +301,8 @@ class SequenceReplay(ReplayRole):
             self.actions = [np.array(state["actions"][str(i)]) for i in range(len(state["actions"]))]
             self.cols = {k: np.array(v) for k, v in state["cols"].items()}
             self.head, self.filled, self.num_steps = int(state["head"]), int(state["filled"]), int(state["num_steps"])
+            self.latest = {str(e): [int(x) for x in v] for e, v in state["latest"].items()}
+            self.num_written = int(state["num_written"])
             self.max_priority = float(state["max_priority"])
             if self.tree is not None:
                 if state.get("sum_tree") is not None:

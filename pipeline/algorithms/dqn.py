@@ -75,9 +75,10 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
     """Highest return the distribution's support covers."""
     epsilon: list = field(default_factory=lambda: [[0, 1.0], [10_000, 0.02]])
     """Epsilon-greedy schedule ``[[timestep, epsilon], ...]`` over env steps sampled (off when explore=False)."""
-    burn_in: int = 0
-    """Recurrent modules (``use_lstm``): steps at the start of each replayed sequence that the networks run
-    over without training, to refresh the stored state (R2D2's burn-in); below ``max_seq_len``."""
+    burn_in: bool = False
+    """Recurrent modules (``use_lstm``): before a replayed sequence, the networks run without gradients over the
+    chunk before it in its episode, from that chunk's stored state, to refresh the state the sequence starts
+    from (R2D2's burn-in, over one previous chunk of up to ``max_seq_len`` steps)."""
     td_error_loss_fn: str = "huber"
     """Loss on the TD error: "huber" or "mse" (ignored with num_atoms > 1, which uses cross-entropy)."""
     model_config: dict = field(default_factory=lambda: {"fcnet_activation": "relu"})
@@ -114,15 +115,13 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
     def _recurrent_problems(self) -> list[str]:
         recurrent = isinstance(self.model_config, dict) and bool(self.model_config.get("use_lstm"))
         max_seq_len = self.model_config.get("max_seq_len", 20) if isinstance(self.model_config, dict) else 20
-        if not is_int(self.burn_in) or self.burn_in < 0:
-            return [f"burn_in must be an int >= 0, got {self.burn_in!r}"]
+        if not isinstance(self.burn_in, bool):
+            return [f"burn_in must be True or False, got {self.burn_in!r} (it unrolls one previous chunk of up to "
+                    f"max_seq_len steps; set model_config max_seq_len for a longer burn-in)"]
         if not recurrent:
-            return [] if self.burn_in == 0 else [f"burn_in={self.burn_in} is for recurrent modules: set model_config "
-                                                 f"use_lstm=True, or burn_in=0"]
+            return ["burn_in=True is for recurrent modules: set model_config use_lstm=True, or burn_in=False"] \
+                if self.burn_in else []
         problems = []
-        if is_int(max_seq_len) and self.burn_in >= max_seq_len:
-            problems.append(f"burn_in={self.burn_in} leaves no step of a max_seq_len={max_seq_len} sequence to train: "
-                            f"lower burn_in or raise model_config max_seq_len")
         fragment = self.get_rollout_fragment_length()
         if is_int(max_seq_len) and is_int(fragment) and fragment < max_seq_len:
             problems.append(f"rollout_fragment_length={fragment} with use_lstm=True cuts sequences of {fragment} steps, "

@@ -2,10 +2,10 @@
 
 DQN with ``model_config={"use_lstm": True}`` replays whole sequences (``actors.replay.sequences``): the
 chunks the runners cut, at most ``max_seq_len`` steps each, with the recurrent state stored at their start.
-For each sequence the online and the target network unroll from that stored state; with ``burn_in`` = k
-both first run over the sequence's first k steps without gradients, so the state the loss starts from is
-the current network's rather than the stale stored one, and only the steps after them are trained. Every
-trained step's target is its n-step return inside the sequence (never past its end; the sequence's last
+For each sequence the online and the target network unroll from that stored state; with ``burn_in`` both
+first run without gradients over the chunk before it in its episode (from that chunk's stored state), so the
+state the loss starts from is the current network's rather than the stale stored one (R2D2's burn-in; a
+sequence without a stored previous chunk starts from its own stored state). Every step is trained; its target is its n-step return inside the sequence (never past its end; the sequence's last
 observation is the bootstrap observation) plus the discounted target network's value of the online
 network's best action there (double Q); 0 after a terminal step. Priorities: R2D2's mix of a sequence's
 TD errors (``sequence_priorities``).
@@ -25,56 +25,54 @@ PRIORITY_ETA = 0.9
 
 
 def sequence_n_step(rewards: torch.Tensor, lengths: torch.Tensor, terminated: torch.Tensor, n_steps: torch.Tensor,
-                    gamma: float, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """n-step returns of the steps ``start..T-1`` of padded sequences.
+                    gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n-step returns of every step of padded sequences.
 
     ``rewards`` ``[B, T]`` (zeros past each sequence's length), ``lengths`` ``[B]``, ``terminated`` ``[B]`` (the
     episode ended in a terminal state at the sequence's last step), ``n_steps`` ``[B]``. Returns, each
-    ``[B, T - start]``: the discounted sums of up to n rewards (fewer near the sequence's end), the index of
-    the bootstrap observation (counted from ``start``), its discount (``gamma ** steps used``, 0 when that
-    observation is the terminal one) and the mask of real steps."""
+    ``[B, T]``: the discounted sums of up to n rewards (fewer near the sequence's end), the index of the
+    bootstrap observation, its discount (``gamma ** steps used``, 0 when that observation is the terminal one)
+    and the mask of real steps."""
     b, t = rewards.shape
-    width = t - start
-    pos = torch.arange(start, t, device=rewards.device)[None, :]  # absolute step index
-    used = torch.minimum(n_steps[:, None], lengths[:, None] - pos).clamp(min=0)  # [B, width]
+    pos = torch.arange(t, device=rewards.device)[None, :]
+    used = torch.minimum(n_steps[:, None], lengths[:, None] - pos).clamp(min=0)  # [B, T]
     valid = used > 0
-    padded = torch.cat([rewards[:, start:], rewards.new_zeros(b, int(n_steps.max()))], 1)
-    returns = torch.zeros(b, width, dtype=torch.float32, device=rewards.device)
+    padded = torch.cat([rewards, rewards.new_zeros(b, int(n_steps.max()))], 1)
+    returns = torch.zeros(b, t, dtype=torch.float32, device=rewards.device)
     for i in range(int(n_steps.max())):
-        returns = returns + (gamma ** i) * padded[:, i:i + width] * (i < used)
-    boot = pos - start + used  # the observation after the last step used, relative to start
-    ends_terminal = (pos + used == lengths[:, None]) & terminated[:, None]
+        returns = returns + (gamma ** i) * padded[:, i:i + t] * (i < used)
+    boot = pos + used  # the observation after the last step used
+    ends_terminal = (boot == lengths[:, None]) & terminated[:, None]
     discounts = torch.where(ends_terminal | ~valid, torch.zeros((), device=rewards.device),
                             torch.pow(torch.full((), gamma, device=rewards.device), used.float()))
     return returns, boot, discounts, valid
 
 
-def r2d2_loss(module: QModule, target: QModule, batch: dict[str, Any], gamma: float, burn_in: int,
+def r2d2_loss(module: QModule, target: QModule, batch: dict[str, Any], gamma: float, burn_in: bool = False,
               td_error_loss_fn: str = "huber", double_q: bool = True
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """The loss on a batch of sequences (``SequenceReplay.sample`` as tensors); returns ``(loss, stats, |TD error|
-    [B, T - burn_in], trained-step mask [B, T - burn_in])``. Each sequence's mean step loss is weighted by its
-    importance weight; MultiDiscrete branches are trained against their own targets and averaged."""
+    """The loss on a batch of sequences (``SequenceReplay.sample`` as tensors; with ``burn_in``, its ``burn_*``
+    keys too); returns ``(loss, stats, |TD error| [B, T], trained-step mask [B, T])``. Each sequence's mean step
+    loss is weighted by its importance weight; MultiDiscrete branches are trained against their own targets and
+    averaged."""
     obs, state = batch["obs"], batch["state_in"]
-    k = burn_in
-    if k > 0:
+    if burn_in:
         with torch.no_grad():
-            head = nested.map_structure(lambda a: a[:, :k], obs)
-            online_state = module.forward_sequences(head, state)["state_out"]
-            target_state = target.forward_sequences(head, state)["state_out"]
-        obs = nested.map_structure(lambda a: a[:, k:], obs)
+            args = (batch["burn_obs"], batch["burn_state"], batch["burn_lengths"])
+            online_state = module.forward_sequences(*args)["state_out"]
+            target_state = target.forward_sequences(*args)["state_out"]
     else:
         online_state = target_state = state
     online = module.forward_sequences(obs, online_state)
     with torch.no_grad():
         tgt = target.forward_sequences(obs, target_state)
     returns, boot, discounts, valid = sequence_n_step(batch["rewards"], batch["lengths"], batch["terminated"],
-                                                      batch["n_steps"], gamma, start=k)
+                                                      batch["n_steps"], gamma)
     width = returns.shape[1]
-    actions = batch["actions"][:, k:].long().reshape(returns.shape[0], width, -1)
+    actions = batch["actions"].long().reshape(returns.shape[0], width, -1)
     mask = online.get("action_mask")
 
-    def at_boot(x: torch.Tensor) -> torch.Tensor:  # [B, T+1-k, n] -> the bootstrap rows [B, width, n]
+    def at_boot(x: torch.Tensor) -> torch.Tensor:  # [B, T+1, n] -> the bootstrap rows [B, T, n]
         return x.gather(1, boot[..., None].expand(-1, -1, x.shape[-1]))
 
     losses, td_abs = [], []

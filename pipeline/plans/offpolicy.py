@@ -264,7 +264,7 @@ class OffPolicyPlan:
         elif recurrent(config):  # R2D2: whole chunks replayed as sequences with their stored states
             from actors.replay.sequences import SequenceReplay
 
-            self.replay = SequenceReplay(settings, config.model_config.get("max_seq_len", 20))
+            self.replay = SequenceReplay(settings, config.model_config.get("max_seq_len", 20), burn_in=getattr(config, "burn_in", False))
         else:
             self.replay = ReplayBuffer(settings, intake)
             if config.replay_buffer_config.get("prefill_from") is not None:
