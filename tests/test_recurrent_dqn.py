@@ -16,7 +16,7 @@ from actors.modules import QModule
 from actors.replay import ReplaySettings
 from actors.replay.sequences import SequenceReplay
 from pipeline import ConfigError, DQNConfig
-from pipeline.algorithms.dqn_recurrent import r2d2_loss, sequence_n_step, sequence_priorities
+from pipeline.algorithms.dqn_recurrent import h_inverse, h_rescale, r2d2_loss, sequence_n_step, sequence_priorities
 from protocols.episode import EpisodeChunk
 from tests.envs import StatelessCartPole
 
@@ -122,6 +122,12 @@ def test_n_step_targets_stay_inside_each_sequence_and_stop_at_a_terminal_step():
     torch.testing.assert_close(p, torch.tensor([0.9 * 3 + 0.1 * 2, 0.0]))
 
 
+def test_the_h_function_is_inverted_by_its_inverse():
+    x = torch.linspace(-1000.0, 1000.0, 2001, dtype=torch.float64)
+    torch.testing.assert_close(h_inverse(h_rescale(x, 1e-3), 1e-3), x, atol=1e-6, rtol=1e-9)
+    assert h_rescale(torch.tensor(99.0), 1e-3) < 10  # sqrt-like: large returns shrink
+
+
 def fake_sequences(b: int = 16, width: int = 5) -> dict:
     lengths = torch.where(torch.arange(b) < b // 2, 3, width)
     return {"obs": torch.randn(b, width + 1, 2), "state_in": torch.zeros(b, 2, 8),
@@ -130,21 +136,25 @@ def fake_sequences(b: int = 16, width: int = 5) -> dict:
             "terminated": torch.ones(b, dtype=torch.bool), "n_steps": torch.full((b,), 2), "weights": torch.ones(b)}
 
 
-def test_the_loss_fits_the_returns_of_terminated_sequences():
-    """One action, rewards of 1: each step's Q-value must become the discounted number of steps left."""
+@pytest.mark.parametrize("h_epsilon", [None, 1e-3], ids=["plain", "h-rescaled"])
+def test_the_loss_fits_the_returns_of_terminated_sequences(h_epsilon):
+    """One action, rewards of 1: each step's Q-value must become the discounted number of steps left (with the
+    h-function, h of it)."""
     torch.manual_seed(0)
     module, target = QModule(OBS, gym.spaces.Discrete(1), LSTM), QModule(OBS, gym.spaces.Discrete(1), LSTM)
     batch = fake_sequences()
     opt = torch.optim.Adam(module.parameters(), 1e-2)
-    for i in range(800):
+    for i in range(1200):
         if i % 25 == 0:
             target.load_state_dict(module.state_dict())
-        loss, stats, td, valid = r2d2_loss(module, target, batch, 0.9)
+        loss, stats, td, valid = r2d2_loss(module, target, batch, 0.9, h_epsilon=h_epsilon)
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
         q = module.forward_sequences(batch["obs"], batch["state_in"])["q_values"][..., 0]
+    if h_epsilon is not None:
+        q = h_inverse(q, h_epsilon)
     torch.testing.assert_close(q[0, :3], torch.tensor([1 + 0.9 + 0.81, 1.9, 1.0]), atol=0.05, rtol=0)
     torch.testing.assert_close(q[-1, :5], torch.tensor([sum(0.9 ** i for i in range(n)) for n in (5, 4, 3, 2, 1)]),
                                atol=0.05, rtol=0)
@@ -202,6 +212,11 @@ def test_recurrent_dqn_settings_that_cannot_work_name_the_fix():
         base.copy().training(burn_in=8).validate()
     with pytest.raises(ConfigError, match="burn_in=True is for recurrent modules"):
         DQNConfig().environment("CartPole-v1").training(burn_in=True).validate()
+    base.copy().training(use_h_function=True).validate()
+    with pytest.raises(ConfigError, match="use_h_function=True is for recurrent modules"):
+        DQNConfig().environment("CartPole-v1").training(use_h_function=True).validate()
+    with pytest.raises(ConfigError, match="h_function_epsilon must be a number > 0, got 0"):
+        base.copy().training(use_h_function=True, h_function_epsilon=0).validate()
     with pytest.raises(ConfigError, match="num_atoms=51 with use_lstm=True"):
         base.copy().training(num_atoms=51).validate()
     with pytest.raises(ConfigError, match="remote=True with use_lstm=True: not built for sequence replay"):

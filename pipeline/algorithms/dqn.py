@@ -79,6 +79,11 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
     """Recurrent modules (``use_lstm``): before a replayed sequence, the networks run without gradients over the
     chunk before it in its episode, from that chunk's stored state, to refresh the state the sequence starts
     from (R2D2's burn-in, over one previous chunk of up to ``max_seq_len`` steps)."""
+    use_h_function: bool = False
+    """Recurrent modules (R2D2): learn h-rescaled returns, h(x) = sign(x) (sqrt(|x| + 1) - 1) + eps x, so that
+    large returns do not dominate the loss (RLlib's old R2D2 option; R2D2 used it on Atari's unclipped rewards)."""
+    h_function_epsilon: float = 1e-3
+    """The eps of ``use_h_function`` (> 0; it keeps h invertible)."""
     td_error_loss_fn: str = "huber"
     """Loss on the TD error: "huber" or "mse" (ignored with num_atoms > 1, which uses cross-entropy)."""
     model_config: dict = field(default_factory=lambda: {"fcnet_activation": "relu"})
@@ -118,9 +123,13 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
         if not isinstance(self.burn_in, bool):
             return [f"burn_in must be True or False, got {self.burn_in!r} (it unrolls one previous chunk of up to "
                     f"max_seq_len steps; set model_config max_seq_len for a longer burn-in)"]
+        if not isinstance(self.use_h_function, bool):
+            return [f"use_h_function must be True or False, got {self.use_h_function!r}"]
+        if not is_number(self.h_function_epsilon) or self.h_function_epsilon <= 0:
+            return [f"h_function_epsilon must be a number > 0, got {self.h_function_epsilon!r}"]
         if not recurrent:
-            return ["burn_in=True is for recurrent modules: set model_config use_lstm=True, or burn_in=False"] \
-                if self.burn_in else []
+            return [f"{key}=True is for recurrent modules (R2D2): set model_config use_lstm=True, or {key}=False"
+                    for key in ("burn_in", "use_h_function") if getattr(self, key)]
         problems = []
         fragment = self.get_rollout_fragment_length()
         if is_int(max_seq_len) and is_int(fragment) and fragment < max_seq_len:
@@ -263,8 +272,9 @@ class DQNLearner(Learner):
         trained = 0
         for part in batch_slices(to_tensors(batch, self.device), num_batches):
             if recurrent:  # sequences: td_error per sequence, R2D2's priority mix
-                loss, stats, td_abs, valid = r2d2_loss(self.module, self.targets["target"], part, cfg.gamma,
-                                                       cfg.burn_in, cfg.td_error_loss_fn, cfg.double_q)
+                loss, stats, td_abs, valid = r2d2_loss(
+                    self.module, self.targets["target"], part, cfg.gamma, cfg.burn_in, cfg.td_error_loss_fn,
+                    cfg.double_q, cfg.h_function_epsilon if cfg.use_h_function else None)
                 td_error = sequence_priorities(td_abs, valid)
                 trained = valid.sum()
             else:

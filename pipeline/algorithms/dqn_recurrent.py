@@ -24,6 +24,17 @@ PRIORITY_ETA = 0.9
 """R2D2's weight of a sequence's largest TD error in its priority (the rest: the mean)."""
 
 
+def h_rescale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """R2D2's invertible value rescaling h(x) = sign(x) (sqrt(|x| + 1) - 1) + eps x (Pohlen et al. 2018): the
+    network learns h of the returns, which keeps large rewards from dominating the loss."""
+    return torch.sign(x) * (torch.sqrt(x.abs() + 1) - 1) + eps * x
+
+
+def h_inverse(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The inverse of ``h_rescale``."""
+    return torch.sign(x) * (((torch.sqrt(1 + 4 * eps * (x.abs() + 1 + eps)) - 1) / (2 * eps)) ** 2 - 1)
+
+
 def sequence_n_step(rewards: torch.Tensor, lengths: torch.Tensor, terminated: torch.Tensor, n_steps: torch.Tensor,
                     gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """n-step returns of every step of padded sequences.
@@ -49,12 +60,13 @@ def sequence_n_step(rewards: torch.Tensor, lengths: torch.Tensor, terminated: to
 
 
 def r2d2_loss(module: QModule, target: QModule, batch: dict[str, Any], gamma: float, burn_in: bool = False,
-              td_error_loss_fn: str = "huber", double_q: bool = True
+              td_error_loss_fn: str = "huber", double_q: bool = True, h_epsilon: float | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """The loss on a batch of sequences (``SequenceReplay.sample`` as tensors; with ``burn_in``, its ``burn_*``
     keys too); returns ``(loss, stats, |TD error| [B, T], trained-step mask [B, T])``. Each sequence's mean step
     loss is weighted by its importance weight; MultiDiscrete branches are trained against their own targets and
-    averaged."""
+    averaged. ``h_epsilon``: the Q-values are h-rescaled returns (``h_rescale``), the target
+    ``h(G + discount * h^-1(Q_target))``."""
     obs, state = batch["obs"], batch["state_in"]
     if burn_in:
         with torch.no_grad():
@@ -84,7 +96,11 @@ def r2d2_loss(module: QModule, target: QModule, batch: dict[str, Any], gamma: fl
                 legal = at_boot(_branch_mask(module, mask, branch).float()).bool()
                 select = torch.where(legal | ~legal.any(-1, keepdim=True), select, torch.finfo(select.dtype).min)
             best = select.argmax(-1, keepdim=True)
-            y = returns + discounts * at_boot(tq).gather(2, best).squeeze(2)
+            boot_value = at_boot(tq).gather(2, best).squeeze(2)
+            if h_epsilon is None:
+                y = returns + discounts * boot_value
+            else:
+                y = h_rescale(returns + discounts * h_inverse(boot_value, h_epsilon), h_epsilon)
         td = y - q_taken
         per_step = F.huber_loss(q_taken, y, reduction="none") if td_error_loss_fn == "huber" else 0.5 * td.pow(2)
         per_seq = (per_step * valid).sum(1) / valid.sum(1).clamp(min=1)
