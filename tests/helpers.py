@@ -1,4 +1,7 @@
 """Helpers shared by the learning tests."""
+import contextlib
+import tempfile
+
 import numpy as np
 
 
@@ -12,3 +15,27 @@ def train_until(algo, target, max_steps):
         best = max(best, ret) if not np.isnan(ret) else best
         if best >= target or result["num_env_steps_sampled_lifetime"] >= max_steps:
             return best, result
+
+
+@contextlib.contextmanager
+def straight_and_resumed(build, k, m, logdir="auto"):
+    """``build()`` trained ``k`` iterations, saved, then ``m`` more; and the algorithm restored from that checkpoint
+    trained ``m``: yields ``(straight, restored)`` for the test to compare, and stops both."""
+    from pipeline import Algorithm
+
+    straight = build()
+    try:
+        for _ in range(k):
+            straight.train()
+        path = straight.save(tempfile.mkdtemp() + "/checkpoint")
+        for _ in range(m):
+            straight.train()
+        restored = Algorithm.from_checkpoint(path, logdir=logdir)
+        try:
+            for _ in range(m):
+                restored.train()
+            yield straight, restored
+        finally:
+            restored.stop()
+    finally:
+        straight.stop()

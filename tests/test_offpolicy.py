@@ -12,6 +12,7 @@ from actors.modules import QModule, SACModule
 from pipeline import Algorithm, ConfigError, DQNConfig, SACConfig
 from pipeline.algorithms.dqn import categorical_projection, dqn_loss
 from pipeline.algorithms.sac import sac_actor_loss, sac_alpha_loss, sac_critic_loss
+from tests.helpers import straight_and_resumed
 
 OBS = gym.spaces.Box(-1, 1, (3,), np.float32)
 
@@ -223,30 +224,15 @@ def assert_same_tree(a, b, path="state"):
 def test_dqn_resumes_exactly_from_a_checkpoint_with_its_buffer():
     """k iterations, save (buffer included), restore, m more == k + m uninterrupted: weights, every
     replay array and counter, and the runner's episodes continue bit for bit."""
-    k, m = 12, 10
-    straight = small_dqn().build()
-    try:
-        for _ in range(k):
-            straight.train()
-        path = straight.save(tempfile.mkdtemp() + "/checkpoint")
-        for _ in range(m):
-            straight.train()
-        restored = Algorithm.from_checkpoint(path)
-        try:
-            for _ in range(m):
-                restored.train()
-            wa, wb = straight.get_weights(), restored.get_weights()
-            for name in wa:
-                np.testing.assert_array_equal(wa[name], wb[name], err_msg=name)
-            assert_same_tree(straight.plan.replay.get_state(), restored.plan.replay.get_state())
-            assert straight.counters == restored.counters and straight.iteration == restored.iteration
-            ta, tb = straight.learner_group.local.targets["target"], restored.learner_group.local.targets["target"]
-            for name, v in ta.state_dict().items():
-                torch.testing.assert_close(tb.state_dict()[name], v, rtol=0, atol=0)
-        finally:
-            restored.stop()
-    finally:
-        straight.stop()
+    with straight_and_resumed(lambda: small_dqn().build(), k=12, m=10) as (straight, restored):
+        wa, wb = straight.get_weights(), restored.get_weights()
+        for name in wa:
+            np.testing.assert_array_equal(wa[name], wb[name], err_msg=name)
+        assert_same_tree(straight.plan.replay.get_state(), restored.plan.replay.get_state())
+        assert straight.counters == restored.counters and straight.iteration == restored.iteration
+        ta, tb = straight.learner_group.local.targets["target"], restored.learner_group.local.targets["target"]
+        for name, v in ta.state_dict().items():
+            torch.testing.assert_close(tb.state_dict()[name], v, rtol=0, atol=0)
 
 
 def test_checkpoint_without_the_buffer_restores_weights_and_starts_an_empty_replay():

@@ -264,9 +264,7 @@ def test_dqn_with_an_mlp_does_not_learn_stateless_cartpole():
 def test_r2d2_resumes_exactly_from_a_checkpoint_with_its_sequences():
     """k iterations, save (sequence replay included), restore, m more == k + m uninterrupted: weights, the
     replay's slots, links and counters, and the runners' recurrent states continue bit for bit."""
-    import tempfile
-
-    from pipeline import Algorithm
+    from tests.helpers import straight_and_resumed
     from tests.test_offpolicy import assert_same_tree
 
     config = (DQNConfig().environment(StatelessCartPole)
@@ -276,25 +274,10 @@ def test_r2d2_resumes_exactly_from_a_checkpoint_with_its_sequences():
               .training(num_steps_sampled_before_learning_starts=40, train_batch_size_per_learner=10, training_intensity=4,
                         store_buffer_in_checkpoints=True, target_network_update_freq=50, burn_in=True)
               .reporting(min_sample_timesteps_per_iteration=0).debugging(seed=0))
-    k, m = 12, 8
-    straight = config.build(logdir=None)
-    try:
-        for _ in range(k):
-            straight.train()
-        path = straight.save(tempfile.mkdtemp() + "/checkpoint")
-        for _ in range(m):
-            straight.train()
-        restored = Algorithm.from_checkpoint(path, logdir=None)
-        try:
-            for _ in range(m):
-                restored.train()
-            wa, wb = straight.get_weights(), restored.get_weights()
-            for name in wa:
-                np.testing.assert_array_equal(wa[name], wb[name], err_msg=name)
-            assert straight.plan.replay.filled > 0 and straight.plan.replay.cols["prev"].max() >= 0  # linked chunks
-            assert_same_tree(straight.plan.replay.get_state(), restored.plan.replay.get_state())
-            assert straight.counters == restored.counters and straight.counters["num_env_steps_trained_lifetime"] > 0
-        finally:
-            restored.stop()
-    finally:
-        straight.stop()
+    with straight_and_resumed(lambda: config.build(logdir=None), k=12, m=8, logdir=None) as (straight, restored):
+        wa, wb = straight.get_weights(), restored.get_weights()
+        for name in wa:
+            np.testing.assert_array_equal(wa[name], wb[name], err_msg=name)
+        assert straight.plan.replay.filled > 0 and straight.plan.replay.cols["prev"].max() >= 0  # linked chunks
+        assert_same_tree(straight.plan.replay.get_state(), restored.plan.replay.get_state())
+        assert straight.counters == restored.counters and straight.counters["num_env_steps_trained_lifetime"] > 0

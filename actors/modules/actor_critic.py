@@ -12,6 +12,7 @@ from torch import nn
 
 from actors.modules.distributions import apply_log_std_init
 from actors.modules.encoders import ModelConfig, build_encoder, head, mlp
+from actors.modules.recurrent import unroll, zero_states
 from actors.modules.rl_module import RLModule
 from protocols import nested
 
@@ -50,17 +51,11 @@ class ActorCriticModule(RLModule):
 
     def initial_state(self, n: int) -> np.ndarray:
         """``n`` fresh recurrent states ``[n, 2, cell]`` (hidden and cell state, zeros), float32."""
-        return np.zeros((n, 2, self.config.lstm_cell_size), np.float32)
+        return zero_states(n, self.config.lstm_cell_size)
 
     def _step_features(self, obs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         obs, mask = self.split_mask(obs)
         return self.pi_trunk(self.encoder(obs)), mask
-
-    def _check_state(self, state: torch.Tensor, rows: int) -> None:
-        want = (rows, 2, self.config.lstm_cell_size)
-        if tuple(state.shape) != want:
-            raise ValueError(f"recurrent state of shape {tuple(state.shape)}; this module takes {want} "
-                             f"(rows, hidden and cell, lstm_cell_size)")
 
     def forward_inference(self, obs: Any, state: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """``action_dist_inputs`` for a batch of observations; a recurrent module also takes the batch's
@@ -68,13 +63,8 @@ class ActorCriticModule(RLModule):
         feats, mask = self._step_features(obs)
         if self.lstm is None:
             return {"action_dist_inputs": self.mask_outputs(self.pi_head(feats), mask, True)}
-        if state is None:
-            state = torch.zeros((feats.shape[0], 2, self.config.lstm_cell_size), device=feats.device)
-        self._check_state(state, feats.shape[0])
-        h0, c0 = (state[:, i].unsqueeze(0).contiguous() for i in (0, 1))
-        out, (h, c) = self.lstm(feats.unsqueeze(1), (h0, c0))
-        return {"action_dist_inputs": self.mask_outputs(self.pi_head(out[:, 0]), mask, True),
-                "state_out": torch.stack([h[0], c[0]], 1)}
+        out, state_out = unroll(self.lstm, feats.unsqueeze(1), state)
+        return {"action_dist_inputs": self.mask_outputs(self.pi_head(out[:, 0]), mask, True), "state_out": state_out}
 
     def forward_exploration(self, obs: Any, state: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return self.forward_inference(obs, state)
@@ -90,9 +80,7 @@ class ActorCriticModule(RLModule):
         flat = nested.map_structure(lambda a: a.reshape(b * t, *a.shape[2:]), obs)
         obs_part, mask = self.split_mask(flat)
         feats = self.encoder(obs_part)
-        self._check_state(state_in, b)
-        h0, c0 = (state_in[:, i].unsqueeze(0).contiguous() for i in (0, 1))
-        out, _ = self.lstm(self.pi_trunk(feats).reshape(b, t, -1), (h0, c0))
+        out, _ = unroll(self.lstm, self.pi_trunk(feats).reshape(b, t, -1), state_in)
         out = out.reshape(b * t, -1)
         dist_inputs = self.mask_outputs(self.pi_head(out), mask, False)
         result = {"action_dist_inputs": dist_inputs.reshape(b, t, *dist_inputs.shape[1:])}

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from actors.modules.encoders import ModelConfig, build_encoder, head, mlp
+from actors.modules.recurrent import unroll, zero_states
 from actors.modules.rl_module import RLModule
 from protocols import nested
 
@@ -90,10 +91,7 @@ class QModule(RLModule):
         obs, mask = self.split_mask(obs)
         if self.lstm is None:
             return {"action_dist_inputs": self.mask_outputs(self.q_values(self.branch_logits(obs)), mask, True)}
-        feats = self.trunk(self.encoder(obs))
-        if state is None:
-            state = torch.zeros((feats.shape[0], 2, self.config.lstm_cell_size), device=feats.device)
-        out, state_out = self._unroll(feats.unsqueeze(1), state)
+        out, state_out = unroll(self.lstm, self.trunk(self.encoder(obs)).unsqueeze(1), state)
         return {"action_dist_inputs": self.mask_outputs(self.q_values(self.heads(out[:, 0])), mask, True),
                 "state_out": state_out}
 
@@ -107,27 +105,7 @@ class QModule(RLModule):
 
     def initial_state(self, n: int) -> np.ndarray:
         """``n`` fresh recurrent states ``[n, 2, cell]`` (hidden and cell state, zeros), float32."""
-        return np.zeros((n, 2, self.config.lstm_cell_size), np.float32)
-
-    def _unroll(self, feats: torch.Tensor, state: torch.Tensor, lengths: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LSTM over ``feats`` ``[B, T, dim]`` from ``state`` ``[B, 2, cell]``: outputs ``[B, T, cell]`` and
-        the state after the last step -- or, with ``lengths`` ``[B]``, after each row's own last real step (a row
-        of length 0 keeps ``state``; its outputs are zeros)."""
-        want = (feats.shape[0], 2, self.config.lstm_cell_size)
-        if tuple(state.shape) != want:
-            raise ValueError(f"recurrent state of shape {tuple(state.shape)}; this module takes {want} "
-                             f"(rows, hidden and cell, lstm_cell_size)")
-        h0, c0 = (state[:, i].unsqueeze(0).contiguous() for i in (0, 1))
-        if lengths is None:
-            out, (h, c) = self.lstm(feats, (h0, c0))
-            return out, torch.stack([h[0], c[0]], 1)
-        packed = nn.utils.rnn.pack_padded_sequence(feats, lengths.clamp(min=1).cpu(), batch_first=True,
-                                                   enforce_sorted=False)
-        out, (h, c) = self.lstm(packed, (h0, c0))
-        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=feats.shape[1])
-        some = (lengths > 0)[:, None, None]
-        return out * some, torch.where(some, torch.stack([h[0], c[0]], 1), state)
+        return zero_states(n, self.config.lstm_cell_size)
 
     def forward_sequences(self, obs: Any, state_in: torch.Tensor, lengths: torch.Tensor | None = None
                           ) -> dict[str, Any]:
@@ -141,7 +119,7 @@ class QModule(RLModule):
         b, t = first.shape[0], first.shape[1]
         flat, mask = self.split_mask(nested.map_structure(lambda a: a.reshape(b * t, *a.shape[2:]), obs))
         feats = self.trunk(self.encoder(flat)).reshape(b, t, -1)
-        out, state_out = self._unroll(feats, state_in, lengths)
+        out, state_out = unroll(self.lstm, feats, state_in, lengths)
         logits = self.heads(out.reshape(b * t, -1))
         result = {"branch_logits": [q.reshape(b, t, *q.shape[1:]) for q in logits],
                   "q_values": self.q_values(logits).reshape(b, t, -1), "state_out": state_out}

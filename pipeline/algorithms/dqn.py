@@ -23,7 +23,7 @@ from pipeline.algorithm import Algorithm
 from pipeline.algorithms.dqn_recurrent import r2d2_loss, sequence_priorities
 from pipeline.config.base import AlgorithmConfig
 from pipeline.config.checks import check_schedule, is_int, is_number
-from pipeline.plans.offpolicy import OffPolicyPlan, OffPolicySettings, polyak, to_tensors
+from pipeline.plans.offpolicy import OffPolicyPlan, OffPolicySettings, polyak, recurrent, sequence_length, to_tensors
 from pipeline.registry import register_algorithm
 from protocols import nested
 
@@ -118,8 +118,7 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
 
 
     def _recurrent_problems(self) -> list[str]:
-        recurrent = isinstance(self.model_config, dict) and bool(self.model_config.get("use_lstm"))
-        max_seq_len = self.model_config.get("max_seq_len", 20) if isinstance(self.model_config, dict) else 20
+        max_seq_len = sequence_length(self)
         if not isinstance(self.burn_in, bool):
             return [f"burn_in must be True or False, got {self.burn_in!r} (it unrolls one previous chunk of up to "
                     f"max_seq_len steps; set model_config max_seq_len for a longer burn-in)"]
@@ -127,7 +126,7 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
             return [f"use_h_function must be True or False, got {self.use_h_function!r}"]
         if not is_number(self.h_function_epsilon) or self.h_function_epsilon <= 0:
             return [f"h_function_epsilon must be a number > 0, got {self.h_function_epsilon!r}"]
-        if not recurrent:
+        if not recurrent(self):
             return [f"{key}=True is for recurrent modules (R2D2): set model_config use_lstm=True, or {key}=False"
                     for key in ("burn_in", "use_h_function") if getattr(self, key)]
         problems = []

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from actors.metrics import MetricsLogger
+from actors.modules import ModelConfig
 from actors.offline.reader import SAMPLER
 from actors.replay import MAX_BATCHES_PER_CALL, ReplayBuffer, ReplaySettings
 from pipeline.config.checks import is_int, is_number
@@ -264,7 +265,7 @@ class OffPolicyPlan:
         elif recurrent(config):  # R2D2: whole chunks replayed as sequences with their stored states
             from actors.replay.sequences import SequenceReplay
 
-            self.replay = SequenceReplay(settings, config.model_config.get("max_seq_len", 20), burn_in=getattr(config, "burn_in", False))
+            self.replay = SequenceReplay(settings, sequence_length(config), burn_in=getattr(config, "burn_in", False))
         else:
             self.replay = ReplayBuffer(settings, intake)
             if config.replay_buffer_config.get("prefill_from") is not None:
@@ -356,6 +357,12 @@ class OffPolicyPlan:
 def recurrent(config: Any) -> bool:
     """The module is recurrent (``model_config`` ``use_lstm``): its replay holds sequences."""
     return isinstance(config.model_config, dict) and bool(config.model_config.get("use_lstm"))
+
+
+def sequence_length(config: Any) -> Any:
+    """A recurrent module's ``max_seq_len`` (its steps per stored sequence), the module default when unset."""
+    model = config.model_config if isinstance(config.model_config, dict) else {}
+    return model.get("max_seq_len", ModelConfig.max_seq_len)
 
 
 def mix_ratio(config: Any) -> float:
