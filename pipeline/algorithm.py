@@ -30,18 +30,16 @@ from actors.env.process import set_log_level
 from actors.learner import Learner
 from actors.manager import FaultToleranceSettings
 from actors.metrics import MetricsLogger
-from actors.modules import ModuleSpec, RLModule
+from actors.modules import RLModule
 from actors.env.actions import EnvActions
 from actors.sys_usage import SysUsage
-from pipeline.algorithm_actions import DriverPolicy, compute_actions, compute_single_action
+from pipeline.algorithm_actions import compute_actions, compute_single_action
 from pipeline.algorithm_evaluation import AlgorithmEvaluation
 from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
-from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
+from pipeline.algorithm_multi_agent import MultiAgentSetup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
-from pipeline.algorithm_setup import (algorithm_config, connector_pipeline, driver_module_to_env, frame_compression,
-                                      function_setting, import_in_background, learner_pipeline, policy_spaces,
-                                      runner_fault_tolerance)
-from pipeline.config.connectors import replay_side_intake
+from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, import_in_background,
+                                      policy_setup, runner_fault_tolerance)
 from pipeline.checkpoints.save_restore import (build_from_checkpoint, driver_state, load_into, save_algorithm,
                                                set_driver_state)
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -122,48 +120,14 @@ class Algorithm(Trainable):
         readers_in_slots = self.offline_input is not None and not mixes_sampler(config)
         self.recording = recording_settings(config)
         self.env_creator = env_creator(config.env) if config.env is not None else None
-        self.multi_agent: MultiAgentSetup | None = multi_agent_setup(config, self.env_creator, self.learner_class)
-        """The plan and driver policies of a multi-agent run; None for a single-agent one."""
-        if self.multi_agent is None:
-            obs_space, act_space = policy_spaces(config, self.env_creator, readers_in_slots)
-        else:
-            obs_space, act_space = self.multi_agent.first_spaces()
-        self.env_observation_space = obs_space
-        """The env's observations (what an env-to-module pipeline starts from)."""
-        self.connector: Any = connector_pipeline(config, obs_space, act_space, self.multi_agent is not None)
-        """The driver's copy of the env-to-module pipeline: its state is what runners sync to and
-        checkpoints hold; ``compute_single_action`` applies it. None without ``env_to_module_connector``.
-        A multi-agent run's is a ``ModuleConnectors``, one pipeline per module."""
-        if self.multi_agent is not None and self.multi_agent.connectors is not None:
-            self.connector = self.multi_agent.connectors  # the plan's specs hold the pipelines' output spaces
-            self.env_observation_space = self.connector.input_space(self.multi_agent.module_ids[0])
-        single = self.connector is not None and self.multi_agent is None
-        self.chunk_observation_space = self.connector.recorded_space if single else obs_space
-        """What chunks carry (recordings, streams): the module's observations, or a view's input (frame stacks
-        are rebuilt where they are used)."""
-        if single:
-            obs_space = self.connector.observation_space
-        self.observation_space, self.action_space = obs_space, act_space
-        module_to_env = driver_module_to_env(config, obs_space, act_space, None if self.multi_agent is None else {
-            mid: (spec.observation_space, spec.action_space) for mid, spec in self.multi_agent.plan.module_specs.items()})
-        self.learner_connector = learner_pipeline(config, self.chunk_observation_space, act_space,
-                                                  self.multi_agent.plan.module_specs if self.multi_agent else None)
-        """The learner pipeline each learner gets a copy of (None without ``learner_connector``)."""
-        self.replay_intake = None if self.multi_agent is not None else replay_side_intake(
-            config, self.chunk_observation_space, act_space, self.learner_connector)
-        """A replay algorithm's learner pipeline, run by its replay stage on the chunks it stores (then the
-        learners, which train on transitions, get none)."""
-        self.module_spec = ModuleSpec(obs_space, act_space, config.model_config, self.learner_class.module_class,
-                                      config.module_kwargs())
-        if self.multi_agent is None:
-            self.driver_policy = DriverPolicy.build(self.module_spec, config, obs_space, act_space)
-        else:
-            self.driver_policy = self.multi_agent.driver_policies[self.multi_agent.module_ids[0]]
-        if module_to_env is not None:  # compute_actions' actions go through the driver's copy, as a runner's do
-            policies = {"default_policy": self.driver_policy} if self.multi_agent is None else \
-                self.multi_agent.driver_policies
-            for mid, policy in policies.items():
-                policy.module_to_env = module_to_env if self.multi_agent is None else module_to_env[mid]
+        policy = policy_setup(config, self.env_creator, self.learner_class, readers_in_slots)
+        # each described where it is derived (pipeline.algorithm_setup.PolicySetup); subclasses and stages read them here
+        self.multi_agent: MultiAgentSetup | None = policy.multi_agent
+        self.env_observation_space, self.chunk_observation_space = policy.env_observation_space, policy.chunk_observation_space
+        self.observation_space, self.action_space = obs_space, act_space = policy.observation_space, policy.action_space
+        self.connector: Any = policy.connector
+        self.learner_connector, self.replay_intake = policy.learner_connector, policy.replay_intake
+        self.module_spec, self.driver_policy = policy.module_spec, policy.driver_policy
         try:
             self.callbacks = build_callbacks(config.callbacks_spec())
         except ValueError as err:

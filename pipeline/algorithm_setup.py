@@ -1,23 +1,27 @@
 """What ``Algorithm.setup`` derives from a config before it builds any stage.
 
-The config itself (in whatever form the constructor or Tune gave it), the policy's spaces, the env
-runners' fault tolerance and frame compression, settings that hold functions (the Ray to start or join is
-``pipeline.ray_cluster``'s): each a plain function of the config, kept apart from ``Algorithm`` so that the
-class reads as the order things are built in.
+The config itself (in whatever form the constructor or Tune gave it), the policy's spaces, pipelines and
+driver policies (``policy_setup``), the env runners' fault tolerance and frame compression, settings that
+hold functions (the Ray to start or join is ``pipeline.ray_cluster``'s): each a plain function of the
+config, kept apart from ``Algorithm`` so that the class reads as the order things are built in.
 """
 from __future__ import annotations
 
 import importlib
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from actors.connectors.base import ConnectorPipeline, build_pipeline
 from actors.connectors.learner import LearnerPipeline, build_learner_pipeline
 from actors.connectors.module_to_env import build_module_pipelines, build_module_to_env
 from actors.manager import FaultToleranceSettings
+from actors.modules import ModuleSpec
+from pipeline.algorithm_actions import DriverPolicy
+from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.config.base import AlgorithmConfig, ConfigError
-from pipeline.config.connectors import learner_connector_factory
+from pipeline.config.connectors import learner_connector_factory, replay_side_intake
 from pipeline.config.plain import resolve_import_path
 from pipeline.config.offline import recorded_spaces
 from pipeline.envs import probe_spaces
@@ -169,3 +173,69 @@ def learner_pipeline(config: AlgorithmConfig, chunk_observation_space: Any, acti
         raise ConfigError(f"learner_connector: {err}") from err
     return None if module_specs else pipelines[0]
 
+
+
+@dataclass
+class PolicySetup:
+    """What the driver's side of the policy is, derived from the config before any stage is built."""
+
+    multi_agent: MultiAgentSetup | None
+    """The plan and driver policies of a multi-agent run; None for a single-agent one."""
+    env_observation_space: Any
+    """The env's observations (what an env-to-module pipeline starts from)."""
+    connector: Any
+    """The driver's copy of the env-to-module pipeline: its state is what runners sync to and checkpoints hold;
+    ``compute_single_action`` applies it. None without ``env_to_module_connector``; in a multi-agent run a
+    ``ModuleConnectors``, one pipeline per module."""
+    chunk_observation_space: Any
+    """What chunks carry (recordings, streams): the module's observations, or a view's input (frame stacks are
+    rebuilt where they are used)."""
+    observation_space: Any
+    """What the module gets (the pipeline's output space)."""
+    action_space: Any
+    learner_connector: LearnerPipeline | None
+    """The single-agent learner pipeline each learner gets a copy of (None without ``learner_connector``)."""
+    replay_intake: Any
+    """A replay algorithm's learner pipeline, run by its replay stage on the chunks it stores (then the learners,
+    which train on transitions, get none)."""
+    module_spec: ModuleSpec
+    driver_policy: DriverPolicy
+    """What ``compute_actions`` acts with (the first module's in a multi-agent run)."""
+
+
+def policy_setup(config: AlgorithmConfig, env_creator: Callable | None, learner_class: Any,
+                 readers_in_slots: bool) -> PolicySetup:
+    """Spaces, connector pipelines and driver policies for ``config``; ConfigError for settings that do not fit."""
+    multi_agent = multi_agent_setup(config, env_creator, learner_class)
+    if multi_agent is None:
+        obs_space, act_space = policy_spaces(config, env_creator, readers_in_slots)
+    else:
+        obs_space, act_space = multi_agent.first_spaces()
+    env_obs_space = obs_space
+    connector: Any = connector_pipeline(config, obs_space, act_space, multi_agent is not None)
+    if multi_agent is not None and multi_agent.connectors is not None:
+        connector = multi_agent.connectors  # the plan's specs hold the pipelines' output spaces
+        env_obs_space = connector.input_space(multi_agent.module_ids[0])
+    single = connector is not None and multi_agent is None
+    chunk_obs_space = connector.recorded_space if single else obs_space
+    if single:
+        obs_space = connector.observation_space
+    module_specs = None if multi_agent is None else multi_agent.plan.module_specs
+    module_to_env = driver_module_to_env(config, obs_space, act_space, None if module_specs is None else {
+        mid: (spec.observation_space, spec.action_space) for mid, spec in module_specs.items()})
+    learners_pipeline = learner_pipeline(config, chunk_obs_space, act_space, module_specs)
+    intake = None if multi_agent is not None else replay_side_intake(config, chunk_obs_space, act_space,
+                                                                     learners_pipeline)
+    module_spec = ModuleSpec(obs_space, act_space, config.model_config, learner_class.module_class,
+                             config.module_kwargs())
+    if multi_agent is None:
+        driver_policy = DriverPolicy.build(module_spec, config, obs_space, act_space)
+        policies = {"default_policy": driver_policy}
+    else:
+        driver_policy = multi_agent.driver_policies[multi_agent.module_ids[0]]
+        policies = multi_agent.driver_policies
+    if module_to_env is not None:  # compute_actions' actions go through the driver's copy, as a runner's do
+        for mid, policy in policies.items():
+            policy.module_to_env = module_to_env if multi_agent is None else module_to_env[mid]
+    return PolicySetup(multi_agent, env_obs_space, connector, chunk_obs_space, obs_space, act_space,
+                       learners_pipeline, intake, module_spec, driver_policy)

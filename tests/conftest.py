@@ -39,3 +39,25 @@ def ray_cluster():
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+# Rough cost of a test by its marker, for ordering the files below (a learning run takes a minute or more; a slow
+# integration run several seconds; the rest well under one).
+_COST = {"learning": 60, "slow": 10}
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected the long and seeds tests
+def pytest_collection_modifyitems(session, config, items):
+    # Under pytest-xdist (make test: --dist loadfile) each file goes to whichever worker is free, in collection
+    # order. Alphabetical order can leave a learning-heavy file for the end, run by one worker while the other
+    # idles; the costliest files first (longest processing time first) keeps both workers busy to the end.
+    if config.getoption("dist", "no") == "no":
+        return
+    cost: dict[str, int] = {}
+    for item in items:
+        marks = [m for m in _COST if item.get_closest_marker(m) is not None]
+        cost[item.fspath.strpath] = cost.get(item.fspath.strpath, 0) + max((_COST[m] for m in marks), default=1)
+    first_seen = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.fspath.strpath, i)
+    items.sort(key=lambda item: (-cost[item.fspath.strpath], first_seen[item.fspath.strpath]))
