@@ -161,8 +161,11 @@ class Algorithm(Trainable):
             # initialization must not see moved. Remote learners and inference servers keep the old order.
             early = (config.num_env_runners > 0 and config.num_learners == 0 and self.multi_agent is None
                      and inference_settings(config) is None)
+            evaluate = bool(config.evaluation_interval) and self.env_creator is not None
             if early:
                 self.env_runner_group = self.make_env_runner_group(readers_in_slots, check_started=False)
+                if evaluate and config.evaluation_num_env_runners > 0:  # their processes start beside the runners'
+                    self.evaluation.build_evaluators(check_started=False)
             if importing is not None:
                 importing.join()
             if self.multi_agent is None:
@@ -178,8 +181,8 @@ class Algorithm(Trainable):
                 self.env_runner_group.check_started()
             else:
                 self.env_runner_group = self.make_env_runner_group(readers_in_slots)
-            if config.evaluation_interval and self.env_creator is not None:
-                self.build_evaluators()
+            if evaluate:
+                self.build_evaluators().check_started()
             self.plan = self.build_plan()
         except BaseException:
             self.cleanup()

@@ -38,8 +38,9 @@ class AlgorithmEvaluation:
         self.thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.ope_reader: OfflineReader | None = None
 
-    def build_evaluators(self) -> Evaluators:
-        """The evaluators (built at set-up with ``evaluation_interval``, else at the first ``evaluate()``)."""
+    def build_evaluators(self, check_started: bool = True) -> Evaluators:
+        """The evaluators (built at set-up with ``evaluation_interval``, else at the first ``evaluate()``);
+        ``check_started=False``: their actors asked for, not waited for (``Evaluators.check_started``)."""
         algo = self.algo
         if self.evaluators is None:
             c = algo.config.evaluation_settings()
@@ -63,7 +64,7 @@ class AlgorithmEvaluation:
             runner_args = algo.multi_agent.runner_group_args(evaluation=True) if algo.multi_agent is not None else None
             self.evaluators = Evaluators(c, settings, fault_tolerance, on_recreated=lambda ids: self.hook(
                 "on_env_runners_recreated", algorithm=algo, env_runner_group=self.evaluators.group,
-                env_runner_indices=ids, is_evaluation=True), runner_args=runner_args)
+                env_runner_indices=ids, is_evaluation=True), runner_args=runner_args, check_started=check_started)
         return self.evaluators
 
     def sync_weights(self, wait: bool = True) -> None:

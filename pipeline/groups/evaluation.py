@@ -46,15 +46,21 @@ AUTO_POLL_S = 0.05
 class Evaluators:
     def __init__(self, config: Any, settings: EnvRunnerSettings, fault_tolerance: FaultToleranceSettings,
                  on_recreated: Callable[[list[int]], None] | None = None,
-                 runner_args: dict[str, Any] | None = None) -> None:
+                 runner_args: dict[str, Any] | None = None, check_started: bool = True) -> None:
         """``runner_args``: ``EnvRunnerGroup``'s runner class and arguments (a multi-agent run's
-        ``MultiAgentEnvRunner``s); none for single-agent runs."""
+        ``MultiAgentEnvRunner``s); none for single-agent runs. ``check_started=False``: return once the evaluator
+        actors are asked for; ``check_started()`` waits for them."""
         self.config = config
         self.group = EnvRunnerGroup(settings, config.evaluation_num_env_runners, config.num_cpus_per_env_runner,
-                                    fault_tolerance, on_recreated=on_recreated, **(runner_args or {}))
+                                    fault_tolerance, on_recreated=on_recreated, check_started=check_started,
+                                    **(runner_args or {}))
         self.lifetime = MetricsLogger()  # lifetime counters across evaluations
         self.weights_version = -1
         self._runs = 0  # tags "auto" requests, so a late answer from an earlier evaluation is dropped
+
+    def check_started(self) -> None:
+        """Wait until every evaluator is up; one that failed to start raises, naming it."""
+        self.group.check_started()
 
     def sync_weights(self, weights: dict, version: int, timestep: int, wait: bool = True) -> None:
         """``wait=False``: queue the weights without waiting (an evaluator may still be finishing a

@@ -5,9 +5,10 @@ Two setups, alternating run by run: ``runners=2`` (2 env runner actors: ``build(
 benchmark: ``build()`` starts no Ray). Prints one JSON line per run -- ``import_s`` (``from pipeline import
 PPOConfig``), ``build_s`` (``build()``: Ray and the runner actors when there are any, and the learner),
 ``first_train_s`` (the first ``train()``) -- and a summary per setup with their medians. The issue 31 target
-is ``build_s`` <= 2 s on 2 cores.
+is ``build_s`` <= 2 s on 2 cores. ``--evaluators N`` adds N evaluation env runner actors built at set-up
+(``evaluation_interval=1``) to every setup with runner actors.
 
-    python tests/benchmarks/build_time.py [--runs 3] [--runners 2,0]
+    python tests/benchmarks/build_time.py [--runs 3] [--runners 2,0] [--evaluators 1]
 """
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ import json, time
 t0 = time.perf_counter()
 from pipeline import PPOConfig
 t1 = time.perf_counter()
-algo = PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=RUNNERS).build(logdir=None)
+config = PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=RUNNERS)
+if EVALUATORS:
+    config = config.evaluation(evaluation_interval=1, evaluation_num_env_runners=EVALUATORS, evaluation_duration=1)
+algo = config.build(logdir=None)
 t2 = time.perf_counter()
 algo.train()
 t3 = time.perf_counter()
@@ -36,19 +40,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--runners", default="2,0", help="num_env_runners of each setup, comma-separated")
+    p.add_argument("--evaluators", type=int, default=0, help="evaluation_num_env_runners with runner actors")
     args = p.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     setups = [int(x) for x in args.runners.split(",")]
     runs: dict[int, list[dict]] = {n: [] for n in setups}
     for i in range(args.runs):
         for n in setups:
-            child = CHILD.replace("RUNNERS", str(n))
+            child = CHILD.replace("RUNNERS", str(n)).replace("EVALUATORS", str(args.evaluators if n else 0))
             out = subprocess.run([sys.executable, "-c", child], cwd=root, capture_output=True, text=True, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             runs[n].append(row)
-            print(json.dumps({"bench": "cold_build", "runners": n, "run": i, **row}), flush=True)
+            print(json.dumps({"bench": "cold_build", "runners": n, "evaluators": args.evaluators if n else 0, "run": i,
+                              **row}), flush=True)
     for n in setups:
-        print(json.dumps({"bench": "summary", "runners": n, "runs": args.runs, "loadavg": os.getloadavg(),
+        print(json.dumps({"bench": "summary", "runners": n, "evaluators": args.evaluators if n else 0, "runs": args.runs,
+                          "loadavg": os.getloadavg(),
                           **{f"median_{k}": statistics.median(r[k] for r in runs[n]) for k in runs[n][0]},
                           "target_build_s": 2.0}), flush=True)
 
