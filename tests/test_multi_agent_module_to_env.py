@@ -135,6 +135,7 @@ def test_compute_actions_in_the_driver_go_through_the_modules_pipeline():
         shifted.stop()
 
 
+@pytest.mark.slow  # Ray runner actors
 def test_ray_runners_run_each_modules_pipeline(ray_cluster):
     algo = ppo(lambda env: [ShiftFor(1)], runners=2).build(logdir=None)
     try:

@@ -50,7 +50,6 @@ def test_sac_reaches_minus_250_on_pendulum_within_20k_steps(seed):
     assert np.isfinite(stats["qf_loss"]) and 0 < stats["alpha_value"] < 1  # the temperature was tuned down
 
 
-@pytest.mark.slow
 def clip_and_count(obs_space, act_space):
     from tests.test_replay_learner_connector import CountSteps
     from pipeline.connectors import ClipRewards
@@ -58,6 +57,7 @@ def clip_and_count(obs_space, act_space):
     return [ClipRewards(limit=0.25), CountSteps()]
 
 
+@pytest.mark.slow
 def test_a_remote_replay_stage_runs_the_learner_pipeline_on_what_runners_stream_to_it(ray_cluster):
     config = (DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=1, num_envs_per_env_runner=4)
               .training(replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 20_000, "remote": True},
@@ -79,6 +79,7 @@ def test_a_remote_replay_stage_runs_the_learner_pipeline_on_what_runners_stream_
         algo.stop()
 
 
+@pytest.mark.slow  # a killed replay actor
 def test_remote_replay_fed_by_streams_survives_its_own_death(ray_cluster):
     config = (DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)
               .training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 20_000,
