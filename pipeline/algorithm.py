@@ -121,9 +121,11 @@ class Algorithm(Trainable):
         self.recording = recording_settings(config)
         self.env_creator = env_creator(config.env) if config.env is not None else None
         policy = policy_setup(config, self.env_creator, self.learner_class, readers_in_slots)
-        # each described where it is derived (pipeline.algorithm_setup.PolicySetup); subclasses and stages read them here
+        # each described where it is derived (pipeline.algorithm_setup.PolicySetup); subclasses and stages read
+        # them here
         self.multi_agent: MultiAgentSetup | None = policy.multi_agent
-        self.env_observation_space, self.chunk_observation_space = policy.env_observation_space, policy.chunk_observation_space
+        self.env_observation_space = policy.env_observation_space
+        self.chunk_observation_space = policy.chunk_observation_space
         self.observation_space, self.action_space = obs_space, act_space = policy.observation_space, policy.action_space
         self.connector: Any = policy.connector
         self.learner_connector, self.replay_intake = policy.learner_connector, policy.replay_intake
