@@ -183,8 +183,10 @@ class Algorithm(Trainable):
                 self.env_runner_group.check_started()
             else:
                 self.env_runner_group = self.make_env_runner_group(readers_in_slots)
-            if evaluate:
-                self.build_evaluators().check_started()
+            if evaluate and self.evaluators is None:
+                self.build_evaluators()  # waits for its actors
+            elif evaluate:  # asked for beside the runners: wait for them now
+                self.evaluators.check_started()
             self.plan = self.build_plan()
         except BaseException:
             self.cleanup()

@@ -54,10 +54,9 @@ def pytest_collection_modifyitems(session, config, items):
     if config.getoption("dist", "no") == "no":
         return
     cost: dict[str, int] = {}
-    for item in items:
-        marks = [m for m in _COST if item.get_closest_marker(m) is not None]
-        cost[item.fspath.strpath] = cost.get(item.fspath.strpath, 0) + max((_COST[m] for m in marks), default=1)
-    first_seen = {}
+    first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
-        first_seen.setdefault(item.fspath.strpath, i)
+        path = item.fspath.strpath
+        first_seen.setdefault(path, i)
+        cost[path] = cost.get(path, 0) + max((c for m, c in _COST.items() if item.get_closest_marker(m)), default=1)
     items.sort(key=lambda item: (-cost[item.fspath.strpath], first_seen[item.fspath.strpath]))

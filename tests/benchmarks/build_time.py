@@ -45,16 +45,16 @@ def main() -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     setups = [int(x) for x in args.runners.split(",")]
     runs: dict[int, list[dict]] = {n: [] for n in setups}
+    evaluators = {n: args.evaluators if n else 0 for n in setups}  # evaluator actors only beside runner actors
     for i in range(args.runs):
         for n in setups:
-            child = CHILD.replace("RUNNERS", str(n)).replace("EVALUATORS", str(args.evaluators if n else 0))
+            child = CHILD.replace("RUNNERS", str(n)).replace("EVALUATORS", str(evaluators[n]))
             out = subprocess.run([sys.executable, "-c", child], cwd=root, capture_output=True, text=True, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             runs[n].append(row)
-            print(json.dumps({"bench": "cold_build", "runners": n, "evaluators": args.evaluators if n else 0, "run": i,
-                              **row}), flush=True)
+            print(json.dumps({"bench": "cold_build", "runners": n, "evaluators": evaluators[n], "run": i, **row}), flush=True)
     for n in setups:
-        print(json.dumps({"bench": "summary", "runners": n, "evaluators": args.evaluators if n else 0, "runs": args.runs,
+        print(json.dumps({"bench": "summary", "runners": n, "evaluators": evaluators[n], "runs": args.runs,
                           "loadavg": os.getloadavg(),
                           **{f"median_{k}": statistics.median(r[k] for r in runs[n]) for k in runs[n][0]},
                           "target_build_s": 2.0}), flush=True)
