@@ -128,18 +128,23 @@ def compute_actions(algo: Any, obs: Any, explore: bool | None, policy_id: str | 
     if algo.multi_agent is not None:
         if algo.connector is not None:  # env observations, through the pipeline of the module that acts
             mid = algo.multi_agent.module_id(policy_id, "compute_actions")
+            if algo.connector.views(mid):
+                raise ValueError(view_refusal(algo.connector.views(mid)[0]))
             obs = algo.connector.record(mid, as_arrays(obs, algo.connector.input_space(mid)), update=False)
         return algo.multi_agent.compute_actions(algo.learner_group, obs, explore, timestep, policy_id)
     if policy_id not in (None, "default_policy"):
         raise KeyError(f"policy_id={policy_id!r}: this run has one module, 'default_policy'")
     if algo.connector is not None:  # env observations, as the runners' modules get them
         if algo.connector.views:
-            raise ValueError(f"this run's module acts on what {algo.connector.views[0]!r} builds from the "
-                             f"episode so far, which one observation does not give: evaluate with "
-                             f"algo.evaluate(), or call algo.get_module() on stacked observations")
+            raise ValueError(view_refusal(algo.connector.views[0]))
         obs = as_arrays(obs, algo.env_observation_space)
         obs = algo.connector.record(obs, np.zeros(nested.batch_len(obs), bool), update=False)
     return algo.driver_policy.compute_actions(algo.learner_group, obs, explore, timestep)
+
+
+def view_refusal(view: Any) -> str:
+    return (f"this run's module acts on what {view!r} builds from the episode so far, which one observation "
+            f"does not give: evaluate with algo.evaluate(), or call algo.get_module() on stacked observations")
 
 
 def compute_single_action(algo: Any, obs: Any, explore: bool | None, policy_id: str | None, state: Any) -> Any:

@@ -27,6 +27,7 @@ from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec, RLModule
 from pipeline.algorithm_actions import DriverPolicy
 from pipeline.config.base import AlgorithmConfig, ConfigError
+from pipeline.config.connectors import refuse_view
 from pipeline.config.multi_agent import settings_used
 from pipeline.config.multi_agent_plan import MultiAgentPlan, multi_agent_plan
 from pipeline.config.plain import resolve_import_path
@@ -114,7 +115,9 @@ class MultiAgentSetup:
         return env_steps
 
     def learner_group(self, learner_class: type, config: AlgorithmConfig) -> MultiLearnerGroup:
-        return MultiLearnerGroup(learner_class, config, self.plan)
+        views = {} if self.connectors is None else {mid: self.connectors.observation_view(mid)
+                                                    for mid in self.connectors.look_back}
+        return MultiLearnerGroup(learner_class, config, self.plan, observation_views=views)
 
     def module_id(self, module_id: str | None, where: str) -> str:
         """``module_id`` checked (None: the run's one module), or a KeyError naming the run's modules."""
@@ -191,6 +194,8 @@ def module_connectors(config: AlgorithmConfig, plan: MultiAgentPlan
         connectors = ModuleConnectors.build(factory, spaces)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"env_to_module_connector: {err}") from err
+    for mid in connectors.look_back if connectors is not None else ():
+        refuse_view(config, connectors.views(mid)[0])
     return connectors, (spaces if connectors is not None else None)
 
 

@@ -21,7 +21,7 @@ from actors.modules import ModuleSpec
 from pipeline.algorithm_actions import DriverPolicy
 from pipeline.algorithm_multi_agent import MultiAgentSetup, multi_agent_setup
 from pipeline.config.base import AlgorithmConfig, ConfigError
-from pipeline.config.connectors import learner_connector_factory, replay_side_intake
+from pipeline.config.connectors import learner_connector_factory, refuse_view, replay_side_intake
 from pipeline.config.plain import resolve_import_path
 from pipeline.config.offline import recorded_spaces
 from pipeline.envs import probe_spaces
@@ -121,14 +121,7 @@ def connector_pipeline(config: AlgorithmConfig, observation_space: Any, action_s
     except (TypeError, ValueError) as err:
         raise ConfigError(f"env_to_module_connector: {err}") from err
     if pipeline is not None and pipeline.views:
-        view = pipeline.views[0]
-        where = ("a replay buffer (DQN, SAC, CQL) keeps transitions, not the look-back rows"
-                 if getattr(config, "replay_buffer_config", None) is not None else
-                 "central inference servers are not built for the stacks yet"
-                 if (config.inference_config or {}).get("mode", "local") == "central" else None)
-        if where is not None:
-            raise ConfigError(f"env_to_module_connector: {view!r} is a view rebuilt where it is used, and {where}; "
-                              f"stack frames in the env instead (gymnasium.wrappers.FrameStackObservation)")
+        refuse_view(config, pipeline.views[0])
     return pipeline
 
 

@@ -29,6 +29,12 @@ env steps later. How the awkward cases go, as RLlib's ``MultiAgentEpisode`` does
   uses the value of the last state the agent saw instead of crashing the run.
 - Terminated and truncated at once: terminated wins, as in the single-agent runner.
 
+An episode made with ``look_back`` (module id -> rows, for modules whose env-to-module pipeline has a view
+such as frame stacking) keeps each such agent's last recorded observations before its open chunk, and every
+chunk of that agent carries them as ``look_back`` (its first observation repeated before the agent's first
+step, as a single-agent frame stack starts). ``recent_rows`` reads an agent's newest rows from the same
+record, so the stack an agent acts on and the stack a learner rebuilds from its chunk are one computation.
+
 Per-agent chunks have their own episode ids, ``"<episode id>.<n>"`` for the n-th agent to join,
 so that everything keyed by ``(episode_id, chunk_index)`` (replay, recorder, resend dedup) keeps
 each agent's chunks apart.
@@ -41,6 +47,7 @@ from itertools import repeat
 from operator import is_
 from typing import Any
 
+from protocols import nested
 from protocols.episode import EpisodeChunk, chunk_from_steps, new_episode_id
 
 AgentID = Hashable  # str or int, as the env names its agents
@@ -84,6 +91,9 @@ class AgentRecord:
     extra_keys: tuple[str, ...] | None = None
     chunk_index: int = 0
     t_started: int = 0
+    back: list | None = None
+    """With a look-back: its recorded observations before ``obs[0]``, oldest first (as many as its module's
+    ``look_back``); None without."""
 
 
 class MultiAgentEpisode:
@@ -105,7 +115,13 @@ class MultiAgentEpisode:
     def __init__(self, policy_mapping_fn: Callable[[AgentID, "MultiAgentEpisode"], str] | None = None, *,
                  module_ids: Collection[str] | None = None, episode_id: str | None = None,
                  env_runner_index: int = 0, env_index: int = 0, weights_version: int = 0,
-                 record_infos: bool = False) -> None:
+                 record_infos: bool = False, look_back: Mapping[str, int] | None = None) -> None:
+        """``look_back``: module id -> how many recorded observations before each chunk that module's agents'
+        chunks carry (a view's depth); modules absent or at 0 carry none."""
+        self.look_back = {m: int(n) for m, n in (look_back or {}).items() if n}
+        for mid, n in self.look_back.items():
+            if n < 0:
+                raise ValueError(f"look_back[{mid!r}] = {n}: give a number of rows >= 0")
         self.id_ = episode_id or new_episode_id()
         self.policy_mapping_fn = policy_mapping_fn or map_to_default_module
         self.module_ids = frozenset(module_ids) if module_ids is not None else None
@@ -173,6 +189,16 @@ class MultiAgentEpisode:
         """``(module id, agent id, observation)`` of each agent to act, in the order they got it: what a
         sampler gathers from many episodes into one batch per module."""
         return [(a.module_id, aid, a.last_obs) for aid, a in self._agents.items() if a.ready]
+
+    def recent_rows(self, agent_id: AgentID) -> list[Any]:
+        """The agent's newest recorded observation and, before it, as many earlier ones as its module's
+        ``look_back`` (oldest first; its first observation repeated before its first step): what a view
+        builds the agent's acting input from, and what its chunks let a learner rebuild."""
+        a = self._agents[agent_id]
+        if a.back is None:
+            return a.obs[-1:]
+        n = len(a.back) + 1
+        return a.obs[-n:] if len(a.obs) >= n else (a.back + a.obs)[-n:]
 
     def observations_to_act(self) -> dict[str, dict[AgentID, Any]]:
         """The observations waiting for an action, grouped by module: one forward pass each."""
@@ -440,6 +466,9 @@ class MultiAgentEpisode:
 
     def _join(self, aid: AgentID, obs: Any, info: dict | None) -> None:
         a = AgentRecord(aid, self.module_for(aid), f"{self.id_}.{len(self._agents)}", obs, info or {}, obs=[obs])
+        depth = self.look_back.get(a.module_id, 0)
+        if depth:
+            a.back = [obs] * depth
         if self.record_infos:
             a.infos.append(info or {})
         self._wire_ids[str(aid)] = aid
@@ -475,6 +504,9 @@ class MultiAgentEpisode:
                                  weights_version=self.weights_version, env_runner_index=self.env_runner_index,
                                  env_index=self.env_index)
         chunk.agent_id, chunk.module_id = str(a.agent_id), a.module_id
+        if a.back is not None:
+            chunk.look_back = nested.stack(a.back)
+            a.back = (a.back + a.obs[:-1])[-len(a.back):]  # the rows before the next chunk's first observation
         self._chunks.append(chunk)
         a.chunk_index += 1
         a.t_started += steps

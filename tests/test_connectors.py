@@ -274,8 +274,6 @@ def test_streaming_runners_share_their_statistics_too(ray_cluster):
 
 
 def test_connector_settings_that_cannot_work_are_config_errors():
-    from pipeline import make_multi_agent
-
     with pytest.raises(ConfigError, match="env_to_module_connector"):
         (PPOConfig().environment("CartPole-v1")
          .env_runners(num_env_runners=0, env_to_module_connector=lambda env: FrameStackingEnvToModule(num_frames=0))
@@ -290,15 +288,6 @@ def test_connector_settings_that_cannot_work_are_config_errors():
         (PPOConfig().environment(observation_space=BOX, action_space=ACT)
          .external_clients(address="tcp://127.0.0.1:0")
          .env_runners(num_env_runners=0, env_to_module_connector=lambda env: MeanStdFilter()).build())
-    ma = make_multi_agent("CartPole-v1")
-    with pytest.raises(ConfigError, match="view rebuilt"):  # multi-agent pipelines hold no per-sub-env memory
-        (PPOConfig().environment(ma, env_config={"num_agents": 2})
-         .env_runners(num_env_runners=0, env_to_module_connector=lambda env: FrameStackingEnvToModule(num_frames=4))
-         .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=_by_agent).build())
-
-
-def _by_agent(agent_id, episode=None, **kwargs):
-    return f"p{agent_id}"
 
 
 class _Shift(ConnectorV2):

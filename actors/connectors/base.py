@@ -284,7 +284,7 @@ class ObservationView:
         view needs raises ValueError, naming it."""
         out = []
         for c in chunks:
-            if c.look_back is None:
+            if c.look_back is None and self.piece.look_back:
                 raise ValueError(f"chunk {c.chunk_index} of episode {c.episode_id} has no look-back rows, which "
                                  f"{self.piece!r} needs to rebuild what the module saw")
             out.append(dataclasses.replace(c, obs=self.piece.view_of(c.obs, c.look_back), look_back=None))

@@ -14,8 +14,14 @@ deltas, syncs runners and evaluators and checkpoints the state the same way for 
 Recording pieces fit here: those without memory per sub-env (``MeanStdFilter``, ``FlattenObservations``, a
 user's stateless or statistics-gathering piece) and those that can keep it per agent (``keyed``:
 ``PrevActionsPrevRewards``, whose rows the sampler keys by (env index, agent id), telling each agent's episode
-start, its last action and the rewards it got since). A view (frame stacking), or a piece with per-sub-env
-memory that cannot be keyed, would need memory per agent that is not built; each is refused naming the piece.
+start, its last action and the rewards it got since). A piece with per-sub-env memory that cannot be keyed
+would need memory per agent that is not built; it is refused naming the piece.
+
+A view (``FrameStackingEnvToModule``, at most one per pipeline, last) keeps no memory here at all: each
+agent's episode keeps the module's ``look_back`` recorded rows before its open chunk
+(``MultiAgentEpisode(look_back=...)``), the sampler builds each waiting agent's input from the episode's
+newest rows (``view_rows``), and the chunks carry the same rows as ``look_back``, so the module's learner
+rebuilds what the module saw (``observation_view``) from one stored frame per step.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from actors.connectors.base import ConnectorPipeline, ConnectorV2, build_pipeline, per_module
+from actors.connectors.base import ConnectorPipeline, ConnectorV2, ObservationView, build_pipeline, per_module
 from protocols import nested
 
 
@@ -55,6 +61,36 @@ class ModuleConnectors:
     def observation_space(self, module_id: str) -> gym.Space:
         """What module ``module_id`` gets: its pipeline's output space."""
         return self.pipelines[module_id].observation_space
+
+    def recorded_space(self, module_id: str) -> gym.Space:
+        """What chunks of module ``module_id``'s agents store: the output of its recording pieces (its view's input)."""
+        return self.pipelines[module_id].recorded_space
+
+    @property
+    def look_back(self) -> dict[str, int]:
+        """Module id -> the recorded rows before each chunk its view needs, for the modules whose pipeline has a
+        view (frame stacking); empty without views."""
+        return {mid: p.look_back for mid, p in self.pipelines.items() if p.views}
+
+    def views(self, module_id: str) -> list[ConnectorV2]:
+        """Module ``module_id``'s view pieces (empty without)."""
+        return self.pipelines[module_id].views
+
+    def observation_view(self, module_id: str) -> ObservationView | None:
+        """What module ``module_id``'s learner needs to rebuild its view from chunks (None: no view)."""
+        return self.pipelines[module_id].observation_view()
+
+    def view_rows(self, module_id: str, recent: list[list[Any]]) -> list[Any]:
+        """Each agent's input to module ``module_id`` from its recorded rows (``MultiAgentEpisode.recent_rows``:
+        the newest last, the look-back before it): the view the learner rebuilds from the agent's chunk."""
+        pipeline = self.pipelines[module_id]
+        out = []
+        for rows in recent:
+            frames = nested.stack(rows)
+            newest = nested.map_structure(lambda a: a[-1:], frames)
+            back = nested.map_structure(lambda a: a[:-1], frames) if len(rows) > 1 else None
+            out.append(nested.map_structure(lambda a: a[0], pipeline.view_of(newest, back)))
+        return out
 
     def input_space(self, module_id: str) -> gym.Space:
         """What the env gives the agents of module ``module_id``: its pipeline's input space."""
@@ -124,15 +160,14 @@ class ModuleConnectors:
 
 def refuse_per_env_memory(piece: ConnectorV2) -> None:
     """ValueError for a piece a multi-agent runner cannot host yet (it keeps memory per sub-env and cannot
-    keep it per agent: not ``keyed``)."""
-    why = ("is a view rebuilt from each sub-env's earlier observations" if not piece.records else
-           None if piece.keyed else
+    keep it per agent: not ``keyed``). Views pass: the agents' episodes hold what they look back on."""
+    why = (None if not piece.records or piece.keyed else
            "hears each sub-env's actions and rewards" if piece.watches_steps else
            "keeps memory per sub-env (it overrides reset_stack)"
            if type(piece).reset_stack is not ConnectorV2.reset_stack else None)
     if why is not None:
         raise ValueError(f"{piece!r} {why}; multi-agent runs hold per-module pipelines of pieces without such "
                          f"memory or with memory per agent (MeanStdFilter, FlattenObservations, PrevActionsPrevRewards, "
-                         f"pieces of your own): keep that memory in the MultiAgentEnv instead (e.g. stack frames in "
-                         f"its observations)")
+                         f"FrameStackingEnvToModule, pieces of your own): keep that memory in the MultiAgentEnv "
+                         f"instead")
 

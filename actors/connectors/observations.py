@@ -59,16 +59,15 @@ class FrameStackingEnvToModule(ConnectorV2):
     ``84x84x1`` frame becomes ``84x84x4``; a CartPole vector of 4 becomes 16). An episode's first
     observation fills every slot. A view: chunks keep one frame per step plus ``num_frames - 1`` look-back
     frames, and the learner rebuilds the stacks (``view_of``) -- stored and shipped bytes stay one frame per
-    step. Box observations of at least one dimension."""
+    step. Box observations of at least one dimension. In a multi-agent run each agent has its own stack, built
+from its own observations (``actors.connectors.multi_agent``)."""
 
     records = False
 
     def __init__(self, input_observation_space: gym.Space | None = None, input_action_space: gym.Space | None = None,
                  *, num_frames: int = 4, multi_agent: bool = False, **kwargs: Any) -> None:
         super().__init__(input_observation_space, input_action_space, **kwargs)
-        if multi_agent:
-            raise ValueError("FrameStackingEnvToModule(multi_agent=True): frame stacking per agent is not built yet; "
-                             "stack frames in the MultiAgentEnv's observations instead")
+        del multi_agent  # RLlib's flag: a multi-agent run builds one pipeline per module, its agents' stacks apart
         if not isinstance(num_frames, int) or num_frames < 1:
             raise ValueError(f"num_frames must be an int >= 1, got {num_frames!r}")
         self.num_frames = num_frames
@@ -119,7 +118,7 @@ class FrameStackingEnvToModule(ConnectorV2):
     def view_of(self, rows: np.ndarray, look_back: np.ndarray | None) -> np.ndarray:
         k = self.num_frames
         t1 = rows.shape[0]
-        if look_back is None or len(look_back) < k - 1:
+        if k > 1 and (look_back is None or len(look_back) < k - 1):
             raise ValueError(f"frame stacking needs {k - 1} look-back frames before each chunk, got "
                              f"{0 if look_back is None else len(look_back)}")
         frames = np.concatenate([look_back[len(look_back) - (k - 1):], rows]) if k > 1 else rows

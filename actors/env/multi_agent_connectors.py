@@ -10,6 +10,10 @@ Pipelines with memory per agent (``ModuleConnectors.keyed``: ``PrevActionsPrevRe
 the action the agent took last and the rewards it got since (summed over the env steps in between). The
 sampler tells this class what it needs for that: ``new_episode`` when an env resets, ``note_actions`` after
 each group acts, ``add_rewards`` (``add_reward_rows``: the lockstep sampler's rows) after the envs step.
+
+Pipelines with a view (``look_back``: frame stacking) record through their recording pieces only; the
+sampler makes each episode with the modules' ``look_back`` and, before every forward pass, replaces the
+waiting agents' recorded observations by their views (``view_waiting``), built from the episodes' rows.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ class AgentObservations:
         self.check_observations = check_observations
         self._checks: dict[str, BatchProblemFinder] = {}
         self.keyed = connectors.keyed
+        self.look_back = connectors.look_back
+        """Module id -> the rows its view looks back on, for modules whose pipeline has a view (empty: none)."""
         """Some pipeline keeps memory per agent: the sampler reports episodes, actions and rewards."""
         self._seen: dict[int, dict[Any, str]] = {}  # env index -> the agents observed in its episode -> module
         self._acted: dict[tuple[int, Any], Any] = {}  # (env, agent) -> its action since its last observation
@@ -72,6 +78,15 @@ class AgentObservations:
                 for aid, r in by_agent.items():
                     if isinstance(r, numbers.Real):  # anything else is the episode's check to report
                         earned[(i, aid)] = earned.get((i, aid), 0.0) + float(r)
+
+    def view_waiting(self, waiting: dict[str, tuple], episodes: list[MultiAgentEpisode]) -> None:
+        """``waiting`` (module id -> (rows (episode index, agent id), their recorded observations)): for each
+        module with a view, the observations replaced by the views its agents act on, in place."""
+        for mid in self.look_back:
+            part = waiting.get(mid)
+            if part is not None:
+                who = part[0]
+                waiting[mid] = (who, self.connectors.view_rows(mid, [episodes[i].recent_rows(aid) for i, aid in who]))
 
     def transform(self, items: list[tuple[int, MultiAgentEpisode, Any]]) -> list[Any]:
         """``items``: (env index, its episode, the observation dict its env returned) -> the dicts with each

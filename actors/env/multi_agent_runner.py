@@ -3,7 +3,8 @@
 The multi-agent counterpart of ``env_runner.EnvRunner``, implementing the same ``EnvRunnerRole`` so a
 stage group hosts it in-process or as a Ray actor alike. The stepping and recording are a sampler's (one
 batched forward pass per module per step): ``LockstepSampler`` for envs of ``make_multi_agent`` copies when
-no ``on_episode_*`` callback needs ``MultiAgentEpisode`` objects and no module-to-env pipeline is set (time-major
+no ``on_episode_*`` callback needs ``MultiAgentEpisode`` objects, no module-to-env pipeline is set and no
+env-to-module pipeline has a view (frame stacking; time-major
 rows, cut by slicing: the same chunks at a fraction of the Python), ``MultiAgentSampler`` for every other env;
 this class is the stage
 around it: building the envs (each behind a ``MultiAgentStepChecker`` unless ``check_env`` is off,
@@ -68,8 +69,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                  count_steps_by: str = "env_steps", check_env: bool = True, lockstep: bool = True,
                  connector_spaces: dict[str, tuple[Any, Any]] | None = None) -> None:
         """``lockstep``: sample envs of ``make_multi_agent`` copies with the ``LockstepSampler`` when nothing
-        needs ``MultiAgentEpisode`` objects (no ``on_episode_*`` callbacks); False: always the general
-        ``MultiAgentSampler`` (the two give the same chunks). ``connector_spaces``: each module's (observation,
+        needs ``MultiAgentEpisode`` objects (no ``on_episode_*`` callbacks, no view such as frame stacking);
+        False: always the general ``MultiAgentSampler`` (the two give the same chunks). ``connector_spaces``: each module's (observation,
         action) spaces as the env gives them, the input of its env-to-module pipeline (``settings.env_to_module``
         builds them; ``module_specs`` then hold the pipelines' output spaces)."""
         if count_steps_by not in COUNT_UNITS:
@@ -133,7 +134,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                                                        check_observations=check_env)
         if self.module_to_env is not None:
             pieces["module_to_env"] = self.module_to_env
-        if lockstep and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
+        views = self.connectors is not None and bool(self.connectors.look_back)  # built from per-agent episodes
+        if lockstep and not views and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
             self.sampler = LockstepSampler(self.envs, self.module.members, self.explorations, self.env_actions,
                                            policy_mapping_fn, **pieces)
         else:

@@ -164,7 +164,8 @@ class MultiAgentSampler:
     def _start(self, index: int, seed: int | None) -> MultiAgentEpisode:
         ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.acting.modules,
                                env_runner_index=self.env_runner_index, env_index=index,
-                               weights_version=self._weights_version, record_infos=self.record_infos)
+                               weights_version=self._weights_version, record_infos=self.record_infos,
+                               look_back=None if self.observations is None else self.observations.look_back)
         ep.plain_steps = self._fast_path
         if self.listener is not None:  # RLlib's order: the episode object exists before the env resets
             self.listener.episode_created(index, ep)
@@ -205,6 +206,7 @@ class MultiAgentSampler:
         env_steps = agent_steps = 0
         n = len(self.envs)
         keyed = self.observations is not None and self.observations.keyed
+        views = self.observations is not None and bool(self.observations.look_back)
         while (agent_steps if by_agents else env_steps) < target:
             timestep = t0 + (agent_steps if by_agents else env_steps)
             # every waiting observation of every env, grouped by module: (env index, agent), observation
@@ -216,6 +218,8 @@ class MultiAgentSampler:
                         part = waiting[mid] = ([], [])
                     part[0].append((i, aid))
                     part[1].append(o)
+            if views:  # the episodes record one frame per step; the modules act on their stacks
+                self.observations.view_waiting(waiting, self.episodes)
             to_env: list[dict[AgentID, Any]] = [{} for _ in range(n)]
             for group in groups:
                 acted = acting.act_group(group, waiting, forwards, explore, timestep)

@@ -92,7 +92,8 @@ class ChunkReceiver:
                  required_extra: tuple[str, ...] = ("action_logp",), max_log_lines_per_sender: int = 100,
                  module_spaces: dict[str, tuple[gym.Space, gym.Space]] | None = None,
                  max_weights_lag: int | None = None, observation_view: Any = None,
-                 learner_connector: Any = None, module_connector: Callable[[str], Any] | None = None) -> None:
+                 learner_connector: Any = None, module_connector: Callable[[str], Any] | None = None,
+                 module_view: Callable[[str], Any] | None = None) -> None:
         """``module_spaces``: module id -> (observation, action space) of a multi-agent run's modules:
         batches are ``ModuleBatches`` of ``batch_size`` agent steps (``observation_space`` and
         ``action_space`` are then not used). ``max_weights_lag``: drop chunks acted by weights more than
@@ -101,7 +102,9 @@ class ChunkReceiver:
         view is rebuilt here, in the loader thread, before the batch is laid out. ``learner_connector``
         (``actors.connectors.learner.LearnerPipeline``): applied to each batch's chunks here too, after the
         view; a batch it fails on is dropped, counted and logged. ``module_connector``: in a multi-agent
-        stream, module id -> that module's pipeline (or None), applied to the module's share of each batch."""
+        stream, module id -> that module's pipeline (or None), applied to the module's share of each batch;
+        ``module_view``: module id -> that module's ``ObservationView`` (or None), as ``observation_view`` for the
+        module's share (its chunks checked against the recorded space)."""
         if batch_size < 1 or queue_size < 1 or hwm < 1:
             raise ValueError(f"batch_size, queue_size and hwm must be >= 1, got {batch_size}, {queue_size}, {hwm}")
         if module_spaces is not None and not module_spaces:
@@ -118,6 +121,7 @@ class ChunkReceiver:
         self.num_chunks_without_look_back = 0
         self.learner_connector = learner_connector
         self.module_connector = module_connector
+        self.module_view = module_view
         self.num_batches_dropped_by_connector = 0
         self.weights_version = 0
         """The consumer's current weights version (``set_weights_version``), the reference for staleness."""
@@ -132,8 +136,13 @@ class ChunkReceiver:
             if observation_view is not None:
                 schema.look_back_rows = observation_view.piece.look_back
         else:
-            schema = ModuleSchemas({mid: ChunkSchema.for_spaces(obs, act, required_extra)
-                                    for mid, (obs, act) in module_spaces.items()})
+            schemas = {}
+            for mid, (obs, act) in module_spaces.items():
+                view = module_view(mid) if module_view is not None else None
+                schemas[mid] = ChunkSchema.for_spaces(obs if view is None else view.recorded_space, act, required_extra)
+                if view is not None:
+                    schemas[mid].look_back_rows = view.piece.look_back
+            schema = ModuleSchemas(schemas)
         self.puller = ChunkPuller(host or node_address(), schema, hwm=hwm, rcvbuf=rcvbuf, limits=limits,
                                   max_log_lines_per_sender=max_log_lines_per_sender)
         self.address = self.puller.address
@@ -274,30 +283,31 @@ class ChunkReceiver:
                     n = b
             self._pending_steps -= n
             if self.multi_module:
-                made = {mid: self._make_batch(chunks, self.module_connector(mid) if self.module_connector else None)
+                made = {mid: self._make_batch(chunks, self.module_connector(mid) if self.module_connector else None,
+                                              self.module_view(mid) if self.module_view else None)
                         for mid, chunks in sorted(chunks_by_module(take).items())}
                 self._ready.append(ModuleBatches({mid: b for mid, b in made.items() if b is not None}))
             else:
-                batch = self._make_batch(take, self.learner_connector)
+                batch = self._make_batch(take, self.learner_connector, self.observation_view)
                 if batch is not None:
                     self._ready.append(batch)
             self.num_batches_built += 1
 
-    def _rebuilt(self, chunks: list[EpisodeChunk]) -> list[EpisodeChunk]:
+    def _rebuilt(self, chunks: list[EpisodeChunk], view: Any) -> list[EpisodeChunk]:
         """The view rebuilt chunk by chunk; a chunk sent without the look-back rows is dropped and counted."""
         out = []
         for chunk in chunks:
             try:
-                out.extend(self.observation_view.rebuild([chunk]))
+                out.extend(view.rebuild([chunk]))
             except ValueError as err:
                 self.num_chunks_without_look_back += 1
                 if self.num_chunks_without_look_back <= 10:
                     log.warning("chunk dropped (%d so far): %s", self.num_chunks_without_look_back, err)
         return out
 
-    def _make_batch(self, chunks: list[EpisodeChunk], connector: Any) -> ChunkBatch | None:
-        if self.observation_view is not None:
-            chunks = self._rebuilt(chunks)
+    def _make_batch(self, chunks: list[EpisodeChunk], connector: Any, view: Any) -> ChunkBatch | None:
+        if view is not None:
+            chunks = self._rebuilt(chunks, view)
         if connector is not None:
             try:
                 chunks = connector(chunks)

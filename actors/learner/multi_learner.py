@@ -75,6 +75,12 @@ class MultiLearner(LearnerRole):
         learner = self._learners.get(module_id)
         return None if learner is None else learner.learner_connector
 
+    def module_view(self, module_id: str) -> Any:
+        """Module ``module_id``'s ``ObservationView`` (None without a view, or for a module no longer here): what a
+        stream loader rebuilds the module's share of each batch with."""
+        learner = self._learners.get(module_id)
+        return None if learner is None else learner.observation_view
+
     @property
     def modules(self) -> Mapping[str, nn.Module]:
         """Module id -> the trainable module its learner holds (a read-only view)."""

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from actors.connectors.learner import LearnerPipeline, build_learner_pipeline
 from actors.replay.intake import ReplayIntake
+from pipeline.config.checks import ConfigError
 from pipeline.config.plain import resolve_import_path
 
 
@@ -46,3 +47,15 @@ def replay_side_intake(config: Any, observation_space: Any, action_space: Any,
         return None
     return ReplayIntake(pipeline, observation_space, action_space,
                         config.learner_settings().allow_nonfinite_observations)
+
+
+def refuse_view(config: Any, view: Any) -> None:
+    """A ConfigError when ``view`` (an env-to-module view, e.g. frame stacking) cannot be rebuilt where this
+    run's modules learn or act: a replay buffer stores transitions without the look-back rows, and central
+    inference servers get one recorded observation per step."""
+    where = ("a replay buffer (DQN, SAC, CQL) keeps transitions, not the look-back rows" if trains_on_replay(config)
+             else "central inference servers are not built for the stacks yet"
+             if (getattr(config, "inference_config", None) or {}).get("mode", "local") == "central" else None)
+    if where is not None:
+        raise ConfigError(f"env_to_module_connector: {view!r} is a view rebuilt where it is used, and {where}; "
+                          f"stack frames in the env instead (gymnasium.wrappers.FrameStackObservation)")

@@ -60,8 +60,12 @@ class ConfiguredMultiLearner(MultiLearner):
     def __init__(self, config: Any, observation_space: Any = None, action_space: Any = None, *,
                  learner_class: type[Learner], module_specs: Mapping[str, ModuleSpec],
                  trainable: Collection[str] | None, config_overrides: Mapping[str, Mapping[str, Any]],
-                 device: str = "cpu", rank: int = 0, world_size: int = 1) -> None:
+                 device: str = "cpu", rank: int = 0, world_size: int = 1,
+                 observation_views: Mapping[str, Any] | None = None) -> None:
+        """``observation_views``: module id -> the ``ObservationView`` its learner rebuilds its env-to-module
+        view with (frame stacks), for modules whose pipeline has one."""
         self.config, self.learner_class = config, learner_class
+        self.observation_views = dict(observation_views or {})
         self.build_device, self.rank, self.world_size = device, rank, world_size
         self.num_modules_built = 0
         """Modules built over this learner's life: the next one's seed offset (one per module, so modules
@@ -75,9 +79,14 @@ class ConfiguredMultiLearner(MultiLearner):
         cfg = module_config(self.config, module_id, self.num_modules_built, spec, overrides)
         self.num_modules_built += 1
         cls = learner_for_module_class(self.learner_class, spec.module_class)
+        view = self.observation_views.get(module_id)
+        # a learner connector reads the chunks after the view is rebuilt: what the module saw
         pipeline = learner_side_pipeline(self.config, spec.observation_space, spec.action_space)
+        kwargs = {"learner_connector": pipeline} if pipeline is not None else {}
+        if view is not None:
+            kwargs["observation_view"] = view
         return cls(cfg, spec.observation_space, spec.action_space, device=self.build_device, rank=self.rank,
-                   world_size=self.world_size, **({"learner_connector": pipeline} if pipeline is not None else {}))
+                   world_size=self.world_size, **kwargs)
 
     def add_module_from_spec(self, module_id: str, spec: ModuleSpec, overrides: Mapping[str, Any],
                              trainable: bool) -> None:
@@ -119,8 +128,10 @@ def check_module_class(learner_class: type[Learner], module_id: str, spec: Modul
 
 
 class MultiLearnerGroup(LearnerGroup):
-    def __init__(self, learner_class: type[Learner], config: Any, plan: Any) -> None:
-        """``plan``: the run's ``MultiAgentPlan`` (module specs, which train, per-module overrides)."""
+    def __init__(self, learner_class: type[Learner], config: Any, plan: Any,
+                 observation_views: Mapping[str, Any] | None = None) -> None:
+        """``plan``: the run's ``MultiAgentPlan`` (module specs, which train, per-module overrides);
+        ``observation_views``: as ``ConfiguredMultiLearner`` takes them."""
         for mid, spec in plan.module_specs.items():  # in the driver, before any actor starts
             check_module_class(learner_class, mid, spec)
         self.module_ids = sorted(plan.module_specs)
@@ -131,6 +142,8 @@ class MultiLearnerGroup(LearnerGroup):
         own set of trainable modules decides."""
         kwargs = {"learner_class": learner_class, "module_specs": plan.module_specs,
                   "trainable": plan.trainable, "config_overrides": plan.config_overrides}
+        if observation_views:
+            kwargs["observation_views"] = dict(observation_views)
         super().__init__(ConfiguredMultiLearner, config, None, None, learner_kwargs=kwargs)
 
     def update(self, batch: list[EpisodeChunk] | Mapping[str, list[EpisodeChunk]], timestep: int,

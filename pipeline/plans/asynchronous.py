@@ -173,7 +173,8 @@ class AsyncPlan:
                 max_weights_lag=max_weights_lag(config),
                 observation_view=getattr(learners.local, "observation_view", None),
                 learner_connector=getattr(learners.local, "learner_connector", None),
-                module_connector=getattr(learners.local, "module_connector", None)).start()
+                module_connector=getattr(learners.local, "module_connector", None),
+                module_view=getattr(learners.local, "module_view", None)).start()
             address: str | list[str] = self.receiver.address
         else:
             settings = FeedSettings(config.train_batch_size_per_learner, config.learner_queue_size, config.stream_hwm,
