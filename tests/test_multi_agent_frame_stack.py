@@ -178,3 +178,13 @@ def test_ray_runners_stack_each_agents_frames_and_the_learners_train_on_them(ray
             assert "num_batches_refused" not in result["learners"][mid], result["learners"][mid]
     finally:
         algo.stop()
+
+
+def test_a_batch_of_agents_gets_the_stacks_one_agent_at_a_time_would():
+    from actors.connectors import ConnectorV2
+
+    piece = FrameStackingEnvToModule(num_frames=4)
+    frames = np.random.default_rng(0).integers(0, 255, (5, 4, 6, 6, 1), dtype=np.uint8)
+    batched = piece.view_rows(frames)
+    assert batched.shape == (5, 6, 6, 4) and batched.dtype == np.uint8
+    np.testing.assert_array_equal(batched, ConnectorV2.view_rows(piece, frames))  # view_of, agent by agent

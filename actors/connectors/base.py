@@ -119,6 +119,12 @@ class ConnectorV2:
         ``look_back`` rows before the first (``[look_back, ...]``). Recording pieces never get this call."""
         raise NotImplementedError(f"{type(self).__name__} is a view (records=False) but has no view_of()")
 
+    def view_rows(self, frames: np.ndarray) -> np.ndarray:
+        """A view piece, for a batch of agents each at its newest step: ``frames`` ``[n, look_back + 1, ...]``
+        (each agent's look-back rows, then its newest) -> each agent's output, ``[n, ...]``. By default one
+        ``view_of`` call per agent; a piece may do the batch at once."""
+        return np.stack([self.view_of(f[-1:], f[:-1])[0] for f in frames])
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

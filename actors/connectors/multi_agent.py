@@ -66,6 +66,10 @@ class ModuleConnectors:
         """What chunks of module ``module_id``'s agents store: the output of its recording pieces (its view's input)."""
         return self.pipelines[module_id].recorded_space
 
+    def records(self, module_id: str) -> bool:
+        """Module ``module_id``'s pipeline has recording pieces (False: a view alone, or nothing)."""
+        return bool(self.pipelines[module_id].recording_pieces)
+
     @property
     def look_back(self) -> dict[str, int]:
         """Module id -> the recorded rows before each chunk its view needs, for the modules whose pipeline has a
@@ -84,6 +88,9 @@ class ModuleConnectors:
         """Each agent's input to module ``module_id`` from its recorded rows (``MultiAgentEpisode.recent_rows``:
         the newest last, the look-back before it): the view the learner rebuilds from the agent's chunk."""
         pipeline = self.pipelines[module_id]
+        if type(recent[0][0]) is np.ndarray:  # array observations: the view does the whole batch at once
+            batch = pipeline.views[0].view_rows(np.array(recent))
+            return list(batch)
         out = []
         for rows in recent:
             frames = nested.stack(rows)

@@ -124,6 +124,12 @@ from its own observations (``actors.connectors.multi_agent``)."""
         frames = np.concatenate([look_back[len(look_back) - (k - 1):], rows]) if k > 1 else rows
         return np.concatenate([frames[i : i + t1] for i in range(k)], axis=-1)
 
+    def view_rows(self, frames: np.ndarray) -> np.ndarray:
+        k = self.num_frames
+        if frames.shape[1] < k:
+            raise ValueError(f"frame stacking needs {k} frames per row, got {frames.shape[1]}")
+        return np.concatenate([frames[:, frames.shape[1] - k + i] for i in range(k)], axis=-1)
+
     def __repr__(self) -> str:
         return f"FrameStackingEnvToModule(num_frames={self.num_frames})"
 

@@ -110,6 +110,10 @@ class AgentObservations:
             values = [rows[r][3] for r in picked]
             if self.check_observations:
                 self._check(mid, values, [(rows[r][0], rows[r][1]) for r in picked])
+            if not self.connectors.records(mid):  # a view alone: the episodes record the env's observations
+                for j, r in enumerate(picked):
+                    out[r] = values[j]
+                continue
             if self.keyed:
                 batch = self._record_keyed(mid, [(rows[r][0], rows[r][1]) for r in picked], nested.stack(values))
             else:
