@@ -1,6 +1,7 @@
 """Helpers shared by the learning tests."""
 import contextlib
 import tempfile
+import time
 
 import numpy as np
 
@@ -15,6 +16,18 @@ def train_until(algo, target, max_steps):
         best = max(best, ret) if not np.isnan(ret) else best
         if best >= target or result["num_env_steps_sampled_lifetime"] >= max_steps:
             return best, result
+
+
+def train_until_seen(algo, seen, timeout_s=300.0):
+    """Train until ``seen(result)`` holds (an actor restarted, a stage recreated...) and return that result;
+    after ``timeout_s`` seconds without it, the last result (the test's assertions then say what is missing).
+    Bounded by time, not by a count of iterations: a replacement actor takes seconds to start on a loaded
+    machine while an iteration may take a fraction of one."""
+    deadline = time.monotonic() + timeout_s
+    result = algo.train()
+    while not seen(result) and time.monotonic() < deadline:
+        result = algo.train()
+    return result
 
 
 @contextlib.contextmanager

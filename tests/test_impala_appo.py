@@ -22,6 +22,7 @@ from pipeline.plans.asynchronous import max_weights_lag
 from pipeline.algorithms.appo import APPOLearner, CircularBuffer, appo_loss
 from pipeline.algorithms.impala import IMPALALearner, impala_loss
 from tests.envs import FlakyEnv
+from tests.helpers import train_until_seen
 
 OBS_SPACE = gym.spaces.Box(-1, 1, (4,), np.float32)
 ACT_SPACE = gym.spaces.Discrete(2)
@@ -401,11 +402,7 @@ def test_failed_streaming_runner_is_recreated_and_streams_again(ray_cluster, env
             .fault_tolerance(delay_between_env_runner_restarts_s=0.2, env_runner_health_probe_timeout_s=3.0)
             .debugging(seed=0).build())
     try:
-        result = None
-        for _ in range(60):
-            result = algo.train()
-            if result["fault_tolerance"]["num_remote_worker_restarts"] >= 1:
-                break
+        result = train_until_seen(algo, lambda r: r["fault_tolerance"]["num_remote_worker_restarts"] >= 1)
         ft = result["fault_tolerance"]
         assert ft["num_remote_worker_failures"] == 1 and ft["num_remote_worker_restarts"] == 1
         version = algo.weights_version
@@ -466,11 +463,7 @@ def test_killed_streaming_runner_is_recreated_and_counted(ray_cluster):
     try:
         algo.train()
         ray.kill(algo.env_runner_group.manager.handle(2), no_restart=True)
-        result = None
-        for _ in range(30):
-            result = algo.train()
-            if result["fault_tolerance"]["num_remote_worker_restarts"] >= 1:
-                break
+        result = train_until_seen(algo, lambda r: r["fault_tolerance"]["num_remote_worker_restarts"] >= 1)
         sampled = result["num_env_steps_sampled_lifetime"]
         result = algo.train()
         ft = result["fault_tolerance"]

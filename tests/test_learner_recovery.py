@@ -22,7 +22,7 @@ import ray
 
 from actors.manager import ActorGroupError
 from pipeline import APPOConfig, ConfigError, DefaultCallbacks, DQNConfig, PPOConfig
-from tests.helpers import train_until
+from tests.helpers import train_until, train_until_seen
 from tests.test_multi_agent_modules import config as multi_agent_config, snapshot
 
 
@@ -262,10 +262,8 @@ def test_dqn_remote_replay_killed_is_rebuilt_from_its_snapshot_and_learning_goes
         assert snapshot_steps > 0
         ray.kill(streaming.group.handle(1), no_restart=True)
         trained = result["num_env_steps_trained_lifetime"]
-        for _ in range(30):  # the next training step that looks finds it dead and recreates it
-            result = algo.train()
-            if result["fault_tolerance"]["num_replay_restarts"]:
-                break
+        # the next training step that looks finds it dead and recreates it
+        result = train_until_seen(algo, lambda r: r["fault_tolerance"]["num_replay_restarts"] > 0)
         # recreated holding the snapshot's transitions (and what streamed in since), not empty
         assert replay_size(algo) >= min(snapshot_steps, 50_000 - 1)
         assert fault_tolerance(result)["num_replay_restarts"] == 1

@@ -8,7 +8,7 @@ import ray
 import yaml
 
 from pipeline import DQNConfig, get_algorithm
-from tests.helpers import train_until
+from tests.helpers import train_until, train_until_seen
 
 
 def tuned(path, seed):
@@ -100,13 +100,17 @@ def test_remote_replay_fed_by_streams_survives_its_own_death(ray_cluster):
         assert result["stream"]["runner_num_frames_sent"] > 0
         ray.kill(algo.plan.streaming.group.handle(1), no_restart=True)
         # a batch sampled before the kill may still be trained on: training counts only after the restart
-        trained_at_restart = None
-        for _ in range(60):  # recreated empty, refilled by the same runners, training goes on
-            result = algo.train()
-            if trained_at_restart is None and result["fault_tolerance"]["num_replay_restarts"]:
-                trained_at_restart = result["num_env_steps_trained_lifetime"]
-            elif trained_at_restart is not None and result["num_env_steps_trained_lifetime"] > trained_at_restart:
-                break
+        restart: dict[str, int] = {}
+
+        def trained_after_restart(r: dict) -> bool:  # recreated empty, refilled by the same runners, training goes on
+            if "trained" not in restart:
+                if r["fault_tolerance"]["num_replay_restarts"]:
+                    restart["trained"] = r["num_env_steps_trained_lifetime"]
+                return False
+            return r["num_env_steps_trained_lifetime"] > restart["trained"]
+
+        result = train_until_seen(algo, trained_after_restart)
+        trained_at_restart = restart.get("trained")
         assert result["fault_tolerance"]["num_replay_restarts"] == 1
         assert trained_at_restart is not None and result["num_env_steps_trained_lifetime"] > trained_at_restart
         assert result["fault_tolerance"]["num_healthy_workers"] == 2
