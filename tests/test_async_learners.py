@@ -20,11 +20,12 @@ import ray
 from actors.env import EnvRunner, EnvRunnerSettings
 from actors.learner.feed import FeedSettings, FreshBatches, LearnerFeed
 from actors.manager import ActorGroupError
-from pipeline import APPOConfig, ConfigError, DefaultCallbacks, IMPALAConfig
+from pipeline import APPOConfig, ConfigError, IMPALAConfig
 from pipeline.algorithms.appo import CircularBuffer
 from pipeline.algorithms.impala import IMPALALearner
 from protocols.transport import ChunkSender
 from tests.test_impala_appo import check_cartpole
+from tests.pieces import RecordTrainedChunks
 
 MAX_STEPS = 1_000_000  # the single-learner learning tests' budget (tests/test_impala_appo.py)
 
@@ -89,16 +90,6 @@ def test_feed_with_a_circular_buffer_is_ready_while_the_buffer_holds_batches():
         feed.close()
 
 # --- with Ray: two learners ---------------------------------------------------------------------
-class RecordTrainedChunks(DefaultCallbacks):
-    """In each learner: the pieces of chunks it trained on, by id."""
-
-    def __init__(self):
-        super().__init__()
-        self.trained = []
-
-    def on_learn_on_batch(self, *, train_batch, **kwargs):
-        self.trained += [(c.episode_id, c.chunk_index, c.t_started, len(c), c.env_runner_index, c.weights_version)
-                         for c in train_batch]
 
 def build(config_cls, **training):
     return (config_cls().environment("CartPole-v1").env_runners(num_env_runners=2, num_envs_per_env_runner=4)

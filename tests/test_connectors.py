@@ -14,6 +14,7 @@ from protocols.codec import decode, encode
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
 from protocols.schema import ChunkSchema
+from tests.pieces import mean_std, stack4
 
 BOX = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
 ACT = gym.spaces.Discrete(2)
@@ -214,11 +215,6 @@ def test_chunks_without_look_back_keep_the_old_wire_layout():
 
 
 # --- in the algorithm -----------------------------------------------------------------------------
-def mean_std(env):
-    """A factory at module level: a checkpoint names it by import path (a lambda cannot be saved)."""
-    return MeanStdFilter()
-
-
 def _ppo(**runners):
     return (PPOConfig().environment("CartPole-v1")
             .env_runners(num_envs_per_env_runner=4, env_to_module_connector=mean_std, **runners)
@@ -308,10 +304,6 @@ def test_a_users_piece_changes_what_the_module_sees_and_what_chunks_store():
 
 
 # --- frame stacking end to end: the learners rebuild the stacks ----------------------------------
-def stack4(env):
-    return FrameStackingEnvToModule(num_frames=4)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("algo_name", ["PPO", "APPO"])
 def test_learners_train_on_stacks_rebuilt_from_one_frame_per_step(ray_cluster, algo_name):

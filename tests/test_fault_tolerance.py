@@ -7,19 +7,12 @@ import pytest
 import ray
 
 from actors.manager import ActorGroupError
-from pipeline import Callbacks, PPOConfig
+from pipeline import PPOConfig
 from tests.envs import FlakyEnv
+from tests.pieces import RECREATED, RecordRecreation
 
 # every test here kills or hangs Ray actors and waits for their recovery: a few seconds each
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.slow]
-
-RECREATED: list = []
-
-
-class RecordRecreation(Callbacks):
-    def on_env_runners_recreated(self, *, algorithm, env_runner_group, env_runner_indices, is_evaluation, **kw):
-        RECREATED.append((list(env_runner_indices), is_evaluation))
-
 
 def config(env_config=None, **fault_tolerance):
     ft = {"delay_between_env_runner_restarts_s": 0.0, "env_runner_health_probe_timeout_s": 20.0} | fault_tolerance

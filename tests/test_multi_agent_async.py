@@ -27,6 +27,7 @@ from pipeline import APPOConfig, IMPALAConfig
 from pipeline.algorithm import Algorithm
 from protocols.episode import EpisodeChunk
 from protocols.transport import ChunkSender
+from tests.pieces import by_agent
 
 CARTPOLES = make_multi_agent("CartPole-v1")
 _ENV = CARTPOLES({"num_agents": 2})
@@ -41,10 +42,6 @@ def ray_cluster():
     ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
-
-
-def by_agent(agent_id: Any, episode: Any, **kwargs: Any) -> str:
-    return f"p{agent_id}"
 
 
 def chunk(module_id: str, steps: int, episode: str, version: int = 0) -> EpisodeChunk:

@@ -11,14 +11,11 @@ from actors.connectors.multi_agent import ModuleConnectors
 from pipeline import Algorithm, ConfigError, PPOConfig
 from pipeline.connectors import mean_std_filter
 from tests.envs import PlainAndScaledCartPoles, ScaledCartPole
+from tests.pieces import by_agent
 
 ACT = gym.spaces.Discrete(2)
 SMALL = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
 DICT = gym.spaces.Dict({"pos": gym.spaces.Box(-1.0, 1.0, (2,), np.float32), "mode": gym.spaces.Discrete(3)})
-
-
-def by_agent(agent_id, episode=None, **kwargs):
-    return f"p{agent_id}"
 
 
 def _ppo(**runners):

@@ -15,10 +15,7 @@ import pytest
 from actors.env.multi_agent_runner import MultiAgentEnvRunner
 from pipeline import DefaultCallbacks, PPOConfig, make_multi_agent
 from protocols.multi_agent_episode import MultiAgentEpisode
-
-
-def by_agent(agent_id: Any, episode: Any, **kwargs: Any) -> str:
-    return f"p{agent_id}"
+from tests.pieces import by_agent
 
 
 def against_p1_v1(agent_id: Any, episode: Any, **kwargs: Any) -> str:

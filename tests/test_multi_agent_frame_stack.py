@@ -19,16 +19,9 @@ from pipeline import APPOConfig, ConfigError, DQNConfig, PPOConfig
 from protocols.multi_agent_episode import MultiAgentEpisode
 from tests.envs import PlainAndScaledCartPoles
 from tests.test_multi_agent_offpolicy import TurnTaking
+from tests.pieces import by_agent, stack3
 
 FRAMES = 3
-
-
-def by_agent(agent_id: Any, episode: Any = None, **kwargs: Any) -> str:
-    return f"p{agent_id}"
-
-
-def stack3(env: Any) -> FrameStackingEnvToModule:
-    return FrameStackingEnvToModule(num_frames=FRAMES)
 
 
 def turn_taking(config_cls: type = PPOConfig, fragment: int = 3) -> Any:

@@ -10,10 +10,7 @@ from actors.connectors import MeanStdFilter, ModuleToEnvConnector
 from actors.metrics import MetricsLogger
 from pipeline import ConfigError, PPOConfig
 from tests.envs import ActionEchoes
-
-
-def by_agent(agent_id, episode=None, **kwargs):
-    return f"p{agent_id}"
+from tests.pieces import by_agent
 
 
 class ShiftFor(ModuleToEnvConnector):

@@ -21,15 +21,7 @@ from pipeline.algorithm import Algorithm
 from pipeline.config.base import ConfigError
 from pipeline.config.multi_agent import PolicySpec
 from actors.modules.rl_module_spec import RLModuleSpec
-
-
-def by_agent(agent_id: Any, episode: Any, **kwargs: Any) -> str:
-    return f"p{agent_id}"
-
-
-def against_snapshot(agent_id: Any, episode: Any, **kwargs: Any) -> str:
-    """Self-play: agent 0 plays the learning module, agent 1 the frozen snapshot of it."""
-    return "p0" if agent_id == 0 else "p0_v1"
+from tests.pieces import against_snapshot, by_agent
 
 
 def only_p0(module_id: str, batch: Any) -> bool:

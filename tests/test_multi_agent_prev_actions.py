@@ -15,10 +15,7 @@ from actors.env.multi_agent_sampler import MultiAgentSampler
 from pipeline import PPOConfig
 from tests.envs import ActionEchoes
 from tests.test_multi_agent_offpolicy import EPISODE_STEPS, TurnTaking, own_step_rewards
-
-
-def by_agent(agent_id, episode=None, **kwargs):
-    return f"p{agent_id}"
+from tests.pieces import by_agent
 
 
 def ppo(env, factory, mapping=by_agent, policies=("p0", "p1"), envs=2, fragment=8):

@@ -22,12 +22,9 @@ from pipeline.algorithm import Algorithm
 from pipeline.config.base import ConfigError
 from pipeline.groups.learner_group import LearnerGroup
 from pipeline.groups.multi_agent import MultiLearnerGroup
+from tests.pieces import by_agent
 
 OBS = [0.01, -0.02, 0.03, 0.0]
-
-
-def by_agent(agent_id: Any, episode: Any, **kwargs: Any) -> str:
-    return f"p{agent_id}"
 
 
 def config(model_config: dict | None = None, **training: Any) -> PPOConfig:
