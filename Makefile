@@ -5,7 +5,7 @@
 #               make test-seeds   (the learning tests' further seeds: DQN and SAC seeds 1-2, IMPALA from clients; 1-2 min each)
 #               make test-long    (runs of several minutes: multi-agent tic-tac-toe self-play, mpe2, two-policy APPO to 800, nodes lost on a simulated cluster,
 #                                  learner recovery, two-learner IMPALA/APPO, the 3-minute soak; 30-40 min)
-#               make test-fast   (the edit loop: unit, property and protocol tests, no learning or slow runs; 1.7-2.5 min on 2 cores)
+#               make test-fast   (the edit loop: unit, property and protocol tests, no learning or slow runs; 1.7-2.5 min on 2 fast cores, 3.7 on a slower AMD EPYC VM)
 #               make help    (this text)
 # Any other runnel command in a fresh shell: .venv/bin/runnel ..., or '. .venv/bin/activate' first.
 PYTHON ?= python3
