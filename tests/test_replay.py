@@ -253,6 +253,18 @@ def test_rate_limiter_timeouts_name_the_counts():
         lim.await_sample(50)
 
 
+def test_an_insert_that_crosses_the_fill_up_point_goes_in_whole():
+    # the README's DQN example once stopped here: 997 of 1000 transitions stored, an add of 77 refused by the
+    # band, and no sample allowed before 1000 -- each side waiting for the other
+    lim = RateLimiter(16.0, 1000, error_buffer=1152.0)
+    lim.record_insert(997)
+    lim.await_insert(77, timeout_s=0.01)
+    lim.record_insert(77)
+    lim.await_sample(32, timeout_s=0.01)  # the table is full enough, and diff is above the band's floor
+    with pytest.raises(RateLimiterTimeout, match="insert of 1 transitions"):
+        lim.await_insert(1, timeout_s=0.01)  # above the band's top until samples bring diff down
+
+
 def test_buffer_waits_on_the_limiter_and_reports_metrics():
     buf = ReplayBuffer(ReplaySettings(capacity=100, samples_per_insert=1.0, min_size_to_sample=10,
                                       error_buffer=20.0, timeout_s=0.01, seed=0))

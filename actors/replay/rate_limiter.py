@@ -6,8 +6,9 @@ producer waits for the learner, a fast learner waits for fresh data. The state i
 ``diff = inserts * samples_per_insert - samples`` (counted in transitions), kept inside
 ``[min_diff, max_diff]``:
 
-* an insert of ``n`` may proceed while the table fills (``size + n <= min_size_to_sample``) or
-  when ``diff + n * samples_per_insert <= max_diff``;
+* an insert of ``n`` may proceed while the table fills (``size < min_size_to_sample``: no sample can
+  run yet, so an insert that crosses the fill-up point goes in whole) or when
+  ``diff + n * samples_per_insert <= max_diff``;
 * a sample of ``n`` may proceed when ``size >= min_size_to_sample`` and ``diff - n >= min_diff``.
 
 A number ``error_buffer`` ``e`` centres the band on the fill-up point: ``offset = spi *
@@ -119,7 +120,9 @@ class RateLimiter:
 
     def can_insert(self, n: int) -> bool:
         with self.lock:
-            if self.samples_per_insert is None or self.size + n <= self.min_size_to_sample:
+            # while the table fills no sample may run, so refusing an insert could only deadlock: an insert
+            # that crosses min_size_to_sample proceeds whole, and samples then bring diff back into the band
+            if self.samples_per_insert is None or self.size < self.min_size_to_sample:
                 return True
             return self.diff + n * self.samples_per_insert <= self.max_diff
 
