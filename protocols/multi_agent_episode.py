@@ -118,10 +118,10 @@ class MultiAgentEpisode:
                  record_infos: bool = False, look_back: Mapping[str, int] | None = None) -> None:
         """``look_back``: module id -> how many recorded observations before each chunk that module's agents'
         chunks carry (a view's depth); modules absent or at 0 carry none."""
-        self.look_back = {m: int(n) for m, n in (look_back or {}).items() if n}
-        for mid, n in self.look_back.items():
+        for mid, n in (look_back or {}).items():
             if n < 0:
                 raise ValueError(f"look_back[{mid!r}] = {n}: give a number of rows >= 0")
+        self.look_back = {m: int(n) for m, n in (look_back or {}).items() if n}
         self.id_ = episode_id or new_episode_id()
         self.policy_mapping_fn = policy_mapping_fn or map_to_default_module
         self.module_ids = frozenset(module_ids) if module_ids is not None else None

@@ -111,7 +111,8 @@ def test_each_agent_acts_on_its_own_stack_and_its_learner_rebuilds_what_it_saw()
 def test_ppo_and_appo_learners_train_every_module_on_the_rebuilt_stacks(config_cls):
     config = (config_cls().environment(PlainAndScaledCartPoles)
               .env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=16,
-                           env_to_module_connector=lambda env: [MeanStdFilter(), FrameStackingEnvToModule(num_frames=4)])
+                           env_to_module_connector=lambda env: [MeanStdFilter(),
+                                                                FrameStackingEnvToModule(num_frames=4)])
               .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
               .rl_module(model_config={"fcnet_hiddens": [16]})
               .training(train_batch_size_per_learner=64, minibatch_size=32, num_epochs=1)

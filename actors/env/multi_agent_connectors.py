@@ -38,6 +38,8 @@ class AgentObservations:
         self._checks: dict[str, BatchProblemFinder] = {}
         self.keyed = connectors.keyed
         self.look_back = connectors.look_back
+        self._view_only = {mid for mid in connectors.pipelines if not connectors.records(mid)}
+        """Modules whose pipeline is a view alone: the episodes record the env's observations as they are."""
         """Module id -> the rows its view looks back on, for modules whose pipeline has a view (empty: none)."""
         """Some pipeline keeps memory per agent: the sampler reports episodes, actions and rewards."""
         self._seen: dict[int, dict[Any, str]] = {}  # env index -> the agents observed in its episode -> module
@@ -110,7 +112,7 @@ class AgentObservations:
             values = [rows[r][3] for r in picked]
             if self.check_observations:
                 self._check(mid, values, [(rows[r][0], rows[r][1]) for r in picked])
-            if not self.connectors.records(mid):  # a view alone: the episodes record the env's observations
+            if mid in self._view_only:
                 for j, r in enumerate(picked):
                     out[r] = values[j]
                 continue

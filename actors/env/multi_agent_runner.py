@@ -70,8 +70,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                  connector_spaces: dict[str, tuple[Any, Any]] | None = None) -> None:
         """``lockstep``: sample envs of ``make_multi_agent`` copies with the ``LockstepSampler`` when nothing
         needs ``MultiAgentEpisode`` objects (no ``on_episode_*`` callbacks, no view such as frame stacking);
-        False: always the general ``MultiAgentSampler`` (the two give the same chunks). ``connector_spaces``: each module's (observation,
-        action) spaces as the env gives them, the input of its env-to-module pipeline (``settings.env_to_module``
+        False: always the general ``MultiAgentSampler`` (the two give the same chunks). ``connector_spaces``: each
+        module's (observation, action) spaces as the env gives them, the input of its env-to-module pipeline (``settings.env_to_module``
         builds them; ``module_specs`` then hold the pipelines' output spaces)."""
         if count_steps_by not in COUNT_UNITS:
             raise ValueError(f"count_steps_by={count_steps_by!r}; use one of {COUNT_UNITS}")
