@@ -171,7 +171,7 @@ class Algorithm(Trainable):
             if importing is not None:
                 importing.join()
             if self.multi_agent is None:
-                view = self.connector.observation_view() if self.connector is not None else None
+                view = self.observation_view()
                 kwargs = {"observation_view": view} if view else {}
                 if self.learner_connector is not None and self.replay_intake is None:
                     kwargs["learner_connector"] = self.learner_connector
@@ -235,6 +235,14 @@ class Algorithm(Trainable):
 
     def fault_tolerance_settings(self, config: AlgorithmConfig | None = None) -> FaultToleranceSettings:
         return runner_fault_tolerance(config or self.config)
+
+    def observation_view(self) -> Any:
+        """A single-agent run's env-to-module view (``actors.connectors.ObservationView``: what rebuilds the
+        module's observations, e.g. frame stacks, from recorded rows where they are trained on), or None; a
+        multi-agent run's are per module (``MultiAgentSetup.connectors``)."""
+        if self.connector is None or self.multi_agent is not None:
+            return None
+        return self.connector.observation_view()
 
     def compress_frames(self) -> bool:
         """LZ4 for chunk frames: as configured (``stream_compress`` where an algorithm has it), or

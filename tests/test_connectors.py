@@ -276,8 +276,8 @@ def test_connector_settings_that_cannot_work_are_config_errors():
          .build())
     from pipeline import DQNConfig
 
-    with pytest.raises(ConfigError, match="replay buffer"):
-        (DQNConfig().environment("CartPole-v1")
+    with pytest.raises(ConfigError, match="recurrent module's replay"):
+        (DQNConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True, "max_seq_len": 4})
          .env_runners(num_env_runners=0, env_to_module_connector=lambda env: FrameStackingEnvToModule(num_frames=4))
          .build())
     with pytest.raises(ConfigError, match="clients"):

@@ -18,7 +18,7 @@ from actors.env.multi_agent_sampler import MultiAgentSampler
 from pipeline import APPOConfig, ConfigError, DQNConfig, PPOConfig
 from protocols.multi_agent_episode import MultiAgentEpisode
 from tests.envs import PlainAndScaledCartPoles
-from tests.test_multi_agent_offpolicy import TurnTaking
+from tests.test_multi_agent_offpolicy import EPISODE_STEPS, TurnTaking
 from tests.pieces import by_agent, stack3
 
 FRAMES = 3
@@ -137,12 +137,35 @@ def test_ppo_and_appo_learners_train_every_module_on_the_rebuilt_stacks(config_c
         algo.stop()
 
 
-def test_where_stacks_cannot_be_rebuilt_the_config_is_refused():
+def test_dqn_buffers_store_each_agents_frames_once_and_draw_its_stacks():
+    """Each module's replay buffer stores one frame per agent step and rebuilds the agent's stacks at the draw:
+    "a" observes at env steps 0, 2, 4 .., "b" at 1, 3 .. (and both at the end)."""
     config = (DQNConfig().environment(TurnTaking)
-              .env_runners(num_env_runners=0, env_to_module_connector=stack3)
-              .multi_agent(policies={"pa", "pb"}, policy_mapping_fn=by_agent))
-    with pytest.raises(ConfigError, match="replay buffer"):
-        config.build(logdir=None)
+              .env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=4,
+                           env_to_module_connector=stack3)
+              .multi_agent(policies={"pa", "pb"}, policy_mapping_fn=by_agent)
+              .training(num_steps_sampled_before_learning_starts=32, train_batch_size_per_learner=16, n_step=(1, 3))
+              .debugging(seed=0))
+    algo = config.build(logdir=None)
+    try:
+        while not all(algo.train()["learners"].get(mid, {}).get("num_target_updates") is not None
+                      for mid in ("pa", "pb")):
+            pass
+        assert algo.get_module("pa").observation_space.shape == (2 * FRAMES,)
+        for mid, index in (("pa", 0), ("pb", 1)):
+            buffer = algo.plan.multi.replay.buffer(mid)
+            assert buffer.storage.obs[0].shape[1:] == (2,)  # one frame a row
+            batch = buffer.sample(64)
+            obs = batch["obs"].reshape(64, FRAMES, 2)
+            nxt = batch["next_obs"].reshape(64, FRAMES, 2)
+            assert (obs[..., 0] == index).all() and (nxt[..., 0] == index).all()  # the agent's own frames
+            newest = obs[:, -1, 1]
+            for k in range(FRAMES - 1):  # each frame its turn before the next, the first repeated before it
+                np.testing.assert_array_equal(obs[:, k, 1], np.maximum(newest - 2 * (FRAMES - 1 - k), index))
+            assert (np.diff(nxt[..., 1], axis=1) >= 0).all()
+            np.testing.assert_array_equal(nxt[:, -1, 1], np.minimum(newest + 2 * batch["n_steps"], EPISODE_STEPS))
+    finally:
+        algo.stop()
 
 
 def test_a_view_comes_last_in_each_modules_pipeline():

@@ -125,6 +125,11 @@ class ConnectorV2:
         ``view_of`` call per agent; a piece may do the batch at once."""
         return np.stack([self.view_of(f[-1:], f[:-1])[0] for f in frames])
 
+    def view_gather(self, source: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """``view_rows`` of the rows ``idx`` (``[n, look_back + 1]``, oldest first) of ``source`` (a replay
+        ring): a piece may gather straight into its output instead of copying the frames twice."""
+        return self.view_rows(source.take(idx.reshape(-1), axis=0).reshape(idx.shape + source.shape[1:]))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

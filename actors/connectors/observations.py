@@ -130,6 +130,15 @@ from its own observations (``actors.connectors.multi_agent``)."""
             raise ValueError(f"frame stacking needs {k} frames per row, got {frames.shape[1]}")
         return np.concatenate([frames[:, frames.shape[1] - k + i] for i in range(k)], axis=-1)
 
+    def view_gather(self, source: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        k, c = self.num_frames, source.shape[-1]
+        if idx.shape[1] < k:
+            raise ValueError(f"frame stacking needs {k} frames per row, got {idx.shape[1]}")
+        out = np.empty((len(idx),) + source.shape[1:-1] + (k * c,), source.dtype)
+        for i, j in enumerate(range(idx.shape[1] - k, idx.shape[1])):  # one frame of every stack at a time
+            out[..., i * c: (i + 1) * c] = source.take(idx[:, j], axis=0)
+        return out
+
     def __repr__(self) -> str:
         return f"FrameStackingEnvToModule(num_frames={self.num_frames})"
 

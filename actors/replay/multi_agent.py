@@ -31,19 +31,22 @@ from protocols.episode import EpisodeChunk
 class MultiAgentReplay:
     def __init__(self, settings: ReplaySettings, module_ids: Collection[str],
                  keeps: Callable[[str], bool] | None = None,
-                 intake_for: Callable[[str], ReplayIntake | None] | None = None) -> None:
+                 intake_for: Callable[[str], ReplayIntake | None] | None = None,
+                 view_for: Callable[[str], Any] | None = None) -> None:
         """``settings``: each module's buffer's; the n-th buffer made (first the ``module_ids`` in sorted
         order) draws with seed ``settings.seed + n`` so that modules sample apart. ``module_ids``: the
         modules to replay for. ``keeps`` (optional): whether a module replays *now* -- a module it accepts
         gets a buffer with its first chunk (one added while training), and only modules it accepts are
         sampled for (a module frozen later keeps its buffer, unsampled). ``intake_for`` (optional): module id ->
-        the intake its buffer runs on what it stores (``actors.replay.intake``; the run's learner pipeline)."""
+        the intake its buffer runs on what it stores (``actors.replay.intake``; the run's learner pipeline).
+        ``view_for`` (optional): module id -> its env-to-module view (frame stacking; None without), which its
+        buffer rebuilds at each draw from the one frame per step it stores (``ReplayBuffer``)."""
         if isinstance(module_ids, str):
             raise TypeError(f"module_ids must be a collection of module ids, got the str {module_ids!r}; "
                             f"write [{module_ids!r}]")
         if not module_ids and keeps is None:
             raise ValueError("MultiAgentReplay needs at least one module id to keep a buffer for, got none")
-        self.settings, self.keeps, self.intake_for = settings, keeps, intake_for
+        self.settings, self.keeps, self.intake_for, self.view_for = settings, keeps, intake_for, view_for
         self.buffers: dict[str, ReplayBuffer] = {}
         self.num_buffers_made = 0
         for mid in sorted(module_ids):
@@ -55,7 +58,8 @@ class MultiAgentReplay:
         seed = None if self.settings.seed is None else self.settings.seed + self.num_buffers_made
         self.num_buffers_made += 1
         intake = self.intake_for(module_id) if self.intake_for is not None else None
-        self.buffers[module_id] = ReplayBuffer(replace(self.settings, seed=seed), intake)
+        view = self.view_for(module_id) if self.view_for is not None else None
+        self.buffers[module_id] = ReplayBuffer(replace(self.settings, seed=seed), intake, view)
 
     def drop(self, module_id: str) -> None:
         """Forget a module's buffer (the module was removed from the run)."""

@@ -146,9 +146,13 @@ of them would train on stale priorities; a training step that allows more makes 
 
 
 class ReplayBuffer(ReplayRole):
-    def __init__(self, settings: ReplaySettings | None = None, intake: ReplayIntake | None = None) -> None:
+    def __init__(self, settings: ReplaySettings | None = None, intake: ReplayIntake | None = None,
+                 view: Any = None) -> None:
         """``intake``: the algorithm's learner pipeline, applied to every chunk before it is stored
-        (``actors.replay.intake``)."""
+        (``actors.replay.intake``). ``view``: the runners' env-to-module view (``actors.connectors.ObservationView``,
+        e.g. frame stacking): chunks are stored as recorded, one frame per step, with the look-back rows the
+        view needs, and each drawn batch's ``obs`` and ``next_obs`` are the view rebuilt from them -- what the
+        module acted on. Without it, batches hold the stored observations."""
         settings = settings if settings is not None else ReplaySettings()
         problems = settings.problems()
         if problems:
@@ -156,7 +160,8 @@ class ReplayBuffer(ReplayRole):
         self.settings = settings
         self.n_lo, self.n_hi = n_step_range(settings.n_step)
         self.lock = threading.RLock()
-        self.storage = RingStorage(settings.capacity)
+        self.view = view
+        self.storage = RingStorage(settings.capacity, 0 if view is None else view.piece.look_back)
         self.tree = SumTree(settings.capacity) if settings.prioritized else None
         self.max_priority = 1.0  # raw (|p| + epsilon); new steps get max_priority ** alpha
         self.limiter = None if settings.samples_per_insert is None else RateLimiter(
@@ -281,10 +286,10 @@ class ReplayBuffer(ReplayRole):
             n = self.n_hi if self.n_lo == self.n_hi else self.rng.integers(self.n_lo, self.n_hi + 1, batch_size)
             ret, boot, used, term = self.storage.n_step(rows, n, s.gamma)
             batch = {
-                "obs": self.storage.gather("obs", rows),
+                "obs": self._observations(rows),
                 "actions": self.storage.gather("actions", rows),
                 "rewards": ret.astype(np.float32),
-                "next_obs": self.storage.gather("obs", boot),
+                "next_obs": self._observations(boot),
                 "n_steps": used,
                 "terminateds": term,
                 "discounts": np.where(term, 0.0, np.float64(s.gamma) ** used).astype(np.float32),
@@ -297,24 +302,64 @@ class ReplayBuffer(ReplayRole):
             self._log("samples", batch_size)
             return batch
 
+    def _observations(self, rows: np.ndarray) -> Any:
+        """What the module saw at ``rows``: the stored observations, or the view rebuilt from their look-back.
+        (A drawn row's look-back is whole -- ``_draw`` sees to it -- and its bootstrap row's look-back lies
+        within the row's own and the steps after it, so it is whole too.)"""
+        if self.view is None:
+            return self.storage.gather("obs", rows)
+        idx, _ = self.storage.stack_rows(rows)
+        return self.view.piece.view_gather(self.storage.obs[0], idx)
+
     def _draw(self, batch_size: int, per_batch: int) -> tuple[np.ndarray, np.ndarray]:
         if self.tree is not None:
-            return prioritized_draw(self.tree, self.rng, batch_size, per_batch, len(self), self.settings.beta)
+            return self._draw_prioritized(batch_size, per_batch)
         has_action, filled = self.storage.cols["has_action"], self.storage.filled
         parts, need = [], batch_size
         for _ in range(8):
             # Each stored episode has one closing row that is not a step: draw a few extra
-            # candidates so one round almost always suffices, and drop the non-steps.
+            # candidates so one round almost always suffices, and drop the non-steps (and, with a
+            # view, the few steps whose look-back rows were evicted before them).
             cand = self.rng.integers(0, filled, need + need // 4 + 8)
-            cand = cand[has_action[cand]][:need]
+            cand = cand[has_action[cand]]
+            if self.storage.look_back:
+                cand = cand[self.storage.stack_rows(cand)[1]]
+            cand = cand[:need]
             parts.append(cand)
             need -= len(cand)
             if not need:
                 break
         else:  # few steps among many rows: draw from the exact list instead
-            parts.append(self.rng.choice(np.flatnonzero(has_action[:filled]), need))
+            parts.append(self.rng.choice(self._drawable(), need))
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return rows.astype(np.int64, copy=False), np.ones(batch_size, np.float32)
+
+    def _drawable(self) -> np.ndarray:
+        """Every row a batch may hold: the stored steps (whose look-back rows are all stored, with a view)."""
+        rows = np.flatnonzero(self.storage.cols["has_action"][: self.storage.filled])
+        if self.storage.look_back:
+            rows = rows[self.storage.stack_rows(rows)[1]]
+        if not len(rows):
+            raise RuntimeError(f"no stored step can be drawn: the view's look-back ({self.storage.look_back} rows) "
+                               f"of every step was evicted; raise the replay buffer's capacity "
+                               f"({self.storage.capacity} rows)")
+        return rows
+
+    def _draw_prioritized(self, batch_size: int, per_batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """PER's draw; with a view, a step whose look-back rows were evicted gets priority 0 once drawn (its
+        rows never come back) and the batch is drawn again."""
+        s = self.settings
+        for _ in range(8):
+            rows, weights = prioritized_draw(self.tree, self.rng, batch_size, per_batch, len(self), s.beta)
+            if not self.storage.look_back:
+                return rows, weights
+            valid = self.storage.stack_rows(rows)[1]
+            if valid.all():
+                return rows, weights
+            self.tree.update(np.unique(rows[~valid]), 0.0)
+        lost = np.setdiff1d(np.flatnonzero(self.storage.cols["has_action"][: self.storage.filled]), self._drawable())
+        self.tree.update(lost, 0.0)
+        return prioritized_draw(self.tree, self.rng, batch_size, per_batch, len(self), s.beta)
 
     def update_priorities(self, indices: Any, priorities: Any) -> None:
         """Set sampled rows' priorities to (|p| + epsilon) ** alpha (a no-op for uniform replay).
@@ -358,11 +403,20 @@ class ReplayBuffer(ReplayRole):
         if self._feed is None:
             from actors.network import node_address
             from actors.replay.feed import ReplayFeed
-            from protocols.schema import ChunkSchema
 
-            schema = ChunkSchema.for_spaces(observation_space, action_space)
+            schema = self.stream_schema(observation_space, action_space)
             self._feed = ReplayFeed(self, schema, node_address(), hwm=hwm, rcvbuf=rcvbuf).start()
         return self._feed.address
+
+    def stream_schema(self, observation_space: Any, action_space: Any) -> Any:
+        """What a streamed chunk is checked against: the spaces, or with a view the recorded frames' space and
+        the look-back rows the view needs (``observation_space`` is then the view's, not the chunks')."""
+        from protocols.schema import ChunkSchema
+
+        schema = ChunkSchema.for_spaces(observation_space if self.view is None else self.view.recorded_space,
+                                        action_space)
+        schema.look_back_rows = self.storage.look_back
+        return schema
 
     def sample_encoded(self, batch_size: int, timeout_s: float | None = None) -> bytes | None:
         """``sample()`` as one codec frame -- how a batch crosses to a learner in another process --

@@ -14,6 +14,16 @@ an overwritten row. The sampleable rows are exactly those with ``has_action``.
 
 Arrays are allocated on the first add, when the chunk shows the observation/action structure,
 shapes and dtypes, and are sized ``capacity``: memory never grows after that.
+
+With ``look_back`` L > 0 (a view such as frame stacking, rebuilt where batches are drawn) each row also
+keeps ``prev_row``, the row of the observation before it in its episode (itself at the episode's start,
+where a view repeats the first observation), and ``serial``, its write count. ``stack_rows`` follows L
+links back from a row to give the rows its view is built from; still one frame stored per step. A chunk
+written anew that does not start an episode (its episode's closing row is gone) brings its own
+``look_back`` rows, which are written before its first observation as rows without a step. Eviction can
+take a stored step's look-back rows before the step itself; a link into a slot written after the row
+that points to it (``serial`` not older) shows that, and ``stack_rows`` reports such rows as not valid,
+for the sampler to draw again.
 """
 from __future__ import annotations
 
@@ -27,6 +37,8 @@ from protocols import nested
 COLUMNS = {"rewards": np.float32, "terminated": np.bool_, "truncated": np.bool_, "has_action": np.bool_,
            "next_row": np.int64, "episode": np.int64}
 _EMPTY = {"rewards": 0.0, "terminated": False, "truncated": False, "has_action": False, "next_row": -1, "episode": -1}
+LOOK_BACK_COLUMNS = {"prev_row": np.int64, "serial": np.int64}
+"""Columns kept only with ``look_back`` > 0 (set on every write, so they need no empty value)."""
 
 
 def skeleton(name: str, struct: Any) -> Any:
@@ -69,8 +81,14 @@ def leaf_specs(struct: Any) -> list[list]:
 
 
 class RingStorage:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, look_back: int = 0) -> None:
+        """``look_back``: rows of earlier observations a view needs beside each row's own (0: no view)."""
         self.capacity = int(capacity)
+        self.look_back = int(look_back)
+        if self.look_back < 0 or self.capacity < 4 * (self.look_back + 1):
+            raise ValueError(f"capacity={capacity} rows is too small for a view that looks back {look_back} rows: "
+                             f"give the replay buffer a capacity of at least {4 * (self.look_back + 1)}")
+        self.columns = {**COLUMNS, **(LOOK_BACK_COLUMNS if self.look_back else {})}
         self.spec: dict[str, Any] | None = None  # {"obs": {"skeleton", "leaves"}, "actions": ...}
         self.obs: list[np.ndarray] = []  # one ring array per leaf, nested.flatten order
         self.actions: list[np.ndarray] = []
@@ -124,7 +142,7 @@ class RingStorage:
         n = self.capacity
         self.obs = [np.zeros((n, *shape), dtype) for shape, dtype in spec["obs"]["leaves"]]
         self.actions = [np.zeros((n, *shape), dtype) for shape, dtype in spec["actions"]["leaves"]]
-        self.cols = {k: np.full(n, _EMPTY[k], dtype) for k, dtype in COLUMNS.items()}
+        self.cols = {k: np.full(n, _EMPTY.get(k, -1), dtype) for k, dtype in self.columns.items()}
 
     # --- writing ------------------------------------------------------------------------------
     def add(self, chunk: Any) -> np.ndarray:
@@ -134,20 +152,24 @@ class RingStorage:
         steps = len(chunk)
         if steps == 0:
             return np.zeros(0, np.int64)  # an observation without a step adds no transition
-        cap, cols = self.capacity, self.cols
+        cap, cols, L = self.capacity, self.cols, self.look_back
         key, row0 = self._continued_row(chunk)
-        if row0 < 0 and steps + 1 > cap:
-            # Rows would overwrite rows of the same chunk: keep its newest capacity - 1 steps.
-            chunk = chunk.slice(steps - (cap - 1), steps)
-            steps = cap - 1
-        new = (self.head + np.arange(steps if row0 >= 0 else steps + 1)) % cap
+        if row0 < 0 and steps + 1 + L > cap:
+            # Rows would overwrite rows of the same chunk: keep its newest steps that fit.
+            chunk = chunk.slice(steps - (cap - 1 - L), steps)
+            steps = cap - 1 - L
+        back = self.look_back_rows(chunk) if L and row0 < 0 else None
+        extra = 0 if back is None else len(back)
+        new = (self.head + np.arange(extra + (steps if row0 >= 0 else steps + 1))) % cap
         self.num_steps -= int(cols["has_action"][new].sum())
         for name, value in _EMPTY.items():  # the overwritten rows' old contents are gone
             cols[name][new] = value
-        obs_rows = np.concatenate([[row0], new]) if row0 >= 0 else new
+        obs_rows = np.concatenate([[row0], new]) if row0 >= 0 else new[extra:]
         src = 1 if row0 >= 0 else 0  # a continuation's first observation is already stored
         for ring, leaf in zip(self.obs, nested.flatten(chunk.obs)):
-            ring[new] = leaf[src:]
+            ring[new[extra:]] = leaf[src:]
+            if extra:
+                ring[new[:extra]] = back
         step_rows, closing = obs_rows[:-1], obs_rows[-1]
         for ring, leaf in zip(self.actions, nested.flatten(chunk.actions)):
             ring[step_rows] = leaf
@@ -158,6 +180,9 @@ class RingStorage:
         cols["terminated"][step_rows[-1]] = chunk.terminated
         cols["truncated"][step_rows[-1]] = chunk.truncated
         cols["episode"][new] = key
+        if L:  # each new row links to the row before it; an episode's first row (or oldest look-back row) to itself
+            cols["prev_row"][new] = np.concatenate([[row0 if row0 >= 0 else new[0]], new[:-1]])
+            cols["serial"][new] = self.num_written + np.arange(len(new))
         self.head = int((self.head + len(new)) % cap)
         self.num_written += len(new)
         self.num_steps += steps
@@ -165,7 +190,37 @@ class RingStorage:
         if not chunk.is_done:
             self.open[chunk.episode_id] = (key, int(closing), int(chunk.chunk_index) + 1)
         self._prune()
-        return obs_rows
+        return obs_rows if not extra else np.concatenate([new[:extra], obs_rows])  # look-back rows were overwritten too
+
+    def look_back_rows(self, chunk: Any) -> np.ndarray | None:
+        """The rows to write before a chunk written anew: its last ``look_back`` look-back rows, or None where
+        they all repeat its first observation (an episode's start: the first row then links to itself).
+        ValueError when the chunk has fewer than ``look_back`` rows or nested observations."""
+        lb, obs = chunk.look_back, chunk.obs
+        if not isinstance(obs, np.ndarray):
+            raise ValueError("a view that looks back (frame stacking) needs observations that are one array; "
+                             f"chunk {chunk.chunk_index} of episode {chunk.episode_id} has nested ones")
+        if lb is None or len(lb) < self.look_back:
+            raise ValueError(f"chunk {chunk.chunk_index} of episode {chunk.episode_id} carries "
+                             f"{0 if lb is None else len(lb)} look-back rows; the view this replay buffer rebuilds "
+                             f"needs {self.look_back} (runners send them when their env_to_module_connector has "
+                             f"the view)")
+        lb = lb[len(lb) - self.look_back:]
+        return None if np.array_equal(lb, np.broadcast_to(obs[:1], lb.shape)) else lb
+
+    def stack_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each row, the ``look_back + 1`` rows its view is built from, oldest first (``[n, L + 1]``), and
+        whether all of them are still stored (False: eviction took one; such a row cannot be drawn)."""
+        c, L = self.cols, self.look_back
+        idx = np.empty((len(rows), L + 1), np.int64)
+        idx[:, L] = rows
+        valid = np.ones(len(rows), bool)
+        for j in range(L - 1, -1, -1):
+            cur = idx[:, j + 1]
+            prev = idx[:, j] = c["prev_row"].take(cur)
+            valid &= (prev == cur) | ((c["serial"].take(prev) < c["serial"].take(cur))
+                                      & (c["episode"].take(prev) == c["episode"].take(cur)))
+        return idx, valid
 
     def _continued_row(self, chunk: Any) -> tuple[int, int]:
         """(episode key, row of the chunk's first observation), or (new key, -1) to write it anew."""
@@ -234,7 +289,7 @@ class RingStorage:
         ids = list(self.open)
         entries = np.array(list(self.open.values()), np.int64).reshape(-1, 3)
         return {
-            "capacity": self.capacity, "spec": self.spec, "head": self.head, "num_written": self.num_written,
+            "capacity": self.capacity, "look_back": self.look_back, "spec": self.spec, "head": self.head, "num_written": self.num_written,
             "num_steps": self.num_steps, "next_key": self.next_key,
             "obs": {str(i): a.copy() for i, a in enumerate(self.obs)},
             "actions": {str(i): a.copy() for i, a in enumerate(self.actions)},
@@ -246,6 +301,10 @@ class RingStorage:
         if int(state["capacity"]) != self.capacity:
             raise ValueError(f"replay state was saved with capacity {state['capacity']}, this buffer has "
                              f"{self.capacity}: build the buffer with capacity={state['capacity']} to restore it")
+        if int(state.get("look_back", 0)) != self.look_back:
+            raise ValueError(f"replay state was saved by a buffer whose view looks back {state.get('look_back', 0)} "
+                             f"rows, this buffer's looks back {self.look_back}: restore it with the "
+                             "env_to_module_connector it was saved with")
         self.spec, self.obs, self.actions, self.cols = None, [], [], {}
         if state["spec"] is not None:
             self._allocate(state["spec"])

@@ -240,10 +240,12 @@ class OffPolicyPlan:
 
     def __init__(self, config: Any, env_runners: EnvRunnerGroup, learners: LearnerGroup, metrics: MetricsLogger,
                  observation_space: Any = None, action_space: Any = None, compress: bool = False,
-                 runner_settings: Any = None, multi_agent: Any = None, intake: Any = None) -> None:
+                 runner_settings: Any = None, multi_agent: Any = None, intake: Any = None, view: Any = None) -> None:
         """``multi_agent``: a multi-agent run's ``MultiAgentSetup`` (None: single-agent); its training
         steps are ``MultiAgentOffPolicy``'s, one buffer per trainable module. ``intake``: the learner pipeline
-        the replay stage runs on what it stores (``actors.replay.intake.ReplayIntake``)."""
+        the replay stage runs on what it stores (``actors.replay.intake.ReplayIntake``). ``observation_space``:
+        what chunks hold; ``view``: the runners' env-to-module view (frame stacking), rebuilt by the replay
+        stage at each draw (``actors.replay.ReplayBuffer``)."""
         self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
         settings = config.replay_settings()
         self.prioritized = settings.prioritized
@@ -261,13 +263,13 @@ class OffPolicyPlan:
             from pipeline.plans.offpolicy_streaming import StreamingReplay
 
             self.streaming = StreamingReplay(config, settings, env_runners, learners, metrics, observation_space,
-                                             action_space, compress, intake)
+                                             action_space, compress, intake, view)
         elif recurrent(config):  # R2D2: whole chunks replayed as sequences with their stored states
             from actors.replay.sequences import SequenceReplay
 
             self.replay = SequenceReplay(settings, sequence_length(config), burn_in=getattr(config, "burn_in", False))
         else:
-            self.replay = ReplayBuffer(settings, intake)
+            self.replay = ReplayBuffer(settings, intake, view)
             if config.replay_buffer_config.get("prefill_from") is not None:
                 prefill_replay(self.replay, config, runner_settings, metrics)
         self.mix = RecordedMix(config, runner_settings) if mixes_sampler(config) else None

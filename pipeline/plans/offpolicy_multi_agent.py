@@ -51,14 +51,26 @@ class MultiAgentOffPolicy:
         per_module = replace(settings, samples_per_insert=None, min_size_to_sample=1, error_buffer=None)
         # read from the live plan: modules added, removed, frozen or unfrozen while training
         self.replay = MultiAgentReplay(per_module, [m for m in multi_agent.module_ids if self.replays(m)],
-                                       keeps=self.replays, intake_for=self.intake_for)
+                                       keeps=self.replays, intake_for=self.intake_for, view_for=self.view_for)
         self.rounds_owed = 0.0
         self._dropped_reported = 0
 
     def intake_for(self, module_id: str) -> ReplayIntake | None:
-        """The run's learner pipeline for module ``module_id``'s spaces, run by its buffer (None without one)."""
+        """The run's learner pipeline for module ``module_id``'s spaces (for what its chunks hold: the recorded
+        frames where a view stacks them), run by its buffer (None without one)."""
         spec = self.multi_agent.plan.module_specs.get(module_id)
-        return None if spec is None else replay_side_intake(self.config, spec.observation_space, spec.action_space)
+        if spec is None:
+            return None
+        view = self.view_for(module_id)
+        obs_space = spec.observation_space if view is None else view.recorded_space
+        return replay_side_intake(self.config, obs_space, spec.action_space)
+
+    def view_for(self, module_id: str) -> Any:
+        """Module ``module_id``'s env-to-module view (frame stacking), rebuilt by its buffer; None without."""
+        connectors = self.multi_agent.connectors
+        if connectors is None or module_id not in connectors.look_back:
+            return None
+        return connectors.observation_view(module_id)
 
     def replays(self, module_id: str) -> bool:
         """Whether the run trains ``module_id`` now (a ``policies_to_train`` function: every module

@@ -40,7 +40,7 @@ log = logging.getLogger("runnel")
 class StreamingReplay:
     def __init__(self, config: Any, settings: ReplaySettings, env_runners: EnvRunnerGroup, learners: LearnerGroup,
                  metrics: MetricsLogger, observation_space: Any, action_space: Any, compress: bool,
-                 intake: Any = None) -> None:
+                 intake: Any = None, view: Any = None) -> None:
         self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
         self.spaces = (observation_space, action_space)
         self.prioritized = settings.prioritized
@@ -54,7 +54,7 @@ class StreamingReplay:
                                     max_requests_in_flight=self.prefetch + 4, restart_delay_s=0.0,
                                     max_restarts=config.max_num_replay_restarts + 1,
                                     actor_resources={"CPU": c.get("num_cpus", 1)})
-        self.group = ActorManager(lambda i, recreated: cls.remote(settings, intake), [1], ft, on_restart=self._restore,
+        self.group = ActorManager(lambda i, recreated: cls.remote(settings, intake, view), [1], ft, on_restart=self._restore,
                                   name="replay stage")
         self.group.check_started(ft.start_timeout_s, f"{c.get('num_cpus', 1)} CPU(s)")
         self.last_state: dict | None = None  # what a recreated replay stage is given back
