@@ -113,6 +113,26 @@ def test_same_seed_and_weights_give_the_same_actions_with_central_and_local_infe
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("config_cls", [PPOConfig, DQNConfig])
+def test_frame_stacks_act_the_same_with_central_and_local_inference(config_cls):
+    """With frame stacking runners send the servers the stacks (what the module gets) and chunks keep one frame
+    per step plus the look-back rows, as when runners act themselves."""
+    from tests.pieces import stack4
+
+    config = cartpole(config_cls, runners=2, envs=4, seed=3).env_runners(rollout_fragment_length=25,
+                                                                        env_to_module_connector=stack4)
+    local = sample_twice(config.copy())
+    central = sample_twice(config.copy().inference(mode="central"))
+    assert len(local) == len(central) > 8
+    for a, b in zip(local, central):
+        assert a.obs.shape[1:] == (4,) and a.look_back.shape == (3, 4)  # recorded frames, not stacks
+        np.testing.assert_array_equal(a.actions, b.actions)
+        np.testing.assert_array_equal(a.obs, b.obs)
+        np.testing.assert_array_equal(a.look_back, b.look_back)
+        np.testing.assert_allclose(a.extra["action_dist_inputs"], b.extra["action_dist_inputs"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_a_server_acting_in_bfloat16_draws_what_a_runner_acting_in_bfloat16_draws():
     """precision="bfloat16" on both sides, one runner (so the server's batches are the runner's own, computed
     by the same bfloat16 kernels): the same actions, log-probabilities and distribution inputs."""

@@ -171,6 +171,23 @@ def stack4(env):
     return FrameStackingEnvToModule(num_frames=4)
 
 
+def test_dqn_with_stacked_frames_resumes_exactly_from_a_checkpoint_with_its_buffer():
+    """k iterations, save (buffer with its links included), restore, m more == k + m uninterrupted."""
+    from tests.helpers import straight_and_resumed
+    from tests.pieces import stack4 as importable_stack4
+    from tests.test_offpolicy import assert_same_tree, small_dqn
+
+    config = small_dqn().env_runners(env_to_module_connector=importable_stack4)
+    with straight_and_resumed(lambda: config.build(), k=12, m=10) as (straight, restored):
+        wa, wb = straight.get_weights(), restored.get_weights()
+        for name in wa:
+            np.testing.assert_array_equal(wa[name], wb[name], err_msg=name)
+        state = straight.plan.replay.get_state()
+        assert state["storage"]["look_back"] == 3 and state["storage"]["obs"]["0"].shape[1:] == (4,)
+        assert_same_tree(state, restored.plan.replay.get_state())
+        assert straight.counters == restored.counters
+
+
 @pytest.mark.slow
 def test_a_remote_replay_stage_stores_frames_and_trains_on_stacks(ray_cluster):
     import ray

@@ -51,14 +51,11 @@ def replay_side_intake(config: Any, observation_space: Any, action_space: Any,
 
 def refuse_view(config: Any, view: Any) -> None:
     """A ConfigError when ``view`` (an env-to-module view, e.g. frame stacking) cannot be rebuilt where this
-    run's modules learn or act: a recurrent module's replay (R2D2) stores sequences without the look-back rows,
-    and central inference servers get one recorded observation per step. (A replay buffer of transitions
-    stores the look-back rows and rebuilds the view at each draw: ``actors.replay.storage``.)"""
+    run's modules learn: a recurrent module's replay (R2D2) stores sequences without the look-back rows. (A
+    replay buffer of transitions stores the look-back rows and rebuilds the view at each draw,
+    ``actors.replay.storage``; under central inference runners send the servers what the view puts out.)"""
     recurrent = isinstance(config.model_config, dict) and bool(config.model_config.get("use_lstm"))
-    where = ("a recurrent module's replay (R2D2) keeps sequences, not the look-back rows"
-             if trains_on_replay(config) and recurrent
-             else "central inference servers are not built for the stacks yet"
-             if (getattr(config, "inference_config", None) or {}).get("mode", "local") == "central" else None)
-    if where is not None:
-        raise ConfigError(f"env_to_module_connector: {view!r} is a view rebuilt where it is used, and {where}; "
-                          f"stack frames in the env instead (gymnasium.wrappers.FrameStackObservation)")
+    if trains_on_replay(config) and recurrent:
+        raise ConfigError(f"env_to_module_connector: {view!r} is a view rebuilt where it is used, and a recurrent "
+                          f"module's replay (R2D2) keeps sequences, not the look-back rows; stack frames in the env "
+                          f"instead (gymnasium.wrappers.FrameStackObservation)")
