@@ -110,16 +110,22 @@ def connector_pipeline(config: AlgorithmConfig, observation_space: Any, action_s
     if config.external_clients_config:
         raise ConfigError("env_to_module_connector runs in env runners, and with external_clients the observations "
                           "come from clients: preprocess in the client, or leave env_to_module_connector unset")
-    if (config.offline_data_config or {}).get("input_") not in (None, "sampler"):
-        raise ConfigError("env_to_module_connector runs in env runners, and with offline_data(input_=...) the "
-                          "observations come from a recording: leave env_to_module_connector unset (a recording "
-                          "made with connectors holds what they recorded)")
+    from_recording = (config.offline_data_config or {}).get("input_") not in (None, "sampler")
+    if from_recording and multi_agent:
+        raise ConfigError("env_to_module_connector with offline_data(input_=...) in a multi-agent run: not "
+                          "supported yet; leave env_to_module_connector unset")
     if multi_agent:  # one pipeline per module: pipeline.algorithm_multi_agent builds them
         return None
     try:
         pipeline = build_pipeline(factory, observation_space, action_space)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"env_to_module_connector: {err}") from err
+    if from_recording and pipeline is not None and pipeline.recording_pieces:
+        # a view alone (frame stacking) is rebuilt from the recording's frames and look-back rows by the learner
+        raise ConfigError(f"env_to_module_connector runs in env runners, and with offline_data(input_=...) the "
+                          f"observations come from a recording, which holds what {pipeline.recording_pieces} "
+                          f"recorded: leave them out (a view alone, such as FrameStackingEnvToModule, is rebuilt "
+                          f"from the recorded frames)")
     if pipeline is not None and pipeline.views:
         refuse_view(config, pipeline.views[0])
     return pipeline
