@@ -144,14 +144,18 @@ def test_dqn_buffers_store_each_agents_frames_once_and_draw_its_stacks():
               .env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=4,
                            env_to_module_connector=stack3)
               .multi_agent(policies={"pa", "pb"}, policy_mapping_fn=by_agent)
-              .training(num_steps_sampled_before_learning_starts=32, train_batch_size_per_learner=16, n_step=(1, 3))
+              # sampling only in train(): one update round is made below, by hand
+              .training(num_steps_sampled_before_learning_starts=40_000, train_batch_size_per_learner=16, n_step=(1, 3))
               .debugging(seed=0))
     algo = config.build(logdir=None)
     try:
-        while not all(algo.train()["learners"].get(mid, {}).get("num_target_updates") is not None
-                      for mid in ("pa", "pb")):
-            pass
+        replay = algo.plan.multi.replay
+        while min(len(replay.buffer(mid)) for mid in ("pa", "pb")) < 64:
+            algo.train()
         assert algo.get_module("pa").observation_space.shape == (2 * FRAMES,)
+        before = [p.detach().clone() for p in algo.get_module("pb").parameters()]
+        algo.plan.multi.update_round(["pa", "pb"], timestep=0)  # both modules train on drawn stacks
+        assert any(not torch.equal(a, b) for a, b in zip(before, algo.get_module("pb").parameters()))
         for mid, index in (("pa", 0), ("pb", 1)):
             buffer = algo.plan.multi.replay.buffer(mid)
             assert buffer.storage.obs[0].shape[1:] == (2,)  # one frame a row
