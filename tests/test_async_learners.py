@@ -25,6 +25,7 @@ from pipeline.algorithms.appo import CircularBuffer
 from pipeline.algorithms.impala import IMPALALearner
 from protocols.transport import ChunkSender
 from tests.test_impala_appo import check_cartpole
+from tests.helpers import train_until_seen
 from tests.pieces import RecordTrainedChunks
 
 MAX_STEPS = 1_000_000  # the single-learner learning tests' budget (tests/test_impala_appo.py)
@@ -224,7 +225,10 @@ def test_a_learner_whose_runners_are_gone_ends_the_run_after_the_queue_timeout_n
                              env_runner_health_probe_timeout_s=3.0)
             .reporting(min_time_s_per_iteration=0.5).debugging(seed=0).build(logdir=None))
     try:
-        algo.train()
+        # an update takes a batch at every learner: learner 1 has had frames from runner 1 (one iteration alone
+        # may end before the first arrive, and the message then says 0)
+        result = train_until_seen(algo, lambda r: r["num_env_steps_trained_lifetime"] > 0)
+        assert result["num_env_steps_trained_lifetime"] > 0
         ray.kill(algo.env_runner_group.manager.handle(1), no_restart=True)  # learner 1's only runner
         with pytest.raises(RuntimeError, match=r"learner_queue_timeout=5.0\) at learner 1 \(fed by env runners "
                                                r"with index % 2 == 1; frames received: [1-9]"):

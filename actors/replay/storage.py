@@ -158,7 +158,7 @@ class RingStorage:
             # Rows would overwrite rows of the same chunk: keep its newest steps that fit.
             chunk = chunk.slice(steps - (cap - 1 - L), steps)
             steps = cap - 1 - L
-        back = self.look_back_rows(chunk) if L and row0 < 0 else None
+        back = self.rows_before(chunk) if L and row0 < 0 else None
         extra = 0 if back is None else len(back)
         new = (self.head + np.arange(extra + (steps if row0 >= 0 else steps + 1))) % cap
         self.num_steps -= int(cols["has_action"][new].sum())
@@ -192,7 +192,7 @@ class RingStorage:
         self._prune()
         return obs_rows if not extra else np.concatenate([new[:extra], obs_rows])  # look-back rows were overwritten too
 
-    def look_back_rows(self, chunk: Any) -> np.ndarray | None:
+    def rows_before(self, chunk: Any) -> np.ndarray | None:
         """The rows to write before a chunk written anew: its last ``look_back`` look-back rows, or None where
         they all repeat its first observation (an episode's start: the first row then links to itself).
         ValueError when the chunk has fewer than ``look_back`` rows or nested observations."""
