@@ -81,7 +81,7 @@ def test_chunk_boundaries_share_observations(server):
         for a, b in zip(chunks, chunks[1:]):
             np.testing.assert_array_equal(a.obs[-1], b.obs[0])
             assert b.t_started == a.t_started + len(a)
-        server.sample(1)  # commits, so closing the client (which waits for that) returns at once
+        server.commit()  # so closing the client (which waits for its acknowledgements) returns at once
 
 
 def test_a_client_written_from_the_spec_alone_plays_and_uploads(server):
@@ -110,7 +110,7 @@ def test_a_client_written_from_the_spec_alone_plays_and_uploads(server):
         assert ids(got) == [("spec-1", 0)]
         np.testing.assert_allclose(got[0].obs[0], rows[0])
         np.testing.assert_array_equal(got[0].actions, actions)
-        server.sample(1)
+        server.commit()
         assert spec.wait_committed(["spec-1", 0])
     finally:
         spec.close()
@@ -155,7 +155,7 @@ def test_the_journal_remembers_committed_ids_across_a_server_restart(tmp_path):
         spec.hello()
         spec.request({"op": "chunks", "ids": [["j", 0]]}, _chunk_frame("j", 0))
         assert ids(first.sample(1)) == [("j", 0)]
-        first.sample(1)  # committed and journaled; the spec client never reads the acknowledgement
+        first.commit()  # committed and journaled; the spec client never reads the acknowledgement
         first.stop()
         second = make_server(tmp_path, address=address)
         try:
@@ -413,7 +413,7 @@ def test_local_inference_acts_without_the_server_and_follows_new_weights(server)
         client.end_episode(eid, obs)
         chunk = server.sample(5)[-1]
         assert chunk.weights_version == 7
-        server.sample(1)
+        server.commit()
 
 
 @pytest.mark.parametrize("mode", ["remote", "local"])
@@ -434,7 +434,7 @@ def test_one_request_acts_for_several_episodes(server, mode):
         assert sorted({c.episode_id for c in got}) == sorted(eids) and sum(len(c) for c in got) == 24
         served = server.get_metrics()["external/num_actions_served"]["value"]
         assert served == (24 if mode == "remote" else 0)
-        server.sample(1)
+        server.commit()
 
 
 def test_spinning_client_and_server_play_and_deliver_as_blocking_ones_do(tmp_path):
@@ -447,7 +447,7 @@ def test_spinning_client_and_server_play_and_deliver_as_blocking_ones_do(tmp_pat
             got = srv.sample(steps)
             assert sum(len(c) for c in got) == steps
             assert {c.episode_id for c in got if c.is_done} == {c.episode_id for c in got}
-            srv.sample(1)
+            srv.commit()
             client.flush(timeout_s=10)
             assert sorted(client.committed) == sorted(ids(got))
             assert srv.get_metrics()["external/num_actions_served"]["value"] >= steps
@@ -491,7 +491,7 @@ def test_requests_sent_first_and_received_later_play_many_episodes(server, mode)
         assert all(ch.extra["action_logp"].shape == (len(ch),) and np.all(ch.extra["action_logp"] <= 0) for ch in got)
         served = server.get_metrics()["external/num_actions_served"]["value"]
         assert served == (37 if mode == "remote" else 0)
-        server.sample(1)
+        server.commit()
         for c in clients:
             c.flush(timeout_s=10)
     finally:

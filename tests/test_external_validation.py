@@ -152,7 +152,7 @@ def test_an_action_outside_the_space_in_an_act_is_a_bad_value_and_everyone_else_
     with PolicyClient(server.address, "remote", timeout_s=20) as good:
         play(good)
         assert len(server.sample(3)) == 1
-        server.sample(1)
+        server.commit()
     assert server.error is None
     assert server.get_metrics()["external/num_bad_values"]["value"] == 4
 
@@ -182,7 +182,7 @@ def test_a_chunk_with_actions_outside_the_space_is_refused_for_good_and_never_sa
     assert server.chunks.pending_steps == 3  # only the good chunk is held
     assert ids(server.sample(1)) == [("good", 0)]
     assert server.chunks.pending_steps == 0
-    server.sample(1)  # commits ("good", 0): the bad chunk is never committed either
+    server.commit()  # commits ("good", 0): the bad chunk is never committed either
     assert spec.wait_committed(["good", 0])
     assert not any(m["op"] == "committed" and ["bad-actions", 0] in m["ids"] for m in spec.unasked)
     assert server.get_metrics()["external/num_bad_chunks"]["value"] == 2
@@ -239,7 +239,7 @@ def test_the_python_client_refuses_bad_values_before_recording_them(server):  # 
         client.end_episode(eid, obs)
         got = server.sample(2)
         assert ids(got) == [(eid, 0)] and len(got[0]) == 2 and np.isfinite(got[0].obs).all()
-        server.sample(1)
+        server.commit()
 
 
 def test_the_python_client_drops_a_refused_chunk_from_its_spool(server, tmp_path):  # noqa: F811
@@ -257,7 +257,7 @@ def test_the_python_client_drops_a_refused_chunk_from_its_spool(server, tmp_path
         assert client.unacknowledged == 0 and os.listdir(spool) == []
         eid = play(client)  # and the client goes on delivering
         assert ids(server.sample(3)) == [(eid, 0)]
-        server.sample(1)
+        server.commit()
     finally:
         client.close(flush=False)
 

@@ -234,7 +234,9 @@ def test_every_algorithm_updates_in_bfloat16(config_cls, env):
     config = (config_cls().environment(env).env_runners(num_env_runners=0, rollout_fragment_length=50)
               .learners(learner_precision="bfloat16").debugging(seed=0))
     if config_cls in (DQNConfig, SACConfig):
-        config.training(num_steps_sampled_before_learning_starts=100, train_batch_size_per_learner=32)
+        # one update per sampled step (SAC's default intensity, 256, is meant for batches of 256)
+        config.training(num_steps_sampled_before_learning_starts=100, train_batch_size_per_learner=32,
+                        training_intensity=32)
     else:
         config.training(train_batch_size_per_learner=200, minibatch_size=100)
     algo = config.build(logdir=None)

@@ -173,6 +173,13 @@ class PolicyServer(EnvRunnerRole):
     def timestep(self) -> int:
         return self.policy.timestep
 
+    def commit(self) -> None:
+        """Commit what the last ``sample()`` handed on (journaled, acknowledged to its clients, whose spools
+        drop it), as the next ``sample()`` does first -- without waiting for more experience: for a driver
+        that has stored those chunks and will not sample again soon."""
+        with self._lock:
+            self.chunks.commit_delivered()
+
     def confirm_delivered(self, keys: list) -> None:
         """The group received these chunks from this slot's previous server, which died before it
         acknowledged them: record them as committed so clients' resends are dropped."""
