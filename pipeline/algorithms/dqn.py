@@ -298,11 +298,7 @@ class DQN(Algorithm):
     learner_class = DQNLearner
 
     def build_plan(self) -> OffPolicyPlan:
-        return OffPolicyPlan(self.config, self.env_runner_group, self.learner_group, self.metrics,
-                             self.chunk_observation_space, self.action_space, self.compress_frames(),
-                             runner_settings=self.env_runner_settings(),
-                             multi_agent=self.multi_agent, intake=self.replay_intake,
-                             view=self.observation_view())
+        return OffPolicyPlan.of(self)
 
     def training_step(self) -> None:
         self.plan.training_step()

@@ -238,6 +238,15 @@ class OffPolicyPlan:
     replayed batches that arrived (``prefetch`` requests stay in flight, so sampling, replay and
     learning overlap) -- see ``StreamingReplay``."""
 
+    @classmethod
+    def of(cls, algo: Any) -> "OffPolicyPlan":
+        """The plan of an off-policy algorithm (DQN, SAC, CQL) from what ``algo`` built: its groups, the spaces
+        its chunks hold, its replay intake and its runners' observation view."""
+        return cls(algo.config, algo.env_runner_group, algo.learner_group, algo.metrics,
+                   algo.chunk_observation_space, algo.action_space, algo.compress_frames(),
+                   runner_settings=algo.env_runner_settings(), multi_agent=algo.multi_agent,
+                   intake=algo.replay_intake, view=algo.observation_view())
+
     def __init__(self, config: Any, env_runners: EnvRunnerGroup, learners: LearnerGroup, metrics: MetricsLogger,
                  observation_space: Any = None, action_space: Any = None, compress: bool = False,
                  runner_settings: Any = None, multi_agent: Any = None, intake: Any = None, view: Any = None) -> None:
