@@ -11,8 +11,8 @@ Evaluators are ``MultiAgentEnvRunner``s too (``runner_group_args(evaluation=True
 removed while training (``pipeline.algorithm_modules``) change the plan here and the specs and mapping
 every runner group is built with, so recreated runners hold the run's modules.
 
-What is not built for multi-agent runs yet is refused here, at set-up, with the setting named:
-recording and offline input.
+What is not built for multi-agent runs yet (recording, offline input, the offline algorithms) is refused by
+the config's checks (``pipeline.config.multi_agent.unbuilt_problems``), before anything is built.
 """
 from __future__ import annotations
 
@@ -154,7 +154,6 @@ def multi_agent_setup(config: AlgorithmConfig, creator: Callable | None, learner
     """The multi-agent plan of ``config`` (None when it uses no multi-agent setting: single-agent)."""
     if not settings_used(config):
         return None
-    refuse_unbuilt(config, learner_class)
     if creator is None:
         raise ConfigError("a multi-agent config needs an env: .environment(MultiAgentEnvClass, env_config=...)")
     env = make_env(creator, config.env_config)
@@ -197,20 +196,6 @@ def module_connectors(config: AlgorithmConfig, plan: MultiAgentPlan
     for mid in connectors.look_back if connectors is not None else ():
         refuse_view(config, connectors.views(mid)[0])
     return connectors, (spaces if connectors is not None else None)
-
-
-def refuse_unbuilt(config: AlgorithmConfig, learner_class: type) -> None:
-    """What multi-agent runs do not support yet, each as an error naming the setting to change."""
-    offline = config.offline_data_config or {}
-    unbuilt = {"offline_data(input_=...)": offline.get("input_") not in ("sampler", None),
-               "offline_data(output=...)": offline.get("output") is not None}
-    named = [name for name, used in unbuilt.items() if used]
-    if named:
-        raise NotImplementedError(f"{', '.join(named)} {NOT_YET}; leave it unset for multi-agent training")
-    built = {"PPO", "APPO", "IMPALA", "DQN", "SAC"}  # the algorithms whose plans train several modules
-    if getattr(config, "algo_name", "") not in built:
-        raise NotImplementedError(f"{getattr(config, 'algo_name', type(config).__name__)} {NOT_YET}: only "
-                                  f"{sorted(built)} train several modules so far")
 
 
 def make_env(creator: Callable, env_config: dict) -> Any:

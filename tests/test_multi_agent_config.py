@@ -182,6 +182,21 @@ def test_build_validates_first_then_resolves_the_modules_on_the_env():
         PPOConfig().environment("CartPole-v1").rl_module(rl_module_spec=RLModuleSpec()).build()
 
 
+
+def test_what_multi_agent_runs_do_not_do_yet_is_refused_by_validate_naming_the_setting(tmp_path):
+    from pipeline import BCConfig, CQLConfig
+
+    msg = problems(ma(policies={"p0", "p1"}, policy_mapping_fn=per_agent).offline_data(output=str(tmp_path)))
+    assert "offline_data(output=...) is not built for multi-agent runs yet" in msg
+    cql = (CQLConfig().environment("Pendulum-v1").offline_data(input_=str(tmp_path))
+           .multi_agent(policies={"a", "b"}, policy_mapping_fn=per_agent))
+    msg = problems(cql)
+    assert "offline_data(input_=...) is not built for multi-agent runs yet" in msg
+    assert "CQL with multi_agent(...)" in msg and "['APPO', 'DQN', 'IMPALA', 'PPO', 'SAC']" in msg
+    bc = BCConfig().environment("CartPole-v1").offline_data(input_=str(tmp_path)).multi_agent(policies={"p0"})
+    assert "BC with multi_agent(...)" in problems(bc)
+    DQNConfig().environment("CartPole-v1").multi_agent(policies={"p0"}).validate()  # built: no problem
+
 # --- the plan -----------------------------------------------------------------------------------------------
 def test_both_agents_to_one_shared_module():
     cfg = ma(policies={"shared"}, policy_mapping_fn=old_stack_mapping, count_steps_by="agent_steps")

@@ -192,6 +192,30 @@ def multi_agent_problems(config: Any) -> list[str]:
     if config.count_steps_by not in COUNT_STEPS_BY:
         problems.append(f"count_steps_by={config.count_steps_by!r} is not one of {list(COUNT_STEPS_BY)}: "
                         f"'env_steps' counts each env step once, 'agent_steps' counts each agent's step")
+    if settings_used(config):
+        problems += unbuilt_problems(config)
+    return problems
+
+
+MULTI_AGENT_ALGORITHMS = ("APPO", "DQN", "IMPALA", "PPO", "SAC")
+"""The algorithms whose plans train several modules."""
+
+
+def unbuilt_problems(config: Any) -> list[str]:
+    """What a config with multi-agent settings asks for that multi-agent runs do not do yet, each naming the
+    setting to change."""
+    offline = config.offline_data_config or {}
+    unbuilt = {"offline_data(input_=...)": offline.get("input_") not in ("sampler", None),
+               "offline_data(output=...)": offline.get("output") is not None}
+    named = [name for name, used in unbuilt.items() if used]
+    problems = []
+    if named:
+        problems.append(f"{', '.join(named)} is not built for multi-agent runs yet (issue 27): leave it unset for "
+                        f"multi-agent training, or train one module without multi_agent(...) settings")
+    algo = getattr(config, "algo_name", type(config).__name__)
+    if algo not in MULTI_AGENT_ALGORITHMS:
+        problems.append(f"{algo} with multi_agent(...) or rl_module(rl_module_spec=...) settings is not built yet "
+                        f"(issue 27): only {list(MULTI_AGENT_ALGORITHMS)} train several modules so far")
     return problems
 
 

@@ -20,6 +20,11 @@ Prints one JSON object per line:
         (encode, ZeroMQ over loopback, decode, forward pass, exploration, answer); transport "shm": the
         observations through /dev/shm (the client shares the server's node; CartPole's are too small and
         go inline anyway), "inline": in the frame
+  {"bench": "cnn_rows", "workload": "frames_cnn", "device": "cpu", "batch", "ms_per_pass", "us_per_row"}
+        the frame workload's acting pass on one torch thread at each ``--cnn-batches`` size; then
+  {"bench": "cnn_rows_summary", "runner_batch", "runner_us_per_row", "best_batch", "best_us_per_row",
+   "runner_row_cost_over_best"}   the most a server's larger batches can save per row over a runner's own
+        ``--envs`` rows: on the CPU, what central inference can buy for a CNN-bound workload
   {"bench": "server_parts", "workload": "frames_cnn", "device", "rows", "requests", "read_inline",
    "read_shm", "stack", "forward", "choose", "answers"}   a server's batch (``--runners`` requests of ``--envs``
         frames) piece by piece in this process, median ms: where its time goes
@@ -151,6 +156,36 @@ def round_trips(workload: str, device: str, batch: int, args: argparse.Namespace
             "n": len(times)}
 
 
+def cnn_rows(batches: list[int], seconds: float = 1.0) -> list[dict]:
+    """The frame workload's acting pass (``PolicyForward``, as runners and servers hold it) on one torch thread
+    at several batch sizes: ms per pass and microseconds per row. A server that batches many runners' rows can
+    only be as much cheaper per row as this curve falls from a runner's own batch (``--envs``) to the
+    server's; on the CPU nothing else in central inference removes the CNN's arithmetic."""
+    from actors.inference.forward import PolicyForward
+
+    env = FrameEnv()
+    forward = PolicyForward(ActorCriticModule(env.observation_space, env.action_space, inference_only=True))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                obs = np.stack([env.observation_space.sample() for _ in range(batch)])
+                for _ in range(3):
+                    forward.dist_inputs(obs, True)
+                times, started = [], time.perf_counter()
+                while time.perf_counter() - started < seconds or len(times) < 5:
+                    t = time.perf_counter()
+                    forward.dist_inputs(obs, True)
+                    times.append(time.perf_counter() - t)
+                ms = 1e3 * statistics.median(times)
+                rows.append({"batch": batch, "ms_per_pass": round(ms, 3), "us_per_row": round(1e3 * ms / batch, 1)})
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
 def server_parts(device: str, args: argparse.Namespace) -> dict:
     """Where a central server's batch of the frame workload goes, timed piece by piece in this process
     (median ms over repeats): ``args.runners`` requests of ``args.envs`` frames each -- reading them
@@ -270,6 +305,8 @@ def main() -> None:
     p.add_argument("--precisions", default="float32",
                    help="CPU sampling runs acting in these precisions (float32,bfloat16: each a run, bfloat16 modes "
                         "named with _bf16; bfloat16 pays on CPUs with AMX/AVX512-BF16)")
+    p.add_argument("--cnn-batches", default="1,4,8,16,32,64,128,256",
+                   help="batch sizes of the cnn_rows curve (empty: none)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.skip_gpu
     ray.init(address="local", num_cpus=args.runners + (args.servers + 1) * args.server_cpus + 2,
@@ -304,6 +341,15 @@ def main() -> None:
                          envs=args.envs, precision=precision, repeat=r, env_steps_per_s=round(rate, 1), **served)
     devices = ["cpu"] + (["cuda"] if cuda else [])
     if "frames_cnn" in workloads:
+        curve = cnn_rows([int(b) for b in args.cnn_batches.split(",")] if args.cnn_batches else [])
+        for row in curve:
+            emit(bench="cnn_rows", workload="frames_cnn", device="cpu", threads=1, **row)
+        at_runner = [r["us_per_row"] for r in curve if r["batch"] == args.envs]
+        if at_runner:
+            best = min(curve, key=lambda r: r["us_per_row"])
+            emit(bench="cnn_rows_summary", runner_batch=args.envs, runner_us_per_row=at_runner[0],
+                 best_batch=best["batch"], best_us_per_row=best["us_per_row"],
+                 runner_row_cost_over_best=round(at_runner[0] / best["us_per_row"], 2))
         for device in devices:
             emit(bench="server_parts", workload="frames_cnn", device=device, rows=args.runners * args.envs,
                  requests=args.runners, **server_parts(device, args))
