@@ -38,13 +38,16 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from actors.core import UserCodeError
-from actors.replacements import Replacements, describe as _describe, kill as _kill
+from actors.replacements import Replacements, describe as _describe, kill as _kill, kill_and_wait
 
 log = logging.getLogger(__name__)
 
 READY_FETCH_TIMEOUT_S = 60.0
 """A result ``ray.wait`` called ready is already on this node; the bound only keeps an object lost with
 its node from holding the driver up (a timeout fails the member like any other lost answer)."""
+
+STOP_WAIT_S = 10.0
+"""``stop()`` waits this long at most for its killed actors to be dead (their resources free again)."""
 
 USER_CODE_METHODS = ("apply",)
 """Methods that run a function the caller gave: whatever it raises is the caller's error."""
@@ -430,13 +433,18 @@ class ActorManager:
     def _last_error(self) -> str:
         return next((m.last_error for m in self.members.values() if m.last_error), "unknown")
 
-    def stop(self) -> None:
-        """In-process members are stopped (``stop()``); Ray actors are killed."""
-        for m in self.members.values():
-            if self.in_process:
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """In-process members are stopped (``stop()``); Ray actors are killed, and their deaths awaited up to
+        ``wait_s`` (``kill_and_wait``), so that the resources they held are free when this returns."""
+        if self.in_process:
+            for m in self.members.values():
                 m.handle.stop()
-            else:
-                _kill(m.handle)
+        else:
+            handles = [m.handle for m in self.members.values()] + self.starting.handles()
+            left = kill_and_wait(handles, wait_s) if handles else []
+            if left:
+                log.info("%s: %d killed actor(s) not confirmed dead within %.0f s; Ray frees their resources once "
+                         "they are", self.name, len(left), wait_s)
         self.starting.stop()
         self.members.clear()
 

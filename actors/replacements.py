@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
 
 @dataclass
@@ -101,6 +101,10 @@ class Replacements:
         if new is not None:
             kill(new.handle)
 
+    def handles(self) -> list[Any]:
+        """The replacements not yet up."""
+        return [new.handle for new in self.pending.values()]
+
     def stop(self) -> None:
         for new in self.pending.values():
             kill(new.handle)
@@ -112,6 +116,42 @@ def kill(handle: Any) -> None:
         ray.kill(handle, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
+
+
+def kill_and_wait(handles: list[Any], wait_s: float) -> list[Any]:
+    """Kill ``handles`` and wait, up to ``wait_s``, until Ray reports each one dead, so that what they held
+    (CPUs, GPUs) is free again when this returns: ``ray.kill`` only asks, and a group built right after in
+    the same Ray would otherwise wait for those resources (for long on a loaded machine). Returns the handles
+    not confirmed dead in time. An actor's death shows as ``ActorDiedError`` on a call made after it; a
+    call that still gets an answer went out before the kill arrived, so it is made again."""
+    for handle in handles:
+        kill(handle)
+    deadline, alive = time.monotonic() + wait_s, list(handles)
+    while alive:
+        refs = {}
+        for handle in alive:
+            try:
+                refs[handle.ping.remote()] = handle
+            except Exception:  # noqa: BLE001 - a handle that cannot even take a call is gone
+                continue
+        left = deadline - time.monotonic()
+        if not refs or left <= 0:
+            return list(refs.values())
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=left)
+        alive = [refs[r] for r in pending]
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ActorDiedError:
+                continue
+            except Exception:  # noqa: BLE001 - unavailable for now, or its ping failed: not known dead yet
+                pass
+            alive.append(refs[ref])
+        if pending:  # the deadline passed with calls unanswered
+            return alive
+        if alive:
+            time.sleep(0.02)  # the kill is on its way: ask again shortly, not in a tight loop
+    return []
 
 
 def describe(err: BaseException) -> str:

@@ -139,3 +139,22 @@ def test_runner_that_cannot_start_fails_the_build_clearly():
     with pytest.raises(RuntimeError, match="env runner .* failed to start"):
         (PPOConfig().environment("tests.envs:BrokenEnv").env_runners(num_env_runners=1)
          .debugging(seed=0).build())
+
+
+def test_stop_returns_once_its_killed_actors_are_dead():
+    """``ray.kill`` only asks; ``stop()`` waits until Ray reports each killed actor dead, so the CPUs they held are
+    free for whatever the caller builds next in the same Ray (a loaded machine once kept a runner of the next
+    build waiting past its start timeout)."""
+    from ray.exceptions import ActorDiedError
+
+    from actors.replacements import kill_and_wait
+
+    algo = config().build(logdir=None)
+    handles = [algo.env_runner_group.manager.handle(i) for i in (1, 2)]
+    ray.get([h.ping.remote() for h in handles])
+    algo.stop()
+    for handle in handles:  # a call made now fails at once: the actor is known dead
+        with pytest.raises(ActorDiedError):
+            ray.get(handle.ping.remote())
+    assert kill_and_wait([], 1.0) == []
+    assert kill_and_wait(handles, 5.0) == []  # already dead: nothing to wait for
