@@ -439,13 +439,12 @@ class ActorManager:
         if self.in_process:
             for m in self.members.values():
                 m.handle.stop()
+            self.starting.stop()
         else:
-            handles = [m.handle for m in self.members.values()] + self.starting.handles()
-            left = kill_and_wait(handles, wait_s) if handles else []
+            left = kill_and_wait([m.handle for m in self.members.values()] + self.starting.take_all(), wait_s)
             if left:
                 log.info("%s: %d killed actor(s) not confirmed dead within %.0f s; Ray frees their resources once "
                          "they are", self.name, len(left), wait_s)
-        self.starting.stop()
         self.members.clear()
 
 

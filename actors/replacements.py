@@ -101,9 +101,11 @@ class Replacements:
         if new is not None:
             kill(new.handle)
 
-    def handles(self) -> list[Any]:
-        """The replacements not yet up."""
-        return [new.handle for new in self.pending.values()]
+    def take_all(self) -> list[Any]:
+        """The replacements not yet up, handed to the caller (who kills them) and forgotten here."""
+        handles = [new.handle for new in self.pending.values()]
+        self.pending.clear()
+        return handles
 
     def stop(self) -> None:
         for new in self.pending.values():

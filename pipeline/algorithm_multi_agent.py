@@ -28,12 +28,11 @@ from actors.modules import ModuleSpec, RLModule
 from pipeline.algorithm_actions import DriverPolicy
 from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.config.connectors import refuse_view
-from pipeline.config.multi_agent import settings_used
+from pipeline.config.multi_agent import NOT_YET, settings_used
 from pipeline.config.multi_agent_plan import MultiAgentPlan, multi_agent_plan
 from pipeline.config.plain import resolve_import_path
 from pipeline.groups.multi_agent import MultiLearnerGroup, OneModule, check_module_class, steps_counter
 
-NOT_YET = "is not built for multi-agent runs yet (issue 27)"
 
 
 class CurrentMapping:

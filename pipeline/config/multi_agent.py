@@ -197,6 +197,8 @@ def multi_agent_problems(config: Any) -> list[str]:
     return problems
 
 
+NOT_YET = "is not built for multi-agent runs yet (issue 27)"
+
 MULTI_AGENT_ALGORITHMS = ("APPO", "DQN", "IMPALA", "PPO", "SAC")
 """The algorithms whose plans train several modules."""
 
@@ -210,7 +212,7 @@ def unbuilt_problems(config: Any) -> list[str]:
     named = [name for name, used in unbuilt.items() if used]
     problems = []
     if named:
-        problems.append(f"{', '.join(named)} is not built for multi-agent runs yet (issue 27): leave it unset for "
+        problems.append(f"{', '.join(named)} {NOT_YET}: leave it unset for "
                         f"multi-agent training, or train one module without multi_agent(...) settings")
     algo = getattr(config, "algo_name", type(config).__name__)
     if algo not in MULTI_AGENT_ALGORITHMS:
