@@ -284,7 +284,8 @@ def test_appo_trains_two_policies_on_two_agent_cartpole():
     assert last["env_runners"]["episode_return_mean"] >= 400, \
         f"summed return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']}"
     assert min(last["env_runners"]["module_episode_returns_mean"].values()) >= 100  # both policies learned
-    assert any(r["stream"]["weights_lag_mean"] > 0 for r in results)  # asynchronous: the policy lags
+    # asynchronous: the policy lags (an iteration that ended before its first update logs no lag)
+    assert any(r["stream"]["weights_lag_mean"] > 0 for r in results if r["num_learner_updates"])
 
 
 @pytest.mark.long
