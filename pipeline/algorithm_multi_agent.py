@@ -34,7 +34,6 @@ from pipeline.config.plain import resolve_import_path
 from pipeline.groups.multi_agent import MultiLearnerGroup, OneModule, check_module_class, steps_counter
 
 
-
 class CurrentMapping:
     """The run's mapping fn as the runners are built with it: ``add_module``/``remove_module`` may swap
     the fn inside, so a runner recreated after a crash maps agents as the live ones do."""
