@@ -221,6 +221,7 @@ def test_circular_buffer_serves_each_batch_at_most_k_times_and_evicts_the_oldest
     served = [buf.sample() for _ in range(6)]
     assert len(buf) == 0
     assert sum(x is a for x in served) == 3 and sum(x is b for x in served) == 3
+    assert buf.stats()["num_batches_reused"] == 4  # each batch's second and third draw
     buf.add(a)
     buf.add(b)
     buf.add(c)  # evicts a, never trained on
@@ -346,8 +347,9 @@ def test_appo_cartpole_reaches_450(appo_run):
     last = results[-1]
     assert last["learners"]["default_policy"]["num_target_updates"] >= 1
     assert last["circular_buffer"]["num_batches_added"] > 0
-    # the circular buffer reuses batches: more steps trained than sampled
-    assert last["num_env_steps_trained_lifetime"] > last["num_env_steps_sampled_lifetime"]
+    # the circular buffer reuses batches (counted where it happens: whether more steps are trained than sampled
+    # depends on whether the learner outpaces the runners, which it does not always do on a loaded machine)
+    assert last["circular_buffer"]["num_batches_reused"] > 0
 
 
 @pytest.mark.slow

@@ -195,6 +195,8 @@ class CircularBuffer:
         self.num_added = 0
         self.num_evicted_unused = 0
         """Batches pushed out by newer ones before they were trained on even once."""
+        self.num_reused = 0
+        """Samples that drew a batch already trained on (the reuse the buffer is for)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -211,6 +213,7 @@ class CircularBuffer:
             raise IndexError("sample from an empty circular buffer")
         i = int(self._rng.integers(len(self._entries)))
         entry = self._entries[i]
+        self.num_reused += entry[1] > 0
         entry[1] += 1
         if entry[1] >= self.iterations_per_batch:
             del self._entries[i]
@@ -226,7 +229,7 @@ class CircularBuffer:
 
     def stats(self) -> dict[str, int]:
         return {"size": len(self), "num_batches_added": self.num_added,
-                "num_batches_evicted_unused": self.num_evicted_unused}
+                "num_batches_evicted_unused": self.num_evicted_unused, "num_batches_reused": self.num_reused}
 
 
 @register_algorithm
