@@ -79,8 +79,9 @@ class EnvRunnerRole(Stage, Saveable, MetricsSource):
 
     @abstractmethod
     def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
-                        stall_timeout_s: float = 60.0) -> None:
-        """Sample forever in a background thread, pushing chunk frames to ``address`` (ZeroMQ)."""
+                        stall_timeout_s: float = 60.0, window: int | None = None) -> None:
+        """Sample forever in a background thread, pushing chunk frames to ``address`` (ZeroMQ), at most
+        ``window`` frames ahead of what the receiver has read (None: bounded by ``hwm`` and ``sndbuf``)."""
 
     @abstractmethod
     def stop_streaming(self, timeout_s: float = 10.0) -> bool:

@@ -227,7 +227,8 @@ def test_appo_trains_from_a_client_of_the_in_driver_server(ray_cluster, tmp_path
             versions.append(clients.clients[0].weights_version)
         last = results[-1]
         assert algo.env_runner_group.local.is_streaming()
-        assert last["num_learner_updates"] > 0 and last["num_env_steps_trained_lifetime"] > 0
+        # summed: on a loaded machine the last 1-s iteration may end before the client's next batch is complete
+        assert sum(r["num_learner_updates"] for r in results) > 0 and last["num_env_steps_trained_lifetime"] > 0
         assert last["num_env_steps_sampled_lifetime"] > 0 and last["env_runners"]["num_episodes_lifetime"] > 0
         assert last["env_runners"]["episode_return_mean"] > 0
         assert last["stream"]["runner_num_frames_sent"] > 0 and last["stream"]["num_frames_dropped_decode_error"] == 0

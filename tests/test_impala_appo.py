@@ -250,6 +250,11 @@ def test_configs_validate_and_register():
     with pytest.raises(ConfigError, match=r"max_weights_lag must be 'auto', None or an int >= 0, got -1"):
         IMPALAConfig().environment("CartPole-v1").training(max_weights_lag=-1).validate()
     IMPALAConfig().environment("CartPole-v1").training(max_weights_lag=None).validate()
+    assert IMPALAConfig().stream_frames_in_flight == 1  # credit-based flow control on by default
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match=rf"stream_frames_in_flight must be None or an int >= 1, got {bad!r}"):
+            APPOConfig().environment("CartPole-v1").training(stream_frames_in_flight=bad).validate()
+    APPOConfig().environment("CartPole-v1").training(stream_frames_in_flight=None).validate()
     # "auto": 4x a fresh fragment's lag (runners x envs x fragment steps / steps per update), at least 32
     assert IMPALAConfig().max_weights_lag is None  # off by default (see its docstring)
     small = (IMPALAConfig().environment("CartPole-v1").env_runners(num_env_runners=2)

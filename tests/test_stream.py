@@ -163,31 +163,34 @@ def test_bad_frames_are_counted_dropped_and_logged_once_naming_the_sender(receiv
     no_logp = EpisodeChunk("ep-y", 0, obs=np.zeros((4, 1), np.float32), actions=np.zeros(3, np.int64),
                            rewards=np.ones(3, np.float32))
     ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
+    push = ctx.socket(zmq.DEALER)
     push.connect(receiver.address)
+    seq = (1).to_bytes(8, "little")
     try:
         with caplog.at_level(logging.WARNING, logger="protocols.transport"):
-            push.send_multipart([b"env-runner-3", b"\x00garbage" * 10])  # corrupt
-            push.send_multipart([b"env-runner-4", bytes(wrong_version)])  # wrong codec version
-            push.send_multipart([b"env-runner-5", encode([bad_shape] + good[:1])])  # one chunk of two wrong
-            push.send_multipart([b"env-runner-6", encode(no_logp)])  # lacks the behaviour log-probs
-            push.send_multipart([b"only-one-part"])  # no [sender, frame] envelope
-            push.send_multipart([b"env-runner-8", encode({"hello": 1})])  # a message, not chunks
-            push.send_multipart([b"env-runner-9", frame])  # the loader goes on: this one arrives
-            wait_for(lambda: receiver.counters["num_frames_received"] == 7, what="7 frames")
+            push.send_multipart([b"env-runner-3", seq, b"\x00garbage" * 10])  # corrupt
+            push.send_multipart([b"env-runner-4", seq, bytes(wrong_version)])  # wrong codec version
+            push.send_multipart([b"env-runner-5", seq, encode([bad_shape] + good[:1])])  # one chunk of two wrong
+            push.send_multipart([b"env-runner-6", seq, encode(no_logp)])  # lacks the behaviour log-probs
+            push.send_multipart([b"only-one-part"])  # no [sender, seq, frame] envelope
+            push.send_multipart([b"env-runner-7", b"\x01", frame])  # a seq of the wrong width
+            push.send_multipart([b"env-runner-8", seq, encode({"hello": 1})])  # a message, not chunks
+            push.send_multipart([b"env-runner-9", seq, frame])  # the loader goes on: this one arrives
+            wait_for(lambda: receiver.counters["num_frames_received"] == 8, what="8 frames")
     finally:
         push.close(linger=0)
         ctx.term()
     s = receiver.stats()
     assert s["num_frames_dropped_decode_error"] == 2
     assert s["num_chunks_dropped_invalid"] == 2
-    assert s["num_frames_dropped_bad_envelope"] == 1
+    assert s["num_frames_dropped_bad_envelope"] == 2
     assert s["num_frames_dropped_not_chunks"] == 1
     assert s["num_env_steps_dropped"] == 6
     assert s["num_env_steps_received"] == len(good[0]) + 15  # the good chunk beside the bad one, and the good frame
     lines = [r.getMessage() for r in caplog.records if r.name == "protocols.transport"]
-    assert len(lines) == 6, lines
-    for sender_id in ("env-runner-3", "env-runner-4", "env-runner-5", "env-runner-6", "only-one-part", "env-runner-8"):
+    assert len(lines) == 7, lines
+    for sender_id in ("env-runner-3", "env-runner-4", "env-runner-5", "env-runner-6", "only-one-part", "env-runner-7",
+                      "env-runner-8"):
         assert sum(sender_id in line for line in lines) == 1, (sender_id, lines)
     assert any("version 99" in line for line in lines)
     assert any("shape (4, 3)" in line and "(4, 1)" in line for line in lines)
@@ -269,6 +272,103 @@ def test_stalled_consumer_blocks_the_sender_and_memory_stays_bounded():
     assert not t.is_alive()
 
 
+def numbered_chunk(index, steps=8):
+    return EpisodeChunk("ep", index, obs=np.arange(steps + 1, dtype=np.float32)[:, None],
+                        actions=np.zeros(steps, np.int64), rewards=np.ones(steps, np.float32),
+                        extra={"action_logp": np.zeros(steps, np.float32)})
+
+
+class Producer:
+    """Sends the next chunk of one episode, frame after frame, from a thread of its own (as a runner's
+    stream does) until stopped."""
+
+    def __init__(self, sender):
+        self.sender, self.stop = sender, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        index = 0
+        while self.sender.send([numbered_chunk(index)], self.stop):
+            index += 1
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def test_a_stalled_consumer_stops_a_windowed_sender_after_exactly_its_window_of_frames():
+    """Credit-based flow control: with one batch per frame, a queue of one and a window of 3 the sender
+    stops at 1 (queued) + 1 (batched, waiting for room) + 3 (sent, not read) frames, whatever the buffers."""
+    rec = ChunkReceiver(OBS_SPACE, ACT_SPACE, batch_size=8, queue_size=1, hwm=64, host="127.0.0.1").start()
+    sender = ChunkSender(rec.address, "env-runner-1", hwm=64, window=3)
+    producer = Producer(sender)
+    try:
+        wait_for(lambda: sender.waiting_for == "credit" and sender.frames_sent == 5, what="the sender to wait for credit")
+        assert sender.frames_unacknowledged == 3
+        assert rec.stats()["num_frames_received"] == 2 and rec.qsize() == 1
+        for expected in range(3):  # each batch taken lets the loader read one frame, which frees one credit
+            batch = rec.get_batch(timeout=10)
+            assert batch is not None and batch.num_steps == 8
+            wait_for(lambda: sender.frames_sent == 6 + expected and sender.waiting_for == "credit",
+                     what=f"frame {6 + expected} sent after a batch was taken")
+        assert sender.counters()["num_credit_resets"] == 0 and sender.blocked_s > 0
+    finally:
+        producer.close()
+        sender.close()
+        rec.close()
+
+
+def test_acknowledgments_free_credits_and_a_forged_one_lends_none():
+    """A bare ROUTER stands in for the receiver: the sender waits after its window, an ack of seq 1 frees
+    one frame, and an ack naming a seq never sent frees only what was sent."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    sender = ChunkSender(f"tcp://127.0.0.1:{port}", "env-runner-2", window=2)
+    producer = Producer(sender)
+    try:
+        wait_for(lambda: sender.waiting_for == "credit" and sender.frames_sent == 2, what="a full window")
+        peer, sender_id, seq, _frame = router.recv_multipart()
+        assert sender_id == b"env-runner-2" and int.from_bytes(seq, "little") == 1
+        router.send_multipart([peer, seq])
+        wait_for(lambda: sender.frames_sent == 3 and sender.waiting_for == "credit", what="one frame more")
+        router.send_multipart([peer, (10**6).to_bytes(8, "little")])  # acknowledges 3 frames at most
+        wait_for(lambda: sender.frames_sent == 5 and sender.waiting_for == "credit", what="two frames more")
+        assert sender.frames_unacknowledged == 2
+        router.send_multipart([peer, b"not a seq"])  # ignored
+        router.send_multipart([peer, (2).to_bytes(8, "little")])  # older than what was acknowledged: no credit
+        wait_for(lambda: sender.frames_unacknowledged == 2 and sender.waiting_for == "credit", what="no change")
+        assert sender.frames_sent == 5
+    finally:
+        producer.close()
+        sender.close()
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_a_sender_that_hears_no_acknowledgment_takes_its_credits_back_and_says_so(caplog):
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)  # never reads: as if the connection had dropped the frames
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    sender = ChunkSender(f"tcp://127.0.0.1:{port}", "env-runner-3", window=1, ack_timeout_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="protocols.transport"):
+        producer = Producer(sender)
+        try:
+            wait_for(lambda: sender.counters()["num_credit_resets"] >= 2, what="two credit resets")
+            assert sender.frames_sent >= 3
+        finally:
+            producer.close()
+            sender.close()
+            router.close(linger=0)
+            ctx.term()
+    lines = [r.getMessage() for r in caplog.records if "no acknowledgment" in r.getMessage()]
+    assert len(lines) == 1 and "env-runner-3" in lines[0] and "1 frame(s) unacknowledged" in lines[0], lines
+    with pytest.raises(ValueError, match=r"window must be None or an int >= 1 .* got 0"):
+        ChunkSender(f"tcp://127.0.0.1:{port}", "x", window=0)
+
+
 def local_runner(env_cls=CountingEnv, env_config=None, num_envs=2, fragment=10):
     settings = EnvRunnerSettings(env_creator=lambda ctx: env_cls(ctx), env_config=env_config or {"length": 25},
                                  num_envs=num_envs, rollout_fragment_length=fragment, seed=0)
@@ -307,6 +407,32 @@ def test_runner_streams_applies_weights_between_fragments_and_stops():
         r.stop_streaming()
         rec.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("runnel-chunk-loader")]
+
+
+def test_a_runner_streams_at_most_its_window_of_fragments_ahead_of_what_the_receiver_read():
+    """A runner's stream passes its window on: with 20-step fragments and batches, a queue of one and a window
+    of one, it stops at 3 frames (queued, batched and waiting, sent and unread); each batch taken lets one
+    more frame through, and at no point has it sent more than one frame beyond what the receiver read."""
+    r = local_runner()  # 2 envs x 10 steps
+    rec = ChunkReceiver(r.observation_space, r.action_space, batch_size=20, queue_size=1, hwm=8, host="127.0.0.1").start()
+    sent = [0]
+
+    def frames_sent():  # the runner's exported counter is a delta since its last export
+        sent[0] += r.get_metrics().get("stream/runner_num_frames_sent", {}).get("value", 0)
+        return sent[0]
+
+    try:
+        r.start_streaming(rec.address, hwm=8, window=1)
+        wait_for(lambda: frames_sent() == 3, what="three frames sent")
+        for taken in range(1, 6):
+            ahead = frames_sent() - rec.stats()["num_frames_received"]  # sent first: read, it can only grow
+            assert ahead <= 1, f"{ahead} frames sent beyond what the receiver read"
+            assert rec.get_batch(timeout=10) is not None
+            wait_for(lambda: frames_sent() == 3 + taken, what=f"frame {3 + taken}")
+        assert r.stop_streaming(timeout_s=10)  # while it waits for credit
+    finally:
+        r.stop_streaming()
+        rec.close()
 
 
 def test_runner_stream_reports_a_failed_env():

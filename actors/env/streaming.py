@@ -1,12 +1,12 @@
 """RunnerStream: the sampling thread of a streaming env runner (asynchronous algorithms).
 
 It samples one fragment (``rollout_fragment_length`` steps per sub-env) at a time with the
-runner's own ``sample()``, pushes the fragment's chunks as one codec frame over a ZeroMQ PUSH
-socket (``protocols.transport.ChunkSender``) and, between fragments, applies weights the actor's
-main thread received (``EnvRunner.apply_pending_weights``). The actor's main thread stays free for
+runner's own ``sample()``, sends the fragment's chunks as one codec frame over ZeroMQ
+(``protocols.transport.ChunkSender``; at most ``window`` frames ahead of what the receiver has read)
+and, between fragments, applies weights the actor's main thread received (``EnvRunner.apply_pending_weights``). The actor's main thread stays free for
 ``ping``/``get_metrics``/``set_weights``.
 
-A send blocked at the high-water mark is back-pressure, not a failure. A thread that dies, or
+A send that waits for credit or at the high-water mark is back-pressure, not a failure. A thread that dies, or
 makes no progress while sampling for ``stall_timeout_s`` (a hung environment), is reported by
 ``check_health``, which the runner's ``get_metrics`` calls, so the driver recreates the runner.
 
@@ -36,15 +36,15 @@ def stream_sender_id(worker_index: int) -> str:
 
 class RunnerStream:
     def __init__(self, runner: Any, address: str, *, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
-                 stall_timeout_s: float = 60.0) -> None:
+                 stall_timeout_s: float = 60.0, window: int | None = None) -> None:
         self.runner, self.address = runner, address
-        self.hwm, self.compress, self.sndbuf = hwm, compress, sndbuf
+        self.hwm, self.compress, self.sndbuf, self.window = hwm, compress, sndbuf, window
         self.stall_timeout_s = stall_timeout_s
         self.sender_id = stream_sender_id(runner.worker_index)
         self._stop = threading.Event()
         self._sender: ChunkSender | None = None
         self._counters_lock = threading.Lock()
-        self._reported = {"num_frames_sent": 0, "num_bytes_sent": 0, "send_blocked_s": 0.0}
+        self._reported = {"num_frames_sent": 0, "num_bytes_sent": 0, "send_blocked_s": 0.0, "num_credit_resets": 0}
         self.error: str | None = None
         self.exception: BaseException | None = None
         self.num_env_steps_sent = 0
@@ -72,7 +72,7 @@ class RunnerStream:
             if self._torch_threads is not None:
                 sys.modules["torch"].set_num_threads(self._torch_threads)
             self._sender = ChunkSender(self.address, self.sender_id, hwm=self.hwm, compress=self.compress,
-                                       sndbuf=self.sndbuf)
+                                       sndbuf=self.sndbuf, window=self.window)
             while not self._stop.is_set() and self._step(self._sender):
                 pass
             self._set_state("stopped")
@@ -190,9 +190,10 @@ class StreamingRunner:
             self._stream.log_counters()
 
     def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
-                        stall_timeout_s: float = 60.0) -> None:
+                        stall_timeout_s: float = 60.0, window: int | None = None) -> None:
         """Start (or keep) a thread that samples fragment after fragment and pushes each one's
-        chunks to the receiver at ``address``; the runner's other methods stay callable meanwhile."""
+        chunks to the receiver at ``address``, at most ``window`` fragments ahead of what the receiver
+        has read (``protocols.transport``); the runner's other methods stay callable meanwhile."""
         stream = self._stream
         if stream is not None and stream.alive():
             if stream.address == address:
@@ -200,7 +201,7 @@ class StreamingRunner:
             stream.stop()
         self._retire(stream)
         self._stream = RunnerStream(self, address, hwm=hwm, compress=compress, sndbuf=sndbuf,
-                                    stall_timeout_s=stall_timeout_s)
+                                    stall_timeout_s=stall_timeout_s, window=window)
         self._stream.start()
 
     def stop_streaming(self, timeout_s: float = 10.0) -> bool:

@@ -314,7 +314,7 @@ class PolicyServer(EnvRunnerRole):
 
     # --- streaming (IMPALA, APPO, the replay as a Ray actor) -----------------------------------
     def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
-                        stall_timeout_s: float = 60.0) -> None:
+                        stall_timeout_s: float = 60.0, window: int | None = None) -> None:
         """Push the chunks clients send to the receiver at ``address`` from a thread of their own
         (``actors.external.stream``), as a streaming env runner pushes its fragments; each frame's
         chunks are committed once ZeroMQ took it. ``stall_timeout_s`` is unused: a server waiting for
@@ -325,7 +325,7 @@ class PolicyServer(EnvRunnerRole):
         with self._lock:
             self.chunks.commit_delivered()  # what a sample call handed on before
         self._last_pushed_at = time.monotonic()
-        self._stream = ServerStream(self, address, hwm=hwm, compress=compress, sndbuf=sndbuf)
+        self._stream = ServerStream(self, address, hwm=hwm, compress=compress, sndbuf=sndbuf, window=window)
         self._stream.start()
 
     def stop_streaming(self, timeout_s: float = 10.0) -> bool:

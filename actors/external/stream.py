@@ -2,8 +2,8 @@
 
 A streaming env runner samples fragment after fragment and pushes them (``actors.env.streaming``);
 a policy server has nothing to sample -- its clients send the chunks. This stream is the runner's
-(same thread, ZeroMQ PUSH socket, ``[sender id, frame]`` messages, high-water mark, counters and
-health check), with one step changed: take what the server holds (``PolicyServer.take_for_stream``)
+(same thread, ZeroMQ socket, ``[sender id, seq, frame]`` messages, credit window, high-water mark,
+counters and health check), with one step changed: take what the server holds (``PolicyServer.take_for_stream``)
 and push it as one frame. The receiver -- the learner's loader or the replay actor's intake --
 cannot tell a server from a runner.
 
@@ -45,8 +45,8 @@ class StreamSource(Protocol):
 
 class ServerStream(RunnerStream):
     def __init__(self, server: StreamSource, address: str, *, hwm: int = 4, compress: bool = True,
-                 sndbuf: int = 0) -> None:
-        super().__init__(server, address, hwm=hwm, compress=compress, sndbuf=sndbuf)
+                 sndbuf: int = 0, window: int | None = None) -> None:
+        super().__init__(server, address, hwm=hwm, compress=compress, sndbuf=sndbuf, window=window)
         self.sender_id = f"policy-server-{server.worker_index}"  # how the receiver's log names it
 
     def _step(self, sender: ChunkSender) -> bool:

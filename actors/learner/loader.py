@@ -6,13 +6,13 @@ steps and puts them into a bounded queue of ``queue_size`` batches. Each batch i
 a learner ``Batch`` in the loader thread (on GPU: copied in a side CUDA stream), so sampling,
 decoding, batching and learning overlap.
 
-Back-pressure: while a finished batch waits for room in the queue, the loader reads nothing; the
-PULL socket's queue fills, then the senders' PUSH queues, and the runners block.
+Back-pressure: while a finished batch waits for room in the queue, the loader reads nothing, so it
+acknowledges nothing; each runner stops after its ``window`` of unread frames (``protocols.transport``).
 
-Stale chunks: what waits in the sockets' kernel buffers is bounded in bytes, not in policy versions.
-A learner slower than its runners (a loaded machine, two learners meeting in an all-reduce on few
-cores) trains on fragments that sat there for many updates -- measured: a weights lag of ~90 updates
-that kept IMPALA's CartPole return at its random level. With ``max_weights_lag`` set (Sample Factory's
+Stale chunks: without a window, what waits in the sockets' kernel buffers is bounded in bytes, not in
+policy versions. A learner slower than its runners (a loaded machine, two learners meeting in an
+all-reduce on few cores) then trains on fragments that sat there for many updates -- measured: a weights
+lag of ~90 updates that kept IMPALA's CartPole return at its random level. With ``max_weights_lag`` set (Sample Factory's
 ``max_policy_lag``), a chunk acted by weights older than that many versions behind the one the consumer
 last reported (``set_weights_version``) is dropped and counted (``num_env_steps_dropped_stale``) rather
 than batched. Dropping costs almost nothing, so the backlog drains at decode speed and what is trained

@@ -282,7 +282,7 @@ class OfflineReader(EnvRunnerRole):
         return fn(self)
 
     def start_streaming(self, address: str, hwm: int = 4, compress: bool = True, sndbuf: int = 0,
-                        stall_timeout_s: float = 60.0) -> None:
+                        stall_timeout_s: float = 60.0, window: int | None = None) -> None:
         raise NotImplementedError("offline readers serve synchronous plans (BC, MARWIL, CQL, PPO, DQN, SAC); "
                                   "IMPALA/APPO do not train from recordings yet")
 

@@ -2,8 +2,8 @@
 
 One thread pulls chunk frames with ``protocols.transport.ChunkPuller`` (bounded decode, schema
 check, drops counted by sender) and inserts them. An insert that the rate limiter holds back keeps
-the thread waiting with the chunks in hand, so it stops reading: the PULL queue fills, then the
-runners' PUSH queues, and sampling slows to the ratio the limiter allows -- memory stays bounded.
+the thread waiting with the chunks in hand, so it stops reading: the receive queue fills, then the
+runners' send queues, and sampling slows to the ratio the limiter allows -- memory stays bounded.
 """
 from __future__ import annotations
 
