@@ -74,6 +74,9 @@ def compress_by_default(observation: dict) -> bool:
 SEQ_BYTES = 8
 """Width of a frame's sequence number on the wire (unsigned, little-endian)."""
 
+SENDER_COUNTERS = ("num_frames_sent", "num_bytes_sent", "send_blocked_s", "num_credit_resets")
+"""The keys of ``ChunkSender.counters()``."""
+
 
 class ChunkSender:
     """A DEALER socket that sends ``[sender id, seq, encode(chunks)]``, at most ``window`` frames ahead of

@@ -3,11 +3,12 @@
 It samples one fragment (``rollout_fragment_length`` steps per sub-env) at a time with the
 runner's own ``sample()``, sends the fragment's chunks as one codec frame over ZeroMQ
 (``protocols.transport.ChunkSender``; at most ``window`` frames ahead of what the receiver has read)
-and, between fragments, applies weights the actor's main thread received (``EnvRunner.apply_pending_weights``). The actor's main thread stays free for
+and, between fragments, applies weights the actor's main thread received
+(``EnvRunner.apply_pending_weights``). The actor's main thread stays free for
 ``ping``/``get_metrics``/``set_weights``.
 
-A send that waits for credit or at the high-water mark is back-pressure, not a failure. A thread that dies, or
-makes no progress while sampling for ``stall_timeout_s`` (a hung environment), is reported by
+A send that waits for credit or at the high-water mark is back-pressure, not a failure. A thread
+that dies, or makes no progress while sampling for ``stall_timeout_s`` (a hung environment), is reported by
 ``check_health``, which the runner's ``get_metrics`` calls, so the driver recreates the runner.
 
 ``StreamingRunner`` is what a runner class mixes in to stream: ``start_streaming``/``stop_streaming``,
@@ -24,7 +25,7 @@ import traceback
 from typing import Any
 
 from actors.core import UserCodeError
-from protocols.transport import ChunkSender
+from protocols.transport import SENDER_COUNTERS, ChunkSender
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class RunnerStream:
         self._stop = threading.Event()
         self._sender: ChunkSender | None = None
         self._counters_lock = threading.Lock()
-        self._reported = {"num_frames_sent": 0, "num_bytes_sent": 0, "send_blocked_s": 0.0, "num_credit_resets": 0}
+        self._reported = dict.fromkeys(SENDER_COUNTERS, 0)
         self.error: str | None = None
         self.exception: BaseException | None = None
         self.num_env_steps_sent = 0

@@ -57,6 +57,7 @@ from pipeline.config.multi_agent import settings_used
 from pipeline.groups.env_runner_group import EnvRunnerGroup
 from pipeline.groups.learner_group import LearnerGroup
 from pipeline.plans.learner_feeds import LearnerFeeds
+from protocols.transport import SENDER_COUNTERS
 
 
 @dataclass
@@ -75,7 +76,7 @@ class AsyncPlanSettings:
     """Send new weights to the runners every this many updates."""
     learner_queue_size: int = 4
     """Train batches the loader thread may hold ready for the learner; when full it stops reading
-    (back-pressure reaches the runners through the sockets' high-water marks)."""
+    (back-pressure reaches the runners as credits they do not get, ``stream_frames_in_flight``)."""
     learner_queue_timeout: float = 300.0
     """Raise (naming runners and drop counters) if no train batch arrives for this many seconds."""
     stream_frames_in_flight: int | None = 1
@@ -307,7 +308,7 @@ class AsyncPlan:
             m.log_value("env_runners/num_env_steps_sampled_lifetime", new, reduce="lifetime_sum")
         else:  # the runners' reports count the env and agent steps (fold_metrics); these are the rows received
             m.log_value("stream/num_agent_steps_received", received, reduce="max", window=1)
-        for key in ("num_frames_sent", "num_bytes_sent", "send_blocked_s", "num_credit_resets"):  # runners add theirs: in results from the start
+        for key in SENDER_COUNTERS:  # runners add theirs: in results from the start
             m.log_value(f"stream/runner_{key}", 0, reduce="lifetime_sum")
         for key in ("num_frames_received", "num_chunks_received", "num_frames_dropped_decode_error",
                     "num_frames_dropped_bad_envelope", "num_frames_dropped_not_chunks", "num_chunks_dropped_invalid",
