@@ -315,10 +315,24 @@ def appo_run(ray_cluster, tmp_path_factory):
     return run_cartpole(APPOConfig, tmp_path_factory)
 
 
+def learning_history(results) -> list:
+    """(return, entropy, gradient norm, lag) per iteration, and any gradient steps skipped: what a failed
+    learning run's message shows."""
+    rows = []
+    for r in results:
+        learner = r.get("learners", {}).get("default_policy", {})
+        rows.append(tuple(round(float(x), 3) for x in (
+            r["env_runners"].get("episode_return_mean", float("nan")), learner.get("entropy", float("nan")),
+            learner.get("gradients_global_norm", float("nan")), r["stream"].get("weights_lag_mean", float("nan")))))
+    skipped = results[-1].get("learners", {}).get("default_policy", {}).get("num_gradient_steps_skipped", 0)
+    return rows + [f"gradient steps skipped: {skipped}"]
+
+
 def check_cartpole(results, streaming):
     last = results[-1]
     assert last["env_runners"]["episode_return_mean"] >= 450, \
-        f"mean return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']} steps"
+        f"mean return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']} " \
+        f"steps; per iteration: {learning_history(results)}"
     assert last["num_env_steps_sampled_lifetime"] <= 1_000_000
     assert streaming == [True, True]
     for r in results:

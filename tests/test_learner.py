@@ -58,6 +58,36 @@ def test_gradient_clipping_modes(by):
         assert norm > 0.5  # the reported norm is the one before clipping
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("by", ["global_norm", "value", None])
+def test_a_step_with_a_non_finite_gradient_is_skipped_and_the_next_one_trains(caplog, bad, by):
+    learner = make_learner(grad_clip=None if by is None else 0.5, grad_clip_by=by or "global_norm")
+    learner.apply_gradients(big_loss(learner))  # the optimizer has moments to spoil
+    weights = {k: v.clone() for k, v in learner.module.state_dict().items()}
+    moments = {i: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+               for i, st in learner.optimizers["default"].optimizer.state_dict()["state"].items()}
+    updates = learner.num_updates
+    with caplog.at_level("WARNING", logger="runnel"):
+        norm = learner.apply_gradients(big_loss(learner) * bad)
+    assert not np.isfinite(norm)
+    assert learner.num_gradient_steps_skipped == 1 and learner.num_updates == updates
+    assert "skipped a gradient step with a non-finite gradient norm" in caplog.text
+    for k, v in learner.module.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    for i, st in learner.optimizers["default"].optimizer.state_dict()["state"].items():
+        for k, v in moments[i].items():
+            assert torch.equal(st[k], v), (i, k)
+    # a minibatch loop leaves the skipped step out of its means and says how many it skipped
+    losses = iter([big_loss(learner) * bad, big_loss(learner)])
+    stats = learner.sgd({"x": torch.zeros(8, 1)}, lambda mb: (next(losses), {"policy_loss": torch.tensor(2.0)}),
+                        8, 4, 2, 1)
+    assert stats["num_gradient_steps_skipped"] == 1.0 and stats["policy_loss"] == 2.0
+    assert np.isfinite(stats["gradients_global_norm"])
+    assert learner.num_gradient_steps_skipped == 2 and learner.num_updates == updates + 1
+    assert all(torch.isfinite(p).all() for p in learner.module.parameters())
+    assert any(not torch.equal(v, weights[k]) for k, v in learner.module.state_dict().items())
+
+
 def test_state_round_trip_restores_module_optimizer_and_rng():
     a = make_learner()
     a.apply_gradients(big_loss(a))

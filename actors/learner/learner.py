@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -134,6 +135,8 @@ class Learner(FedByStreams, LearnerRole):
         self._learn_hook = overrides(self.callbacks, "on_learn_on_batch")
         self.batch_check = BatchCheck(observation_space, action_space, settings.allow_nonfinite_observations)
         self.num_batches_refused = 0
+        self.num_gradient_steps_skipped = 0
+        """Gradient steps skipped for a non-finite gradient norm (``_step_slot``), over this learner's life."""
 
     @property
     def chunk_observation_space(self) -> gym.Space:
@@ -281,10 +284,20 @@ class Learner(FedByStreams, LearnerRole):
 
     def _step_slot(self, name: str) -> float:
         slot, flat = self.optimizers[name], self.flat_grads.get(name)
-        norm = self._finish_flat(flat) if flat is not None else self._finish_tensors(slot.params)
+        norm = float(self._finish_flat(flat) if flat is not None else self._finish_tensors(slot.params))
+        if not math.isfinite(norm):
+            # one infinite or NaN gradient would make every weight and the optimizer's moments NaN for good: the
+            # runners would then act on NaN (a categorical policy always picks action 0) and the job could not
+            # recover. The step is skipped, counted and logged; learners of a group skip alike (their
+            # gradients were averaged first, so their norms agree)
+            self.num_gradient_steps_skipped += 1
+            (log.warning if self.num_gradient_steps_skipped == 1 else log.debug)(
+                "learner %d skipped a gradient step with a non-finite gradient norm (%s; %d so far): the weights "
+                "and optimizer state are left as they were", self.rank, norm, self.num_gradient_steps_skipped)
+            return norm
         slot.optimizer.step()
         self.num_updates += 1
-        return float(norm)
+        return norm
 
     def _finish_tensors(self, params: list[nn.Parameter]) -> torch.Tensor:
         """After backward: average across learners, clip; the global norm before clipping."""
@@ -352,7 +365,7 @@ class Learner(FedByStreams, LearnerRole):
         minibatch covering all rows uses the batch as it is."""
         whole = num_minibatches == 1 and minibatch_size >= n
         sums: dict[str, float] = {}
-        count = 0
+        count = skipped = 0
         for _ in range(num_epochs):
             if whole:
                 minibatches = [tensors]
@@ -365,10 +378,16 @@ class Learner(FedByStreams, LearnerRole):
             for mb in minibatches:
                 loss, stats = loss_fn(mb)
                 stats["gradients_global_norm"] = self.apply_gradients(loss, optimizer)
+                if not math.isfinite(stats["gradients_global_norm"]):  # skipped: its NaN stays out of the means
+                    skipped += 1
+                    continue
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
-        return {k: v / count for k, v in sums.items()}
+        out = {k: v / count for k, v in sums.items()}
+        if skipped:
+            out["num_gradient_steps_skipped"] = float(skipped)
+        return out
 
     # --- distributed --------------------------------------------------------------------------
     def setup_distributed(self, master_addr: str, master_port: int) -> None:

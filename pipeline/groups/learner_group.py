@@ -206,6 +206,9 @@ class LearnerGroup:
             return stats
         self.weights_version += 1
         if metrics is not None:
+            skipped = stats.pop("num_gradient_steps_skipped", 0.0)  # ``Learner.sgd``: steps with a non-finite gradient
+            if skipped:
+                metrics.log_value("learners/default_policy/num_gradient_steps_skipped", skipped, reduce="lifetime_sum")
             metrics.log_dict(stats, prefix="learners/default_policy")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained", steps, reduce="sum")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained_lifetime", steps, reduce="lifetime_sum")
