@@ -250,6 +250,13 @@ def test_a_frozen_module_never_moves(config_cls):
 
 
 # --- learning (Ray: two streaming runners) -----------------------------------------------------------
+def history(results: list[dict]) -> list:
+    """(summed return, each module's return, env steps) per iteration: what a failed learning run's message shows."""
+    return [(round(r["env_runners"].get("episode_return_mean", float("nan")), 1),
+             {m: round(v, 1) for m, v in r["env_runners"].get("module_episode_returns_mean", {}).items()},
+             r["num_env_steps_sampled_lifetime"]) for r in results]
+
+
 def learn(config_cls: type, target: float, max_env_steps: int = 300_000) -> list[dict]:
     """Until the summed return reaches ``target`` or ``max_env_steps`` are sampled. A batch of 1000 agent
     steps gives each module about the 500 steps a single-agent batch has; two SGD passes over each."""
@@ -282,7 +289,8 @@ def test_appo_trains_two_policies_on_two_agent_cartpole():
     results = learn(APPOConfig, 400, max_env_steps=600_000)
     last = results[-1]
     assert last["env_runners"]["episode_return_mean"] >= 400, \
-        f"summed return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']}"
+        f"summed return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']}; " \
+        f"per iteration: {history(results)}"
     assert min(last["env_runners"]["module_episode_returns_mean"].values()) >= 100  # both policies learned
     # asynchronous: the policy lags (an iteration that ended before its first update logs no lag)
     assert any(r["stream"]["weights_lag_mean"] > 0 for r in results if r["num_learner_updates"])
@@ -298,7 +306,8 @@ def test_appo_trains_two_policies_to_a_summed_return_of_800_on_two_agent_cartpol
     results = learn(APPOConfig, 800, max_env_steps=1_500_000)
     last = results[-1]
     assert last["env_runners"]["episode_return_mean"] >= 800, \
-        f"summed return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']}"
+        f"summed return {last['env_runners']['episode_return_mean']} after {last['num_env_steps_sampled_lifetime']}; " \
+        f"per iteration: {history(results)}"
     assert last["num_env_steps_sampled_lifetime"] <= 1_500_000
     assert min(last["env_runners"]["module_episode_returns_mean"].values()) >= 250  # both policies learned
 
