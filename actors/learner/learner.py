@@ -365,7 +365,7 @@ class Learner(FedByStreams, LearnerRole):
         minibatch covering all rows uses the batch as it is."""
         whole = num_minibatches == 1 and minibatch_size >= n
         sums: dict[str, float] = {}
-        count = skipped = 0
+        count, skipped_at_start = 0, self.num_gradient_steps_skipped
         for _ in range(num_epochs):
             if whole:
                 minibatches = [tensors]
@@ -377,16 +377,16 @@ class Learner(FedByStreams, LearnerRole):
                                for i in range(num_minibatches)]
             for mb in minibatches:
                 loss, stats = loss_fn(mb)
+                skipped_before = self.num_gradient_steps_skipped
                 stats["gradients_global_norm"] = self.apply_gradients(loss, optimizer)
-                if not math.isfinite(stats["gradients_global_norm"]):  # skipped: its NaN stays out of the means
-                    skipped += 1
+                if self.num_gradient_steps_skipped != skipped_before:  # its NaN stays out of the means
                     continue
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
         out = {k: v / count for k, v in sums.items()}
-        if skipped:
-            out["num_gradient_steps_skipped"] = float(skipped)
+        if self.num_gradient_steps_skipped != skipped_at_start:
+            out["num_gradient_steps_skipped"] = float(self.num_gradient_steps_skipped - skipped_at_start)
         return out
 
     # --- distributed --------------------------------------------------------------------------

@@ -75,6 +75,16 @@ def shard_chunks(chunks: list[EpisodeChunk], n: int) -> list[list[EpisodeChunk]]
     return shards
 
 
+def log_learner_stats(metrics: MetricsLogger, stats: dict[str, float], prefix: str) -> None:
+    """One module's update statistics into ``metrics`` under ``prefix``: means, except the gradient steps
+    ``Learner.sgd`` skipped for a non-finite norm, which add up over the run."""
+    skipped = stats.get("num_gradient_steps_skipped", 0.0)
+    if skipped:
+        metrics.log_value(f"{prefix}/num_gradient_steps_skipped", skipped, reduce="lifetime_sum")
+        stats = {k: v for k, v in stats.items() if k != "num_gradient_steps_skipped"}
+    metrics.log_dict(stats, prefix=prefix)
+
+
 class LearnerGroup:
     def __init__(self, learner_class: type[Learner], config: Any, observation_space: Any, action_space: Any,
                  learner_kwargs: dict[str, Any] | None = None) -> None:
@@ -206,10 +216,7 @@ class LearnerGroup:
             return stats
         self.weights_version += 1
         if metrics is not None:
-            skipped = stats.pop("num_gradient_steps_skipped", 0.0)  # ``Learner.sgd``: steps with a non-finite gradient
-            if skipped:
-                metrics.log_value("learners/default_policy/num_gradient_steps_skipped", skipped, reduce="lifetime_sum")
-            metrics.log_dict(stats, prefix="learners/default_policy")
+            log_learner_stats(metrics, stats, "learners/default_policy")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained", steps, reduce="sum")
             metrics.log_value("learners/__all_modules__/num_env_steps_trained_lifetime", steps, reduce="lifetime_sum")
             metrics.log_value("learners/__all_modules__/num_updates", num_updates, reduce="sum")

@@ -33,7 +33,7 @@ from actors.modules import ModuleSpec
 from actors.modules.multi import SEP
 from pipeline.config.checks import ConfigError
 from pipeline.config.connectors import learner_side_pipeline
-from pipeline.groups.learner_group import LearnerGroup, shard_chunks, shard_transitions
+from pipeline.groups.learner_group import LearnerGroup, log_learner_stats, shard_chunks, shard_transitions
 from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 
@@ -181,7 +181,7 @@ class MultiLearnerGroup(LearnerGroup):
             agent_steps = sum(len(c) for mid in trained for c in by_module[mid])
             env_steps = agent_steps if num_env_steps is None else num_env_steps
             for mid, module_stats in stats.items():
-                metrics.log_dict(module_stats, prefix=f"learners/{mid}")
+                log_learner_stats(metrics, module_stats, f"learners/{mid}")
             for key, value in (("num_env_steps_trained", env_steps), ("num_agent_steps_trained", agent_steps),
                                ("num_updates", 1 if trained else 0)):
                 metrics.log_value(f"learners/{ALL_MODULES}/{key}", value, reduce="sum")
