@@ -15,9 +15,9 @@ from torch import nn
 pytest.importorskip("ale_py", reason="the Atari tests need ale-py: pip install -e '.[atari]' (make setup installs it)")
 
 from actors.env import EnvContext  # noqa: E402
-from actors.env.atari import AtariSettings, ale_env_id, make_atari  # noqa: E402
+from actors.env.atari import AtariSettings, ale_env_id, direct_frames, make_atari  # noqa: E402
 from actors.env.atari_wrappers import (AreaResize, EpisodicLife, MaxPoolFrameSkip, NoopReset,  # noqa: E402
-                                       area_weights, clip_rewards)
+                                       area_blocks, area_weights, clip_rewards)
 from actors.modules import ActorCriticModule, QModule  # noqa: E402
 from actors.modules.encoders import CNNEncoder  # noqa: E402
 from actors.modules.export import export_policy  # noqa: E402
@@ -113,6 +113,76 @@ def test_area_resize_gives_84x84x1_uint8_means():
     assert abs(frame.mean() - raw.mean()) < 1.0
     with pytest.raises(ValueError, match="grayscale"):
         AreaResize(gym.make("CartPole-v1"), 84)
+
+
+def test_area_resize_rounds_the_exact_area_mean_of_every_output_pixel():
+    """Every output pixel, for Atari's frame and for sizes whose runs do not divide evenly, is the exact
+    (float64) area-weighted mean of the input rounded to the nearest integer, up to float32 summation."""
+    rng = np.random.default_rng(1)
+    for (h, w), size in (((210, 160), 84), ((210, 160), 42), ((210, 160), 83), ((97, 61), 29)):
+        class Screen(Frames):
+            observation_space = gym.spaces.Box(0, 255, (h, w), np.uint8)
+
+        frame = rng.integers(0, 256, (h, w), dtype=np.uint8)
+        out = AreaResize(Screen(), size).observation(frame)
+        dense = []
+        for n in (h, w):
+            index, weight = area_weights(n, size)
+            m = np.zeros((size, n))
+            for i in range(size):
+                np.add.at(m[i], index[i], weight[i])
+            dense.append(m)
+        exact = dense[0] @ frame.astype(np.float64) @ dense[1].T
+        assert out.shape == (size, size, 1) and out.dtype == np.uint8
+        assert np.abs(out[:, :, 0] - exact).max() <= 0.5 + 1e-3, ((h, w), size)
+    assert area_blocks(210, 84).shape == (2, 5) and area_blocks(160, 84).shape == (21, 40)
+    assert np.allclose(area_blocks(210, 84).sum(1), 1.0)
+
+
+def frame_skip_steps(direct: bool, game: str, steps: int, **kwargs) -> list:
+    """``steps`` random actions through a 4-frame skip over ``game`` (resets after each end): everything each
+    step returned."""
+    config = dict(frameskip=1, obs_type="grayscale", **kwargs)
+    inner = gym.make(game, **config)
+    env = MaxPoolFrameSkip(NoopReset(inner, 5), 4, direct_frames(inner, config) if direct else None)
+    assert (env.direct is not None) == direct
+    rng = np.random.default_rng(0)
+    env.reset(seed=3)
+    out = []
+    for _ in range(steps):
+        obs, reward, terminated, truncated, info = env.step(int(rng.integers(env.action_space.n)))
+        out.append((obs.tobytes(), reward, terminated, truncated, sorted(info.items())))
+        if terminated or truncated:
+            env.reset()
+    return out
+
+
+@pytest.mark.parametrize("game,kwargs", [
+    ("ALE/Breakout-v5", {"repeat_action_probability": 0.25}),  # sticky actions: the ALE's own draws, same order
+    ("ALE/Breakout-v5", {"repeat_action_probability": 0.0, "max_num_frames_per_episode": 201}),  # truncated mid-skip
+    ("ALE/Pong-v5", {"repeat_action_probability": 0.0, "full_action_space": True}),
+])
+def test_frames_emulated_directly_give_the_same_steps_bit_for_bit(game, kwargs):
+    plain = frame_skip_steps(False, game, 1500, **kwargs)
+    assert any(step[2] or step[3] for step in plain)  # episodes end inside the run
+    assert frame_skip_steps(True, game, 1500, **kwargs) == plain
+
+
+def test_direct_frames_only_where_nothing_between_counts_or_changes_steps():
+    config = dict(frameskip=1, obs_type="grayscale")
+    assert direct_frames(gym.make("ALE/Pong-v5", **config), config) is not None
+    timed = dict(config, max_episode_steps=100)  # a TimeLimit counts steps
+    assert direct_frames(gym.make("ALE/Pong-v5", **timed), timed) is None
+    rgb = dict(frameskip=1, obs_type="rgb")
+    assert direct_frames(gym.make("ALE/Pong-v5", **rgb), rgb) is None
+    env = make_atari("ALE/Pong-v5")
+    while not isinstance(env, MaxPoolFrameSkip):
+        env = env.env
+    assert env.direct is not None
+    env = make_atari("ALE/Pong-v5", {"max_episode_steps": 100})
+    while not isinstance(env, MaxPoolFrameSkip):
+        env = env.env
+    assert env.direct is None
 
 
 def test_make_atari_observations_and_frames_per_step():

@@ -128,15 +128,40 @@ def make_atari(env_id: str, env_config: Mapping[str, Any] | None = None) -> gym.
                              f"instead, or env_config[{ATARI_KEY!r}]=False for the bare ALE env")
     config.update(frameskip=1, obs_type="grayscale")
     env = gym.make(name, **config)
+    direct = direct_frames(env, config)
     env = wrappers.NoopReset(env, settings.noop_max)
     if settings.frame_skip > 1:
-        env = wrappers.MaxPoolFrameSkip(env, settings.frame_skip)
+        env = wrappers.MaxPoolFrameSkip(env, settings.frame_skip, direct)
     if settings.episodic_life if settings.episodic_life is not None else not evaluation:
         env = wrappers.EpisodicLife(env)
     env = wrappers.AreaResize(env, settings.screen_size)
     if settings.clip_rewards if settings.clip_rewards is not None else not evaluation:
         env = wrappers.clip_rewards(env)
     return seeded_once(env)
+
+
+# wrappers gym.make adds that neither count steps nor change them (a TimeLimit counts them: not here)
+_STEP_TRANSPARENT = (gym.wrappers.OrderEnforcing, gym.wrappers.PassiveEnvChecker)
+
+
+def direct_frames(env: gym.Env, config: Mapping[str, Any]) -> wrappers.DirectFrames | None:
+    """The ALE under ``env`` (``gym.make`` of an ALE id with ``config``, greyscale screens) for the frames a frame
+    skip does not pool, or None where emulating them directly would not be the same as stepping ``env``: a
+    wrapper that counts steps (``max_episode_steps``), continuous actions, sound in the observations."""
+    ale_env = env.unwrapped
+    layer = env
+    while layer is not ale_env:
+        if not isinstance(layer, _STEP_TRANSPARENT):
+            return None
+        layer = layer.env
+    if config.get("continuous") or config.get("sound_obs") or config.get("obs_type") != "grayscale":
+        return None
+    ale = ale_env.ale
+    # the ALE env's own choice of action set (ale_py.env.AtariEnv.__init__)
+    action_set = ale.getLegalActionSet() if config.get("full_action_space") else ale.getMinimalActionSet()
+    if not isinstance(env.action_space, gym.spaces.Discrete) or len(action_set) != env.action_space.n:
+        return None
+    return wrappers.DirectFrames(ale, list(action_set))
 
 
 def seeded_once(env: gym.Env) -> gym.Env:

@@ -15,6 +15,7 @@ shipped step k frames big. Stacks are built where they are used (the frame-stack
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import gymnasium as gym
@@ -45,9 +46,24 @@ def area_weights(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
     return index, weight
 
 
+def area_blocks(n_in: int, n_out: int) -> np.ndarray:
+    """``area_weights`` as one small dense matrix ``[q, p]``: with ``g = gcd(n_in, n_out)``, the input splits into
+    ``g`` runs of ``p = n_in / g`` samples, each averaged down to ``q = n_out / g`` outputs by the same weights
+    (210 rows -> 84: 42 runs of 5 rows to 2; 160 columns -> 84: 4 runs of 40 to 21)."""
+    index, weight = area_weights(n_in, n_out)
+    p, q = n_in // math.gcd(n_in, n_out), n_out // math.gcd(n_in, n_out)
+    matrix = np.zeros((q, p), np.float32)
+    for i in range(q):  # the first run's weights; every run has the same
+        np.add.at(matrix[i], index[i], weight[i])
+    return matrix
+
+
 class AreaResize(gym.ObservationWrapper):
     """Greyscale ``(H, W)`` uint8 frames -> ``(size, size, 1)`` uint8 by area averaging: a channel axis,
-    so the frame is an image (``H, W, C``) to the default CNN and frame stacking appends along it."""
+    so the frame is an image (``H, W, C``) to the default CNN and frame stacking appends along it.
+
+    Two batched products with ``area_blocks``' small matrices (rows, then columns): a third of the time of
+    gathering each output's samples (about 50 us against 135 for Atari's 210x160 frame, a tenth of a step)."""
 
     def __init__(self, env: gym.Env, size: int = 84) -> None:
         super().__init__(env)
@@ -55,15 +71,17 @@ class AreaResize(gym.ObservationWrapper):
         if not (isinstance(space, gym.spaces.Box) and len(space.shape) == 2 and space.dtype == np.uint8):
             raise ValueError(f"AreaResize needs greyscale uint8 frames (a Box of shape (H, W)), got {space}: build "
                              f"the ALE env with obs_type='grayscale'")
-        h, w = space.shape
-        self.rows, self.row_weights = area_weights(h, size)
-        self.cols, self.col_weights = area_weights(w, size)
-        self.row_weights = self.row_weights[:, :, None]
+        self.height, self.width = space.shape
+        self.size = size
+        self.rows = area_blocks(self.height, size)  # [q, p]: applied to each run of p rows
+        self.cols_t = np.ascontiguousarray(area_blocks(self.width, size).T)  # [p, q]: to each run of p columns
         self.observation_space = gym.spaces.Box(0, 255, (size, size, 1), np.uint8)
 
     def observation(self, frame: np.ndarray) -> np.ndarray:
-        tall = (frame[self.rows] * self.row_weights).sum(1)  # [size, W]: a few rows per output row
-        small = (tall[:, self.cols] * self.col_weights).sum(2)  # [size, size]
+        size, width = self.size, self.width
+        runs = frame.reshape(-1, self.rows.shape[1], width).astype(np.float32)
+        tall = np.matmul(self.rows, runs).reshape(size, width)
+        small = np.matmul(tall.reshape(size, -1, self.cols_t.shape[0]), self.cols_t).reshape(size, size)
         return np.rint(small, out=small).astype(np.uint8)[:, :, None]
 
 
@@ -89,18 +107,53 @@ class NoopReset(gym.Wrapper):
         return obs, info
 
 
+class DirectFrames:
+    """Frames emulated on the ALE itself: ``MaxPoolFrameSkip`` acts here for the frames whose screens it does
+    not pool, skipping the screen copy, the info and the wrapper calls of a full env step (a tenth of a
+    4-frame step). Valid only where no wrapper between the skip and the ALE env counts or changes steps
+    (``actors.env.atari.direct_frames`` checks that); ``observe`` gives what the ALE env's own step would
+    return for a greyscale screen, for an episode that ends on such a frame."""
+
+    def __init__(self, ale: Any, action_set: list) -> None:
+        self.ale = ale
+        self.action_set = action_set
+
+    def act(self, action: Any) -> tuple[float, bool, bool]:
+        """One frame of ``action`` (an index into the env's actions): reward, terminated, truncated."""
+        reward = self.ale.act(self.action_set[action], 1.0)
+        return float(reward), self.ale.game_over(with_truncation=False), self.ale.game_truncated()
+
+    def observe(self) -> tuple[np.ndarray, dict]:
+        ale = self.ale
+        return ale.getScreenGrayscale(), {"lives": ale.lives(), "episode_frame_number": ale.getEpisodeFrameNumber(),
+                                          "frame_number": ale.getFrameNumber()}
+
+
 class MaxPoolFrameSkip(gym.Wrapper):
     """Each action repeated for ``skip`` frames; rewards summed; the observation is the element-wise max
-    of the last two frames (Atari sprites flicker: some are drawn only on odd or even frames)."""
+    of the last two frames (Atari sprites flicker: some are drawn only on odd or even frames).
 
-    def __init__(self, env: gym.Env, skip: int = 4) -> None:
+    ``direct``: the frames before the last two are emulated through it rather than as env steps (their
+    screens are never used); the steps come out the same, bit for bit."""
+
+    def __init__(self, env: gym.Env, skip: int = 4, direct: DirectFrames | None = None) -> None:
         super().__init__(env)
         self.skip = skip
+        self.direct = direct
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
         total = 0.0
+        first = 0
+        if self.direct is not None:
+            first = max(self.skip - 2, 0)
+            for _ in range(first):
+                reward, terminated, truncated = self.direct.act(action)
+                total += reward
+                if terminated or truncated:
+                    obs, info = self.direct.observe()
+                    return obs, total, terminated, truncated, info
         before_last = None
-        for i in range(self.skip):
+        for i in range(first, self.skip):
             obs, reward, terminated, truncated, info = self.env.step(action)
             total += float(reward)
             if terminated or truncated:
