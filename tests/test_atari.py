@@ -160,12 +160,12 @@ def frame_skip_steps(direct: bool, game: str, steps: int, **kwargs) -> list:
 @pytest.mark.parametrize("game,kwargs", [
     ("ALE/Breakout-v5", {"repeat_action_probability": 0.25}),  # sticky actions: the ALE's own draws, same order
     ("ALE/Breakout-v5", {"repeat_action_probability": 0.0, "max_num_frames_per_episode": 201}),  # truncated mid-skip
-    ("ALE/Pong-v5", {"repeat_action_probability": 0.0, "full_action_space": True}),
+    ("ALE/Pong-v5", {"repeat_action_probability": 0.0, "full_action_space": True, "max_num_frames_per_episode": 1001}),
 ])
 def test_frames_emulated_directly_give_the_same_steps_bit_for_bit(game, kwargs):
-    plain = frame_skip_steps(False, game, 1500, **kwargs)
-    assert any(step[2] or step[3] for step in plain)  # episodes end inside the run
-    assert frame_skip_steps(True, game, 1500, **kwargs) == plain
+    plain = frame_skip_steps(False, game, 600, **kwargs)
+    assert sum(step[2] or step[3] for step in plain) >= 2  # episodes end inside the run
+    assert frame_skip_steps(True, game, 600, **kwargs) == plain
 
 
 def test_direct_frames_only_where_nothing_between_counts_or_changes_steps():
