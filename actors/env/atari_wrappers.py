@@ -108,33 +108,48 @@ class NoopReset(gym.Wrapper):
 
 
 class DirectFrames:
-    """Frames emulated on the ALE itself: ``MaxPoolFrameSkip`` acts here for the frames whose screens it does
-    not pool, skipping the screen copy, the info and the wrapper calls of a full env step (a tenth of a
-    4-frame step). Valid only where no wrapper between the skip and the ALE env counts or changes steps
-    (``actors.env.atari.direct_frames`` checks that); ``observe`` gives what the ALE env's own step would
-    return for a greyscale screen, for an episode that ends on such a frame."""
+    """A frame skip emulated on the ALE itself: ``MaxPoolFrameSkip`` hands its whole step here, which acts frame
+    by frame and reads only the screens it pools (the second-to-last into a buffer kept for it), with none of
+    the per-frame screen copies, info dicts and wrapper calls of env steps (a fifth of a 4-frame step). Valid
+    only where no wrapper between the skip and the ALE env counts or changes steps
+    (``actors.env.atari.direct_frames`` checks that); a step returns what the same frames as env steps of
+    the ALE env (greyscale screens) would, bit for bit."""
 
     def __init__(self, ale: Any, action_set: list) -> None:
         self.ale = ale
         self.action_set = action_set
+        self.before_last: np.ndarray | None = None
 
-    def act(self, action: Any) -> tuple[float, bool, bool]:
-        """One frame of ``action`` (an index into the env's actions): reward, terminated, truncated."""
-        reward = self.ale.act(self.action_set[action], 1.0)
-        return float(reward), self.ale.game_over(with_truncation=False), self.ale.game_truncated()
-
-    def observe(self) -> tuple[np.ndarray, dict]:
+    def step(self, action: Any, skip: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         ale = self.ale
-        return ale.getScreenGrayscale(), {"lives": ale.lives(), "episode_frame_number": ale.getEpisodeFrameNumber(),
-                                          "frame_number": ale.getFrameNumber()}
+        ale_action = self.action_set[action]
+        total, pooled = 0.0, False
+        terminated = truncated = False
+        for i in range(skip):
+            total += float(ale.act(ale_action, 1.0))
+            terminated, truncated = ale.game_over(with_truncation=False), ale.game_truncated()
+            if terminated or truncated:
+                break
+            if i == skip - 2:
+                if self.before_last is None:
+                    self.before_last = ale.getScreenGrayscale()
+                else:
+                    ale.getScreenGrayscale(self.before_last)
+                pooled = True
+        frame = ale.getScreenGrayscale()
+        if pooled:
+            np.maximum(self.before_last, frame, out=frame)
+        info = {"lives": ale.lives(), "episode_frame_number": ale.getEpisodeFrameNumber(),
+                "frame_number": ale.getFrameNumber()}
+        return frame, total, terminated, truncated, info
 
 
 class MaxPoolFrameSkip(gym.Wrapper):
     """Each action repeated for ``skip`` frames; rewards summed; the observation is the element-wise max
     of the last two frames (Atari sprites flicker: some are drawn only on odd or even frames).
 
-    ``direct``: the frames before the last two are emulated through it rather than as env steps (their
-    screens are never used); the steps come out the same, bit for bit."""
+    ``direct``: the frames are emulated through it rather than as env steps of ``env`` (only the two pooled
+    screens are read); the steps come out the same, bit for bit."""
 
     def __init__(self, env: gym.Env, skip: int = 4, direct: DirectFrames | None = None) -> None:
         super().__init__(env)
@@ -142,18 +157,11 @@ class MaxPoolFrameSkip(gym.Wrapper):
         self.direct = direct
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
-        total = 0.0
-        first = 0
         if self.direct is not None:
-            first = max(self.skip - 2, 0)
-            for _ in range(first):
-                reward, terminated, truncated = self.direct.act(action)
-                total += reward
-                if terminated or truncated:
-                    obs, info = self.direct.observe()
-                    return obs, total, terminated, truncated, info
+            return self.direct.step(action, self.skip)
+        total = 0.0
         before_last = None
-        for i in range(first, self.skip):
+        for i in range(self.skip):
             obs, reward, terminated, truncated, info = self.env.step(action)
             total += float(reward)
             if terminated or truncated:
