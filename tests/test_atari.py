@@ -17,7 +17,7 @@ pytest.importorskip("ale_py", reason="the Atari tests need ale-py: pip install -
 from actors.env import EnvContext  # noqa: E402
 from actors.env.atari import AtariSettings, ale_env_id, direct_frames, make_atari  # noqa: E402
 from actors.env.atari_wrappers import (AreaResize, EpisodicLife, MaxPoolFrameSkip, NoopReset,  # noqa: E402
-                                       area_blocks, area_weights, clip_rewards)
+                                       area_blocks, area_matrix, area_weights, clip_rewards)
 from actors.modules import ActorCriticModule, QModule  # noqa: E402
 from actors.modules.encoders import CNNEncoder  # noqa: E402
 from actors.modules.export import export_policy  # noqa: E402
@@ -125,14 +125,7 @@ def test_area_resize_rounds_the_exact_area_mean_of_every_output_pixel():
 
         frame = rng.integers(0, 256, (h, w), dtype=np.uint8)
         out = AreaResize(Screen(), size).observation(frame)
-        dense = []
-        for n in (h, w):
-            index, weight = area_weights(n, size)
-            m = np.zeros((size, n))
-            for i in range(size):
-                np.add.at(m[i], index[i], weight[i])
-            dense.append(m)
-        exact = dense[0] @ frame.astype(np.float64) @ dense[1].T
+        exact = area_matrix(h, size) @ frame.astype(np.float64) @ area_matrix(w, size).T
         assert out.shape == (size, size, 1) and out.dtype == np.uint8
         assert np.abs(out[:, :, 0] - exact).max() <= 0.5 + 1e-3, ((h, w), size)
     assert area_blocks(210, 84).shape == (2, 5) and area_blocks(160, 84).shape == (21, 40)

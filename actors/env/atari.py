@@ -145,9 +145,9 @@ _STEP_TRANSPARENT = (gym.wrappers.OrderEnforcing, gym.wrappers.PassiveEnvChecker
 
 
 def direct_frames(env: gym.Env, config: Mapping[str, Any]) -> wrappers.DirectFrames | None:
-    """The ALE under ``env`` (``gym.make`` of an ALE id with ``config``, greyscale screens) for the frames a frame
-    skip does not pool, or None where emulating them directly would not be the same as stepping ``env``: a
-    wrapper that counts steps (``max_episode_steps``), continuous actions, sound in the observations."""
+    """The ALE under ``env`` (``gym.make`` of an ALE id with ``config``, greyscale screens) for a frame skip to
+    emulate its frames on, or None where that would not be the same as stepping ``env``: a wrapper that counts
+    steps (``max_episode_steps``), continuous actions, sound in the observations."""
     ale_env = env.unwrapped
     layer = env
     while layer is not ale_env:

@@ -46,16 +46,21 @@ def area_weights(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
     return index, weight
 
 
-def area_blocks(n_in: int, n_out: int) -> np.ndarray:
-    """``area_weights`` as one small dense matrix ``[q, p]``: with ``g = gcd(n_in, n_out)``, the input splits into
-    ``g`` runs of ``p = n_in / g`` samples, each averaged down to ``q = n_out / g`` outputs by the same weights
-    (210 rows -> 84: 42 runs of 5 rows to 2; 160 columns -> 84: 4 runs of 40 to 21)."""
+def area_matrix(n_in: int, n_out: int) -> np.ndarray:
+    """``area_weights`` as a dense ``[n_out, n_in]`` float64 matrix: ``out = matrix @ x``."""
     index, weight = area_weights(n_in, n_out)
-    p, q = n_in // math.gcd(n_in, n_out), n_out // math.gcd(n_in, n_out)
-    matrix = np.zeros((q, p), np.float32)
-    for i in range(q):  # the first run's weights; every run has the same
+    matrix = np.zeros((n_out, n_in))
+    for i in range(n_out):
         np.add.at(matrix[i], index[i], weight[i])
     return matrix
+
+
+def area_blocks(n_in: int, n_out: int) -> np.ndarray:
+    """``area_matrix`` as one small ``[q, p]`` float32 block: with ``g = gcd(n_in, n_out)``, the input splits into
+    ``g`` runs of ``p = n_in / g`` samples, each averaged down to ``q = n_out / g`` outputs by the same weights
+    (210 rows -> 84: 42 runs of 5 rows to 2; 160 columns -> 84: 4 runs of 40 to 21)."""
+    g = math.gcd(n_in, n_out)
+    return area_matrix(n_in, n_out)[:n_out // g, :n_in // g].astype(np.float32)  # the first run's; all are alike
 
 
 class AreaResize(gym.ObservationWrapper):
@@ -108,17 +113,17 @@ class NoopReset(gym.Wrapper):
 
 
 class DirectFrames:
-    """A frame skip emulated on the ALE itself: ``MaxPoolFrameSkip`` hands its whole step here, which acts frame
-    by frame and reads only the screens it pools (the second-to-last into a buffer kept for it), with none of
-    the per-frame screen copies, info dicts and wrapper calls of env steps (about 12% of a 4-frame step of Pong). Valid
-    only where no wrapper between the skip and the ALE env counts or changes steps
+    """A frame skip emulated on the ALE itself: ``MaxPoolFrameSkip`` hands its whole step here, which acts
+    frame by frame and reads only the screens it pools (the second-to-last into a buffer kept for it), with
+    none of the per-frame screen copies, info dicts and wrapper calls of env steps (about 12% of a 4-frame
+    step of Pong). Valid only where no wrapper between the skip and the ALE env counts or changes steps
     (``actors.env.atari.direct_frames`` checks that); a step returns what the same frames as env steps of
     the ALE env (greyscale screens) would, bit for bit."""
 
     def __init__(self, ale: Any, action_set: list) -> None:
         self.ale = ale
         self.action_set = action_set
-        self.before_last: np.ndarray | None = None
+        self.before_last = np.empty(ale.getScreenDims(), np.uint8)
 
     def step(self, action: Any, skip: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         ale = self.ale
@@ -131,10 +136,7 @@ class DirectFrames:
             if terminated or truncated:
                 break
             if i == skip - 2:
-                if self.before_last is None:
-                    self.before_last = ale.getScreenGrayscale()
-                else:
-                    ale.getScreenGrayscale(self.before_last)
+                ale.getScreenGrayscale(self.before_last)
                 pooled = True
         frame = ale.getScreenGrayscale()
         if pooled:
