@@ -1,6 +1,6 @@
 """Algorithm: builds the stages a config asks for, runs training iterations, saves and restores.
 
-An algorithm contributes only its pieces (see ``pipeline/algorithms/ppo.py``):
+An algorithm contributes only its pieces (see ``pipeline/algorithms/ppo/``):
 
 * ``config_class`` -- its settings; ``learner_class`` -- what a learner does with a batch (and,
   through its ``module_class``, the network every stage carries);

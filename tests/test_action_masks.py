@@ -22,9 +22,11 @@ from actors.env.settings import EnvRunnerSettings
 from actors.modules import ActorCriticModule, ModuleSpec, QModule
 from examples.tictactoe_selfplay import MODULE, TicTacToe, to_shared
 from pipeline import PPOConfig
-from pipeline.algorithms.dqn import DQNConfig, dqn_loss
-from pipeline.algorithms.impala import IMPALAConfig, impala_loss
-from pipeline.algorithms.ppo import ppo_loss
+from pipeline.algorithms.dqn.config import DQNConfig
+from pipeline.algorithms.dqn.learner import dqn_loss
+from pipeline.algorithms.impala.config import IMPALAConfig
+from pipeline.algorithms.impala.learner import impala_loss
+from pipeline.algorithms.ppo.learner import ppo_loss
 
 N = 9
 OBS = gym.spaces.Dict({"observation": gym.spaces.Box(-1.0, 1.0, (4,), np.float32),

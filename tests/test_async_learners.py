@@ -21,12 +21,12 @@ from actors.env import EnvRunner, EnvRunnerSettings
 from actors.learner.feed import FeedSettings, FreshBatches, LearnerFeed
 from actors.manager import ActorGroupError
 from pipeline import APPOConfig, ConfigError, IMPALAConfig
-from pipeline.algorithms.appo import CircularBuffer
-from pipeline.algorithms.impala import IMPALALearner
+from pipeline.algorithms.appo.learner import CircularBuffer
+from pipeline.algorithms.impala.learner import IMPALALearner
 from protocols.transport import ChunkSender
 from tests.test_impala_appo import check_cartpole
 from tests.helpers import train_until_seen
-from tests.pieces import RecordTrainedChunks
+from tests.pieces import RecordTrainedChunks, loaded_modules
 
 MAX_STEPS = 1_000_000  # the single-learner learning tests' budget (tests/test_impala_appo.py)
 
@@ -111,9 +111,14 @@ def test_two_impala_learners_train_their_own_runners_chunks_each_once(ray_cluste
         weights = algo.learner_group.foreach_learner(lambda l: l.get_weights())
         received = algo.learner_group.foreach_learner(lambda l: l.feed.receiver.stats())
         updates = algo.learner_group.foreach_learner(lambda l: l.num_updates)
+        modules = algo.learner_group.foreach_learner(loaded_modules)
     finally:
         algo.stop()
     assert runnel_threads() == []
+    # a learner actor loads its algorithm's config and learner modules, not the Algorithm (Ray Tune)
+    for loaded in modules:
+        assert {"pipeline.algorithms.impala.learner", "pipeline.algorithms.impala.config"} <= set(loaded)
+        assert not {"ray.tune", "pandas", "pipeline.algorithm"} & set(loaded), sorted(loaded)
     last = results[-1]
     assert algo.weights_version >= 5, algo.weights_version
     # identical weights after every update (gradients averaged every minibatch): 2 minibatches per update

@@ -8,9 +8,9 @@ import torch
 from actors.learner import batch_slices, combined_stats
 from actors.replay import ReplayBuffer, ReplaySettings
 from pipeline import CQLConfig, DQNConfig, SACConfig
-from pipeline.algorithms.cql import CQLLearner
-from pipeline.algorithms.dqn import DQNLearner
-from pipeline.algorithms.sac import SACLearner
+from pipeline.algorithms.cql.learner import CQLLearner
+from pipeline.algorithms.dqn.learner import DQNLearner
+from pipeline.algorithms.sac.learner import SACLearner
 from pipeline.groups.learner_group import shard_rows
 from protocols import EpisodeChunk
 

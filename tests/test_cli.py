@@ -12,7 +12,7 @@ import gymnasium as gym
 import pytest
 
 from pipeline import PPOConfig, register_env
-from pipeline.algorithms.ppo import PPO
+from pipeline.algorithms.ppo.algorithm import PPO
 from pipeline.cli.main import main
 
 SMALL = json.dumps({"train_batch_size_per_learner": 256, "minibatch_size": 128, "num_epochs": 2,

@@ -10,16 +10,18 @@ import pytest
 
 from actors.modules import ModelConfig
 from pipeline import PPOConfig
-from pipeline.algorithms.dqn import DQNConfig
+from pipeline.algorithms.dqn.config import DQNConfig
 from pipeline.config.compat import (ACCEPTED_KIND, IGNORED_KIND, MODEL_KEYS_CARRIED, NAMES, RENAMED_KIND,
                              UNSUPPORTED_KIND, is_harmless, migration_table, refusal)
 from pipeline.config.base import ALGORITHM_OF, AlgorithmConfig, ConfigError
+from pipeline.registry import register_builtins
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def all_settings() -> set[str]:
     """Every setting of every algorithm config."""
+    register_builtins()
     classes = {AlgorithmConfig, *ALGORITHM_OF}
     return {f.name for cls in classes for f in dataclasses.fields(cls) if f.name != "_unknown"}
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline import CQLConfig
-from pipeline.algorithms.cql import CQLLearner, bc_actor_loss, cql_regularizer
+from pipeline.algorithms.cql.learner import CQLLearner, bc_actor_loss, cql_regularizer
 from pipeline.config.base import ConfigError
 
 OBS = gym.spaces.Box(-1, 1, (3,), np.float32)

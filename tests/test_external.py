@@ -348,8 +348,8 @@ def test_plaintext_is_refused_off_loopback_unless_asked_for(tmp_path):
 
 
 def test_config_group_is_validated():
-    from pipeline.algorithms.impala import IMPALAConfig
-    from pipeline.algorithms.ppo import PPOConfig
+    from pipeline.algorithms.impala.config import IMPALAConfig
+    from pipeline.algorithms.ppo.config import PPOConfig
 
     spaces = {"observation_space": CARTPOLE.observation_space, "action_space": CARTPOLE.action_space}
     with pytest.raises(ConfigError, match="observation_space"):

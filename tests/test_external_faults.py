@@ -13,7 +13,7 @@ from collections import Counter
 import gymnasium as gym
 import pytest
 
-from pipeline.algorithms.ppo import PPOConfig
+from pipeline.algorithms.ppo.config import PPOConfig
 from protocols.client import PolicyClient, run_env
 from tests.test_external import free_port
 

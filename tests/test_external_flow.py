@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pipeline.algorithms.ppo import PPOConfig
+from pipeline.algorithms.ppo.config import PPOConfig
 from pipeline.config.external import external_settings
 from protocols import external as wire
 from protocols.client import PolicyClient, run_env
@@ -76,7 +76,7 @@ def test_ppo_holds_clients_to_fresh_experience_by_default():
     two = PPOConfig().environment(**SPACES).env_runners(num_env_runners=2).training(
         train_batch_size_per_learner=1000).external_clients()
     assert external_settings(two).max_unacked_steps == 500 + external_settings(two).fragment_length
-    from pipeline.algorithms.dqn import DQNConfig
+    from pipeline.algorithms.dqn.config import DQNConfig
 
     dqn = external_settings(DQNConfig().environment(**SPACES).external_clients())
     assert dqn.max_policy_lag is None and dqn.hold_acts_while_training is False

@@ -14,8 +14,10 @@ import torch
 
 from actors.metrics import MetricsLogger
 from actors.replay import ReplayBuffer, ReplaySettings
-from pipeline.algorithms.dqn import DQNConfig, DQNLearner
-from pipeline.algorithms.ppo import PPOConfig, PPOLearner
+from pipeline.algorithms.dqn.config import DQNConfig
+from pipeline.algorithms.dqn.learner import DQNLearner
+from pipeline.algorithms.ppo.config import PPOConfig
+from pipeline.algorithms.ppo.learner import PPOLearner
 from pipeline.groups.learner_group import LearnerGroup
 from protocols import external as wire
 from protocols.client import PolicyClient

@@ -19,8 +19,8 @@ from actors.learner import ChunkBatch
 from actors.modules import ActorCriticModule as RLModule
 from pipeline import APPO, APPOConfig, IMPALA, IMPALAConfig, Algorithm, ConfigError, get_algorithm
 from pipeline.plans.asynchronous import max_weights_lag
-from pipeline.algorithms.appo import APPOLearner, CircularBuffer, appo_loss
-from pipeline.algorithms.impala import IMPALALearner, impala_loss
+from pipeline.algorithms.appo.learner import APPOLearner, CircularBuffer, appo_loss
+from pipeline.algorithms.impala.learner import IMPALALearner, impala_loss
 from tests.envs import FlakyEnv
 from tests.helpers import train_until_seen
 
@@ -459,7 +459,7 @@ def test_local_streaming_runner_trains_and_stops(ray_cluster, config_cls):
 
 
 def test_stream_compression_auto_follows_the_observation_dtype():
-    from pipeline.algorithms.impala import IMPALA
+    from pipeline.algorithms.impala.algorithm import IMPALA
 
     class Probe:
         def __init__(self, space, setting):

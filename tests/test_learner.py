@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from actors.learner import piecewise
-from pipeline.algorithms.ppo import PPOConfig, PPOLearner
+from pipeline.algorithms.ppo.config import PPOConfig
+from pipeline.algorithms.ppo.learner import PPOLearner
 
 OBS, ACT = gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(2)
 

@@ -27,7 +27,8 @@ from actors.env.settings import EnvRunnerSettings
 from actors.learner import MultiLearner
 from actors.metrics import MetricsLogger
 from actors.modules import ModuleSpec
-from pipeline.algorithms.ppo import PPOConfig, PPOLearner
+from pipeline.algorithms.ppo.config import PPOConfig
+from pipeline.algorithms.ppo.learner import PPOLearner
 from protocols.codec import decode_chunks
 
 CARTPOLES = make_multi_agent("CartPole-v1")

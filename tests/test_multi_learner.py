@@ -25,7 +25,8 @@ from actors.env.multi_agent_env import make_multi_agent
 from actors.env.multi_agent_sampler import MultiAgentSampler
 from actors.learner import ALL_MODULES, Learner, MultiLearner
 from actors.modules.multi import MultiRLModule
-from pipeline.algorithms.ppo import PPOConfig, PPOLearner
+from pipeline.algorithms.ppo.config import PPOConfig
+from pipeline.algorithms.ppo.learner import PPOLearner
 from protocols.codec import encode
 
 CARTPOLES = make_multi_agent("CartPole-v1")

@@ -10,8 +10,8 @@ import torch
 
 from actors.modules import QModule, SACModule
 from pipeline import Algorithm, ConfigError, DQNConfig, SACConfig
-from pipeline.algorithms.dqn import categorical_projection, dqn_loss
-from pipeline.algorithms.sac import sac_actor_loss, sac_alpha_loss, sac_critic_loss
+from pipeline.algorithms.dqn.learner import categorical_projection, dqn_loss
+from pipeline.algorithms.sac.learner import sac_actor_loss, sac_alpha_loss, sac_critic_loss
 from tests.helpers import straight_and_resumed
 
 OBS = gym.spaces.Box(-1, 1, (3,), np.float32)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from actors.modules import ActorCriticModule as RLModule
-from pipeline.algorithms.ppo import PPOConfig, ppo_loss
+from pipeline.algorithms.ppo.config import PPOConfig
+from pipeline.algorithms.ppo.learner import ppo_loss
 
 
 def fake_batch(module, n=64, seed=0):

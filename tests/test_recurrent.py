@@ -12,7 +12,7 @@ from actors.env import EnvRunner, EnvRunnerSettings
 from actors.learner.sequences import chunks_to_sequences
 from actors.modules import ActorCriticModule
 from pipeline import ConfigError, PPOConfig
-from pipeline.algorithms.ppo import PPOLearner
+from pipeline.algorithms.ppo.learner import PPOLearner
 from protocols.codec import decode, encode
 from protocols.episode import EpisodeChunk
 from tests.envs import StatelessCartPole
@@ -142,8 +142,10 @@ def _fake_chunks(lengths, seed=0):
 
 @pytest.mark.parametrize("algo", ["IMPALA", "APPO"])
 def test_vtrace_learners_train_on_sequences_without_an_environment(algo):
-    from pipeline.algorithms.appo import APPOConfig, APPOLearner
-    from pipeline.algorithms.impala import IMPALAConfig, IMPALALearner
+    from pipeline.algorithms.appo.config import APPOConfig
+    from pipeline.algorithms.appo.learner import APPOLearner
+    from pipeline.algorithms.impala.config import IMPALAConfig
+    from pipeline.algorithms.impala.learner import IMPALALearner
 
     config_cls, learner_cls = (IMPALAConfig, IMPALALearner) if algo == "IMPALA" else (APPOConfig, APPOLearner)
     config = (config_cls().environment(observation_space=OBS, action_space=ACT).rl_module(model_config=LSTM)

@@ -16,7 +16,7 @@ from actors.modules import QModule
 from actors.replay import ReplaySettings
 from actors.replay.sequences import SequenceReplay
 from pipeline import ConfigError, DQNConfig
-from pipeline.algorithms.dqn_recurrent import h_inverse, h_rescale, r2d2_loss, sequence_n_step, sequence_priorities
+from pipeline.algorithms.dqn.recurrent import h_inverse, h_rescale, r2d2_loss, sequence_n_step, sequence_priorities
 from protocols.episode import EpisodeChunk
 from tests.envs import StatelessCartPole
 

@@ -12,7 +12,7 @@ from actors.manager import ActorManager, FaultToleranceSettings
 from actors.modules import ActorCriticModule, ModuleSpec, MultiRLModule
 from actors.modules.distributions import ActionDistSpec
 from pipeline import PPOConfig
-from pipeline.algorithms.ppo import PPOLearner
+from pipeline.algorithms.ppo.learner import PPOLearner
 from tests.envs import CountingEnv
 
 OBS, ACT = gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(2)

@@ -46,7 +46,7 @@ class ModelConfig:
     """Initial log standard deviation of Gaussian (Box) action distributions."""
     use_lstm: bool = False
     """An LSTM between the MLP trunk and the heads (policy and value share it): the policy remembers
-    across steps. PPO, IMPALA, APPO, and DQN (R2D2: replayed sequences, ``pipeline.algorithms.dqn_recurrent``)."""
+    across steps. PPO, IMPALA, APPO, and DQN (R2D2: replayed sequences, ``pipeline.algorithms.dqn.recurrent``)."""
     lstm_cell_size: int = 256
     """Units of the LSTM's hidden and cell state."""
     max_seq_len: int = 20

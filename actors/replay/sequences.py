@@ -7,7 +7,7 @@ and rewards, its start state and whether its episode terminated at its end -- pa
 Slots are overwritten oldest first. A batch is a set of slots, drawn uniformly or (``prioritized``) in
 proportion to ``priority ** alpha``, where a sequence's priority is R2D2's mix of its steps' absolute TD
 errors: ``eta * max + (1 - eta) * mean``. Returns are not computed here: the loss needs the online and target
-networks over the whole sequence anyway (``pipeline.algorithms.dqn_recurrent``).
+networks over the whole sequence anyway (``pipeline.algorithms.dqn.recurrent``).
 
 Burn-in (``burn_in=True``): each stored sequence remembers the slot of the chunk before it in its episode (while
 that slot still holds it), and a batch carries that chunk's steps and stored state (``burn_obs``,

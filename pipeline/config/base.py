@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -53,6 +54,10 @@ hold the config class, sends Ray's class fingerprinting (``dis`` over class attr
 @dataclass
 class AlgorithmConfig:
     algo_name: ClassVar[str] = "Algorithm"
+    algorithm_module: ClassVar[str | None] = None
+    """The module that defines this config's algorithm (and registers it on import): ``build()`` imports
+    it on first use. A config module imports no Ray Tune, so learner actors, which unpickle the config,
+    start without it."""
     synchronous_sampling: ClassVar[bool] = True
     """The algorithm asks its env runners for batches (PPO, DQN, SAC) rather than streaming from them."""
     trains_on_policy: ClassVar[bool] = False
@@ -376,10 +381,19 @@ class AlgorithmConfig:
 
     def get_default_learner_class(self) -> type:
         """The learner class of this config's algorithm (RLlib's name)."""
+        return self.algorithm_class().learner_class
+
+    def algorithm_class(self) -> type:
+        """The algorithm this config builds, its module imported if it is not yet."""
         algo_class = ALGORITHM_OF.get(type(self))
+        if algo_class is None and type(self).algorithm_module:
+            importlib.import_module(type(self).algorithm_module)
+            algo_class = ALGORITHM_OF.get(type(self))
         if algo_class is None:
-            raise ConfigError(f"{type(self).__name__} belongs to no algorithm; use an algorithm's config")
-        return algo_class.learner_class
+            raise ConfigError(f"{type(self).__name__} belongs to no algorithm; use an algorithm's config "
+                              f"(PPOConfig, IMPALAConfig, APPOConfig...) or register one with "
+                              f"pipeline.register_algorithm")
+        return algo_class
 
     def get_multi_rl_module_spec(self, env: Any = None, spaces: Any = None, **kwargs: Any) -> Any:
         """A module spec for this config's module on ``env``'s spaces (or ``spaces=(obs, act)``); runnel
@@ -571,10 +585,7 @@ class AlgorithmConfig:
 
     def build(self, **kwargs: Any):
         """Validate and build the algorithm this config belongs to."""
-        algo_class = ALGORITHM_OF.get(type(self))
-        if algo_class is None:
-            raise ConfigError(f"{type(self).__name__} belongs to no algorithm; use an algorithm's config "
-                              f"(PPOConfig, IMPALAConfig, APPOConfig...)")
+        algo_class = self.algorithm_class()
         self.validate()
         return algo_class(self.copy(), **kwargs)
 

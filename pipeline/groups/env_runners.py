@@ -8,7 +8,7 @@ from typing import Any, Callable
 from actors.callbacks import build_callbacks, overrides
 from actors.env import EnvRunnerSettings
 from actors.env.env_runner import EPISODE_HOOKS, EnvRunner
-from pipeline.config.base import ALGORITHM_OF, AlgorithmConfig, ConfigError
+from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.config.multi_agent import settings_used
 from pipeline.config.plain import resolve_import_path
 from pipeline.envs import env_creator, probe_spaces
@@ -107,16 +107,14 @@ class SingleAgentEnvRunner(EnvRunner):
     def __init__(self, config: AlgorithmConfig, worker_index: int = 0, **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"SingleAgentEnvRunner() got unexpected arguments {sorted(kwargs)}")
-        algo_cls = ALGORITHM_OF.get(type(config))
-        if algo_cls is None:
-            raise ConfigError(f"{type(config).__name__} belongs to no algorithm; use an algorithm's config (PPOConfig...)")
+        module_class = config.get_default_learner_class().module_class  # a ConfigError names the fix
         config.validate()
         creator = env_creator(config.env)
         obs_space, act_space = config.observation_space, config.action_space
         if obs_space is None or act_space is None:
             probed = probe_spaces(creator, config.env_config)
             obs_space, act_space = obs_space or probed[0], act_space or probed[1]
-        settings = runner_settings(config, creator, algo_cls.learner_class.module_class, obs_space, act_space)
+        settings = runner_settings(config, creator, module_class, obs_space, act_space)
         if runner_backend(config) == "auto":  # RLlib's env runner holds its RLModule (``runner.module``): torch
             settings.numpy_policy = None
         super().__init__(settings, worker_index=worker_index)

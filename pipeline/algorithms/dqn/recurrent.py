@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from actors.modules import QModule
-from protocols import nested
 
 PRIORITY_ETA = 0.9
 """R2D2's weight of a sequence's largest TD error in its priority (the rest: the mean)."""

@@ -1,39 +1,15 @@
-"""IMPALA: importance-weighted actor-learner architecture (Espeholt et al., 2018), asynchronous.
-
-Runners stream fragments, the learner trains on whatever arrives and corrects the policy lag with
-V-trace (the ratio of the learner's and the behaviour policy's action probabilities); the loop is
-``pipeline.plans.asynchronous.AsyncPlan``. Here: ``IMPALAConfig``, ``impala_loss`` (a pure function of
-module, batch and config), ``IMPALALearner`` and ``IMPALA``. With ``num_learners=0`` the learner runs in
-the driver beside the loader thread that receives every stream; with ``num_learners=n`` it runs as n Ray
-actors, each receiving the streams of its own env runners (runner i feeds learner ``i mod n``) and
-cutting its own batches of ``train_batch_size_per_learner`` steps, gradients averaged every minibatch
-and weights broadcast from learner 0 (``actors.learner.feed``, ``pipeline.plans.learner_feeds``).
-Multi-agent runs and external clients train with ``num_learners=0`` only.
-"""
+"""What an IMPALA learner runs: ``impala_loss`` (pure) and ``IMPALALearner``. Imports no Ray Tune."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from actors.learner import Learner, grad_if, piecewise
 from actors.modules import RLModule
-from pipeline.algorithm import Algorithm
-from pipeline.algorithms.vtrace import VTraceSettings, sgd_epochs, value_pass, vtrace_targets
-from pipeline.plans.asynchronous import AsyncPlan, AsyncPlanSettings
-from pipeline.config.base import AlgorithmConfig
-from pipeline.registry import register_algorithm
+from pipeline.algorithms.impala.config import IMPALAConfig
+from pipeline.algorithms.vtrace import sgd_epochs, value_pass, vtrace_targets
 from protocols.episode import EpisodeChunk
-
-
-# defaults tuned for CartPole-speed tasks; they are sound elsewhere (scale the batch up for harder ones)
-@dataclass
-class IMPALAConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
-    algo_name = "IMPALA"
-
-    def _problems(self) -> list[str]:
-        return super()._problems() + self.async_plan_problems() + self.vtrace_problems()
 
 
 def impala_loss(module: RLModule, batch: dict[str, Any], config: IMPALAConfig,
@@ -93,16 +69,3 @@ class IMPALALearner(Learner):
         out["num_module_steps_trained"] = float(len(b))
         return out
 
-
-@register_algorithm
-class IMPALA(Algorithm):
-    config_class = IMPALAConfig
-    learner_class = IMPALALearner
-
-    def build_plan(self) -> AsyncPlan:
-        return AsyncPlan(self.config, self.env_runner_group, self.learner_group, self.metrics,
-                         self.observation_space, self.action_space, compress=self.compress_frames(),
-                         multi_agent=self.multi_agent)
-
-    def training_step(self) -> None:
-        self.plan.training_step()

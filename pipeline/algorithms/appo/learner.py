@@ -1,28 +1,9 @@
-"""APPO: asynchronous PPO with V-trace and a target network (IMPACT, Luo et al., 2020), as in RLlib.
-
-The loop is IMPALA's (``pipeline.plans.asynchronous.AsyncPlan``); APPO changes what a learner does with a
-batch and where batches come from:
-
-* **Target network**: a frozen copy of the policy, refreshed every ``target_network_update_freq``
-  updates. It is the "old" policy of the PPO clip ratio and of the KL term, and the target policy
-  of V-trace (the behaviour policy is the runners' slightly older one).
-* **Surrogate**: ``ratio = clip(pi_behaviour / pi_target, 0, target_worker_clipping) * pi / pi_behaviour``
-  (about ``pi / pi_target``), clipped to ``1 +- clip_param`` as in PPO, times the V-trace
-  policy-gradient advantages; value loss to the V-trace targets; entropy bonus; optionally an
-  adaptive KL(target || current) penalty whose coefficient is tuned at each target update.
-* **Circular buffer**: each train batch from the queue joins a buffer of
-  ``circular_buffer_num_batches``; every update trains on a random buffered batch, and a batch
-  leaves after ``circular_buffer_iterations_per_batch`` updates (or when it is the oldest and a new
-  batch comes in). A learner faster than the runners reuses data up to K times instead of waiting.
-
-With ``num_learners=n > 0`` each learner actor keeps its own circular buffer and target network and
-is fed by its own env runners (``actors.learner.feed``); their gradients are averaged, so the learners'
-weights -- and hence their target networks -- stay identical.
-"""
+"""What an APPO learner runs: ``appo_loss`` (pure), ``APPOLearner`` (target network, KL coefficient) and
+``CircularBuffer``, the learner's batch source (in the driver, or in each learner actor with
+``num_learners > 0``). Imports no Ray Tune."""
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,59 +13,10 @@ from torch import nn
 from actors.learner import ChunkBatch, Learner, grad_if, piecewise
 from actors.learner.feed import TakeBatch
 from actors.modules import RLModule
-from pipeline.algorithm import Algorithm
+from pipeline.algorithms.appo.config import APPOConfig
 from pipeline.algorithms.returns import adapt_kl_coeff, normalized
-from pipeline.algorithms.vtrace import VTraceSettings, policy_inputs, sgd_epochs, value_pass, vtrace_targets
-from pipeline.plans.asynchronous import AsyncPlan, AsyncPlanSettings
-from pipeline.config.base import AlgorithmConfig
-from pipeline.config.checks import is_int, is_number
-from pipeline.registry import register_algorithm
+from pipeline.algorithms.vtrace import policy_inputs, sgd_epochs, value_pass, vtrace_targets
 from protocols.episode import EpisodeChunk
-
-
-@dataclass
-class APPOConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
-    algo_name = "APPO"
-
-    broadcast_interval: int = 2
-    """Send new weights to the runners every this many updates (APPO updates up to
-    ``circular_buffer_iterations_per_batch`` times per sampled batch: 2 keeps IMPALA's rate per env step)."""
-    entropy_coeff: float | list = 0.0
-    """Weight of the entropy bonus, or a schedule ``[[timestep, coeff], ...]``."""
-    clip_param: float = 0.4
-    """PPO clip range for the ratio of the current to the target policy."""
-    use_kl_loss: bool = False
-    """Add an adaptive KL(target || current) penalty to the loss."""
-    kl_coeff: float = 1.0
-    """Initial coefficient of the KL penalty."""
-    kl_target: float = 0.01
-    """At each target update the KL coefficient grows x1.5 above 2x this KL, and halves below half of it."""
-    target_network_update_freq: int = 4
-    """Refresh the target network (and tune the KL coefficient) every this many learner updates."""
-    target_worker_clipping: float = 2.0
-    """Upper clip of the behaviour-to-target probability ratio inside the surrogate's ratio."""
-    circular_buffer_num_batches: int = 4
-    """Train batches the circular buffer holds (N in the IMPACT paper)."""
-    circular_buffer_iterations_per_batch: int = 2
-    """Updates a batch may serve before it leaves the buffer (K in the IMPACT paper)."""
-    normalize_advantages: bool = False
-    """Scale each minibatch's V-trace policy-gradient advantages to zero mean and unit variance (runnel's own;
-    Sample Factory's APPO does it by default, RLlib's does not): once the value function is good the raw
-    advantages of a sparse-reward task are small beside the entropy bonus."""
-
-    def _problems(self) -> list[str]:
-        problems = super()._problems() + self.async_plan_problems() + self.vtrace_problems()
-        if not is_number(self.clip_param) or not 0 < self.clip_param < 1:
-            problems.append(f"clip_param must be in (0, 1), got {self.clip_param!r}")
-        for key in ("kl_coeff", "kl_target", "target_worker_clipping"):
-            if not is_number(getattr(self, key)) or getattr(self, key) <= 0:
-                problems.append(f"{key} must be a number > 0, got {getattr(self, key)!r}")
-        if not isinstance(self.normalize_advantages, bool):
-            problems.append(f"normalize_advantages must be True or False, got {self.normalize_advantages!r}")
-        for key in ("target_network_update_freq", "circular_buffer_num_batches", "circular_buffer_iterations_per_batch"):
-            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
-                problems.append(f"{key} must be an int >= 1, got {getattr(self, key)!r}")
-        return problems
 
 
 # --- loss -------------------------------------------------------------------------------------
@@ -231,18 +163,3 @@ class CircularBuffer:
         return {"size": len(self), "num_batches_added": self.num_added,
                 "num_batches_evicted_unused": self.num_evicted_unused, "num_batches_reused": self.num_reused}
 
-
-@register_algorithm
-class APPO(Algorithm):
-    config_class = APPOConfig
-    learner_class = APPOLearner
-
-    def build_plan(self) -> AsyncPlan:
-        cfg = self.config
-        buffer = CircularBuffer(cfg.circular_buffer_num_batches, cfg.circular_buffer_iterations_per_batch, cfg.seed)
-        return AsyncPlan(cfg, self.env_runner_group, self.learner_group, self.metrics, self.observation_space,
-                         self.action_space, compress=self.compress_frames(), batches=buffer,
-                         multi_agent=self.multi_agent)
-
-    def training_step(self) -> None:
-        self.plan.training_step()

@@ -1,24 +1,17 @@
-"""BC: behaviour cloning from recordings -- MARWIL with ``beta = 0`` and no value function.
-
-The policy is fit by maximum likelihood of the recorded actions
-(``pipeline.algorithms.marwil.marwil_loss`` with unit weights); everything else, reading and
-evaluation included, is MARWIL's (``MARWILLearner``, ``offline_training_step``).
-"""
+"""BC's settings: ``BCConfig``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.algorithm import Algorithm
-from pipeline.algorithms.marwil import MARWILLearner, offline_training_step
 from pipeline.config.base import AlgorithmConfig
 from pipeline.config.offline import input_required_problems
-from pipeline.registry import register_algorithm
 
 
 @dataclass
 class BCConfig(AlgorithmConfig):
     algo_name = "BC"
+    algorithm_module = "pipeline.algorithms.bc.algorithm"
 
     beta: ClassVar[float] = 0.0  # fixed: unweighted likelihood
     vf_coeff: ClassVar[float] = 0.0  # fixed: no value function to fit
@@ -44,11 +37,3 @@ class BCConfig(AlgorithmConfig):
                             f"({self.train_batch_size_per_learner})")
         return problems
 
-
-@register_algorithm
-class BC(Algorithm):
-    config_class = BCConfig
-    learner_class = MARWILLearner
-
-    def training_step(self) -> None:
-        offline_training_step(self)

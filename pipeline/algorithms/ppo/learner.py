@@ -1,18 +1,9 @@
-"""PPO: proximal policy optimization (Schulman et al., 2017), synchronous.
-
-Each training step: every env runner samples its share of ``train_batch_size_per_learner``
-steps with the current weights; the learner(s) compute GAE with their own value function and
-run ``num_epochs`` passes of minibatch SGD on the clipped surrogate loss; new weights go out.
-Here: ``PPOConfig`` (settings), ``ppo_loss`` (a pure function of module, batch and config),
-``PPOLearner`` (its update and its one piece of state, the KL coefficient) and ``PPO`` (the step).
-
-The defaults solve CartPole-v1 and are sound elsewhere (``tuned/cartpole-ppo.yaml`` holds CartPole's faster
-settings: half the env steps); scale ``train_batch_size_per_learner`` up for harder tasks.
-"""
+"""What a PPO learner runs (in the driver or as a Ray actor): ``ppo_loss``, a pure function of module,
+batch and settings, and ``PPOLearner``, GAE then minibatch SGD, with its one piece of state (the KL
+coefficient). Imports no Ray Tune: learner actors load this module and the config's, not ``algorithm``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,68 +11,9 @@ import torch
 from actors.learner import Learner, as_batch, grad_if, piecewise
 from actors.learner.sequences import chunks_to_sequences, sequence_outputs, sequence_sgd
 from actors.modules import RLModule
-from pipeline.algorithm import Algorithm
+from pipeline.algorithms.ppo.config import PPOConfig
 from pipeline.algorithms.returns import adapt_kl_coeff, gae, normalized
-from pipeline.config.base import AlgorithmConfig
-from pipeline.registry import register_algorithm
-from protocols import nested
 from protocols.episode import EpisodeChunk
-
-
-@dataclass
-class PPOConfig(AlgorithmConfig):
-    algo_name = "PPO"
-    trains_on_policy = True
-    supports_recurrent: ClassVar[bool] = True
-    """``model_config`` ``use_lstm``: the learner unrolls chunks as sequences (``train_on_sequences``)."""
-
-    gamma: float = 0.995
-    """Discount factor. 0.995 (a ~200-step horizon) rather than 0.99: on CartPole-v1 it reached a mean
-    return of 450 within 200k steps on 8 of 8 seeds, where 0.99 missed on 1 of 8."""
-    lr: float | list = 1e-3
-    """Learning rate, or a piecewise-linear schedule ``[[timestep, lr], ...]``."""
-    train_batch_size_per_learner: int = 2000
-    """Env steps per learner per update."""
-    minibatch_size: int = 500
-    """Steps per SGD minibatch."""
-    num_epochs: int = 8
-    """SGD passes over each train batch."""
-    lambda_: float = 0.95
-    """GAE lambda: bias/variance trade-off of the advantage estimate."""
-    use_gae: bool = True
-    """Use GAE advantages; False uses plain discounted returns minus the value baseline (lambda = 1)."""
-    use_critic: bool = True
-    """Learn a value function (needed for GAE)."""
-    clip_param: float = 0.2
-    """PPO clip range for the probability ratio."""
-    vf_clip_param: float | None = None
-    """Clip the squared value error at this (RLlib's default of 10 stalls the critic once returns
-    exceed ~3, so runnel leaves it off); None disables."""
-    vf_loss_coeff: float = 0.5
-    """Weight of the value loss in the total loss."""
-    entropy_coeff: float | list = 0.0
-    """Weight of the entropy bonus, or a schedule ``[[timestep, coeff], ...]``."""
-    use_kl_loss: bool = False
-    """Add an adaptive KL(old || new) penalty to the loss."""
-    kl_coeff: float = 0.2
-    """Initial coefficient of the KL penalty."""
-    kl_target: float = 0.01
-    """The KL coefficient grows x1.5 when the KL exceeds 2x this, and halves below half of it."""
-    normalize_advantages: bool = True
-    """Standardize advantages per minibatch."""
-
-    def _problems(self) -> list[str]:
-        problems = super()._problems()
-        if not 0 < self.clip_param < 1:
-            problems.append(f"clip_param must be in (0, 1), got {self.clip_param!r}")
-        if not 0 <= self.lambda_ <= 1:
-            problems.append(f"lambda_ must be in [0, 1], got {self.lambda_!r}")
-        if self.use_gae and not self.use_critic:
-            problems.append("use_gae=True needs use_critic=True (GAE bootstraps from the value function)")
-        if self.minibatch_size > self.train_batch_size_per_learner:
-            problems.append(f"minibatch_size ({self.minibatch_size}) must not exceed train_batch_size_per_learner "
-                            f"({self.train_batch_size_per_learner})")
-        return problems
 
 
 def ppo_loss(module: RLModule, batch: dict[str, Any], config: PPOConfig, kl_coeff: float,
@@ -199,23 +131,3 @@ class PPOLearner(Learner):
                            len(b), cfg.minibatch_size, num_minibatches, cfg.num_epochs)
         return self._after_sgd(out, kl_coeff, entropy_coeff, len(b))
 
-
-@register_algorithm
-class PPO(Algorithm):
-    config_class = PPOConfig
-    learner_class = PPOLearner
-
-    def training_step(self) -> None:
-        """Sample a train batch from every runner, one learner update, weights out."""
-        cfg, m = self.config, self.metrics
-        batch_size = cfg.train_batch_size_per_learner * max(1, cfg.num_learners)
-        sampled0 = self.counters["num_env_steps_sampled_lifetime"]
-        with m.log_time("timers/env_runner_sampling_timer"):
-            chunks = self.env_runner_group.sample(batch_size, m)
-        sampled = self.counters["num_env_steps_sampled_lifetime"]
-        # multi-agent chunks count agent steps: the learners are told the env steps the batch holds
-        env_steps = {} if self.multi_agent is None else {"num_env_steps": sampled - sampled0}
-        with m.log_time("timers/learner_update_timer"):
-            self.learner_group.update(chunks, sampled, m, **env_steps)
-        with m.log_time("timers/synch_weights"):
-            self.sync_weights()

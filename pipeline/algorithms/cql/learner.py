@@ -1,82 +1,17 @@
-"""CQL: conservative Q-learning (Kumar et al., 2020) on top of SAC, trained from recordings.
-
-Offline RL's failure mode is a critic that overrates actions the data never took: the actor
-climbs toward them and the policy falls apart. CQL adds a regularizer to SAC's critic loss that
-pushes Q down on actions drawn from outside the data (uniform random actions, and the current
-policy's actions at ``s`` and ``s'``) -- a soft maximum over them, ``temperature * logsumexp(Q /
-temperature)`` -- and up on the recorded actions, weighted by ``min_q_weight``. With
-``lagrangian=True`` that weight is learned instead, so the gap stays near ``lagrangian_thresh``.
-For the first ``bc_iters`` updates the actor imitates the recorded actions (behaviour cloning)
-before it follows the critic.
-
-Data flow: readers (``actors.offline.OfflineReader``) take the env runners' place and hand
-recorded chunks to SAC's off-policy plan, whose replay stage stores them and samples transitions
-(``next_obs``, n-step discounts) exactly as for online SAC; so CQL reuses the plan, the replay
-and SAC's losses unchanged and adds only its regularizer. The replay acts as a large shuffle
-buffer over the recording (``replay_buffer_config.capacity`` >= the recording's steps keeps all
-of it). CQL extends SAC as in the paper: ``CQLConfig`` adds CQL's settings to ``SACConfig`` and
-``CQLLearner`` replaces the critic step of ``SACLearner`` -- one level, nothing deeper.
-"""
+"""What a CQL learner runs: ``cql_regularizer`` and ``bc_actor_loss`` (pure) and ``CQLLearner``, SAC's
+learner with the conservative critic step. Imports no Ray Tune."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from actors.learner import Optimizer
 from actors.modules import SACModule
-from pipeline.algorithm import Algorithm
-from pipeline.algorithms.sac import SACConfig, SACLearner, frozen, sac_actor_loss, sac_alpha_loss, sac_critic_loss
-from pipeline.config.checks import is_number
-from pipeline.config.offline import input_required_problems
-from pipeline.plans.offpolicy import OffPolicyPlan, polyak
-from pipeline.registry import register_algorithm
-
-
-@dataclass
-class CQLConfig(SACConfig):
-    algo_name = "CQL"
-
-    bc_iters: int = 20_000
-    """Updates during which the actor imitates the recorded actions (then it maximizes Q as SAC's)."""
-    temperature: float = 1.0
-    """Temperature of the soft maximum over out-of-data actions in the regularizer."""
-    num_actions: int = 10
-    """Actions sampled per state for that soft maximum (each of: uniform random, policy at s, policy at s')."""
-    min_q_weight: float = 5.0
-    """Weight of the regularizer (with ``lagrangian``: its scale before the learned multiplier)."""
-    lagrangian: bool = False
-    """Learn the regularizer's multiplier so that the Q gap stays near ``lagrangian_thresh``."""
-    lagrangian_thresh: float = 5.0
-    """Target gap between the soft maximum and the data's Q when ``lagrangian`` is on."""
-    rollout_fragment_length: int | str = 1000
-    """Recorded steps a reader hands to replay per training step."""
-    min_sample_timesteps_per_iteration: int = 0
-    """CQL samples no env (a training step reads ``rollout_fragment_length`` recorded steps): one per ``train()``."""
-    training_intensity: float | None = 256.0
-    """Transitions trained per transition read: 256 with batches of 256 is one update per recorded step read."""
-    num_steps_sampled_before_learning_starts: int = 10_000
-    """Recorded steps in replay before the first update."""
-    replay_buffer_config: dict = field(default_factory=lambda: {"type": "EpisodeReplayBuffer", "capacity": 1_000_000})
-    """See ``OffPolicySettings``: the replay holds (up to ``capacity`` steps of) the recording."""
-    actor_lr: float | list = 1e-4
-    """Learning rate of the policy (CQL's paper: lower than the critic's)."""
-    critic_lr: float | list = 3e-4
-    """Learning rate of the twin critics."""
-
-    def _problems(self) -> list[str]:
-        problems = super()._problems() + input_required_problems(self)
-        for key in ("bc_iters", "num_actions"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "num_actions" else 0):
-                problems.append(f"{key} must be an int >= {1 if key == 'num_actions' else 0}, got {value!r}")
-        for key in ("temperature", "min_q_weight", "lagrangian_thresh"):
-            value = getattr(self, key)
-            if not is_number(value) or value < 0 or (key == "temperature" and value == 0):
-                problems.append(f"{key} must be a number {'> 0' if key == 'temperature' else '>= 0'}, got {value!r}")
-        return problems
+from pipeline.algorithms.cql.config import CQLConfig
+from pipeline.algorithms.sac.learner import SACLearner, frozen, sac_actor_loss, sac_alpha_loss, sac_critic_loss
+from pipeline.plans.offpolicy import polyak
 
 
 def cql_regularizer(module: SACModule, batch: dict[str, Any], config: Any,
@@ -188,14 +123,3 @@ def bc_actor_loss(module: SACModule, batch: dict[str, Any],
     return loss, {"actor_loss": loss.detach(), "bc_logp": data_logp.detach().mean(),
                   "entropy": -logp.detach().mean()}, logp.detach()
 
-
-@register_algorithm
-class CQL(Algorithm):
-    config_class = CQLConfig
-    learner_class = CQLLearner
-
-    def build_plan(self) -> OffPolicyPlan:
-        return OffPolicyPlan.of(self)
-
-    def training_step(self) -> None:
-        self.plan.training_step()
