@@ -191,6 +191,11 @@ class ChunkReceiver:
         """Train batches waiting in the learner queue."""
         return self._queue.qsize()
 
+    def batches_waiting_for_room(self) -> int:
+        """Batches built while the learner queue was full: until they are queued the loader reads nothing
+        more, and the senders' buffers fill up (back-pressure)."""
+        return len(self._ready)
+
     def sender_lost(self, sender: str) -> int:
         """``sender``'s actor died while streaming: its open episodes end here (counted as cut, see
         ``protocols.stream_ledger``). Returns how many were cut."""
