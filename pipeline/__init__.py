@@ -9,26 +9,19 @@ algorithm (with Ray Tune too, so ``tune.Tuner("PPO")`` finds it), as importing `
 from __future__ import annotations
 
 import importlib
-from typing import Any
+
+from pipeline.algorithms.lazy import lazy_exports
 
 _HOMES = {
     "pipeline.algorithm": ["Algorithm"],
-    "pipeline.algorithms.appo.algorithm": ["APPO"],
-    "pipeline.algorithms.appo.config": ["APPOConfig"],
-    "pipeline.algorithms.bc.algorithm": ["BC"],
-    "pipeline.algorithms.bc.config": ["BCConfig"],
-    "pipeline.algorithms.cql.algorithm": ["CQL"],
-    "pipeline.algorithms.cql.config": ["CQLConfig"],
-    "pipeline.algorithms.dqn.algorithm": ["DQN"],
-    "pipeline.algorithms.dqn.config": ["DQNConfig"],
-    "pipeline.algorithms.impala.algorithm": ["IMPALA"],
-    "pipeline.algorithms.impala.config": ["IMPALAConfig"],
-    "pipeline.algorithms.marwil.algorithm": ["MARWIL"],
-    "pipeline.algorithms.marwil.config": ["MARWILConfig"],
-    "pipeline.algorithms.ppo.algorithm": ["PPO"],
-    "pipeline.algorithms.ppo.config": ["PPOConfig"],
-    "pipeline.algorithms.sac.algorithm": ["SAC"],
-    "pipeline.algorithms.sac.config": ["SACConfig"],
+    "pipeline.algorithms.appo": ["APPO", "APPOConfig"],
+    "pipeline.algorithms.bc": ["BC", "BCConfig"],
+    "pipeline.algorithms.cql": ["CQL", "CQLConfig"],
+    "pipeline.algorithms.dqn": ["DQN", "DQNConfig"],
+    "pipeline.algorithms.impala": ["IMPALA", "IMPALAConfig"],
+    "pipeline.algorithms.marwil": ["MARWIL", "MARWILConfig"],
+    "pipeline.algorithms.ppo": ["PPO", "PPOConfig"],
+    "pipeline.algorithms.sac": ["SAC", "SACConfig"],
     "actors.env.atari": ["make_atari"],
     "actors.env.multi_agent_env": ["MultiAgentEnv", "make_multi_agent"],
     "actors.env.pettingzoo_env": ["ParallelPettingZooEnv", "PettingZooEnv"],
@@ -46,26 +39,15 @@ _HOMES = {
     "pipeline.groups.evaluation": ["collect_episodes", "summarize_episodes"],
     "pipeline.registry": ["get_algorithm", "register_algorithm"],
 }
-_RENAMED = {"DefaultModelConfig": ("actors.modules", "ModelConfig")}
-_HOME_OF = {name: (module, name) for module, names in _HOMES.items() for name in names} | _RENAMED
 
-__all__ = sorted(_HOME_OF)
+
+def _register_builtins(name: str) -> None:
+    if name in _REGISTERING:
+        importlib.import_module("pipeline.registry").register_builtins()
 
 
 _REGISTERING = {"Algorithm", "get_algorithm", "register_algorithm"} | {
     name for module, names in _HOMES.items() if module.startswith("pipeline.algorithms.") for name in names}
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME_OF:
-        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
-    module, attr = _HOME_OF[name]
-    if name in _REGISTERING:
-        importlib.import_module("pipeline.registry").register_builtins()
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__, _HOMES, renamed={"DefaultModelConfig": ("actors.modules", "ModelConfig")}, before=_register_builtins)

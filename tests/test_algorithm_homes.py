@@ -2,9 +2,11 @@
 
 Each built-in algorithm is a folder (``pipeline/algorithms/<name>/``): ``config.py`` and ``learner.py``,
 which learner actors unpickle, import no Ray Tune (nor pandas or Ray Data, which it pulls in);
-``algorithm.py`` registers the algorithm. ``pipeline``'s names load on first use, and the first
-algorithm or config name registers every built-in, with Tune too. Each check runs in a fresh
-interpreter, since this one has imported everything already.
+``algorithm.py`` registers the algorithm. The package exports all three's names (``from
+pipeline.algorithms.ppo import PPO, PPOConfig``, as from RLlib's ``ray.rllib.algorithms.ppo``), each loaded on
+first use, as ``pipeline``'s names are; the first algorithm or config name from ``pipeline`` registers every
+built-in, with Tune too. The import checks run in a fresh interpreter, since this one has imported
+everything already.
 """
 import json
 import subprocess
@@ -74,3 +76,15 @@ def test_unknown_names_are_errors_that_list_the_algorithms():
     with pytest.raises(AttributeError, match="no attribute 'PPOO'"):
         pipeline.PPOO  # noqa: B018
     assert {"PPO", "PPOConfig", "DefaultModelConfig", "register_env"} <= set(dir(pipeline))
+
+
+def test_each_algorithm_package_exports_its_classes_as_rllibs_do():
+    import importlib
+
+    for name in BUILTINS:
+        package = importlib.import_module(f"pipeline.algorithms.{name.lower()}")
+        config_cls, algo_cls = get_algorithm(name)
+        assert getattr(package, name) is algo_cls and getattr(package, f"{name}Config") is config_cls
+        assert {name, f"{name}Config"} <= set(package.__all__) <= set(dir(package))
+        with pytest.raises(AttributeError, match=f"'pipeline.algorithms.{name.lower()}' has no attribute 'nope'"):
+            package.nope  # noqa: B018

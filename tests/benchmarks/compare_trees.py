@@ -67,6 +67,22 @@ algo.stop()
 ray.shutdown()
 """
 
+# A cold build() that starts Ray, one runner actor and two learner actors (what a learner actor imports is on
+# its path), then one iteration; a fresh process each time.
+LEARNER_BUILD = """
+import json, time
+t0 = time.perf_counter()
+from pipeline import PPOConfig
+t1 = time.perf_counter()
+algo = PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=1).learners(num_learners=2).build(logdir=None)
+t2 = time.perf_counter()
+algo.train()
+t3 = time.perf_counter()
+algo.stop()
+print(json.dumps({"bench": "learner_build", "import_s": round(t1 - t0, 2), "build_s": round(t2 - t1, 2),
+                  "first_train_s": round(t3 - t2, 2)}))
+"""
+
 # figure name -> (script and its arguments, how to pick the figure's values from the script's lines)
 BENCHES = {
     "remote_sampling": (["-c", REMOTE_SAMPLING, "4", "2.0"], {
@@ -84,6 +100,10 @@ BENCHES = {
                                                      if x.get("bench") == "sampling" and x["layout"] == "1x32"],
         "ppo_sampling_2x16_steps_per_s": lambda ls: [x["env_steps_per_s"] for x in ls
                                                      if x.get("bench") == "sampling" and x["layout"] == "2x16"],
+    }),
+    "learner_build": (["-c", LEARNER_BUILD], {
+        "build_with_2_learner_actors_s": lambda ls: [x["build_s"] for x in ls if x.get("bench") == "learner_build"],
+        "import_pipeline_s": lambda ls: [x["import_s"] for x in ls if x.get("bench") == "learner_build"],
     }),
     "appo": (["tests/benchmarks/appo_cartpole.py", "--skip-solve", "--warmup-s", "5", "--measure-s", "20"], {
         "appo_env_steps_sampled_per_s": lambda ls: [x["env_steps_sampled_per_s"] for x in ls

@@ -10,3 +10,10 @@ optimizer and learning rate; the target critics follow by Polyak averaging (``ta
 ``config.py`` (``SACConfig``), ``learner.py`` (the three losses, pure functions of module, batch and
 config, and ``SACLearner``) and ``algorithm.py`` (``SAC``).
 """
+from pipeline.algorithms.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    ".config": ["SACConfig"],
+    ".learner": ["sac_critic_loss", "sac_actor_loss", "sac_alpha_loss", "SACLearner"],
+    ".algorithm": ["SAC"],
+})
