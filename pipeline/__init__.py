@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from pipeline.algorithms.lazy import lazy_exports
+from pipeline.lazy import lazy_exports
 
 _HOMES = {
     "pipeline.algorithm": ["Algorithm"],

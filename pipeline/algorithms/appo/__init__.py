@@ -19,7 +19,7 @@ With ``num_learners=n > 0`` each learner actor keeps its own circular buffer and
 is fed by its own env runners (``actors.learner.feed``); their gradients are averaged, so the learners'
 weights -- and hence their target networks -- stay identical.
 """
-from pipeline.algorithms.lazy import lazy_exports
+from pipeline.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["APPOConfig"],

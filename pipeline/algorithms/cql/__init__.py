@@ -17,7 +17,7 @@ buffer over the recording (``replay_buffer_config.capacity`` >= the recording's 
 of it). CQL extends SAC as in the paper: ``CQLConfig`` adds CQL's settings to ``SACConfig`` and
 ``CQLLearner`` replaces the critic step of ``SACLearner`` -- one level, nothing deeper.
 """
-from pipeline.algorithms.lazy import lazy_exports
+from pipeline.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["CQLConfig"],

@@ -9,7 +9,7 @@ env steps (``tau`` < 1: Polyak averaging). The loop is ``pipeline.plans.offpolic
 Here: ``config.py`` (``DQNConfig``), ``learner.py`` (``dqn_loss``, a pure function of module, target,
 batch and config, and ``DQNLearner``), ``recurrent.py`` (R2D2's loss) and ``algorithm.py`` (``DQN``).
 """
-from pipeline.algorithms.lazy import lazy_exports
+from pipeline.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["DQNConfig"],

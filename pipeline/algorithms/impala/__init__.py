@@ -11,7 +11,7 @@ cutting its own batches of ``train_batch_size_per_learner`` steps, gradients ave
 and weights broadcast from learner 0 (``actors.learner.feed``, ``pipeline.plans.learner_feeds``).
 Multi-agent runs and external clients train with ``num_learners=0`` only.
 """
-from pipeline.algorithms.lazy import lazy_exports
+from pipeline.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["IMPALAConfig"],

@@ -10,7 +10,7 @@ a chunk's cut-off end), and fits the policy by log-likelihood of the recorded ac
 (``MARWILConfig``), ``learner.py`` (``marwil_loss``, pure, and ``MARWILLearner``: its one piece of state is
 the moving average) and ``algorithm.py`` (``MARWIL``).
 """
-from pipeline.algorithms.lazy import lazy_exports
+from pipeline.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["MARWILConfig"],

@@ -10,7 +10,7 @@ and config, and ``PPOLearner``: its update and its one piece of state, the KL co
 The defaults solve CartPole-v1 and are sound elsewhere (``tuned/cartpole-ppo.yaml`` holds CartPole's faster
 settings: half the env steps); scale ``train_batch_size_per_learner`` up for harder tasks.
 """
-from pipeline.algorithms.lazy import lazy_exports
+from pipeline.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["PPOConfig"],

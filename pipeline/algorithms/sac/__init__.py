@@ -10,7 +10,7 @@ optimizer and learning rate; the target critics follow by Polyak averaging (``ta
 ``config.py`` (``SACConfig``), ``learner.py`` (the three losses, pure functions of module, batch and
 config, and ``SACLearner``) and ``algorithm.py`` (``SAC``).
 """
-from pipeline.algorithms.lazy import lazy_exports
+from pipeline.lazy import lazy_exports
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["SACConfig"],
