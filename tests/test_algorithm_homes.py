@@ -52,16 +52,19 @@ def stages():
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and Ray Tune: ~8 s
 def test_config_and_learner_modules_import_no_tune(stages):
     assert stages["config_and_learner_modules"] == []
     assert stages["before_build"] == []
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and Ray Tune: ~8 s
 def test_a_config_imported_alone_finds_its_algorithm(stages):
     assert stages["dqn"] == ["DQN", "DQNLearner"]
     assert stages["after_dqn"] == ["DQN"]
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and Ray Tune: ~8 s
 def test_the_first_algorithm_name_registers_every_builtin_with_tune(stages):
     assert stages["after_first_name"] == sorted(BUILTINS)
     assert stages["tune"] == {name: name for name in BUILTINS}
