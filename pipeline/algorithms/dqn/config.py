@@ -16,7 +16,7 @@ class DQNConfig(OffPolicySettings, AlgorithmConfig):
     algo_name = "DQN"
     algorithm_module = "pipeline.algorithms.dqn.algorithm"
     supports_recurrent: ClassVar[bool] = True
-    """``model_config`` ``use_lstm``: R2D2 -- sequences replayed with their stored states (``dqn_recurrent``)."""
+    """``model_config`` ``use_lstm``: R2D2 -- sequences replayed with their stored states (``recurrent.py``)."""
 
     num_envs_per_env_runner: int = 8
     """Sub-environments each runner steps as one vector."""
