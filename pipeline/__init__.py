@@ -29,7 +29,7 @@ _HOMES = {
     "actors.env.vector_env": ["EnvContext"],
     "pipeline.callbacks": ["CallbackError", "Callbacks", "DefaultCallbacks", "MemoryTrackingCallbacks",
                            "RLlibCallback", "make_multi_callbacks"],
-    "pipeline.checkpoints.directory": ["CheckpointError"],
+    "pipeline.checkpoints.errors": ["CheckpointError"],
     "pipeline.config.base": ["AlgorithmConfig", "ConfigError"],
     "pipeline.config.multi_agent": ["PolicySpec"],
     "pipeline.config.multi_agent_plan": ["MultiAgentPlan", "multi_agent_plan"],

@@ -31,13 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.checkpoints.errors import CheckpointError
+
 FORMAT_VERSION = 2
 RUNNEL_VERSION = "0.2.0"
 MANIFEST = "manifest.json"
 
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupted, or of a format this runnel cannot read."""
 
 
 def write_checkpoint(path: str | os.PathLike, algorithm: str, config: dict, learner_state: dict,

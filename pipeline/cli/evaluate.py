@@ -76,7 +76,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     ray_was_up = ray.is_initialized()
     algo = None
     try:
-        from pipeline.checkpoints.directory import CheckpointError
+        from pipeline.checkpoints.errors import CheckpointError
         from pipeline.config.base import ConfigError
 
         try:

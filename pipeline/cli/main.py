@@ -205,8 +205,8 @@ def _pos_int(text: str) -> int:
 # --- entry point -----------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     """``runnel`` console script; returns the exit status."""
-    from pipeline.checkpoints.directory import CheckpointError
-    from pipeline.config.base import ConfigError
+    from pipeline.checkpoints.errors import CheckpointError
+    from pipeline.config.checks import ConfigError
 
     debug = bool(os.environ.get("RUNNEL_DEBUG"))
     try:
