@@ -36,6 +36,8 @@ config = DQNConfig()
 stages["before_build"] = heavy()
 stages["dqn"] = [config.algorithm_class().__name__, config.get_default_learner_class().__name__]
 stages["after_dqn"] = sorted(pipeline.registry._ALGORITHMS)
+from pipeline.algorithms.sac import SACConfig  # a name from an algorithm's package registers that algorithm
+stages["after_package_name"] = sorted(pipeline.registry._ALGORITHMS)
 from pipeline import PPOConfig
 stages["after_first_name"] = sorted(pipeline.registry._ALGORITHMS)
 from ray.tune.registry import get_trainable_cls
@@ -62,6 +64,11 @@ def test_config_and_learner_modules_import_no_tune(stages):
 def test_a_config_imported_alone_finds_its_algorithm(stages):
     assert stages["dqn"] == ["DQN", "DQNLearner"]
     assert stages["after_dqn"] == ["DQN"]
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and Ray Tune: ~8 s
+def test_a_name_from_an_algorithms_package_registers_that_algorithm(stages):
+    assert stages["after_package_name"] == ["DQN", "SAC"]
 
 
 @pytest.mark.slow  # a fresh interpreter imports torch and Ray Tune: ~8 s

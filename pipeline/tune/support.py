@@ -1,6 +1,7 @@
 """What Ray Tune needs to host runnel's algorithms as trials.
 
-``pipeline`` calls ``register_with_tune`` for every built-in algorithm when imported, so
+``pipeline.registry.register_algorithm`` calls ``register_with_tune`` for each algorithm as its module is
+imported (``pipeline``'s first algorithm or config name imports every built-in), so
 ``tune.Tuner("PPO", param_space=config.to_dict())`` finds it by name and ``tune.Tuner(PPO,
 param_space=config)`` takes the config object itself. Each trial gets one placement group holding
 the driver and every actor the config asks for (Ray places the trial's actors inside it).

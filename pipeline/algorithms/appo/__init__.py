@@ -25,4 +25,4 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["APPOConfig"],
     ".learner": ["appo_loss", "APPOLearner", "CircularBuffer"],
     ".algorithm": ["APPO"],
-})
+}, first=".algorithm")

@@ -9,4 +9,4 @@ from pipeline.lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["BCConfig"],
     ".algorithm": ["BC"],
-})
+}, first=".algorithm")

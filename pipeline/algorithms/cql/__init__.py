@@ -23,4 +23,4 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["CQLConfig"],
     ".learner": ["cql_regularizer", "CQLLearner", "bc_actor_loss"],
     ".algorithm": ["CQL"],
-})
+}, first=".algorithm")

@@ -16,4 +16,4 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".learner": ["dqn_loss", "categorical_projection", "DQNLearner"],
     ".recurrent": ["r2d2_loss"],
     ".algorithm": ["DQN"],
-})
+}, first=".algorithm")

@@ -17,4 +17,4 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["IMPALAConfig"],
     ".learner": ["impala_loss", "IMPALALearner"],
     ".algorithm": ["IMPALA"],
-})
+}, first=".algorithm")

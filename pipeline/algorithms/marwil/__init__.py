@@ -16,4 +16,4 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["MARWILConfig"],
     ".learner": ["marwil_loss", "MARWILLearner"],
     ".algorithm": ["offline_training_step", "MARWIL"],
-})
+}, first=".algorithm")

@@ -16,4 +16,4 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["PPOConfig"],
     ".learner": ["ppo_loss", "PPOLearner"],
     ".algorithm": ["PPO"],
-})
+}, first=".algorithm")

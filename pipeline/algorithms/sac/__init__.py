@@ -16,4 +16,4 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     ".config": ["SACConfig"],
     ".learner": ["sac_critic_loss", "sac_actor_loss", "sac_alpha_loss", "SACLearner"],
     ".algorithm": ["SAC"],
-})
+}, first=".algorithm")
