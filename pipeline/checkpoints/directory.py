@@ -38,7 +38,6 @@ RUNNEL_VERSION = "0.2.0"
 MANIFEST = "manifest.json"
 
 
-
 def write_checkpoint(path: str | os.PathLike, algorithm: str, config: dict, learner_state: dict,
                      state: dict, native_module: Any = None, runner_states: dict | None = None,
                      replay_state: dict | None = None) -> str:
