@@ -151,6 +151,12 @@ class Learner(FedByStreams, LearnerRole):
     def build_targets(self) -> dict[str, nn.Module]:
         return {}
 
+    def module_copy(self) -> nn.Module:
+        """A new module holding this learner's current weights: where a target network starts."""
+        copy = self.build_module()
+        copy.load_state_dict(self.module.state_dict())
+        return copy
+
     def build_optimizers(self) -> dict[str, Optimizer]:
         params = [p for p in self.module.parameters() if p.requires_grad]
         return {"default": Optimizer(self.adam(params, self.settings.lr, eps=1e-5), params, self.settings.lr)}

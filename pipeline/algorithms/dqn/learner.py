@@ -119,9 +119,7 @@ class DQNLearner(Learner):
         super().__init__(config.learner_settings(), observation_space, action_space, **placement)
 
     def build_targets(self) -> dict[str, torch.nn.Module]:
-        target = self.build_module()
-        target.load_state_dict(self.module.state_dict())
-        return {"target": target}
+        return {"target": self.module_copy()}
 
     def train_on_batch(self, batch: dict[str, Any], timestep: int) -> dict[str, float]:
         return self.train_on_batches(batch, timestep, 1)

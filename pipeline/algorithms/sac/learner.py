@@ -63,9 +63,7 @@ class SACLearner(Learner):
         super().__init__(config.learner_settings(), observation_space, action_space, **placement)
 
     def build_targets(self) -> dict[str, torch.nn.Module]:
-        target = self.build_module()
-        target.load_state_dict(self.module.state_dict())
-        return {"target": target}
+        return {"target": self.module_copy()}
 
     def build_optimizers(self) -> dict[str, Optimizer]:
         cfg, m = self.config, self.module
