@@ -35,7 +35,7 @@ from torch import nn
 
 from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import LearnerRole
-from actors.learner.batch import ChunkBatch
+from actors.learner.batch import ChunkBatch, batch_slices, check_num_batches, combined_stats
 from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
 from actors.learner.gradients import FlatGrads
@@ -468,43 +468,3 @@ class Learner(FedByStreams, LearnerRole):
         self.close_feed()
         self.leave_distributed()
 
-
-def check_num_batches(batch: Any, num_batches: Any) -> None:
-    """``num_batches`` must split a replayed batch (a dict of arrays) into equal non-empty slices."""
-    if isinstance(num_batches, bool) or not isinstance(num_batches, (int, np.integer)) or num_batches < 1:
-        raise ValueError(f"num_batches must be an int >= 1, got {num_batches!r}")
-    if not isinstance(batch, dict):
-        raise ValueError(f"num_batches={num_batches} splits a replayed batch (a dict of arrays), not a "
-                         f"{type(batch).__name__}: pass chunks with num_batches=1")
-    rows = len(batch["rewards"])
-    if rows % num_batches or rows == 0:
-        raise ValueError(f"a replayed batch of {rows} rows does not split into num_batches={num_batches} "
-                         f"equal batches: sample num_batches * batch_size rows")
-
-
-def batch_slices(batch: dict[str, Any], num_batches: int) -> list[dict[str, Any]]:
-    """A replayed batch (numpy arrays or tensors, nested where observations are) as ``num_batches``
-    consecutive equal slices (views, no copies)."""
-    size = len(batch["rewards"]) // num_batches
-    return [{k: nested.map_structure(lambda a, lo=i * size: a[lo:lo + size], v) for k, v in batch.items()}
-            for i in range(num_batches)]
-
-
-def combined_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
-    """The statistics of several updates in a row as one, as the metrics would have averaged them: counters
-    (``num_...``) as the last update left them, everything else averaged over the updates that reported
-    it (a phase may add or drop a statistic). Tensor values are stacked and read in one conversion,
-    not one per update."""
-    values: dict[str, list[float]] = {}
-    tensors, owners = [], []
-    for step in steps:
-        for k, v in step.items():
-            if isinstance(v, torch.Tensor):
-                tensors.append(v.detach().float().reshape(()))
-                owners.append(k)
-            else:
-                values.setdefault(k, []).append(float(v))
-    if tensors:
-        for k, v in zip(owners, torch.stack(tensors).tolist()):
-            values.setdefault(k, []).append(v)
-    return {k: v[-1] if k.startswith("num_") else float(np.mean(v)) for k, v in values.items()}
