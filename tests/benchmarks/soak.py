@@ -1,7 +1,8 @@
 """Soak: APPO on CartPole for N minutes with evaluation and periodic checkpoints, watching for leaks.
 
 Run: ``.venv/bin/python tests/benchmarks/soak.py --minutes 60 [--interval-s 60] [--warmup-minutes 10]
-[--multi-agent] [--runners 2] [--checkpoint-every-s 120] [--plant-leak-mb 0]``. Prints JSON lines:
+[--multi-agent] [--runners 2] [--learners 0] [--central-inference 0] [--checkpoint-every-s 120]
+[--plant-leak-mb 0]``. Prints JSON lines:
 
 1. ``machine``: CPU, platform, library versions, load average.
 2. ``sample`` every ``--interval-s``: per process -- the driver, each env runner and evaluator actor
@@ -88,6 +89,10 @@ def build(args: argparse.Namespace) -> Any:
               .evaluation(evaluation_interval=args.evaluation_interval, evaluation_num_env_runners=1,
                           evaluation_duration=5, evaluation_duration_unit="episodes")
               .callbacks(PlantLeak).debugging(seed=args.seed))
+    if args.learners:
+        config = config.learners(num_learners=args.learners)
+    if args.central_inference:
+        config = config.inference(mode="central", num_inference_servers=args.central_inference)
     if args.multi_agent:
         config = (config.environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
                   .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent))
@@ -97,8 +102,12 @@ def build(args: argparse.Namespace) -> Any:
 
 
 def actor_pids(algo: Any) -> dict[int, str]:
-    """pid -> "env_runner_<i>" / "evaluator_<i>" for the actors that answer."""
+    """pid -> "env_runner_<i>" / "evaluator_<i>" / "learner_<i>" for the actors that answer (inference
+    servers go by their process title, ray::InferenceServer)."""
     out = {}
+    if algo.config.num_learners:  # else the learner is the driver
+        for i, pid in enumerate(algo.learner_group.foreach_learner(_pid)):
+            out[pid] = f"learner_{i}"
     groups = [("env_runner", algo.env_runner_group), ("evaluator", algo.eval_env_runner_group)]
     for label, group in groups:
         if group is None:
@@ -332,7 +341,7 @@ def summarize(samples: list[dict], warmup_s: float, max_rss_pct: float, max_drif
 def run(args: argparse.Namespace) -> int:
     emit("machine", **machine())
     PlantLeak.mb = args.plant_leak_mb
-    ray.init(address="local", num_cpus=args.runners + 2, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=args.runners + 2 + args.learners + args.central_inference, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
     algo = build(args)
     host = HostProbe()
@@ -392,7 +401,8 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(ckpt_root, ignore_errors=True)
     summary = summarize(samples, 60 * args.warmup_minutes, args.max_rss_growth_pct, args.max_throughput_drift_pct,
                         args.max_rss_growth_pct_per_hour, args.drift_basis)
-    emit("summary", minutes=args.minutes, multi_agent=args.multi_agent, iterations=int(result.get("training_iteration", 0)),
+    emit("summary", minutes=args.minutes, multi_agent=args.multi_agent, learners=args.learners,
+         central_inference=args.central_inference, iterations=int(result.get("training_iteration", 0)),
          checkpoints=num_checkpoints, **summary)
     return 0 if summary["verdict"] == "pass" else 1
 
@@ -405,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="samples before this are left out of the summary (default: 10, or half a shorter run)")
     p.add_argument("--multi-agent", action="store_true", help="two-agent CartPole, one policy per agent")
     p.add_argument("--runners", type=int, default=2)
+    p.add_argument("--learners", type=int, default=0, help="num_learners: 0 trains in the driver")
+    p.add_argument("--central-inference", type=int, default=0, metavar="N",
+                   help="N central inference servers act for the env runners (0: each runner acts itself)")
     p.add_argument("--evaluation-interval", type=int, default=5, help="evaluate every this many iterations")
     p.add_argument("--checkpoint-every-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
