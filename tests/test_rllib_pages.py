@@ -551,6 +551,7 @@ def test_key_concepts_train_through_tune(ray_cluster, tmp_path):
     assert results[0].metrics["num_env_steps_sampled_lifetime"] >= 1000
 
 
+@pytest.mark.slow  # two env runner actors that import torch and, looking the env name up in Tune's registry, Ray Tune
 def test_key_concepts_env_runner_actors(ray_cluster):
     """Page 003, "EnvRunner: Combining RL environment and RLModule": two remote env runners built
     from the config, each sampling three whole episodes."""
