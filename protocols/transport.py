@@ -268,6 +268,9 @@ class ChunkPuller:
             peer, *parts = self._sock.recv_multipart(flags=zmq.NOBLOCK)
         except zmq.Again:
             return None
+        # counted before the acknowledgment goes out: a sender's next frame (which that credit lets through)
+        # can then never be counted as sent while this one is not yet counted as received
+        self.counters["num_frames_received"] += 1
         if len(parts) == 3 and len(parts[1]) == SEQ_BYTES:
             try:
                 self._sock.send_multipart([peer, parts[1]], flags=zmq.NOBLOCK)
@@ -288,7 +291,6 @@ class ChunkPuller:
 
     def _handle(self, parts: list[bytes]) -> list[EpisodeChunk]:
         c = self.counters
-        c["num_frames_received"] += 1
         if len(parts) != 3 or len(parts[1]) != SEQ_BYTES:
             c["num_frames_dropped_bad_envelope"] += 1
             shape = f"{len(parts)} parts" if len(parts) != 3 else f"a {len(parts[1])}-byte seq"
