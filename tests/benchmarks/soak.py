@@ -341,8 +341,8 @@ def summarize(samples: list[dict], warmup_s: float, max_rss_pct: float, max_drif
 def run(args: argparse.Namespace) -> int:
     emit("machine", **machine())
     PlantLeak.mb = args.plant_leak_mb
-    ray.init(address="local", num_cpus=args.runners + 2 + args.learners + args.central_inference, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+    num_cpus = args.runners + 2 + args.learners + args.central_inference  # + the evaluator and the driver
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     algo = build(args)
     host = HostProbe()
     ckpt_root = tempfile.mkdtemp(prefix="runnel-soak-")
