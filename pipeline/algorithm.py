@@ -38,8 +38,8 @@ from pipeline.algorithm_evaluation import AlgorithmEvaluation
 from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup
 from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
-from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, import_in_background,
-                                      policy_setup, runner_fault_tolerance)
+from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, policy_setup,
+                                      runner_fault_tolerance)
 from pipeline.checkpoints.save_restore import (build_from_checkpoint, driver_state, load_into, save_algorithm,
                                                set_driver_state)
 from pipeline.config.base import AlgorithmConfig, ConfigError
@@ -138,9 +138,7 @@ class Algorithm(Trainable):
         self.custom_evaluation_function = function_setting(config.custom_evaluation_function,
                                                            "custom_evaluation_function")
         ray_data = self.offline_input is not None and self.offline_input.input_reader == "ray_data"
-        importing = None
         if config.num_env_runners > 0 or config.num_learners > 0 or config.evaluation_num_env_runners > 0 or ray_data:
-            importing = import_in_background()
             init_ray_if_needed(config)
             if not self._hosted_by_tune:  # a trial's actors go into its own placement group
                 check_room(self.name, config)
@@ -168,8 +166,6 @@ class Algorithm(Trainable):
                 self.env_runner_group = self.make_env_runner_group(readers_in_slots, check_started=False)
                 if evaluate and config.evaluation_num_env_runners > 0:  # their processes start beside the runners'
                     self.evaluation.build_evaluators(check_started=False)
-            if importing is not None:
-                importing.join()
             if self.multi_agent is None:
                 view = self.observation_view()
                 kwargs = {"observation_view": view} if view else {}

@@ -7,9 +7,6 @@ config, kept apart from ``Algorithm`` so that the class reads as the order thing
 """
 from __future__ import annotations
 
-import importlib
-import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,17 +24,6 @@ from pipeline.config.offline import recorded_spaces
 from pipeline.envs import probe_spaces
 from protocols.spaces import space_to_dict
 from protocols.transport import compress_by_default
-
-
-def import_in_background(module: str = "torch._dynamo") -> threading.Thread | None:
-    """Start importing ``module`` in a thread; join it before the code that needs it. torch's first optimizer
-    imports ``torch._dynamo`` (the optimizer methods are wrapped to keep dynamo out), over a second of CPU, while
-    starting Ray is mostly waiting for its processes: done meanwhile, the two overlap. None: already imported."""
-    if module in sys.modules:
-        return None
-    thread = threading.Thread(target=importlib.import_module, args=(module,), name="runnel-import", daemon=True)
-    thread.start()
-    return thread
 
 
 def algorithm_config(algo_cls: Any, config: AlgorithmConfig | dict | None, env: Any = None) -> AlgorithmConfig:

@@ -95,6 +95,18 @@ class FlakyEnv(gym.Env):
         return self.env.step(action)
 
 
+class GILHangEnv(FlakyEnv):
+    """FlakyEnv that, at its failing step, hangs in C code holding the GIL (a runaway regex): the runner's
+    main thread cannot answer either, so only the driver's probe of silent runners can catch it."""
+
+    def step(self, action):
+        if self.steps + 1 in self.fail_at:
+            import re
+
+            re.match(r"(a+)+$", "a" * 64 + "b")
+        return super().step(action)
+
+
 class BrokenEnv(FlakyEnv):
     """Builds in the driver (worker_index 0) but raises when a remote env runner builds it."""
 

@@ -7,7 +7,10 @@ than ``actors`` (as ``tests.envs`` does for envs). Keep this module free of ``pi
 """
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import ray
 
 from actors.callbacks import Callbacks
 from actors.connectors import FrameStackingEnvToModule, MeanStdFilter
@@ -62,3 +65,37 @@ def loaded_modules(_learner: Any = None) -> list[str]:
     import sys
 
     return sorted(sys.modules)
+
+
+# --- test_evaluation: callbacks in remote runners, evaluators and learners ---------------------------------
+class Overlap(Callbacks):
+    """The learner (inside the training step) marks that it started and waits for an evaluator,
+    acting with the same weights, to see the mark: only evaluation running during the training step
+    can answer it."""
+
+    def on_learn_on_batch(self, *, train_batch, result, **kwargs):
+        log = ray.get_actor("overlap_log")
+        version = train_batch[0].weights_version
+        ray.get(log.mark.remote(f"learning_on_v{version}"))
+        result["overlap_seen"] = float(ray.get(log.wait_for.remote(f"evaluator_saw_v{version}", 120)))
+
+    def on_sample_end(self, *, env_runner, samples, **kwargs):
+        if env_runner.config.in_evaluation:
+            log = ray.get_actor("overlap_log")
+            version = env_runner.weights_version
+            if ray.get(log.seen.remote(f"learning_on_v{version}")):
+                ray.get(log.mark.remote(f"evaluator_saw_v{version}"))
+
+
+class EpisodesPerRunner(Callbacks):
+    def on_sample_end(self, *, env_runner, samples, metrics_logger, **kwargs):
+        if env_runner.config.in_evaluation:
+            metrics_logger.log_value(f"episodes_on_{env_runner.worker_index}", len(samples), reduce="sum")
+
+    def on_episode_end(self, *, env_runner, metrics_logger, **kwargs):
+        metrics_logger.log_value("pid", os.getpid(), reduce="max")
+
+
+class BrokenInRunner(Callbacks):
+    def on_sample_end(self, **kwargs):
+        raise KeyError("no such thing")

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import ray
 
-from pipeline import (AlgorithmConfig, CallbackError, ConfigError, DefaultCallbacks, PPOConfig, collect_episodes,
+from pipeline import (AlgorithmConfig, CallbackError, ConfigError, PPOConfig, collect_episodes,
                       summarize_episodes)
 from tests.envs import CountingEnv, EvalFaultEnv, SimpleCorridor
+from tests.pieces import BrokenInRunner, EpisodesPerRunner, Overlap
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,25 +73,6 @@ class EventLog:
             return False
 
 
-class Overlap(DefaultCallbacks):
-    """The learner (inside the training step) marks that it started and waits for an evaluator,
-    acting with the same weights, to see the mark: only evaluation running during the training step
-    can answer it."""
-
-    def on_learn_on_batch(self, *, train_batch, result, **kwargs):
-        log = ray.get_actor("overlap_log")
-        version = train_batch[0].weights_version
-        ray.get(log.mark.remote(f"learning_on_v{version}"))
-        result["overlap_seen"] = float(ray.get(log.wait_for.remote(f"evaluator_saw_v{version}", 120)))
-
-    def on_sample_end(self, *, env_runner, samples, **kwargs):
-        if env_runner.config.in_evaluation:
-            log = ray.get_actor("overlap_log")
-            version = env_runner.weights_version
-            if ray.get(log.seen.remote(f"learning_on_v{version}")):
-                ray.get(log.mark.remote(f"evaluator_saw_v{version}"))
-
-
 @pytest.mark.slow
 def test_parallel_evaluation_overlaps_training_and_is_one_behind():
     log = EventLog.options(name="overlap_log").remote()
@@ -108,15 +90,6 @@ def test_parallel_evaluation_overlaps_training_and_is_one_behind():
         # train(v -> v+1) + eval(v): the evaluation's weights are one behind the trained ones
         assert r["evaluation"]["weights_version"] == r["learners"]["__all_modules__"]["weights_version"] - 1
         assert r["evaluation"]["env_runners"]["num_env_steps_sampled"] > 0
-
-
-class EpisodesPerRunner(DefaultCallbacks):
-    def on_sample_end(self, *, env_runner, samples, metrics_logger, **kwargs):
-        if env_runner.config.in_evaluation:
-            metrics_logger.log_value(f"episodes_on_{env_runner.worker_index}", len(samples), reduce="sum")
-
-    def on_episode_end(self, *, env_runner, metrics_logger, **kwargs):
-        metrics_logger.log_value("pid", os.getpid(), reduce="max")
 
 
 @pytest.mark.slow
@@ -211,11 +184,6 @@ def test_evaluation_config_is_validated_like_the_main_config():
         ppo().evaluation(evaluation_config={"num_envs_per_env_runner": 0}).build()
     with pytest.raises(ConfigError, match="evaluation_duration='auto' needs evaluation_parallel_to_training=True"):
         ppo().evaluation(evaluation_duration="auto").build()
-
-
-class BrokenInRunner(DefaultCallbacks):
-    def on_sample_end(self, **kwargs):
-        raise KeyError("no such thing")
 
 
 @pytest.mark.slow

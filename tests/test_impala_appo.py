@@ -21,7 +21,7 @@ from pipeline import APPO, APPOConfig, IMPALA, IMPALAConfig, Algorithm, ConfigEr
 from pipeline.plans.asynchronous import max_weights_lag
 from pipeline.algorithms.appo.learner import APPOLearner, CircularBuffer, appo_loss
 from pipeline.algorithms.impala.learner import IMPALALearner, impala_loss
-from tests.envs import FlakyEnv
+from tests.envs import FlakyEnv, GILHangEnv
 from tests.helpers import train_until_seen
 
 OBS_SPACE = gym.spaces.Box(-1, 1, (4,), np.float32)
@@ -401,18 +401,6 @@ def test_appo_checkpoint_restores_learner_target_and_streams_again(appo_run):
         assert result["learners"]["__all_modules__"]["weights_version"] > saved["weights_version"]
     finally:
         algo.stop()
-
-
-class GILHangEnv(FlakyEnv):
-    """FlakyEnv that, at its failing step, hangs in C code holding the GIL (a runaway regex): the runner's
-    main thread cannot answer either, so only the driver's probe of silent runners can catch it."""
-
-    def step(self, action):
-        if self.steps + 1 in self.fail_at:
-            import re
-
-            re.match(r"(a+)+$", "a" * 64 + "b")
-        return super().step(action)
 
 
 @pytest.mark.parametrize("env_cls,hang", [(FlakyEnv, False), (FlakyEnv, True), (GILHangEnv, False)],

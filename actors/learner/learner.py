@@ -35,6 +35,7 @@ from torch import nn
 
 from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import LearnerRole
+from actors.learner.adam import Adam
 from actors.learner.batch import ChunkBatch, batch_slices, check_num_batches, combined_stats
 from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
@@ -162,10 +163,11 @@ class Learner(FedByStreams, LearnerRole):
         return {"default": Optimizer(self.adam(params, self.settings.lr, eps=1e-5), params, self.settings.lr)}
 
     def adam(self, params: list[nn.Parameter], lr: float | list, **kwargs: Any) -> torch.optim.Adam:
-        """Adam over ``params`` starting at the schedule's first learning rate (fused where chosen)."""
+        """Adam over ``params`` starting at the schedule's first learning rate (fused where chosen):
+        ``torch.optim.Adam`` minus its import of ``torch._dynamo`` (``actors.learner.adam``)."""
         if self.fused_adam:
             kwargs["fused"] = True
-        return torch.optim.Adam(params, lr=piecewise(lr, 0), **kwargs)
+        return Adam(params, lr=piecewise(lr, 0), **kwargs)
 
     def train_on_batch(self, batch: Any, timestep: int) -> dict[str, float]:
         raise NotImplementedError
