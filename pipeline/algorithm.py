@@ -525,6 +525,16 @@ class Algorithm(Trainable):
         else:
             self.cleanup()
 
+    def reset_config(self, new_config: dict) -> bool:
+        """Tune's ``reuse_actors=True``: the next trial (or a PBT trial's new settings) in this process rather
+        than a new one, sparing its start and imports: this trial's stages are stopped (their actors dead, their
+        share of the trial's resources free), the new trial's built from ``new_config``, the iteration count
+        back to 0. Tune restores a checkpoint after it where the trial continues from one."""
+        self.cleanup()
+        self._num_iterations = 0
+        self.setup(new_config)
+        return True
+
     def cleanup(self) -> None:
         released(self)
         if self._results is not None:

@@ -5,6 +5,7 @@ import gymnasium as gym
 import numpy as np
 
 from actors.env.multi_agent_env import SingleAgentCopies
+from actors.env.task_settable import TaskSettableEnv
 
 
 class CountingEnv(gym.Env):
@@ -260,3 +261,25 @@ class ActionEchoes(SingleAgentCopies):
 
     def make_single(self, config):
         return ActionEcho()
+
+
+class CurriculumEnv(SimpleCorridor, TaskSettableEnv):
+    """The page's MyEnv: a corridor whose length grows with the task (difficulty)."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.current_difficulty = 1
+
+    def get_task(self):
+        return self.current_difficulty
+
+    def set_task(self, task):
+        self.current_difficulty = task
+        self.set_corridor_length(2 + task)
+
+
+def curriculum_fn(train_results, task_settable_env, env_ctx):
+    # Very simple curriculum function (the page's).
+    current_task = task_settable_env.get_task()
+    new_task = current_task + 1
+    return new_task

@@ -7,13 +7,14 @@ than ``actors`` (as ``tests.envs`` does for envs). Keep this module free of ``pi
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import ray
 
 from actors.callbacks import Callbacks
-from actors.connectors import FrameStackingEnvToModule, MeanStdFilter
+from actors.connectors import ClipRewards, FrameStackingEnvToModule, LearnerConnector, MeanStdFilter
 
 
 def by_agent(agent_id: Any, episode: Any = None, **kwargs: Any) -> str:
@@ -99,3 +100,26 @@ class EpisodesPerRunner(Callbacks):
 class BrokenInRunner(Callbacks):
     def on_sample_end(self, **kwargs):
         raise KeyError("no such thing")
+
+
+# --- test_replay_learner_connector: a learner pipeline with state, run where the replay stage is -----------
+class CountSteps(LearnerConnector):
+    """Keeps a count of the steps it has seen (state a checkpoint must carry) and halves the observations."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen = 0
+
+    def __call__(self, chunks):
+        self.seen += sum(len(c) for c in chunks)
+        return [dataclasses.replace(c, obs=c.obs * 0.5) for c in chunks]
+
+    def get_state(self):
+        return {"seen": self.seen}
+
+    def set_state(self, state):
+        self.seen = int(state["seen"])
+
+
+def counting_pieces(obs_space, act_space):  # module level: a checkpoint names it
+    return [ClipRewards(limit=0.25), CountSteps()]

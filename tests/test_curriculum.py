@@ -9,35 +9,13 @@ import time
 import pytest
 import ray
 
-from pipeline import DQNConfig, PPO, PPOConfig, TaskSettableEnv
-from tests.envs import SimpleCorridor
+from pipeline import DQNConfig, PPO, PPOConfig
+from tests.envs import CurriculumEnv, curriculum_fn
 
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster(ray_cluster):
     yield ray_cluster
-
-
-class CurriculumEnv(SimpleCorridor, TaskSettableEnv):
-    """The page's MyEnv: a corridor whose length grows with the task (difficulty)."""
-
-    def __init__(self, config=None):
-        super().__init__(config)
-        self.current_difficulty = 1
-
-    def get_task(self):
-        return self.current_difficulty
-
-    def set_task(self, task):
-        self.current_difficulty = task
-        self.set_corridor_length(2 + task)
-
-
-def curriculum_fn(train_results, task_settable_env, env_ctx):
-    # Very simple curriculum function (the page's).
-    current_task = task_settable_env.get_task()
-    new_task = current_task + 1
-    return new_task
 
 
 def tasks(algo):

@@ -14,27 +14,10 @@ from actors.replay import ReplayBuffer, ReplaySettings
 from actors.replay.intake import ReplayIntake
 from pipeline import DQNConfig
 from protocols.episode import EpisodeChunk
+from tests.pieces import CountSteps, counting_pieces
 
 OBS = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
 ACT = gym.spaces.Discrete(2)
-
-
-class CountSteps(LearnerConnector):
-    """Keeps a count of the steps it has seen (state a checkpoint must carry) and halves the observations."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.seen = 0
-
-    def __call__(self, chunks):
-        self.seen += sum(len(c) for c in chunks)
-        return [dataclasses.replace(c, obs=c.obs * 0.5) for c in chunks]
-
-    def get_state(self):
-        return {"seen": self.seen}
-
-    def set_state(self, state):
-        self.seen = int(state["seen"])
 
 
 class NaNRewards(LearnerConnector):
@@ -96,10 +79,6 @@ def dqn(**training):
             .training(n_step=1, num_steps_sampled_before_learning_starts=100, train_batch_size_per_learner=32,
                       **training)
             .reporting(min_sample_timesteps_per_iteration=0).debugging(seed=0))
-
-
-def counting_pieces(obs_space, act_space):  # module level: a checkpoint names it
-    return [ClipRewards(limit=0.25), CountSteps()]
 
 
 def test_dqn_trains_on_what_its_learner_pipeline_stored_and_a_checkpoint_restores_its_state(tmp_path):

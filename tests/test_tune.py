@@ -8,6 +8,7 @@ from ray import tune
 from ray.tune.schedulers import PopulationBasedTraining
 
 from pipeline import PPO, Algorithm, PPOConfig
+from tests.pieces import by_agent
 
 METRIC = "env_runners/episode_return_mean"
 
@@ -27,19 +28,26 @@ def small_config(num_env_runners: int = 1) -> PPOConfig:
 
 
 @pytest.mark.slow
-def test_grid_search_by_class_and_config_object_restores_best_checkpoint(ray2, tmp_path):
+def test_grid_search_by_class_and_config_object_reusing_one_process_restores_best_checkpoint(ray2, tmp_path):
+    """Four trials, one after another on 2 CPUs, with ``reuse_actors=True``: each next trial is built in the
+    process of the one before (``Algorithm.reset_config``), its settings its own and its counters from zero."""
     config = small_config().training(lr=tune.grid_search([1e-3, 3e-4]), gamma=tune.grid_search([0.98, 0.99]))
-    tuner = tune.Tuner(PPO, param_space=config, run_config=tune.RunConfig(
-        stop={"training_iteration": 2}, storage_path=str(tmp_path), name="grid",
-        checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True)))
+    tuner = tune.Tuner(PPO, param_space=config, tune_config=tune.TuneConfig(reuse_actors=True),
+                       run_config=tune.RunConfig(stop={"training_iteration": 2}, storage_path=str(tmp_path),
+                                                 name="grid",
+                                                 checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True)))
     results = tuner.fit()
     assert not results.errors, results.errors
     assert len(results) == 4
     assert sorted((r.config["lr"], r.config["gamma"]) for r in results) == [
         (3e-4, 0.98), (3e-4, 0.99), (1e-3, 0.98), (1e-3, 0.99)]
+    assert len({r.metrics["pid"] for r in results}) == 1  # one process hosted all four
     for r in results:
         assert r.metrics["training_iteration"] == 2
-        assert r.metrics["num_env_steps_sampled_lifetime"] >= 2 * 256
+        # its own two iterations (a trial that went on counting the previous one's would be at 4 x 256 or more)
+        assert 2 * 256 <= r.metrics["num_env_steps_sampled_lifetime"] < 4 * 256
+        history = r.metrics_dataframe
+        assert list(history["learners/default_policy/curr_lr"]) == [r.config["lr"]] * 2
     best = results.get_best_result(METRIC, "max")
     algo = Algorithm.from_checkpoint(best.checkpoint.path, num_env_runners=0)
     try:
@@ -58,10 +66,6 @@ def test_registered_name_with_a_dict_param_space(ray2, tmp_path):
     results = tuner.fit()
     assert not results.errors, results.errors
     assert results[0].metrics["training_iteration"] == 1
-
-
-def by_agent(agent_id, episode, **kw) -> str:
-    return f"p{agent_id}"
 
 
 @pytest.mark.slow
@@ -97,7 +101,7 @@ def test_pbt_perturbs_lr_of_a_running_trial(ray2, tmp_path):
     pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=1, synch=True,
                                   hyperparam_mutations={"lr": [1e-5, 5e-3]})
     tuner = tune.Tuner(PPO, param_space=config,
-                       tune_config=tune.TuneConfig(scheduler=pbt, metric=METRIC, mode="max"),
+                       tune_config=tune.TuneConfig(scheduler=pbt, metric=METRIC, mode="max", reuse_actors=True),
                        run_config=tune.RunConfig(stop={"training_iteration": 3}, storage_path=str(tmp_path),
                                                  name="pbt"))
     results = tuner.fit()
@@ -113,6 +117,8 @@ def test_pbt_perturbs_lr_of_a_running_trial(ray2, tmp_path):
             perturbed.append(lrs)
     assert perturbed, "PBT never perturbed lr"
     assert all(lrs[0] in (1e-4, 1e-3) for lrs in perturbed)
+    # reuse_actors=True: a perturbed trial goes on in a process already up (reset_config, then its restore)
+    assert len({pid for r in results for pid in r.metrics_dataframe["pid"]}) <= 2
 
 
 @pytest.mark.slow
