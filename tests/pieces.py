@@ -8,13 +8,16 @@ than ``actors`` (as ``tests.envs`` does for envs). Keep this module free of ``pi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import Any
 
+import numpy as np
 import ray
 
 from actors.callbacks import Callbacks
 from actors.connectors import ClipRewards, FrameStackingEnvToModule, LearnerConnector, MeanStdFilter
+from protocols.codec import encode
 
 
 def by_agent(agent_id: Any, episode: Any = None, **kwargs: Any) -> str:
@@ -123,3 +126,37 @@ class CountSteps(LearnerConnector):
 
 def counting_pieces(obs_space, act_space):  # module level: a checkpoint names it
     return [ClipRewards(limit=0.25), CountSteps()]
+
+
+# --- test_atari: what a learner actor trains on -----------------------------------------------------------
+class FrameCheck(Callbacks):
+    """Reports whether every chunk a learner trains on holds 84x84x1 uint8 frames."""
+
+    def on_learn_on_batch(self, *, train_batch, result, **kwargs):
+        result["uint8_frames"] = float(all(c.obs.dtype == np.uint8 and c.obs.shape[1:] == (84, 84, 1)
+                                           for c in train_batch))
+
+
+# --- test_compat: a user function that fails in a runner -------------------------------------------------------
+def boom(runner):
+    raise ValueError(f"user function failed on runner {runner.worker_index}")
+
+
+# --- test_external_multi_agent: agent ids of both kinds ------------------------------------------------------
+def by_str_or_int_agent(agent_id: Any, episode: Any, **kwargs: Any) -> str:
+    """Agents 0 and "a" (and any str but "b") act with p0, 1 and "b" with p1; other ints map to no module."""
+    return {0: "p0", 1: "p1", "b": "p1"}.get(agent_id, "p0" if isinstance(agent_id, str) else f"p{agent_id}")
+
+
+# --- test_offline_crash: what the driver's learner trained on, by id and content --------------------------------
+COLLECTED: list = []
+"""(episode id, chunk index, digest) of every chunk ``Collect`` saw, in the process whose learner ran it."""
+
+
+def digest(chunk: Any) -> str:
+    return hashlib.sha1(encode(chunk, compress=False)).hexdigest()
+
+
+class Collect(Callbacks):
+    def on_learn_on_batch(self, *, policy, train_batch, result, **kw):
+        COLLECTED.extend((c.episode_id, c.chunk_index, digest(c)) for c in train_batch)

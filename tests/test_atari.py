@@ -21,8 +21,9 @@ from actors.env.atari_wrappers import (AreaResize, EpisodicLife, MaxPoolFrameSki
 from actors.modules import ActorCriticModule, QModule  # noqa: E402
 from actors.modules.encoders import CNNEncoder  # noqa: E402
 from actors.modules.export import export_policy  # noqa: E402
-from pipeline import APPOConfig, ConfigError, DefaultCallbacks, DQNConfig, PPOConfig  # noqa: E402
+from pipeline import APPOConfig, ConfigError, DQNConfig, PPOConfig  # noqa: E402
 from pipeline.envs import env_creator  # noqa: E402
+from tests.pieces import FrameCheck  # noqa: E402
 from protocols.numpy_policy import NumpyPolicy  # noqa: E402
 
 FRAME = gym.spaces.Box(0, 255, (84, 84, 1), np.uint8)
@@ -366,14 +367,6 @@ def test_the_nature_cnn_exports_to_numpy():
 
 
 # --- short runs on Pong -----------------------------------------------------------------------
-class FrameCheck(DefaultCallbacks):
-    """Reports whether every chunk a learner trains on holds 84x84x1 uint8 frames."""
-
-    def on_learn_on_batch(self, *, train_batch, result, **kwargs):
-        result["uint8_frames"] = float(all(c.obs.dtype == np.uint8 and c.obs.shape[1:] == (84, 84, 1)
-                                           for c in train_batch))
-
-
 def check_losses(result):
     learner = result["learners"]["default_policy"]
     assert learner["uint8_frames"] == 1.0

@@ -12,9 +12,10 @@ from actors.modules import ModelConfig
 from pipeline import PPOConfig
 from pipeline.algorithms.dqn.config import DQNConfig
 from pipeline.config.compat import (ACCEPTED_KIND, IGNORED_KIND, MODEL_KEYS_CARRIED, NAMES, RENAMED_KIND,
-                             UNSUPPORTED_KIND, is_harmless, migration_table, refusal)
+                             UNSUPPORTED_KIND, is_harmless, migration_table)
 from pipeline.config.base import ALGORITHM_OF, AlgorithmConfig, ConfigError
 from pipeline.registry import register_builtins
+from tests.pieces import boom
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -229,10 +230,6 @@ def ray_local():
     ray.shutdown()
 
 
-def _boom(runner):
-    raise ValueError(f"user function failed on runner {runner.worker_index}")
-
-
 @pytest.fixture(params=[0, 1], ids=["in-process", "one-ray-runner"])
 def algo(request, ray_local):
     algo = (PPOConfig().environment("CartPole-v1")
@@ -249,10 +246,10 @@ def test_foreach_env_runner_hands_a_user_error_to_the_caller(algo):
     remote = not algo.env_runner_group.manager.in_process
     index = 1 if remote else 0
     with pytest.raises(ValueError, match=f"user function failed on runner {index}") as err:
-        algo.foreach_env_runner(_boom)
+        algo.foreach_env_runner(boom)
     assert any(f"env runner {index}" in note and "not restarted" in note for note in err.value.__notes__)
     with pytest.raises(ValueError):  # RLlib's older spelling, on the group
-        algo.env_runner_group.foreach_worker(_boom)
+        algo.env_runner_group.foreach_worker(boom)
     manager = algo.env_runner_group.manager
     assert (manager.num_restarts, manager.num_failures) == (0, 0)
     assert algo.foreach_env_runner(lambda runner: runner.worker_index) == [index]

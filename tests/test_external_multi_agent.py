@@ -28,17 +28,13 @@ from protocols.client import PolicyClient
 from protocols.client_multi_agent import run_multi_agent_env
 from protocols.external_agents import AgentError, agent_ids, done_flags, reward_pairs
 from tests.spec_client import SpecClient
+from tests.pieces import by_str_or_int_agent as by_agent
 from tests.test_external import free_port
 
 CARTPOLE = gym.make("CartPole-v1")
 SMALL = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
 O4 = [0.01, -0.02, 0.03, 0.04]
 O2 = [0.5, -0.5]
-
-
-def by_agent(agent_id: Any, episode: Any, **kwargs: Any) -> str:
-    """Agents 0 and "a" (and any str but "b") act with p0, 1 and "b" with p1; other ints map to no module."""
-    return {0: "p0", 1: "p1", "b": "p1"}.get(agent_id, "p0" if isinstance(agent_id, str) else f"p{agent_id}")
 
 
 def make_server(tmp_path, obs1: gym.Space = SMALL, **kwargs: Any) -> PolicyServer:

@@ -23,6 +23,7 @@ from actors.replay import MultiAgentReplay, ReplaySettings
 from pipeline import DQNConfig, MultiAgentEnv, SACConfig, make_multi_agent
 from pipeline.algorithm import Algorithm
 from pipeline.config.base import ConfigError
+from tests.pieces import by_agent as per_agent
 
 EPISODE_STEPS = 8
 """Env steps of a ``TurnTaking`` episode: agent "a" acts at the even ones, "b" at the odd ones."""
@@ -67,10 +68,6 @@ def own_step_rewards(agent: str) -> list[float]:
     scale, first = (1, 0) if agent == "a" else (100, 1)
     turns = list(range(first, EPISODE_STEPS, 2))
     return [scale * sum(t + 1 for t in range(turn, min(turn + 2, EPISODE_STEPS))) for turn in turns]
-
-
-def per_agent(agent_id: Any, episode: Any, **kwargs: Any) -> str:
-    return f"p{agent_id}"
 
 
 def shared(agent_id: Any, episode: Any, **kwargs: Any) -> str:

@@ -7,7 +7,6 @@ record before it must equal what was sampled -- checked against what the killed 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -19,16 +18,12 @@ from collections import Counter
 import pytest
 import ray
 
-from pipeline import Callbacks, PPOConfig
+from pipeline import PPOConfig
 from pipeline.offline.record import inspect_recording
-from protocols.codec import encode
 from protocols.shards import ShardReader
+from tests.pieces import COLLECTED, Collect, digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def digest(chunk) -> str:
-    return hashlib.sha1(encode(chunk, compress=False)).hexdigest()
 
 
 def recorded(directory: str) -> tuple[dict[tuple[str, int], str], list[ShardReader]]:
@@ -133,14 +128,6 @@ def test_kill_9_of_the_whole_driver_leaves_a_readable_recording(tmp_path):
     summary = inspect_recording(out)
     # every step the driver trained on was recorded before the learner saw it
     assert summary["steps"] >= trained and summary["damaged_records"] == 0
-
-
-COLLECTED: list = []
-
-
-class Collect(Callbacks):
-    def on_learn_on_batch(self, *, policy, train_batch, result, **kw):
-        COLLECTED.extend((c.episode_id, c.chunk_index, digest(c)) for c in train_batch)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from actors.connectors.base import ObservationView
 from actors.replay import ReplayBuffer, ReplaySettings
 from protocols import EpisodeChunk
 from protocols.errors import ProtocolError
+from tests.pieces import stack4
 
 FRAME = Box(-1e6, 1e6, (2,), np.float32)
 
@@ -167,17 +168,12 @@ def test_gathering_stacks_from_a_ring_equals_stacking_gathered_frames():
 
 
 # --- in training runs ---------------------------------------------------------------------------------
-def stack4(env):
-    return FrameStackingEnvToModule(num_frames=4)
-
-
 def test_dqn_with_stacked_frames_resumes_exactly_from_a_checkpoint_with_its_buffer():
     """k iterations, save (buffer with its links included), restore, m more == k + m uninterrupted."""
     from tests.helpers import straight_and_resumed
-    from tests.pieces import stack4 as importable_stack4
     from tests.test_offpolicy import assert_same_tree, small_dqn
 
-    config = small_dqn().env_runners(env_to_module_connector=importable_stack4)
+    config = small_dqn().env_runners(env_to_module_connector=stack4)
     with straight_and_resumed(lambda: config.build(), k=12, m=10) as (straight, restored):
         wa, wb = straight.get_weights(), restored.get_weights()
         for name in wa:
