@@ -16,8 +16,9 @@ import numpy as np
 import ray
 
 from actors.callbacks import Callbacks
-from actors.connectors import ClipRewards, FrameStackingEnvToModule, LearnerConnector, MeanStdFilter
+from actors.connectors import ClipRewards, FrameStackingEnvToModule, LearnerConnector, MeanStdFilter, ModuleToEnvConnector
 from protocols.codec import encode
+from protocols.multi_agent_episode import MultiAgentEpisode
 
 
 def by_agent(agent_id: Any, episode: Any = None, **kwargs: Any) -> str:
@@ -160,3 +161,63 @@ def digest(chunk: Any) -> str:
 class Collect(Callbacks):
     def on_learn_on_batch(self, *, policy, train_batch, result, **kw):
         COLLECTED.extend((c.episode_id, c.chunk_index, digest(c)) for c in train_batch)
+
+
+# --- test_multi_agent_eval: per-agent metrics from runners and evaluators ------------------------------------
+class AgentReturns(Callbacks):
+    """Logs each agent's return as a custom metric, counts the hooks, and checks what they are given."""
+
+    def on_episode_start(self, *, episode, env_runner, metrics_logger, env_index, rl_module, **kwargs):
+        assert isinstance(episode, MultiAgentEpisode) and episode.env_steps() == 0
+        assert set(rl_module.members) == set(env_runner.module_ids)
+        metrics_logger.log_value("episodes_started", 1, reduce="sum")
+
+    def on_episode_step(self, *, episode, metrics_logger, **kwargs):
+        assert isinstance(episode, MultiAgentEpisode)
+        metrics_logger.log_value("episode_steps_seen", 1, reduce="sum")
+
+    def on_episode_end(self, *, episode, env_runner, metrics_logger, env, **kwargs):
+        assert isinstance(episode, MultiAgentEpisode) and episode.is_done
+        for agent_id, ret in episode.agent_returns.items():
+            metrics_logger.log_value(f"agent_return/{agent_id}", ret)
+        metrics_logger.log_value("in_evaluation", float(env_runner.config.in_evaluation), reduce="max")
+
+    def on_sample_end(self, *, env_runner, samples, metrics_logger, **kwargs):
+        assert {c.module_id for c in samples} <= set(env_runner.module_ids)
+        assert {c.agent_id for c in samples} <= {"0", "1", 0, 1}
+        metrics_logger.log_value("sampled_chunks", len(samples), reduce="sum")
+
+    def on_train_result(self, *, algorithm, result, **kwargs):
+        result["modules_seen"] = sorted(result["env_runners"]["module_episode_returns_mean"])
+
+
+# --- test_multi_agent_module_to_env: a module-to-env piece with state ----------------------------------------
+class ShiftFor(ModuleToEnvConnector):
+    """Sends the env ``(action + shift) % 3``, records what the module chose; counts its calls and rows (its
+    state)."""
+
+    def __init__(self, shift: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.shift, self.calls, self.rows = shift, 0, 0
+
+    def __call__(self, batch, *, observations=None, explore=True):
+        self.calls += 1
+        self.rows += len(batch["actions"])
+        assert len(observations) == len(batch["actions"]) and observations.shape[1:] == (1,)
+        return {**batch, "actions_for_env": (batch["actions"] + self.shift) % 3}
+
+    def get_state(self):
+        return {"calls": self.calls, "rows": self.rows}
+
+    def set_state(self, state):
+        self.calls, self.rows = state["calls"], state["rows"]
+
+
+# --- test_connector_pipelines: what a learner trained on after its pipeline ----------------------------------
+class SeenRewards(Callbacks):
+    """Keeps the largest reward of every batch a learner trains on (after its pipeline)."""
+
+    seen: list[float] = []
+
+    def on_learn_on_batch(self, *, policy, train_batch, result, **kwargs):
+        SeenRewards.seen.append(max(float(np.max(c.rewards)) for c in train_batch))

@@ -13,10 +13,10 @@ from actors.connectors import (ClipRewards, ConnectorV2, FlattenObservations, Le
 from actors.connectors.learner import build_learner_pipeline
 from actors.connectors.module_to_env import build_module_to_env
 from actors.env import EnvRunner, EnvRunnerSettings
-from pipeline import APPOConfig, ConfigError, DQNConfig, PPOConfig
-from pipeline.callbacks import DefaultCallbacks
+from pipeline import APPOConfig, ConfigError, PPOConfig
 from protocols.episode import EpisodeChunk
 from tests.envs import ActionEcho
+from tests.pieces import SeenRewards
 
 BOX = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
 ACT = gym.spaces.Discrete(3)
@@ -206,15 +206,6 @@ def test_clip_rewards_and_the_learner_pipeline_contract():
         pipe.set_state([{"piece": "Other", "state": {}}])
 
 
-class SeenRewards(DefaultCallbacks):
-    """Keeps the largest reward of every batch a learner trains on (after its pipeline)."""
-
-    seen: list[float] = []
-
-    def on_learn_on_batch(self, *, policy, train_batch, result, **kwargs):
-        SeenRewards.seen.append(max(float(np.max(c.rewards)) for c in train_batch))
-
-
 def test_ppo_learns_from_what_the_learner_pipeline_gives_while_results_keep_the_envs_returns():
     SeenRewards.seen = []
     algo = (PPOConfig().environment("CartPole-v1").callbacks(SeenRewards)
@@ -239,7 +230,7 @@ def test_appo_stream_batches_go_through_the_learner_pipeline_in_their_loader(ray
                       learner_connector=lambda obs_space, act_space: ClipRewards(limit=0.25))
             .build(logdir=None))
     while not SeenRewards.seen:  # an iteration ends on time, whether or not a batch arrived
-        result = algo.train()
+        algo.train()
     assert max(SeenRewards.seen) == pytest.approx(0.25)
     assert algo.plan.receiver.learner_connector is algo.learner_connector
     algo.stop()

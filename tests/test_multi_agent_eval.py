@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 
 from actors.env.multi_agent_runner import MultiAgentEnvRunner
-from pipeline import DefaultCallbacks, PPOConfig, make_multi_agent
-from protocols.multi_agent_episode import MultiAgentEpisode
-from tests.pieces import by_agent
+from pipeline import PPOConfig, make_multi_agent
+from tests.pieces import AgentReturns, by_agent
 
 
 def against_p1_v1(agent_id: Any, episode: Any, **kwargs: Any) -> str:
@@ -81,33 +80,6 @@ def test_an_added_module_reaches_the_evaluators():
         algo.evaluate()
     finally:
         algo.stop()
-
-
-class AgentReturns(DefaultCallbacks):
-    """Logs each agent's return as a custom metric, counts the hooks, and checks what they are given."""
-
-    def on_episode_start(self, *, episode, env_runner, metrics_logger, env_index, rl_module, **kwargs):
-        assert isinstance(episode, MultiAgentEpisode) and episode.env_steps() == 0
-        assert set(rl_module.members) == set(env_runner.module_ids)
-        metrics_logger.log_value("episodes_started", 1, reduce="sum")
-
-    def on_episode_step(self, *, episode, metrics_logger, **kwargs):
-        assert isinstance(episode, MultiAgentEpisode)
-        metrics_logger.log_value("episode_steps_seen", 1, reduce="sum")
-
-    def on_episode_end(self, *, episode, env_runner, metrics_logger, env, **kwargs):
-        assert isinstance(episode, MultiAgentEpisode) and episode.is_done
-        for agent_id, ret in episode.agent_returns.items():
-            metrics_logger.log_value(f"agent_return/{agent_id}", ret)
-        metrics_logger.log_value("in_evaluation", float(env_runner.config.in_evaluation), reduce="max")
-
-    def on_sample_end(self, *, env_runner, samples, metrics_logger, **kwargs):
-        assert {c.module_id for c in samples} <= set(env_runner.module_ids)
-        assert {c.agent_id for c in samples} <= {"0", "1", 0, 1}
-        metrics_logger.log_value("sampled_chunks", len(samples), reduce="sum")
-
-    def on_train_result(self, *, algorithm, result, **kwargs):
-        result["modules_seen"] = sorted(result["env_runners"]["module_episode_returns_mean"])
 
 
 def test_callbacks_get_the_multi_agent_episode_and_log_per_agent_metrics():

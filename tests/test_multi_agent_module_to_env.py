@@ -10,28 +10,7 @@ from actors.connectors import MeanStdFilter, ModuleToEnvConnector
 from actors.metrics import MetricsLogger
 from pipeline import ConfigError, PPOConfig
 from tests.envs import ActionEchoes
-from tests.pieces import by_agent
-
-
-class ShiftFor(ModuleToEnvConnector):
-    """Sends the env ``(action + shift) % 3``, records what the module chose; counts its calls and rows (its
-    state)."""
-
-    def __init__(self, shift: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.shift, self.calls, self.rows = shift, 0, 0
-
-    def __call__(self, batch, *, observations=None, explore=True):
-        self.calls += 1
-        self.rows += len(batch["actions"])
-        assert len(observations) == len(batch["actions"]) and observations.shape[1:] == (1,)
-        return {**batch, "actions_for_env": (batch["actions"] + self.shift) % 3}
-
-    def get_state(self):
-        return {"calls": self.calls, "rows": self.rows}
-
-    def set_state(self, state):
-        self.calls, self.rows = state["calls"], state["rows"]
+from tests.pieces import ShiftFor, by_agent
 
 
 class Always(ModuleToEnvConnector):

@@ -30,16 +30,13 @@ from actors.modules import ModuleSpec
 from pipeline.algorithms.ppo.config import PPOConfig
 from pipeline.algorithms.ppo.learner import PPOLearner
 from protocols.codec import decode_chunks
+from tests.pieces import by_agent as own
 
 CARTPOLES = make_multi_agent("CartPole-v1")
 _ENV = CARTPOLES({"num_agents": 2})
 OBS, ACT = _ENV.get_observation_space(0), _ENV.get_action_space(0)
 MODEL = {"fcnet_hiddens": [16]}
 SPEC = ModuleSpec(OBS, ACT, MODEL)
-
-
-def own(agent: Any, episode: Any) -> str:
-    return f"p{agent}"
 
 
 def shared(agent: Any, episode: Any) -> str:
