@@ -71,7 +71,9 @@ def run_with_tune(spec: TrainSpec, config: Any, algo_cls: Any) -> int:
         f"results in {os.path.join(output_dir, name)}")
     try:
         tuner = tune.Tuner(algo_cls, param_space=param_space,
-                           tune_config=tune.TuneConfig(num_samples=spec.num_samples),
+                           # a trial that ends hands its process to the next (Algorithm.reset_config): no
+                           # second start and imports per trial
+                           tune_config=tune.TuneConfig(num_samples=spec.num_samples, reuse_actors=True),
                            run_config=tune.RunConfig(name=name, storage_path=output_dir, stop=spec.stop,
                                                      checkpoint_config=checkpoints, verbose=0))
         results = tuner.fit()
