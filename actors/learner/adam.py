@@ -23,7 +23,8 @@ def _dynamo_loaded() -> bool:
 
 
 def _body(method: Any) -> Any:
-    """The function a torch decorator wrapped (``functools.wraps`` keeps it as ``__wrapped__``)."""
+    """The function a torch decorator wrapped (``functools.wraps`` keeps it as ``__wrapped__``); None where a
+    torch release stops wrapping the method this way, and then torch's own method runs."""
     return getattr(method, "__wrapped__", None)
 
 
@@ -36,8 +37,6 @@ _GUARDED_STEP = torch.optim.Adam.step.__wrapped__ if getattr(torch.optim.Adam.st
 """Adam's step inside torch's guard, without the profiler hook that the first ``torch.optim.Adam`` built puts
 around every optimizer class's step (this class gets its own: running both would call hooks twice)."""
 _STEP = _body(_GUARDED_STEP)
-_BODIES = (_ADD_PARAM_GROUP, _ZERO_GRAD, _STATE_DICT, _LOAD_STATE_DICT, _STEP)
-"""None where a torch release stops wrapping a method this way: then torch's own method runs."""
 
 
 class Adam(torch.optim.Adam):
