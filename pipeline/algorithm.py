@@ -9,13 +9,12 @@ An algorithm contributes only its pieces (see ``pipeline/algorithms/ppo/``):
 
 Everything else is shared here: the env runner and learner groups (``setup``), the metrics logger
 that every stage reports into and every result is reduced from, stop conditions of an iteration,
-checkpoints, and computing actions. The class keeps the order of things and the public methods;
-the work behind them is in ``algorithm_setup`` (what set-up derives from the config),
-``algorithm_evaluation``, ``algorithm_results``, ``algorithm_actions`` and ``checkpoints/save_restore``.
+checkpoints, and computing actions. The class keeps the public methods; the work behind them is in
+``algorithm_setup`` (what set-up derives from the config), ``algorithm_stages`` (the order stages are built
+in), ``algorithm_evaluation``, ``algorithm_results``, ``algorithm_actions`` and ``checkpoints/save_restore``.
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any, Callable, ClassVar
@@ -37,7 +36,8 @@ from pipeline.algorithm_actions import compute_actions, compute_single_action
 from pipeline.algorithm_evaluation import AlgorithmEvaluation
 from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup
-from pipeline.algorithm_results import IterationInfo, iteration_result, json_safe, lifetime_counters, result_params
+from pipeline.algorithm_results import IterationInfo, iteration_result, training_steps, json_safe, lifetime_counters, result_params
+from pipeline.algorithm_stages import build_stages
 from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, policy_setup,
                                       runner_fault_tolerance)
 from pipeline.checkpoints.save_restore import (build_from_checkpoint, driver_state, load_into, save_algorithm,
@@ -46,9 +46,9 @@ from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.groups.env_runner_group import EnvRunnerGroup
 from pipeline.groups.env_runners import runner_settings
 from pipeline.envs import env_creator
+from pipeline.evaluate import run_episodes
 from pipeline.groups.evaluation import Evaluators
 from pipeline.config.external import external_settings
-from pipeline.config.inference import inference_settings
 from pipeline.config.offline import mixes_sampler, reader_settings, recording_settings
 from actors.offline import write_manifest
 from pipeline.groups.learner_group import LearnerGroup
@@ -58,9 +58,6 @@ from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
 from pipeline.tune.support import resource_request
 from pipeline.version import runnel_version
-
-log = logging.getLogger("runnel")
-
 
 class Algorithm(Trainable):
     """Also a ``ray.tune.Trainable``: Tune hosts it as a trial (``tune.Tuner(PPO, param_space=config)``),
@@ -126,7 +123,7 @@ class Algorithm(Trainable):
         self.multi_agent: MultiAgentSetup | None = policy.multi_agent
         self.env_observation_space = policy.env_observation_space
         self.chunk_observation_space = policy.chunk_observation_space
-        self.observation_space, self.action_space = obs_space, act_space = policy.observation_space, policy.action_space
+        self.observation_space, self.action_space = policy.observation_space, policy.action_space
         self.connector: Any = policy.connector
         self.learner_connector, self.replay_intake = policy.learner_connector, policy.replay_intake
         self.module_spec, self.driver_policy = policy.module_spec, policy.driver_policy
@@ -143,7 +140,7 @@ class Algorithm(Trainable):
             if not self._hosted_by_tune:  # a trial's actors go into its own placement group
                 check_room(self.name, config)
         self.metrics = MetricsLogger()
-        self.evaluation = AlgorithmEvaluation(self, hook=self._hook)
+        self.evaluation = AlgorithmEvaluation(self, hook=self.run_hook)
         self.evaluation_results: dict[str, Any] | None = None
         """The latest evaluation's results (``always_attach_evaluation_results`` repeats them)."""
         self._sys = SysUsage() if config.log_sys_usage else None
@@ -152,55 +149,17 @@ class Algorithm(Trainable):
         self.env_runner_group: EnvRunnerGroup | None = None
         self.plan: Any = None
         if self.recording is not None:
-            write_manifest(self.recording.output, self.chunk_observation_space, act_space, self.name, json_safe(config.to_dict()),
-                           runnel_version(), actions_normalized=bool(config.normalize_actions))
+            write_manifest(self.recording.output, self.chunk_observation_space, self.action_space, self.name,
+                           json_safe(config.to_dict()), runnel_version(),
+                           actions_normalized=bool(config.normalize_actions))
         try:
-            # Remote runners start in processes of their own: ask for them first and build the driver's learner
-            # while they start (both take seconds), then wait for them. An in-process runner keeps coming after
-            # the learner: building it draws from this process's generators, which the learner's seeded
-            # initialization must not see moved. Remote learners and inference servers keep the old order.
-            early = (config.num_env_runners > 0 and config.num_learners == 0 and self.multi_agent is None
-                     and inference_settings(config) is None)
-            evaluate = bool(config.evaluation_interval) and self.env_creator is not None
-            if early:
-                self.env_runner_group = self.make_env_runner_group(readers_in_slots, check_started=False)
-                if evaluate and config.evaluation_num_env_runners > 0:  # their processes start beside the runners'
-                    self.evaluation.build_evaluators(check_started=False)
-            if self.multi_agent is None:
-                view = self.observation_view()
-                kwargs = {"observation_view": view} if view else {}
-                if self.learner_connector is not None and self.replay_intake is None:
-                    kwargs["learner_connector"] = self.learner_connector
-                self.learner_group = LearnerGroup(self.learner_class, config, obs_space, act_space,
-                                                  learner_kwargs=kwargs or None)
-            else:
-                self.learner_group = self.multi_agent.learner_group(self.learner_class, config)
-            if early:
-                self.env_runner_group.check_started()
-            else:
-                self.env_runner_group = self.make_env_runner_group(readers_in_slots)
-            if evaluate and self.evaluators is None:
-                self.build_evaluators()  # waits for its actors
-            elif evaluate:  # asked for beside the runners: wait for them now
-                self.evaluators.check_started()
-            self.plan = self.build_plan()
+            build_stages(self, readers_in_slots)
         except BaseException:
             self.cleanup()
             raise
         self.sync_weights()
         held(self, actor_cpus(config))
-        self._hook("on_algorithm_init", algorithm=self, metrics_logger=self.metrics)
-
-    def make_env_runner_group(self, readers_in_slots: bool, check_started: bool = True) -> EnvRunnerGroup:
-        config = self.config
-        multi_agent_runners = self.multi_agent.runner_group_args() if self.multi_agent is not None else {}
-        return EnvRunnerGroup(
-            self.env_runner_settings(), config.num_env_runners, config.num_cpus_per_env_runner,
-            self.fault_tolerance_settings(), compress_frames=self.compress_frames(), external=self.external,
-            offline=self.offline_input if readers_in_slots else None, inference=inference_settings(config),
-            on_recreated=lambda ids: self._hook(
-                "on_env_runners_recreated", algorithm=self, env_runner_group=self.env_runner_group,
-                env_runner_indices=ids, is_evaluation=False), check_started=check_started, **multi_agent_runners)
+        self.run_hook("on_algorithm_init", algorithm=self, metrics_logger=self.metrics)
 
     @property
     def module(self) -> RLModule:
@@ -217,7 +176,8 @@ class Algorithm(Trainable):
         """Module actions -> what the env accepts (``normalize_actions``, ``clip_actions``)."""
         return self.driver_policy.env_actions
 
-    def _hook(self, hook: str, **kwargs: Any) -> None:
+    def run_hook(self, hook: str, **kwargs: Any) -> None:
+        """Run callback ``hook`` in the driver (a failing callback raises ``CallbackError`` naming it)."""
         call_hook(self.callbacks, hook, "the driver", self.metrics, **kwargs)
 
     def env_runner_settings(self, config: AlgorithmConfig | None = None, in_evaluation: bool = False
@@ -358,7 +318,7 @@ class Algorithm(Trainable):
         sampled0, trained0 = (self.counters[k] for k in ("num_env_steps_sampled_lifetime",
                                                           "num_env_steps_trained_lifetime"))
         evaluating = bool(c.evaluation_interval) and (self.iteration + 1) % c.evaluation_interval == 0
-        steps = self.evaluation.beside(evaluating, lambda: self._train_steps(t0, sampled0, trained0))
+        steps = self.evaluation.beside(evaluating, lambda: training_steps(self, t0, sampled0, trained0))
         self.sync_connectors()
         if evaluating and not c.evaluation_parallel_to_training:
             self.evaluate()
@@ -368,26 +328,10 @@ class Algorithm(Trainable):
         result = self._result(dt, steps)
         if self.evaluation_results is not None and (evaluating or c.always_attach_evaluation_results):
             result["evaluation"] = self.evaluation_results
-        self._hook("on_train_result", algorithm=self, result=result, metrics_logger=self.metrics)
+        self.run_hook("on_train_result", algorithm=self, result=result, metrics_logger=self.metrics)
         if self.env_task_fn is not None:
             self.env_runner_group.apply_env_task_fn(self.env_task_fn, result)
         return result
-
-    def _train_steps(self, t0: float, sampled0: int, trained0: int) -> int:
-        """Training steps until the iteration's minimum time and step counts are met; how many ran."""
-        c = self.config
-        steps = 0
-        while True:
-            with self.metrics.log_time("timers/training_step"):
-                self.training_step()
-            steps += 1
-            elapsed = time.perf_counter() - t0
-            counters = self.counters
-            if ((c.min_time_s_per_iteration is None or elapsed >= c.min_time_s_per_iteration)
-                    and counters["num_env_steps_sampled_lifetime"] - sampled0 >= c.min_sample_timesteps_per_iteration
-                    and counters["num_env_steps_trained_lifetime"] - trained0 >= c.min_train_timesteps_per_iteration):
-                break
-        return steps
 
     # --- evaluation ---------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
@@ -499,7 +443,7 @@ class Algorithm(Trainable):
         if not isinstance(checkpoint_dir, (str, os.PathLike)):
             return super().restore(checkpoint_dir)
         load_into(self, os.fspath(checkpoint_dir))
-        self._hook("on_checkpoint_loaded", algorithm=self)
+        self.run_hook("on_checkpoint_loaded", algorithm=self)
 
     def load_checkpoint(self, checkpoint: Any) -> None:
         self.restore(os.fspath(checkpoint))
@@ -514,8 +458,6 @@ class Algorithm(Trainable):
 
     def evaluate_episodes(self, num_episodes: int, explore: bool = False, render: bool = False) -> dict[str, Any]:
         """Play ``num_episodes`` whole episodes in the driver with the current policy."""
-        from pipeline.evaluate import run_episodes
-
         return run_episodes(self, num_episodes, explore=explore, render=render)
 
     def stop(self) -> None:

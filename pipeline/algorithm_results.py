@@ -1,8 +1,8 @@
 """An algorithm's training results: the metrics logger reduced into RLlib's result keys.
 
 Separate from ``Algorithm`` because what a result holds (its defaults, lifetime counters, rates) is
-one contract that the CLI, Tune and the checkpoint keeper read through ``lookup``; the class only
-says when an iteration ends. Writing results to files is ``pipeline/results.py``.
+one contract that the CLI, Tune and the checkpoint keeper read through ``lookup``; with it, when an
+iteration's training steps end (``training_steps``). Writing results to files is ``pipeline/results.py``.
 """
 from __future__ import annotations
 
@@ -95,3 +95,20 @@ def result_params(config: AlgorithmConfig) -> dict[str, Any]:
 def json_safe(value: Any) -> Any:
     """``value`` with whatever JSON cannot hold (classes, functions) written as its repr."""
     return json.loads(json.dumps(value, default=repr))
+
+
+def training_steps(algo: Any, t0: float, sampled0: int, trained0: int) -> int:
+    """``algo.training_step()`` until the iteration's minimum time (since ``t0``) and its minimum env steps
+    sampled and trained (counted from ``sampled0``/``trained0``) are met; how many steps ran."""
+    c = algo.config
+    steps = 0
+    while True:
+        with algo.metrics.log_time("timers/training_step"):
+            algo.training_step()
+        steps += 1
+        elapsed = time.perf_counter() - t0
+        counters = algo.counters
+        if ((c.min_time_s_per_iteration is None or elapsed >= c.min_time_s_per_iteration)
+                and counters["num_env_steps_sampled_lifetime"] - sampled0 >= c.min_sample_timesteps_per_iteration
+                and counters["num_env_steps_trained_lifetime"] - trained0 >= c.min_train_timesteps_per_iteration):
+            return steps
