@@ -28,9 +28,10 @@ sent (``protocols.space_checks``): a value the server would refuse -- NaN, an ac
 raises ``BadValue`` (a ValueError) and leaves the episode as it was, so one bad value cannot get a
 whole chunk refused.
 
-The client keeps the episodes and the background thread; its parts live beside it: the socket and
-its requests in ``protocols.client_connection``, the spool in ``protocols.client_spool``, remote
-and local inference in ``protocols.client_inference``.
+The client keeps the spool's throttle and the background thread; its parts live beside it: the
+socket and its requests in ``protocols.client_connection``, the spool in ``protocols.client_spool``,
+remote and local inference in ``protocols.client_inference``, the episodes in
+``protocols.client_episodes`` (single-agent) and ``protocols.client_multi_agent``.
 """
 from __future__ import annotations
 
@@ -39,34 +40,20 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zmq
 
 from protocols import external as wire
-from protocols import nested
 from protocols.client_connection import Connection, curve_options
+from protocols.client_episodes import SingleAgentEpisodes
 from protocols.client_inference import Inference
 from protocols.client_multi_agent import MultiAgentEpisodes
 from protocols.client_spool import ChunkSpool
-from protocols.episode import EpisodeBuilder, EpisodeChunk
-from protocols.errors import ProtocolError
-from protocols.space_checks import BadValue, box_rows_pass, check_values, value_spec
+from protocols.episode import EpisodeChunk
 
 log = logging.getLogger("runnel.client")
-
-
-@dataclass
-class _Episode:
-    builder: EpisodeBuilder | None  # None: training_enabled=False (acted, never uploaded)
-    started_remote: bool = False
-    prev_action: Any = None  # the module action of the last step, waiting for its reward and next obs
-    prev_extra: dict = field(default_factory=dict)
-    reward: float = 0.0
-    versions: list[int] = field(default_factory=list)  # weights versions of the steps since the last cut
-    in_flight: tuple | None = None  # send_action's request (id, epoch, header, body, local result) until received
 
 
 class PolicyClient:
@@ -115,7 +102,6 @@ class PolicyClient:
                                                         ("action_space", action_space)) if v is not None}
         rng = np.random.default_rng(seed)
         self._lock = threading.RLock()
-        self._episodes: dict[str, _Episode] = {}
         self.welcome: dict[str, Any] | None = None
         self.server_id: str | None = None
         self._closed = threading.Event()
@@ -123,14 +109,13 @@ class PolicyClient:
                                 timeout_s=self.timeout_s, spin_s=self.spin_s, hello=self._hello_fields,
                                 on_welcome=self._welcomed, restart_episodes=self._restart_episodes,
                                 on_chunks=self._on_chunks)
-        self._obs_values = self._act_values = None  # the server's spaces (from its welcome) as value checks
-        self._finite_obs = True
         self._inference = Inference(self._conn, rng)
         self._multi_agent = MultiAgentEpisodes(self._conn, lambda: int((self.welcome.get("limits") or {}).get(
             "max_agents", 64)))
         self._spool = ChunkSpool(self._conn, self._lock, spool_dir, self.resend_after_s)
         if spool_dir is not None:
             self._spool.load(spool_dir)
+        self._episodes = SingleAgentEpisodes(self._conn, self._lock, self._inference, self._spool, self._spool_chunk)
         with self._lock:
             try:
                 self._conn.hello()
@@ -176,101 +161,55 @@ class PolicyClient:
                                  "every multi-agent episode it acts in")
             self._multi_agent.start(eid)
             return eid
-        with self._lock:
-            if eid in self._episodes:
-                raise ValueError(f"episode {eid!r} is already running; end it first or pick another id")
-            self._episodes[eid] = _Episode(EpisodeBuilder(eid) if training_enabled else None)
-        if self.inference_mode == "remote":
-            self._start_remote(eid)
+        self._episodes.start(eid, training_enabled)
         return eid
 
     def get_action(self, episode_id: str, observation: Any) -> Any:
         """The policy's action for ``observation`` (the reward for the previous action goes to
         ``log_returns`` before this call). A multi-agent episode takes ``{agent_id: observation}`` for
         the agents that observe now and returns ``{agent_id: action}`` for those that act."""
-        if episode_id not in self._episodes and episode_id in self._multi_agent:  # a dict lookup first: hot path
+        if episode_id not in self._episodes and episode_id in self._multi_agent:  # single-agent first: hot path
             return self._multi_agent.act(episode_id, observation)
-        return self._step(episode_id, observation, None)
+        return self._episodes.act(episode_id, observation, None)
 
     def get_actions(self, episode_ids: list[str], observations: list[Any]) -> list[Any]:
         """``get_action`` for several episodes at once (a simulator stepping many envs): one request
         and one batched forward pass on the server, or one numpy pass here in local inference."""
-        if len(episode_ids) != len(observations):
-            raise ValueError(f"{len(episode_ids)} episode ids for {len(observations)} observations")
-        eps = [self._episode(eid) for eid in episode_ids]
-        if not box_rows_pass(self._obs_values, observations, self._finite_obs):  # one pass for the common case
-            for eid, o in zip(episode_ids, observations):  # all of them before any is recorded
-                self._check_value(eid, "obs", o)
-        obs = [self._observed(ep, o) for ep, o in zip(eps, observations)]
-        if self.inference_mode == "remote":
-            rows = self._inference.act_remote_batch(list(episode_ids), obs)
-        else:
-            rows = self._inference.act_local_batch(obs)
-        return [self._took(ep, *row) for ep, row in zip(eps, rows)]
+        return self._episodes.act_batch(episode_ids, observations)
 
     def send_action(self, episode_id: str, observation: Any) -> None:
         """Ask for the action without waiting for it; ``receive_action`` collects it. A program
         stepping many episodes (on this client or on several) sends every request first, so the
         server answers them in one batch while nobody waits. One request per episode at a time."""
-        ep = self._episodes.get(episode_id) or self._episode(episode_id)
-        if ep.in_flight is not None:
-            raise ValueError(f"episode {episode_id!r} already waits for an action: call receive_action() first")
-        self._check_value(episode_id, "obs", observation)
-        obs = self._observed(ep, observation)
-        if not self._remote:
-            ep.in_flight = (0, 0, None, None, self._inference.act_local(obs, None))
-            return
-        request, body = self._inference.act_request(episode_id, obs, None)
-        with self._lock:
-            rid, epoch = self._conn.issue(request, body)
-        ep.in_flight = (rid, epoch, request, body, None)
+        self._episodes.send(episode_id, observation)
 
     def receive_action(self, episode_id: str, timeout_s: float | None = None) -> Any:
         """The action ``send_action`` asked for (waits up to ``timeout_s``, default the client's
         ``timeout_s``, then raises ``TimeoutError``)."""
-        ep = self._episodes.get(episode_id) or self._episode(episode_id)
-        if ep.in_flight is None:
-            raise ValueError(f"no action was asked for episode {episode_id!r}: call send_action() first")
-        (rid, epoch, request, body, done), ep.in_flight = ep.in_flight, None  # a failed wait asks anew
-        if done is None:
-            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-            with self._lock:
-                reply, _ = self._conn.complete(rid, epoch, request, body, deadline, retry_unknown_episode=episode_id)
-            done = self._inference.read_action(reply, ep.builder is not None)
-        return self._took(ep, *done)
+        return self._episodes.receive(episode_id, self.timeout_s if timeout_s is None else timeout_s)
 
     def log_action(self, episode_id: str, observation: Any, action: Any) -> None:
         """Record an action the client chose itself (off-policy data for the policy to learn from)."""
-        self._step(episode_id, observation, np.asarray(action))
+        self._episodes.act(episode_id, observation, np.asarray(action))
 
     def log_returns(self, episode_id: str, reward: Any, info: dict | None = None,
                     terminateds: dict | None = None, truncateds: dict | None = None) -> None:
         """Reward for the latest action; several calls before the next action add up. A multi-agent
         episode takes ``{agent_id: reward}``, and the env's ``terminateds``/``truncateds`` dicts of the
         step: agents marked there observe their final step in the next ``get_action`` and act no more."""
-        if episode_id not in self._episodes and episode_id in self._multi_agent:  # a dict lookup first: hot path
+        if episode_id not in self._episodes and episode_id in self._multi_agent:  # single-agent first: hot path
             self._multi_agent.log_returns(episode_id, reward, terminateds, truncateds)
             return
-        self._episode(episode_id).reward += float(reward)
+        self._episodes.log_returns(episode_id, reward)
 
     def end_episode(self, episode_id: str, observation: Any, truncated: bool = False) -> None:
         """The episode's last observation; ``truncated=True`` when it was cut (a time limit) rather
         than reaching a terminal state. A multi-agent episode takes ``{agent_id: observation}`` (the
         final observations there are; ``{}`` or None for none) and ends for every agent ("__all__")."""
-        if episode_id not in self._episodes and episode_id in self._multi_agent:  # a dict lookup first: hot path
+        if episode_id not in self._episodes and episode_id in self._multi_agent:  # single-agent first: hot path
             self._multi_agent.end(episode_id, observation, truncated)
             return
-        ep = self._episode(episode_id)
-        if ep.in_flight is not None:
-            raise ValueError(f"episode {episode_id!r} waits for the action send_action() asked for: call "
-                             f"receive_action() first (the final observation follows the last action taken)")
-        self._check_value(episode_id, "obs", observation)
-        with self._lock:
-            if ep.builder is not None and ep.prev_action is not None:
-                self._add_step(ep, observation, terminated=not truncated, truncated=truncated)
-            del self._episodes[episode_id]
-        if ep.started_remote:
-            self._conn.send({"op": wire.END, "id": 0, "episode_id": episode_id})
+        self._episodes.end(episode_id, observation, truncated)
 
     def update_policy_weights(self) -> None:
         """Pull the newest weights now (local inference; the background thread does it every
@@ -320,80 +259,6 @@ class PolicyClient:
     def __exit__(self, *exc: Any) -> None:
         self.close(flush=exc[0] is None)
 
-    # --- acting -------------------------------------------------------------------------------
-    def _episode(self, eid: str) -> _Episode:
-        ep = self._episodes.get(eid)
-        if ep is None:
-            raise ValueError(f"unknown episode id {eid!r}: call start_episode() first (running: "
-                             f"{list(self._episodes)[:5]})")
-        return ep
-
-    def _check_value(self, eid: str, field: str, value: Any) -> None:
-        """Refuse a value the server would refuse (``bad_value``; in a chunk, ``bad_chunk``) before it is
-        recorded: a NaN observation kept in an episode would get its whole chunk refused."""
-        spec, finite = (self._obs_values, self._finite_obs) if field == "obs" else (self._act_values, True)
-        try:
-            check_values(field, spec, value, finite)
-        except BadValue as err:
-            raise BadValue(err.field, f"episode {eid!r}: {err}") from None
-
-    def _observed(self, ep: _Episode, obs: Any) -> Any:
-        """Record a new observation in the episode (closing its previous step); returns it as arrays."""
-        # copies: an env may reuse its observation buffer, and the chunk keeps every row
-        obs = np.array(obs) if type(obs) is np.ndarray or isinstance(obs, list) else nested.map_structure(np.array, obs)
-        if ep.builder is not None:
-            with self._lock:
-                if not ep.builder.started:
-                    ep.builder.add_reset(obs)
-                elif ep.prev_action is not None:
-                    self._add_step(ep, obs)
-        return obs
-
-    def _step(self, eid: str, obs: Any, given: Any) -> Any:
-        ep = self._episodes.get(eid) or self._episode(eid)
-        if ep.in_flight is not None:
-            raise ValueError(f"episode {eid!r} waits for the action send_action() asked for: call receive_action()")
-        self._check_value(eid, "obs", obs)
-        if given is not None:
-            self._check_value(eid, "action", given)
-        obs = self._observed(ep, obs)
-        if self._remote:
-            return self._took(ep, *self._inference.act_remote(eid, obs, given, ep.builder is not None))
-        if self._spool.server_version > self._inference.weights_version:
-            self._pull_announced_weights()
-        return self._took(ep, *self._inference.act_local(obs, given))
-
-    def _pull_announced_weights(self) -> None:
-        """The server said it has newer weights: fetch them before acting (local inference)."""
-        with self._lock:
-            try:
-                self._inference.pull_weights()
-            except (TimeoutError, wire.ServerError, ProtocolError) as err:  # act with what we have (EXTERNAL.md 9.1)
-                log.warning("could not pull the new weights: %s", err)
-            if self._inference.weights_version < self._spool.server_version:  # e.g. not exportable: ask no more
-                self._spool.server_version = self._inference.weights_version
-
-    def _took(self, ep: _Episode, action: Any, module_action: Any, extra: dict, version: int) -> Any:
-        """The episode acted: keep what its next step records; returns the env's action."""
-        ep.prev_action, ep.prev_extra = module_action, extra
-        if ep.builder is not None:  # an acting-only episode cuts no chunks: nothing would ever clear these
-            ep.versions.append(version)
-        return action
-
-    def _add_step(self, ep: _Episode, obs: Any, terminated: bool = False, truncated: bool = False) -> None:
-        b = ep.builder
-        b.add_step(ep.prev_action, ep.reward, obs, terminated=terminated, truncated=truncated, extra=ep.prev_extra)
-        ep.prev_action, ep.reward = None, 0.0
-        limit = self.welcome["fragment_length"]
-        if b.is_done or len(b) >= limit:
-            b.weights_version = min(ep.versions) if ep.versions else 0
-            ep.versions.clear()
-            self._spool_chunk(b.cut())
-
-    def _start_remote(self, eid: str) -> None:
-        self._conn.request({"op": wire.START, "episode_id": eid})
-        self._episodes[eid].started_remote = True
-
     # --- experience ---------------------------------------------------------------------------
     def _spool_chunk(self, chunk: EpisodeChunk) -> None:
         """Keep the chunk until the server commits it (waits while the spool is full, or while the server
@@ -429,13 +294,8 @@ class PolicyClient:
         """A server's welcome, after every (re)connect: it may be a new server, which knows no episode."""
         new_server = welcome.get("server_id") != self.server_id
         self.welcome, self.server_id = welcome, welcome.get("server_id")
-        self._obs_values = value_spec(welcome.get("observation_space"))
-        self._act_values = value_spec(welcome.get("action_space"), actions=True)
-        self._finite_obs = not welcome.get("allow_nonfinite_observations", False)
         self._inference.welcomed(welcome)
-        self._remote = welcome["inference_mode"] == "remote"
-        for ep in self._episodes.values():  # the server forgot them (or it is another server)
-            ep.started_remote = False
+        self._episodes.welcomed(welcome)
         if new_server:
             self._multi_agent.forget()
         self._spool.resend(everything=True)
@@ -444,12 +304,8 @@ class PolicyClient:
                      welcome["inference_mode"])
 
     def _restart_episodes(self, eids: list[str]) -> bool:
-        """Start again the episodes a restarted server forgot; False when some are not running here."""
-        if not all(e in self._episodes for e in eids):
-            return False
-        for eid in eids:  # the server restarted mid-episode: it forgot them
-            self._start_remote(eid)
-        return True
+        """The connection's callback, given before the episodes exist."""
+        return self._episodes.restart(eids)
 
     def _on_chunks(self, header: dict) -> None:
         self._spool.on_message(header)

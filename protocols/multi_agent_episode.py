@@ -29,71 +29,32 @@ env steps later. How the awkward cases go, as RLlib's ``MultiAgentEpisode`` does
   uses the value of the last state the agent saw instead of crashing the run.
 - Terminated and truncated at once: terminated wins, as in the single-agent runner.
 
-An episode made with ``look_back`` (module id -> rows, for modules whose env-to-module pipeline has a view
-such as frame stacking) keeps each such agent's last recorded observations before its open chunk, and every
-chunk of that agent carries them as ``look_back`` (its first observation repeated before the agent's first
-step, as a single-agent frame stack starts). ``recent_rows`` reads an agent's newest rows from the same
-record, so the stack an agent acts on and the stack a learner rebuilds from its chunk are one computation.
-
 Per-agent chunks have their own episode ids, ``"<episode id>.<n>"`` for the n-th agent to join,
 so that everything keyed by ``(episode_id, chunk_index)`` (replay, recorder, resend dedup) keeps
 each agent's chunks apart.
+
+Each agent's rows live in its ``AgentRecord`` (``protocols.agent_record``), with the observations before
+its chunk that an episode made with ``look_back`` (module id -> rows, for modules whose env-to-module
+pipeline has a view such as frame stacking) gives its chunks. What the episode refuses is checked in
+``protocols.multi_agent_episode_checks``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
-from itertools import repeat
-from operator import is_
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from protocols import nested
-from protocols.episode import EpisodeChunk, chunk_from_steps, new_episode_id
+from protocols.agent_record import AgentID, AgentRecord
+from protocols.episode import EpisodeChunk, new_episode_id
+from protocols.multi_agent_episode_checks import (ALL, agent_flags, check_actions, check_extras, check_joining,
+                                                  check_look_back, check_module_id, check_reset, check_running,
+                                                  check_step, plain_step)
 
-AgentID = Hashable  # str or int, as the env names its agents
 DEFAULT_MODULE_ID = "default_policy"
-ALL = "__all__"
 
 
 def map_to_default_module(agent_id: AgentID, episode: "MultiAgentEpisode") -> str:
     """The mapping when none is given: every agent acts with ``default_policy``."""
     return DEFAULT_MODULE_ID
-
-
-@dataclass(slots=True)
-class AgentRecord:
-    """One agent's part of an episode: its steps since its last chunk and where it stands in the
-    observe/act cycle. ``obs`` is one longer than ``rewards`` (the chunk's first observation comes
-    first); ``actions`` and ``extra_rows`` are as long as ``rewards``, or one longer while an action
-    waits for its next observation."""
-
-    agent_id: AgentID
-    module_id: str
-    episode_id: str
-    """The id its chunks carry: ``"<episode id>.<n>"`` for the n-th agent to join."""
-    last_obs: Any
-    last_info: dict
-    obs: list = field(default_factory=list)
-    actions: list = field(default_factory=list)
-    extra_rows: list = field(default_factory=list)
-    """The policy outputs of each action, a tuple in ``extra_keys`` order."""
-    rewards: list = field(default_factory=list)
-    infos: list = field(default_factory=list)
-    ready: bool = True
-    """It holds an observation it has not acted on yet."""
-    done: bool = False
-    truncated: bool = False
-    """How it ended (when done): truncated, or else terminated."""
-    pending_reward: float = 0.0
-    """Rewards since its last action, credited to that step when the next observation arrives."""
-    ret: float = 0.0
-    """Its rewards in this episode so far (its return)."""
-    extra_keys: tuple[str, ...] | None = None
-    chunk_index: int = 0
-    t_started: int = 0
-    back: list | None = None
-    """With a look-back: its recorded observations before ``obs[0]``, oldest first (as many as its module's
-    ``look_back``); None without."""
 
 
 class MultiAgentEpisode:
@@ -118,9 +79,7 @@ class MultiAgentEpisode:
                  record_infos: bool = False, look_back: Mapping[str, int] | None = None) -> None:
         """``look_back``: module id -> how many recorded observations before each chunk that module's agents'
         chunks carry (a view's depth); modules absent or at 0 carry none."""
-        for mid, n in (look_back or {}).items():
-            if n < 0:
-                raise ValueError(f"look_back[{mid!r}] = {n}: give a number of rows >= 0")
+        check_look_back(look_back or {})
         self.look_back = {m: int(n) for m, n in (look_back or {}).items() if n}
         self.id_ = episode_id or new_episode_id()
         self.policy_mapping_fn = policy_mapping_fn or map_to_default_module
@@ -169,13 +128,7 @@ class MultiAgentEpisode:
         module_id = self._modules.get(agent_id)
         if module_id is None:
             module_id = self.policy_mapping_fn(agent_id, self)
-            if not isinstance(module_id, str) or not module_id:
-                raise ValueError(f"policy_mapping_fn mapped agent {agent_id!r} to {module_id!r}; "
-                                 "it must return a module id (a non-empty str)")
-            if self.module_ids is not None and module_id not in self.module_ids:
-                raise ValueError(f"policy_mapping_fn mapped agent {agent_id!r} to module {module_id!r}, which "
-                                 f"does not exist; modules: {sorted(self.module_ids)}. Add it to "
-                                 "`.multi_agent(policies=...)` or fix the mapping")
+            check_module_id(agent_id, module_id, self.module_ids)
             self._modules[agent_id] = module_id
         return module_id
 
@@ -194,11 +147,7 @@ class MultiAgentEpisode:
         """The agent's newest recorded observation and, before it, as many earlier ones as its module's
         ``look_back`` (oldest first; its first observation repeated before its first step): what a view
         builds the agent's acting input from, and what its chunks let a learner rebuild."""
-        a = self._agents[agent_id]
-        if a.back is None:
-            return a.obs[-1:]
-        n = len(a.back) + 1
-        return a.obs[-n:] if len(a.obs) >= n else (a.back + a.obs)[-n:]
+        return self._agents[agent_id].recent_rows()
 
     def observations_to_act(self) -> dict[str, dict[AgentID, Any]]:
         """The observations waiting for an action, grouped by module: one forward pass each."""
@@ -252,12 +201,8 @@ class MultiAgentEpisode:
     # --- recording --------------------------------------------------------------------------
     def add_reset(self, obs: Mapping[AgentID, Any], infos: Mapping[AgentID, dict] | None = None) -> None:
         """The env's ``reset()``: every agent with an observation joins and is to act."""
-        if self._started:
-            raise ValueError(f"add_reset called twice on episode {self.id_}: an episode starts once; "
-                             "record the next reset in a new MultiAgentEpisode")
-        if not obs:
-            raise ValueError("reset gave no observation for any agent: at least one agent must observe to act")
-        self._check_joining(list(obs))
+        check_reset(obs, self.id_, self._started)
+        check_joining(list(obs), self._wire_ids, self.module_for)
         self._started = True
         infos = infos or {}
         for aid, o in obs.items():
@@ -267,12 +212,9 @@ class MultiAgentEpisode:
                     extras: Mapping[AgentID, Mapping[str, Any]] | None = None) -> None:
         """Actions (and the policy outputs per agent: ``action_logp``, ``action_dist_inputs``,
         ``vf_preds``...) for agents in ``agents_to_act()``; may come in parts, e.g. one per module."""
-        self._check_running("add_actions")
+        check_running("add_actions", self.id_, self._started, self.is_done)
         extras = extras or {}
-        for aid in extras:
-            if aid not in actions:
-                raise ValueError(f"extras for agent {aid!r}, which is given no action: "
-                                 "pass an agent's extras with its action")
+        check_extras(actions, extras)
         rows = [(tuple(e), tuple(e.values())) for e in (extras.get(aid, {}) for aid in actions)]
         self._add_actions(list(actions), list(actions.values()), rows)
 
@@ -281,18 +223,12 @@ class MultiAgentEpisode:
         """``add_actions`` for a batch: ``agent_ids[j]`` took ``actions[j]`` with the policy outputs
         ``rows[j]`` (values under ``keys``, the same for every agent). What a sampler that holds a
         forward pass's outputs as columns passes without a dict per agent."""
-        self._check_running("add_actions")
+        check_running("add_actions", self.id_, self._started, self.is_done)
         self._add_actions(agent_ids, actions, [(keys, row) for row in rows])
 
     def _add_actions(self, agent_ids: list[AgentID], actions: list[Any], extras: list[tuple[tuple, tuple]]) -> None:
         agents = self._agents
-        for aid, (keys, _) in zip(agent_ids, extras):  # check everything before changing anything
-            a = agents.get(aid)
-            if a is None or not a.ready:
-                raise ValueError(self._not_ready(aid))
-            if a.extra_keys is not None and keys != a.extra_keys and set(keys) != set(a.extra_keys):
-                raise ValueError(f"agent {aid!r}: extra keys changed mid-episode, {sorted(a.extra_keys)} -> "
-                                 f"{sorted(keys)}; give an agent the same policy outputs at every step")
+        check_actions(agent_ids, extras, agents, self.agents_to_act)  # everything before changing anything
         module_steps = self._module_steps
         for aid, action, (keys, row) in zip(agent_ids, actions, extras):
             a = agents[aid]
@@ -315,12 +251,12 @@ class MultiAgentEpisode:
         """The env's ``step()`` result. Agents that got an observation complete their step (or join);
         agents done without one are closed on their last observation."""
         if not self._started or self.is_terminated or self.is_truncated:
-            self._check_running("add_step")
+            check_running("add_step", self.id_, self._started, self.is_done)
         agents = self._agents
         if self._ready:
             raise ValueError(f"add_step while agents {self.agents_to_act()} have not acted on their observations: "
                              "give every agent in agents_to_act() an action (add_actions) before stepping the env")
-        if self._plain_step(obs, rewards, terminateds, truncateds):
+        if plain_step(obs, rewards, terminateds, truncateds, self._playing):
             self._env_steps += 1
             # the commonest step, every agent that observes paid and nobody else, in one pass (no rewards loop)
             one_pass = self.plain_steps and not self.record_infos and rewards.keys() == obs.keys()
@@ -352,8 +288,10 @@ class MultiAgentEpisode:
         all_trunc = bool(truncateds.get(ALL, False)) and not all_term
         joining = [aid for aid in obs if aid not in agents]
         if joining:
-            joining = [aid for aid in joining if not any(_flags(aid, terminateds, truncateds, all_term, all_trunc))]
-        self._check_step(obs, rewards, joining)
+            joining = [aid for aid in joining
+                       if not any(agent_flags(aid, terminateds, truncateds, all_term, all_trunc))]
+        check_step(obs, rewards, agents, self.id_)
+        check_joining(joining, self._wire_ids, self.module_for)
         infos = infos or {}
         self._env_steps += 1
         for aid, r in rewards.items():
@@ -366,7 +304,7 @@ class MultiAgentEpisode:
                 a.ret += r
         any_flag = all_term or all_trunc or any(terminateds.values()) or any(truncateds.values())
         for aid, o in obs.items():
-            term, trunc = (_flags(aid, terminateds, truncateds, all_term, all_trunc) if any_flag
+            term, trunc = (agent_flags(aid, terminateds, truncateds, all_term, all_trunc) if any_flag
                            else (False, False))
             a = agents.get(aid)
             if a is not None:
@@ -377,7 +315,7 @@ class MultiAgentEpisode:
             for aid, a in agents.items():
                 if a.done or aid in obs:
                     continue
-                term, trunc = _flags(aid, terminateds, truncateds, all_term, all_trunc)
+                term, trunc = agent_flags(aid, terminateds, truncateds, all_term, all_trunc)
                 if term or trunc:  # done without a final observation: repeat the last one
                     self._complete(a, a.last_obs, infos.get(aid, a.last_info), term, trunc)
         if all_term or all_trunc:
@@ -406,71 +344,10 @@ class MultiAgentEpisode:
         return out
 
     # --- internals --------------------------------------------------------------------------
-    def _check_running(self, what: str) -> None:
-        if not self._started:
-            raise ValueError(f"{what} before add_reset: give episode {self.id_} the reset observations first")
-        if self.is_done:
-            raise ValueError(f"{what} on episode {self.id_}, which is already done; record the next episode "
-                             "in a new MultiAgentEpisode")
-
-    def _check_joining(self, joining: list[AgentID]) -> None:
-        """Agents about to join: valid ids, distinct on the wire, each mapped to a module."""
-        wire_ids = dict(self._wire_ids)
-        for aid in joining:
-            if aid == ALL:
-                raise ValueError(f"observation under {ALL!r}, which is not an agent id: it is the key of the "
-                                 "episode-wide flags in terminateds/truncateds only")
-            if not isinstance(aid, (str, int)) or isinstance(aid, bool):
-                raise ValueError(f"agent id {aid!r} is a {type(aid).__name__}; agent ids must be str or int")
-            other = wire_ids.setdefault(str(aid), aid)
-            if other != aid or type(other) is not type(aid):
-                raise ValueError(f"agents {other!r} and {aid!r} have the same str() and would be one agent on "
-                                 "the wire: give them distinct ids")
-            self.module_for(aid)
-
-    def _plain_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
-                    terminateds: Mapping[AgentID, bool], truncateds: Mapping[AgentID, bool]) -> bool:
-        """The common step, recorded without looking at each rule: every observation and reward is for an
-        agent that is playing (joined, not done), rewards are floats, and no flag is set."""
-        playing = self._playing
-        return (obs.keys() <= playing and rewards.keys() <= playing
-                and all(map(is_, map(type, rewards.values()), repeat(float)))  # no Python frame per reward
-                and not any(terminateds.values()) and not any(truncateds.values()))
-
-    def _check_step(self, obs: Mapping[AgentID, Any], rewards: Mapping[AgentID, float],
-                    joining: list[AgentID]) -> None:
-        """Refuse a step that cannot be recorded, before anything of it is."""
-        for aid in obs:
-            a = self._agents.get(aid)
-            if a is not None and a.done:
-                raise ValueError(f"observation for agent {aid!r}, which finished earlier in episode {self.id_}: "
-                                 "a done agent must not come back in the same episode")
-        for aid, r in rewards.items():
-            if type(r) is not float and (isinstance(r, (str, bytes)) or not _is_number(r)):
-                raise ValueError(f"reward {r!r:.40} for agent {aid!r} is not a number; rewards must be floats")
-            a = self._agents.get(aid)
-            if a is not None and a.done and float(r) != 0.0:
-                raise ValueError(f"reward {r!r} for agent {aid!r}, which finished earlier in episode {self.id_}: "
-                                 "give an agent its rewards up to the step that ends it")
-        self._check_joining(joining)
-
-    def _not_ready(self, aid: AgentID) -> str:
-        a = self._agents.get(aid)
-        if a is None:
-            why = "it has had no observation in this episode"
-        elif a.done:
-            why = "it is done"
-        else:
-            why = "it already acted and has had no new observation since"
-        return f"action for agent {aid!r}, but {why}; agents that may act now: {self.agents_to_act()}"
-
     def _join(self, aid: AgentID, obs: Any, info: dict | None) -> None:
-        a = AgentRecord(aid, self.module_for(aid), f"{self.id_}.{len(self._agents)}", obs, info or {}, obs=[obs])
-        depth = self.look_back.get(a.module_id, 0)
-        if depth:
-            a.back = [obs] * depth
-        if self.record_infos:
-            a.infos.append(info or {})
+        module_id = self.module_for(aid)
+        a = AgentRecord.joined(aid, module_id, f"{self.id_}.{len(self._agents)}", obs, info,
+                               self.look_back.get(module_id, 0), self.record_infos)
         self._wire_ids[str(aid)] = aid
         self._agents[aid] = a
         self._ready += 1
@@ -478,11 +355,7 @@ class MultiAgentEpisode:
 
     def _complete(self, a: AgentRecord, obs: Any, info: dict | None, term: bool, trunc: bool) -> None:
         """The agent's pending action gets its next observation: one step recorded."""
-        a.rewards.append(a.pending_reward)
-        a.obs.append(obs)
-        if self.record_infos:
-            a.infos.append(info or {})
-        a.pending_reward, a.last_obs, a.last_info = 0.0, obs, info or {}
+        a.record_step(obs, info, self.record_infos)
         if term or trunc:
             a.done, a.truncated = True, trunc
             self._playing.discard(a.agent_id)
@@ -492,28 +365,9 @@ class MultiAgentEpisode:
             self._ready += 1
 
     def _emit(self, a: AgentRecord) -> None:
-        """The agent's completed steps since its last chunk as a chunk; a pending action stays for the next."""
-        steps = len(a.rewards)
-        if not steps:
-            return
-        pending = len(a.actions) > steps
-        chunk = chunk_from_steps(a.episode_id, a.chunk_index, a.t_started, a.obs,
-                                 a.actions[:steps] if pending else a.actions, a.rewards, a.extra_keys or (),
-                                 a.extra_rows[:steps] if pending else a.extra_rows, a.infos,
-                                 terminated=a.done and not a.truncated, truncated=a.done and a.truncated,
-                                 weights_version=self.weights_version, env_runner_index=self.env_runner_index,
-                                 env_index=self.env_index)
-        chunk.agent_id, chunk.module_id = str(a.agent_id), a.module_id
-        if a.back is not None:
-            chunk.look_back = nested.stack(a.back)
-            a.back = (a.back + a.obs[:-1])[-len(a.back):]  # the rows before the next chunk's first observation
-        self._chunks.append(chunk)
-        a.chunk_index += 1
-        a.t_started += steps
-        a.obs, a.rewards = a.obs[-1:], []
-        a.actions, a.extra_rows = a.actions[steps:], a.extra_rows[steps:]
-        if a.infos:
-            a.infos = a.infos[-1:]
+        chunk = a.cut(self.weights_version, self.env_runner_index, self.env_index)
+        if chunk is not None:
+            self._chunks.append(chunk)
 
 
 def add_action_batch(episodes: Sequence[MultiAgentEpisode], who: Sequence[tuple[int, AgentID]], actions: Sequence[Any],
@@ -541,18 +395,4 @@ def add_action_batch(episodes: Sequence[MultiAgentEpisode], who: Sequence[tuple[
         module_steps[a.module_id] = module_steps.get(a.module_id, 0) + 1
         ep._ready -= 1
         ep._agent_steps += 1
-    return True
-
-
-def _flags(aid: AgentID, terminateds: Mapping, truncateds: Mapping, all_term: bool, all_trunc: bool) -> tuple[bool, bool]:
-    """An agent's (terminated, truncated) this step, the episode-wide flags included; terminated wins."""
-    term = all_term or bool(terminateds.get(aid, False))
-    return term, (all_trunc or bool(truncateds.get(aid, False))) and not term
-
-
-def _is_number(value: Any) -> bool:
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
     return True
