@@ -15,7 +15,7 @@ import torch
 
 from actors.connectors import FrameStackingEnvToModule, MeanStdFilter
 from actors.env.multi_agent_sampler import MultiAgentSampler
-from pipeline import APPOConfig, ConfigError, DQNConfig, PPOConfig
+from pipeline import APPOConfig, DQNConfig, PPOConfig
 from protocols.multi_agent_episode import MultiAgentEpisode
 from tests.envs import PlainAndScaledCartPoles
 from tests.test_multi_agent_offpolicy import EPISODE_STEPS, TurnTaking

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from actors.env.acting import LocalActing
-from actors.env.exploration import make_exploration
 from actors.env.numpy_acting import NumpyActing
 from actors.env.settings import EnvRunnerSettings
 from actors.modules.export import acting_plan

@@ -23,7 +23,7 @@ from pipeline.offline.record import inspect_recording
 from protocols.codec import encode
 from protocols.episode import EpisodeBuilder, EpisodeChunk
 from protocols.errors import ProtocolError
-from protocols.shards import (FILE_HEADER_SIZE, RECORD_HEADER_SIZE, TRAILER_SIZE, ShardReader, ShardWriter,
+from protocols.shards import (RECORD_HEADER_SIZE, TRAILER_SIZE, ShardReader, ShardWriter,
                               decode_record)
 
 HERE = os.path.dirname(os.path.abspath(__file__))

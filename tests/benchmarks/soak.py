@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
-import torch  # noqa: E402
 
 from actors.env.multi_agent_env import make_multi_agent  # noqa: E402
 from pipeline import APPOConfig, Callbacks  # noqa: E402
