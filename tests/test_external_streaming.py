@@ -388,12 +388,21 @@ class ClientProcesses:
 
 
 def train_to(algo, clients: ClientProcesses, target: float, max_steps: int) -> dict:
-    """Train until the mean return reaches ``target`` or ``max_steps`` env steps were sampled."""
+    """Train until the mean return reaches ``target`` or ``max_steps`` env steps were sampled.
+
+    Prints a line per iteration: pytest shows the captured lines when the test fails, a timeout
+    included, so a slow run can be told from one that does not learn."""
+    t0 = last = time.monotonic()
     while True:
         result = algo.train()
         clients.check()
-        if result["env_runners"].get("episode_return_mean", 0) >= target \
-                or result["num_env_steps_sampled_lifetime"] >= max_steps:
+        ret = result["env_runners"].get("episode_return_mean", 0)
+        done = ret >= target or result["num_env_steps_sampled_lifetime"] >= max_steps
+        if done or time.monotonic() - last >= 5:  # a line every 5 s keeps a long run's record short
+            last = time.monotonic()
+            print(f"{last - t0:7.1f} s  {result['num_env_steps_sampled_lifetime']:>9} env steps  "
+                  f"return {ret:6.1f}", flush=True)
+        if done:
             return result
 
 

@@ -229,10 +229,15 @@ def test_bad_requests_get_an_error_answer_and_serving_goes_on(served):
         message = str(wire.read_reply(sock.recv()))
         assert message.startswith("seq 7:") and "shape (2, 5)" in message
         sock.send_multipart([b"a", b"b"])  # a DEALER's two parts reach the ROUTER as three: counted, dropped
-        actions, _, _, _ = s.client(1).act(rows(2), True, 0)  # and the server still serves
+        # the server reads one peer's messages in order: the answer to this request means it counted the last
+        sock.send(wire.act_request(1, 8, rows(2), True, 0))
+        assert sock.poll(30_000)
+        reply = wire.read_reply(sock.recv())
+        assert isinstance(reply, wire.ActReply) and reply.seq == 8
+        actions, _, _, _ = s.client(1).act(rows(2), True, 0)  # and the server still serves other runners
         assert actions.shape == (2,)
         m = s.server.get_metrics()
-        assert value(m, "inference/num_bad_requests") == 3 and value(m, "inference/num_actions") == 2
+        assert value(m, "inference/num_bad_requests") == 3 and value(m, "inference/num_actions") == 4
     finally:
         sock.close()
         ctx.term()
