@@ -38,7 +38,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from actors.core import UserCodeError
-from actors.replacements import Replacements, describe as _describe, kill as _kill, kill_and_wait
+from actors.replacements import Replacements, cluster_actors, describe as _describe, kill as _kill, kill_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,8 @@ class ActorManager:
                 raise RuntimeError(
                     f"{self.name}(s) {sorted(refs[r] for r in pending)} did not start within {timeout_s:.0f} s; "
                     f"the cluster has {ray.available_resources()} available for {len(refs)} {self.name}s needing "
-                    f"{what} each. Lower their number or resources, or add nodes.")
+                    f"{what} each (Ray's live actors: {cluster_actors() or 'unknown'}). Lower their number or "
+                    f"resources, or add nodes.")
             for ref in ready:
                 try:
                     ray.get(ref, timeout=READY_FETCH_TIMEOUT_S)

@@ -161,3 +161,24 @@ def describe(err: BaseException) -> str:
         return f"actor died ({type(err).__name__})"
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[-1] if text else ''}"
+
+
+def cluster_actors() -> str:
+    """Ray's actors that are not dead, by state and class ("ALIVE: PPO x1, EnvRunnerActor x2; PENDING_CREATION:
+    ..."), for an error about actors that did not start: it tells an actor that is only slow to come up from
+    CPUs held by others (a Tune trial's process still exiting, another algorithm). Reads the GCS directly,
+    because Ray's state API needs the dashboard, which runnel's Ray does not start; "" when it cannot."""
+    try:
+        from ray._private import state  # no public reader without the dashboard
+
+        table = state.actors()
+    except Exception:  # noqa: BLE001 - a diagnostic only: never the reason an error is not raised
+        return ""
+    counts: dict[str, dict[str, int]] = {}
+    for info in table.values():
+        if info.get("State") != "DEAD":
+            by_class = counts.setdefault(str(info.get("State")), {})
+            name = str(info.get("ActorClassName")).rsplit(".", 1)[-1]  # a class defined in a function: its own name
+            by_class[name] = by_class.get(name, 0) + 1
+    return "; ".join(f"{s}: " + ", ".join(f"{n} x{c}" for n, c in sorted(by.items()))
+                     for s, by in sorted(counts.items()))

@@ -158,3 +158,19 @@ def test_stop_returns_once_its_killed_actors_are_dead():
             ray.get(handle.ping.remote())
     assert kill_and_wait([], 1.0) == []
     assert kill_and_wait(handles, 5.0) == []  # already dead: nothing to wait for
+
+
+def test_an_actor_that_cannot_be_placed_fails_the_start_check_naming_rays_live_actors():
+    """An actor Ray cannot place (it asks for a resource no node has) is reported at the start check with what
+    Ray's live actors are, so a reader can tell an actor slow to come up from resources others hold."""
+    from actors.manager import ActorManager, FaultToleranceSettings
+
+    @ray.remote(num_cpus=0, resources={"a_resource_no_node_has": 1})
+    class Unplaceable:
+        def ping(self):
+            return "ok"
+
+    group = ActorManager(lambda i, recreated: Unplaceable.remote(), [1], FaultToleranceSettings(), name="stage")
+    with pytest.raises(RuntimeError, match=r"stage\(s\) \[1\] did not start within 1 s; .*live actors: .*"
+                                           r"PENDING_CREATION: Unplaceable x1"):
+        group.check_started(1.0, "one a_resource_no_node_has")

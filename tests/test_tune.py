@@ -1,12 +1,14 @@
 """Algorithms under Ray Tune: grid search by name and by class, Tune checkpoints that restore through
 runnel's format, and PBT perturbing ``lr`` of running trials."""
 import re
+import time
 
 import pytest
 import ray
 from ray import tune
 from ray.tune.schedulers import PopulationBasedTraining
 
+from actors.replacements import cluster_actors
 from pipeline import PPO, Algorithm, PPOConfig
 from tests.pieces import by_agent
 
@@ -141,10 +143,21 @@ def test_cli_grid_search_in_a_tuned_file_runs_through_tune(ray2, tmp_path, capsy
         algo.stop()
 
 
+def wait_for_free_cpus(n: float, timeout_s: float = 120.0) -> None:
+    """The Tune runs before may leave trial processes still exiting (Tune's kill does not wait for their
+    deaths): a test that needs the whole Ray waits, on Ray's own count, until they are gone."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) < n:
+        assert time.monotonic() < deadline, (
+            f"{ray.available_resources()} free after {timeout_s:.0f} s; live actors: {cluster_actors()}")
+        time.sleep(0.1)  # Ray offers no event for freed resources: poll its count
+
+
 @pytest.mark.slow
 def test_a_second_algorithm_fails_fast_naming_the_one_holding_the_cpus(ray2, tmp_path):
     """On a 2-CPU Ray, restoring while the first algorithm's two runners still run cannot place its
     runners: say so at once (naming the holder), instead of waiting for a start-up timeout."""
+    wait_for_free_cpus(2)
     first = small_config(num_env_runners=2).build(logdir=None)
     try:
         path = first.save(str(tmp_path / "ckpt"))
