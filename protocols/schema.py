@@ -201,7 +201,8 @@ def _from_plain(where: str, spec: Any, value: Any) -> Any:
         arr = value
     elif (not spec.whole and type(value) is list and len(value) <= 64
           and all(type(v) is float or type(v) is int for v in value)):
-        arr = np.array(value, dtype=spec.dtype)  # the common act: a flat list of numbers, one numpy call
+        with np.errstate(over="ignore"):  # a float beyond the dtype's range becomes inf, refused by the checks
+            arr = np.array(value, dtype=spec.dtype)  # the common act: a flat list of numbers, one numpy call
     else:
         if isinstance(value, (str, bytes, dict)) or value is None:
             raise ProtocolError(f"{where}: expected numbers, got {type(value).__name__}")
@@ -213,7 +214,8 @@ def _from_plain(where: str, spec: Any, value: Any) -> Any:
             raise ProtocolError(f"{where}: expected numbers, got {_elements(value)}")
         try:
             if not spec.whole:
-                arr = raw.astype(spec.dtype, copy=False)
+                with np.errstate(over="ignore"):  # as above: inf, refused by the value checks
+                    arr = raw.astype(spec.dtype, copy=False)
             elif raw.dtype.kind == "f" and not (np.isfinite(raw) & (raw == np.trunc(raw))).all():
                 # casting to the space's integer dtype would truncate a fraction (and fail on NaN):
                 # such numbers stay floats, for check_*_values to refuse as bad values

@@ -394,7 +394,7 @@ def test_appo_checkpoint_restores_learner_target_and_streams_again(appo_run):
         for weights in algo.foreach_env_runner(lambda r: r.get_weights(), local_env_runner=False):
             assert weights and set(weights) <= set(module)  # the policy's part (runners infer only)
             learned = sum(float(((module[k] - initial[k]) ** 2).sum()) for k in weights) ** 0.5
-            drift = sum(float(((torch.as_tensor(weights[k]) - module[k]) ** 2).sum()) for k in weights) ** 0.5
+            drift = sum(float(((torch.tensor(weights[k]) - module[k]) ** 2).sum()) for k in weights) ** 0.5
             assert drift < 0.1 * learned, (drift, learned)
         result = algo.train()
         assert result["num_env_steps_sampled_lifetime"] > saved["counters"]["num_env_steps_sampled_lifetime"]
