@@ -11,6 +11,11 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # RAY_ADDRESS every build (ray_address=None) starts runnel's own local Ray, and so do the subprocesses
 # the tests start; the modules' own ray.init calls say address="local".
 os.environ.pop("RAY_ADDRESS", None)
+# Ray runs its workers at nice 15 and leaves drivers at 0. make test runs two modules side by side, each with
+# its own Ray: one module's driver training a learner in-process would then take ~97 % of a shared core from
+# the other module's actors (a runner not started in 120 s, a Tune trial's process minutes to exit). At equal
+# niceness every process of the suite gets its fair share.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # algo.train() writes a results directory (see pipeline.run_dirs): keep the suite's out of ~/runnel_results.
 if "RUNNEL_RESULTS_DIR" not in os.environ:
     import atexit

@@ -119,8 +119,9 @@ def test_pbt_perturbs_lr_of_a_running_trial(ray2, tmp_path):
             perturbed.append(lrs)
     assert perturbed, "PBT never perturbed lr"
     assert all(lrs[0] in (1e-4, 1e-3) for lrs in perturbed)
-    # reuse_actors=True: a perturbed trial goes on in a process already up (reset_config, then its restore)
-    assert len({pid for r in results for pid in r.metrics_dataframe["pid"]}) <= 2
+    # Not asserted: how many processes hosted the trials. With reuse_actors=True a perturbed trial usually
+    # goes on in a process already up, but whether Tune finds one cached depends on its timing (a loaded
+    # machine saw a third process); reuse itself is the grid test's, where one trial at a time fits.
 
 
 @pytest.mark.slow
@@ -143,9 +144,10 @@ def test_cli_grid_search_in_a_tuned_file_runs_through_tune(ray2, tmp_path, capsy
         algo.stop()
 
 
-def wait_for_free_cpus(n: float, timeout_s: float = 120.0) -> None:
-    """The Tune runs before may leave trial processes still exiting (Tune's kill does not wait for their
-    deaths): a test that needs the whole Ray waits, on Ray's own count, until they are gone."""
+def wait_for_free_cpus(n: float, timeout_s: float = 300.0) -> None:
+    """The Tune runs before leave trial processes exiting (Tune's kill does not wait for their deaths); a
+    test that needs the whole Ray waits, on Ray's own count, until they are gone. (A loaded fresh clone saw
+    one CPU still held 120 s after the trials before had ended, with no live actor left.)"""
     deadline = time.monotonic() + timeout_s
     while ray.available_resources().get("CPU", 0.0) < n:
         assert time.monotonic() < deadline, (
