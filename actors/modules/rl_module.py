@@ -17,6 +17,7 @@ gradients and optimizer state stay float32. A method called from inside another 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, ClassVar
 
 import gymnasium as gym
@@ -151,4 +152,14 @@ def _float32(out: Any) -> Any:
 
 def to_torch(obs: Any, device: torch.device | str = "cpu") -> Any:
     """Nested numpy -> nested torch tensors (no copy on CPU where the dtype allows)."""
-    return nested.map_structure(lambda a: torch.as_tensor(a, device=device), obs)
+    return nested.map_structure(lambda a: _tensor(a, device), obs)
+
+
+def _tensor(a: Any, device: torch.device | str) -> torch.Tensor:
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        # read-only arrays (decoded frames, Ray objects): shared without a copy, and no module writes its
+        # inputs, so torch's warning about writing through such a tensor does not apply
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            return torch.as_tensor(a, device=device)
+    return torch.as_tensor(a, device=device)
