@@ -164,7 +164,7 @@ def describe(err: BaseException) -> str:
 
 
 def cluster_actors() -> str:
-    """Ray's actors that are not dead, by state and class ("ALIVE: PPO x1, EnvRunnerActor x2; PENDING_CREATION:
+    """Ray's actors that are not dead, by state and class ("ALIVE: PPO x1, EnvRunner x2; PENDING_CREATION:
     ..."), for an error about actors that did not start: it tells an actor that is only slow to come up from
     CPUs held by others (a Tune trial's process still exiting, another algorithm). Reads the GCS directly,
     because Ray's state API needs the dashboard, which runnel's Ray does not start; "" when it cannot."""
