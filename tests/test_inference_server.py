@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from actors.env import EnvRunnerSettings
-from actors.inference.batching import RequestQueue, row_slices, stack_blocks
+from actors.inference.batching import RequestQueue, gather_blocks, row_slices, stack_blocks
 from actors.inference.client import RemoteActing
 from actors.inference.directory import InferenceDirectory
 from actors.inference.server import InferenceServer
@@ -117,6 +117,26 @@ def test_blocks_stack_into_one_batch_and_slices_split_it_back():
     assert nested["x"].shape == (5, 4) and nested["y"].shape == (5, 1)
     assert stack_blocks([[a[0]]]).shape == (1, 4)  # one single observation
     assert stack_blocks([[a[0], a[1]], [b[0]]]).shape == (3, 4)
+
+
+def test_blocks_gather_into_the_callers_buffer_with_one_copy_each():
+    a, b = rows(2), rows(3, 1.0)
+    a.flags.writeable = False  # as a decoded frame's or a segment's view is
+    kept = np.full((8, 4), -1.0, np.float32)
+    asked = []
+
+    def out(shape, dtype):
+        asked.append((shape, dtype))
+        return kept[:shape[0]]
+
+    batch = gather_blocks([a, b], out)
+    assert asked == [((5, 4), np.float32)] and np.shares_memory(batch, kept)
+    assert batch.tolist() == stack_blocks([a, b]).tolist() and kept[5:].min() == -1.0  # rows past the batch untouched
+    # not one dtype, or not arrays: stacked as stack_blocks does, the buffer not asked for
+    mixed = gather_blocks([a, b.astype(np.float64)], out)
+    assert mixed.dtype == np.float64 and mixed.shape == (5, 4) and len(asked) == 1
+    nested = gather_blocks([{"x": a}, {"x": b}], out)
+    assert nested["x"].shape == (5, 4) and len(asked) == 1
 
 
 # --- the server ----------------------------------------------------------------------------------

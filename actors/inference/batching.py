@@ -7,7 +7,7 @@ Both gather requests from many peers -- env runners (``actors.inference.server``
   ``max_batch`` rows are queued or the oldest request has waited ``max_wait_s``; ``take`` cuts at
   most ``max_batch`` rows, keeping each request's rows together (the rest is a backlog, served next);
 * ``stack_blocks``: the requests' observation blocks as one batch (arrays concatenated, single rows
-  stacked, nested observations leaf by leaf);
+  stacked, nested observations leaf by leaf); ``gather_blocks``: the same into a buffer the caller keeps;
 * ``row_slices``: where each request's rows are in the batch, to split the answers back.
 
 Torch-free: the forward pass itself is ``actors.inference.forward``. A queue belongs to the one
@@ -16,7 +16,7 @@ thread that serves its socket; nothing here locks.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -93,6 +93,24 @@ def stack_blocks(blocks: list[Any]) -> Any:
             return rows[0][None]
         return np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
     return first if len(blocks) == 1 else nested.concat(blocks)
+
+
+def gather_blocks(blocks: list[Any], out: Callable[[tuple[int, ...], np.dtype], np.ndarray]) -> Any:
+    """``stack_blocks`` into a buffer the caller keeps, ``out(shape, dtype)`` (the inference server's is pinned
+    on a GPU and reused from batch to batch): each block is copied once, from where it lies (a decoded
+    frame, a runner's shared-memory segment) to its rows, and the batch goes to the device from there.
+    ``stack_blocks`` would copy them into a new array that the upload then copies again into pinned memory.
+    Blocks that are not arrays of one dtype and row shape are stacked by ``stack_blocks``."""
+    first = blocks[0]
+    if type(first) is not np.ndarray or any(
+            type(b) is not np.ndarray or b.dtype != first.dtype or b.shape[1:] != first.shape[1:] for b in blocks):
+        return stack_blocks(blocks)
+    batch = out((sum(len(b) for b in blocks), *first.shape[1:]), first.dtype)
+    start = 0
+    for b in blocks:
+        batch[start:start + len(b)] = b
+        start += len(b)
+    return batch
 
 
 def row_slices(sizes: list[int]) -> list[slice]:

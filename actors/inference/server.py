@@ -9,6 +9,11 @@ log-probabilities, distribution inputs and the weights version that acted. Explo
 here, per runner (``actors.inference.streams``): sampling for the policy-gradient algorithms,
 epsilon-greedy for DQN, whatever ``exploration_config`` says.
 
+Copies: a batch is gathered once into a host buffer kept for it (pinned on a GPU), each request's rows
+straight from where they lie -- the decoded frame, or the runner's shared-memory segment -- and goes to
+the device from there (``gather_blocks``): one host copy per observation, not three (into a buffer per
+runner, stacked into a new array, into the pinned upload buffer).
+
 Double buffering: ZeroMQ's I/O thread receives the next requests while a forward pass runs (torch
 releases the GIL), so the batch after it is ready when it ends; each runner keeps stepping its envs
 while the others' requests are inferred.
@@ -36,7 +41,7 @@ from actors.core import InferenceRole, call_user_fn
 from actors.env.exploration import make_exploration
 from actors.env.numpy_acting import NumpyChooser
 from actors.env.settings import EnvRunnerSettings, module_class_of
-from actors.inference.batching import RequestQueue, row_slices, stack_blocks
+from actors.inference.batching import RequestQueue, gather_blocks, row_slices
 from actors.inference.forward import PolicyForward
 from actors.inference.settings import InferenceSettings
 from actors.inference.shared_obs import SegmentMaps, SegmentUnavailable
@@ -160,7 +165,8 @@ class InferenceServer(InferenceRole):
             request = wire.read_request(frame)
             seq = request.seq
             if request.shared is not None:
-                request.obs = self._copy_shared(request)
+                request.obs = self.segments.view(request.runner, request.shared, request.lane)
+                self.counts["num_shm_requests"] += 1
             self.schema.check_observation_rows(request.obs, request.rows)
         except ProtocolError as err:
             self.counts["num_bad_requests"] += 1
@@ -172,16 +178,6 @@ class InferenceServer(InferenceRole):
             return
         self.counts["num_requests"] += 1
         self.queue.add((route, request), request.rows)
-
-    def _copy_shared(self, request: wire.ActRequest) -> np.ndarray:
-        """The runner's block copied out of its segment into this server's buffer for that runner and lane
-        (pinned on CUDA), before any check: what is checked is what acts. A runner has one request out at a
-        time per lane (a resent one holds the same observations), so one buffer per lane serves."""
-        view = self.segments.view(request.runner, request.shared, request.lane)
-        out = self.forward.host_array(("runner", request.runner, request.lane), view.shape, view.dtype)
-        np.copyto(out, view)
-        self.counts["num_shm_requests"] += 1
-        return out
 
     def _apply_pending(self) -> None:
         """New weights, between two batches (the copy to the device happened in ``set_weights``)."""
@@ -209,7 +205,9 @@ class InferenceServer(InferenceRole):
     def _answer(self, group: list, explore: bool) -> None:
         send, version = self._sock.send_multipart, self.weights_version
         try:
-            inputs = self.forward.dist_inputs(stack_blocks([r.obs for _, r in group]), explore)
+            obs = gather_blocks([r.obs for _, r in group],
+                                lambda shape, dtype: self.forward.host_array(("batch", explore), shape, dtype))
+            inputs = self.forward.dist_inputs(obs, explore)
         except Exception as err:  # noqa: BLE001 - a bad batch must not stop serving every runner
             self._failed(group, err)
             return

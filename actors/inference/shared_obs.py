@@ -4,8 +4,11 @@ A step of an Atari-sized run is 113 kB of frames for four sub-envs, a batch of 2
 codec frame over ZeroMQ each byte is copied into the frame, checksummed, copied through the socket and
 checksummed again. When the runner and its server share a node, the runner writes its observations into
 a memory-mapped file under ``/dev/shm`` (``ObsSegment``) and sends only where they are
-(``protocols.inference``, ``"obs_shm"``); the server maps the file once (``SegmentMaps``) and copies the
-block out into its own buffer before checking it -- the runner cannot change what was checked.
+(``protocols.inference``, ``"obs_shm"``); the server maps the file once (``SegmentMaps``), checks the block's
+shape and dtype (which the request states, so the runner cannot change them afterwards) when the request
+arrives, and copies it from the segment straight into its rows of the batch when the batch runs
+(``actors.inference.batching.gather_blocks``). A runner keeps one request out per lane and writes that lane's
+segment again only after the answer, so what is copied is what the runner sent.
 
 Lifetime: the runner creates the file and unlinks its name once the server has answered a request from
 it (the server then holds its own mapping), so a runner killed later leaves nothing behind in
@@ -15,8 +18,7 @@ a container with another ``/dev/shm``) answers ``shm_unavailable``; the runner w
 asks again, and after a second refusal sends its observations inline for good.
 
 Trust: this is a transport between two processes of one job, one user, one node -- external clients
-never use it (they send frames). What the server copies out is checked against the space as inline
-observations are; the one thing it cannot guard against is a runner process that shrinks its own file
+never use it (they send frames). A block is checked against the space as inline observations are; the one thing it cannot guard against is a runner process that shrinks its own file
 after the server mapped it (reading past the end would stop the server with SIGBUS), which no runnel
 code does.
 
@@ -109,7 +111,8 @@ class SegmentMaps:
         self._of_runner: dict[tuple[int, int], str] = {}
 
     def view(self, runner: int, block: SharedBlock, lane: int = 0) -> np.ndarray:
-        """A read-only view of the block (copy it before checking: the runner could still write there)."""
+        """A read-only view of the block. It keeps the mapping alive while it lives (``_drop`` leaves a mapping
+        with views to them), so a request queued with it can be copied from later."""
         mm = self._maps.get(block.path)
         if mm is None:
             mm = self._open((runner, lane), block.path)

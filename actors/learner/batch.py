@@ -123,6 +123,24 @@ def batch_slices(batch: dict[str, Any], num_batches: int) -> list[dict[str, Any]
             for i in range(num_batches)]
 
 
+def mean_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Each statistic summed over ``steps`` (one dict per gradient step) and divided by their number, as floats.
+    Tensor values -- on the learner's device -- are stacked and read in one transfer."""
+    sums: dict[str, float] = {}
+    tensors, owners = [], []
+    for step in steps:
+        for k, v in step.items():
+            if isinstance(v, torch.Tensor):
+                tensors.append(v.detach().float().reshape(()))
+                owners.append(k)
+            else:
+                sums[k] = sums.get(k, 0.0) + float(v)
+    if tensors:
+        for k, v in zip(owners, torch.stack(tensors).tolist()):
+            sums[k] = sums.get(k, 0.0) + v
+    return {k: v / len(steps) for k, v in sums.items()}
+
+
 def combined_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
     """The statistics of several updates in a row as one, as the metrics would have averaged them: counters
     (``num_...``) as the last update left them, everything else averaged over the updates that reported

@@ -36,7 +36,7 @@ from torch import nn
 from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import LearnerRole
 from actors.learner.adam import Adam
-from actors.learner.batch import ChunkBatch, batch_slices, check_num_batches, combined_stats
+from actors.learner.batch import ChunkBatch, batch_slices, check_num_batches, combined_stats, mean_stats
 from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
 from actors.learner.gradients import FlatGrads
@@ -370,10 +370,11 @@ class Learner(FedByStreams, LearnerRole):
             optimizer: str = "default") -> dict[str, float]:
         """``num_epochs`` passes of ``num_minibatches`` minibatches of ``tensors`` (``n`` rows each
         leaf), one gradient step per minibatch; returns the mean of ``loss_fn``'s stats. A single
-        minibatch covering all rows uses the batch as it is."""
+        minibatch covering all rows uses the batch as it is. The statistics stay tensors until the last
+        step (on a GPU, reading each would wait for the device once per statistic and minibatch)."""
         whole = num_minibatches == 1 and minibatch_size >= n
-        sums: dict[str, float] = {}
-        count, skipped_at_start = 0, self.num_gradient_steps_skipped
+        kept: list[dict[str, Any]] = []  # each trained minibatch's statistics, read once at the end
+        skipped_at_start = self.num_gradient_steps_skipped
         for _ in range(num_epochs):
             if whole:
                 minibatches = [tensors]
@@ -389,10 +390,8 @@ class Learner(FedByStreams, LearnerRole):
                 stats["gradients_global_norm"] = self.apply_gradients(loss, optimizer)
                 if self.num_gradient_steps_skipped != skipped_before:  # its NaN stays out of the means
                     continue
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += 1
-        out = {k: v / count for k, v in sums.items()}
+                kept.append(stats)
+        out = mean_stats(kept)
         if self.num_gradient_steps_skipped != skipped_at_start:
             out["num_gradient_steps_skipped"] = float(self.num_gradient_steps_skipped - skipped_at_start)
         return out

@@ -73,6 +73,17 @@ def normalized(adv: Any) -> Any:
     return adv
 
 
+def explained_variance(targets: Any, preds: Any) -> Any:
+    """``1 - Var(targets - preds) / Var(targets)`` as a tensor (0 where the targets do not vary, or there is one).
+    Decided on the device: a Python ``if`` on the variance would wait for the GPU in the middle of every
+    minibatch's loss."""
+    if targets.numel() < 2:
+        return targets.new_zeros(())
+    var = targets.var()
+    varies = var > 0
+    return (1 - (targets - preds).var() / var.where(varies, var.new_ones(()))).where(varies, var.new_zeros(()))
+
+
 def adapt_kl_coeff(coeff: float, kl: float, kl_target: float) -> float:
     """PPO's adaptive KL penalty: x1.5 when the measured KL exceeds twice the target, /2 below half of it."""
     if kl > 2.0 * kl_target:

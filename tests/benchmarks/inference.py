@@ -26,8 +26,10 @@ Prints one JSON object per line:
    "runner_row_cost_over_best"}   the most a server's larger batches can save per row over a runner's own
         ``--envs`` rows: on the CPU, what central inference can buy for a CNN-bound workload
   {"bench": "server_parts", "workload": "frames_cnn", "device", "rows", "requests", "read_inline",
-   "read_shm", "stack", "forward", "choose", "answers"}   a server's batch (``--runners`` requests of ``--envs``
-        frames) piece by piece in this process, median ms: where its time goes
+   "read_shm", "gather", "forward", "choose", "answers", "host_copies_before", "host_copies_over_before"}
+        a server's batch (``--runners`` requests of ``--envs`` frames) piece by piece in this process, median
+        ms: where its time goes ("read_shm" maps and checks, "gather" copies; before 2026-12-04 the server
+        copied each frame three times on a GPU, twice on a CPU: "host_copies_before", same run)
   {"bench": "summary", ...}          medians, central / local per workload (of the medians, and the median of
                                      each repeat's central / local)
   GPU section (only where torch sees CUDA; runs unchanged on a GPU machine):
@@ -188,12 +190,15 @@ def cnn_rows(batches: list[int], seconds: float = 1.0) -> list[dict]:
 
 def server_parts(device: str, args: argparse.Namespace) -> dict:
     """Where a central server's batch of the frame workload goes, timed piece by piece in this process
-    (median ms over repeats): ``args.runners`` requests of ``args.envs`` frames each -- reading them
-    (inline frames decoded and checked; shm blocks copied out of the segment and checked), stacking them,
-    the forward pass (to the distribution inputs on the CPU), the batch-wide choice, and the answers
-    encoded."""
+    (median ms over repeats): ``args.runners`` requests of ``args.envs`` frames each -- reading them (inline
+    frames decoded and checked; shm requests' blocks mapped and checked, not copied), gathering them into the
+    batch's host buffer (``gather_blocks``: from the decoded frames or straight from the segments, as the
+    server does), the forward pass (to the distribution inputs on the CPU), the batch-wide choice, and the
+    answers encoded. ``host_copies_before``: the same batch's observations as the server copied them until
+    2026-12-04 (each shm block into a buffer of its runner's, those stacked into a new array and, on a GPU,
+    that copied into the pinned upload buffer), timed in the same run for the ratio."""
     from actors.env.exploration import make_exploration
-    from actors.inference.batching import stack_blocks
+    from actors.inference.batching import gather_blocks, stack_blocks
     from actors.inference.forward import PolicyForward
     from actors.inference.shared_obs import ObsSegment, SegmentMaps
     from protocols import inference as wire
@@ -210,6 +215,10 @@ def server_parts(device: str, args: argparse.Namespace) -> dict:
     segments = [ObsSegment(i) for i in range(args.runners)]
     shm_frames = [wire.act_request(i, 1, None, True, 0, seg.write(b)) for i, (seg, b) in enumerate(zip(segments, blocks))]
     maps = SegmentMaps()
+    rows = args.runners * args.envs
+    staging = torch.empty((rows, *obs_space.shape), dtype=torch.uint8)
+    if forward.cuda:
+        staging = staging.pin_memory()
     times: dict[str, list[float]] = {}
 
     def timed(name, fn):
@@ -218,39 +227,48 @@ def server_parts(device: str, args: argparse.Namespace) -> dict:
         times.setdefault(name, []).append((time.perf_counter() - t) * 1000)
         return out
 
-    def read_inline():
+    def read(requests):
         out = []
-        for f in frames:
+        for f in requests:
             r = wire.read_request(f)
-            schema.check_observation_rows(r.obs, r.rows)
-            out.append(r.obs)
+            obs = r.obs if r.shared is None else maps.view(r.runner, r.shared)
+            schema.check_observation_rows(obs, r.rows)
+            out.append(obs)
         return out
 
-    def read_shm():
-        out = []
-        for f in shm_frames:
-            r = wire.read_request(f)
-            view = maps.view(r.runner, r.shared)
-            a = forward.host_array(("runner", r.runner), view.shape, view.dtype)
+    def gather(obs):
+        return gather_blocks(obs, lambda shape, dtype: forward.host_array(("batch", True), shape, dtype))
+
+    def copies_before(views):
+        own = []
+        for i, view in enumerate(views):
+            a = forward.host_array(("runner", i), view.shape, view.dtype)
             np.copyto(a, view)
-            schema.check_observation_rows(a, r.rows)
-            out.append(a)
-        return out
+            own.append(a)
+        batch = stack_blocks(own)
+        if forward.cuda:  # the pass's copy into its pinned upload buffer
+            staging.numpy()[:len(batch)] = batch
+        return batch
 
     try:
         with torch.inference_mode():
             for _ in range(60):
-                timed("read_inline", read_inline)
-                obs = timed("stack", lambda: stack_blocks(timed("read_shm", read_shm)))
+                timed("read_inline", lambda: read(frames))
+                views = timed("read_shm", lambda: read(shm_frames))
+                timed("host_copies_before", lambda: copies_before(views))
+                obs = timed("gather", lambda: gather(views))
                 inputs = timed("forward", lambda: forward.dist_inputs(obs, True))
                 actions, logp = timed("choose", lambda: forward.choose(inputs, exploration, True, 0))
                 timed("answers", lambda: [wire.actions_reply(1, 1, actions[i:i + 1].numpy(), logp[i:i + 1].numpy(),
                                                              inputs[i:i + 1].numpy()) for i in range(args.runners)])
     finally:
+        views = obs = None
         for seg in segments:
             seg.close()
         maps.close()
-    return {k: round(statistics.median(v[10:]), 3) for k, v in times.items()}
+    out = {k: round(statistics.median(v[10:]), 3) for k, v in times.items()}
+    out["host_copies_over_before"] = round(out["gather"] / out["host_copies_before"], 2)
+    return out
 
 
 def appo_frames(args: argparse.Namespace, device: str = "cuda") -> dict:

@@ -14,7 +14,7 @@ from actors.learner import ChunkBatch, Learner, grad_if, piecewise
 from actors.learner.feed import TakeBatch
 from actors.modules import RLModule
 from pipeline.algorithms.appo.config import APPOConfig
-from pipeline.algorithms.returns import adapt_kl_coeff, normalized
+from pipeline.algorithms.returns import adapt_kl_coeff, explained_variance, normalized
 from pipeline.algorithms.vtrace import policy_inputs, sgd_epochs, value_pass, vtrace_targets
 from protocols.episode import EpisodeChunk
 
@@ -55,10 +55,9 @@ def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_co
     if config.use_kl_loss:
         total = total + kl_coeff * kl
     with torch.no_grad():
-        var = targets.var() if targets.numel() > 1 else torch.tensor(0.0)
         stats = {"policy_loss": policy_loss.detach(), "vf_loss": vf_loss.detach(), "entropy": entropy.detach(),
                  "mean_kl_loss": kl.detach(), "total_loss": total.detach(), "mean_ratio": ratio.mean(),
-                 "vf_explained_var": 1 - (targets - out["vf_preds"]).var() / var if var > 0 else torch.tensor(0.0)}
+                 "vf_explained_var": explained_variance(targets, out["vf_preds"])}
     return total, stats
 
 

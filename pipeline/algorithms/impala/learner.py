@@ -8,6 +8,7 @@ import torch
 from actors.learner import Learner, grad_if, piecewise
 from actors.modules import RLModule
 from pipeline.algorithms.impala.config import IMPALAConfig
+from pipeline.algorithms.returns import explained_variance
 from pipeline.algorithms.vtrace import sgd_epochs, value_pass, vtrace_targets
 from protocols.episode import EpisodeChunk
 
@@ -37,10 +38,9 @@ def impala_loss(module: RLModule, batch: dict[str, Any], config: IMPALAConfig,
     if entropy_coeff != 0:
         total = total - entropy_coeff * entropy
     with torch.no_grad():
-        var = targets.var() if targets.numel() > 1 else torch.tensor(0.0)
         stats = {"policy_loss": policy_loss.detach(), "vf_loss": vf_loss.detach(), "entropy": entropy.detach(),
                  "total_loss": total.detach(),
-                 "vf_explained_var": 1 - (targets - out["vf_preds"]).var() / var if var > 0 else torch.tensor(0.0)}
+                 "vf_explained_var": explained_variance(targets, out["vf_preds"])}
     return total, stats
 
 

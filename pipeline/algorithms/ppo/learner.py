@@ -12,7 +12,7 @@ from actors.learner import Learner, as_batch, grad_if, piecewise
 from actors.learner.sequences import chunks_to_sequences, sequence_outputs, sequence_sgd
 from actors.modules import RLModule
 from pipeline.algorithms.ppo.config import PPOConfig
-from pipeline.algorithms.returns import adapt_kl_coeff, gae, normalized
+from pipeline.algorithms.returns import adapt_kl_coeff, explained_variance, gae, normalized
 from protocols.episode import EpisodeChunk
 
 
@@ -52,10 +52,8 @@ def ppo_loss(module: RLModule, batch: dict[str, Any], config: PPOConfig, kl_coef
         vf_mean = vf_loss.mean()
         total = total + config.vf_loss_coeff * vf_mean
         with torch.no_grad():
-            var = batch["value_targets"].var()
             stats |= {"vf_loss": vf_mean.detach(), "vf_loss_unclipped": vf_err.mean(),
-                      "vf_explained_var": 1 - (batch["value_targets"] - out["vf_preds"]).var() / var
-                      if var > 0 else torch.tensor(0.0)}
+                      "vf_explained_var": explained_variance(batch["value_targets"], out["vf_preds"])}
     stats["total_loss"] = total.detach()
     return total, stats
 
