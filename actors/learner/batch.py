@@ -131,12 +131,14 @@ def mean_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
     for step in steps:
         for k, v in step.items():
             if isinstance(v, torch.Tensor):
-                tensors.append(v.detach().float().reshape(()))
+                tensors.append(v if v.dim() == 0 and v.dtype == torch.float32 else v.float().reshape(()))
                 owners.append(k)
             else:
                 sums[k] = sums.get(k, 0.0) + float(v)
     if tensors:
-        for k, v in zip(owners, torch.stack(tensors).tolist()):
+        with torch.no_grad():  # statistics are read, never differentiated
+            values = torch.stack(tensors).tolist()
+        for k, v in zip(owners, values):
             sums[k] = sums.get(k, 0.0) + v
     return {k: v / len(steps) for k, v in sums.items()}
 

@@ -163,10 +163,14 @@ class Learner(FedByStreams, LearnerRole):
         return {"default": Optimizer(self.adam(params, self.settings.lr, eps=1e-5), params, self.settings.lr)}
 
     def adam(self, params: list[nn.Parameter], lr: float | list, **kwargs: Any) -> torch.optim.Adam:
-        """Adam over ``params`` starting at the schedule's first learning rate (fused where chosen):
+        """Adam over ``params`` starting at the schedule's first learning rate (fused where chosen, else the
+        multi-tensor ``foreach`` path: torch's default on a GPU; on the CPU the same numbers, bit for bit, as its
+        default loop over tensors, in a dozen calls per step instead of about ten per tensor):
         ``torch.optim.Adam`` minus its import of ``torch._dynamo`` (``actors.learner.adam``)."""
         if self.fused_adam:
             kwargs["fused"] = True
+        else:
+            kwargs.setdefault("foreach", True)
         return Adam(params, lr=piecewise(lr, 0), **kwargs)
 
     def train_on_batch(self, batch: Any, timestep: int) -> dict[str, float]:

@@ -20,13 +20,17 @@
 #
 # Here, from the repository root:   bash tests/benchmarks/gpu_wheels.sh     (fills .whl/, about 50 MiB)
 # There (device run, carry [".whl"], timeout_s 480):   bash tests/benchmarks/gpu_check.sh
-# Expected about 4 minutes; each step has its own time limit (60 + 60 + 160 + 220 s at most), so a hang
+#   3b. learner profile: tests/benchmarks/learner_profile.py, APPO and PPO updates on the frame env (the Pong
+#      file's batch sizes) on the GPU in float32 and bfloat16: wall time per update, the device's busy share,
+#      ops and host-device syncs per update, the top ops (the Pong run of 2026-12-04 was bound by a 61-ms update).
+# Expected about 5 minutes; each step has its own time limit (60 + 60 + 160 + 120 + 220 s at most), so a hang
 # costs one step, never the run. GPU_CHECK_PONG_S=N adds a 5th step: APPO on Pong (tuned/pong-appo.yaml, needs
 # ale-py among the wheels) for N seconds at most; its log and learning curve come back as pong.log and
 # pong_progress.csv. GPU_CHECK_DEADLINE_S=S shortens it so the whole run ends S seconds after it started.
 # GPU_CHECK_PONG_CONFIG='{"learner_precision": "bfloat16", "inference_config": {"precision": "bfloat16"}}' (any
 # JSON of config settings) overrides the tuned file's for that run.
-# What it wrote comes back from $OUT: gpu_check.log (everything), cuda_tests.xml, inference_bench.jsonl.
+# What it wrote comes back from $OUT: gpu_check.log (everything), cuda_tests.xml, learner_profile.jsonl,
+# inference_bench.jsonl.
 # A dry run without a GPU (the CUDA cases skip, the benchmark runs on CPU only, smaller):
 #   GPU_CHECK_DRY=1 GPU_CHECK_BENCH_ARGS="--runners 2 --envs 2 --servers 1" PYTHON=.venv/bin/python \
 #       bash tests/benchmarks/gpu_check.sh
@@ -115,6 +119,18 @@ then
     result cuda_tests ok "every selected CUDA test passed (names in cuda_tests_detail)"
 else
     result cuda_tests fail "a CUDA test failed or skipped (cuda_tests_detail above)"
+fi
+
+# --- 3b. where a learner update's time goes (APPO and PPO on frames, the Pong file's batch sizes) ----------
+: > "$OUT/learner_profile.jsonl"
+for precision in float32 bfloat16; do
+    timeout 60 "$PY" tests/benchmarks/learner_profile.py --algos appo,ppo --workloads frames_cnn \
+        --precision "$precision" --top 10 | tee -a "$OUT/learner_profile.jsonl"
+done
+if grep -q '"bench": "profile"' "$OUT/learner_profile.jsonl"; then
+    result learner_profile ok "update times and their profiles in learner_profile.jsonl"
+else
+    result learner_profile fail "tests/benchmarks/learner_profile.py printed no profile (output above)"
 fi
 
 # --- 4. the inference benchmark -------------------------------------------------------------------------
