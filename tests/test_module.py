@@ -78,3 +78,19 @@ def test_multicategorical_sums_components():
     a = torch.stack([torch.randint(0, 2, (5,)), torch.randint(0, 3, (5,))], -1)
     expected = Categorical(inputs[:, :2]).logp(a[:, 0]) + Categorical(inputs[:, 2:]).logp(a[:, 1])
     torch.testing.assert_close(d.logp(a), expected)
+
+
+def test_read_only_arrays_become_tensors_without_a_copy_or_a_warning():
+    """Decoded frames are read-only; ``to_torch`` shares their memory, and torch's warning about writing through
+    such a tensor (given once per process) was drawn silently when the module was imported, not filtered per
+    call (a per-call filter swaps the process's filter list, which threads may not share safely)."""
+    import subprocess
+    import sys
+    code = ("import numpy as np\n"
+            "from actors.modules import to_torch\n"
+            "a = np.frombuffer(np.arange(4, dtype=np.float32).tobytes(), np.float32)\n"
+            "t = to_torch({'x': a})['x']\n"
+            "assert not a.flags.writeable and t.data_ptr() == a.ctypes.data, 'copied'\n"
+            "assert t.tolist() == [0.0, 1.0, 2.0, 3.0]\n")
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

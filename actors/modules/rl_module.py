@@ -152,14 +152,19 @@ def _float32(out: Any) -> Any:
 
 def to_torch(obs: Any, device: torch.device | str = "cpu") -> Any:
     """Nested numpy -> nested torch tensors (no copy on CPU where the dtype allows)."""
-    return nested.map_structure(lambda a: _tensor(a, device), obs)
+    return nested.map_structure(lambda a: torch.as_tensor(a, device=device), obs)
 
 
-def _tensor(a: Any, device: torch.device | str) -> torch.Tensor:
-    if isinstance(a, np.ndarray) and not a.flags.writeable:
-        # read-only arrays (decoded frames, Ray objects): shared without a copy, and no module writes its
-        # inputs, so torch's warning about writing through such a tensor does not apply
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-            return torch.as_tensor(a, device=device)
-    return torch.as_tensor(a, device=device)
+def _silence_read_only_warning() -> None:
+    """Read-only arrays (decoded frames, Ray objects) become tensors without a copy, and no module writes
+    its inputs, so torch's warning about writing through such a tensor does not apply. torch gives it
+    once per process: it is drawn here, at import, under a filter. A filter around each call instead would
+    cost 2.5 us a call and is not thread-safe (``catch_warnings`` swaps the process's filter list: two
+    threads interleaving can leave either's filters behind)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        torch.as_tensor(np.frombuffer(bytes(4), dtype=np.float32))
+
+
+_silence_read_only_warning()
+
