@@ -131,3 +131,34 @@ def test_recurrent_and_connector_learners_on_device(case, device):
         assert [k for k in after if not np.allclose(before[k], after[k])]
     finally:
         a.stop()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sgd_on_device_skips_a_non_finite_step_and_trains_the_rest(device):
+    """On a GPU every learner's Adam is fused, and ``sgd`` leaves each step's skip to it (no read of the norm
+    per step): a minibatch whose loss is infinite changes nothing, the others train, the means leave it out.
+    On a CPU APPO's Adam is the unfused one, decided per step: the same outcome."""
+    import gymnasium as gym
+
+    from pipeline.algorithms.appo.config import APPOConfig as Config
+    from pipeline.algorithms.appo.learner import APPOLearner
+
+    obs, act = gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(2)
+    learner = APPOLearner(Config(seed=0, model_config={"fcnet_hiddens": [8]}), obs, act, device=device)
+    assert bool(learner.optimizers["default"].optimizer.defaults.get("fused")) == (device == "cuda")
+    x = torch.ones(4, 3, device=device)
+
+    def loss(scale):
+        out = learner.module.forward_train(x)
+        return scale * (out["action_dist_inputs"].sum() + out["vf_preds"].sum())
+
+    before = {k: v.clone() for k, v in learner.module.state_dict().items()}
+    scales = iter([float("inf"), 1.0, float("nan"), 1.0])
+    stats = learner.sgd({"x": torch.zeros(8, 1, device=device)},
+                        lambda mb: (loss(next(scales)), {"policy_loss": torch.tensor(2.0, device=device)}), 8, 2, 4, 1)
+    assert stats["num_gradient_steps_skipped"] == 2.0 and stats["policy_loss"] == 2.0
+    assert np.isfinite(stats["gradients_global_norm"])
+    assert learner.num_gradient_steps_skipped == 2 and learner.num_updates == 2
+    assert all(torch.isfinite(p).all() for p in learner.module.parameters())
+    assert any(not torch.equal(v, before[k]) for k, v in learner.module.state_dict().items())
+    assert all(int(s["step"]) == 2 for s in learner.optimizers["default"].optimizer.state_dict()["state"].values())

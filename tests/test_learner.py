@@ -59,10 +59,21 @@ def test_gradient_clipping_modes(by):
         assert norm > 0.5  # the reported norm is the one before clipping
 
 
+class LoopAdamLearner(NoOpPPOLearner):
+    """Adam's unfused path (IMPALA's and APPO's on a CPU): ``sgd`` reads each step's norm before stepping."""
+    fused_adam = False
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 @pytest.mark.parametrize("by", ["global_norm", "value", None])
-def test_a_step_with_a_non_finite_gradient_is_skipped_and_the_next_one_trains(caplog, bad, by):
-    learner = make_learner(grad_clip=None if by is None else 0.5, grad_clip_by=by or "global_norm")
+def test_a_step_with_a_non_finite_gradient_is_skipped_and_the_next_one_trains(caplog, bad, by, fused):
+    """Skipped alike whether the step is decided at once (``apply_gradients``, an unfused Adam in ``sgd``) or by
+    a fused Adam told the norm was not finite, its norm read after the minibatch loop (``sgd``)."""
+    cfg = PPOConfig(seed=0, model_config={"fcnet_hiddens": [8]}, grad_clip=None if by is None else 0.5,
+                    grad_clip_by=by or "global_norm")
+    learner = (NoOpPPOLearner if fused else LoopAdamLearner)(cfg, OBS, ACT)
+    assert bool(learner.optimizers["default"].optimizer.defaults.get("fused")) == fused
     learner.apply_gradients(big_loss(learner))  # the optimizer has moments to spoil
     weights = {k: v.clone() for k, v in learner.module.state_dict().items()}
     moments = {i: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
@@ -86,6 +97,12 @@ def test_a_step_with_a_non_finite_gradient_is_skipped_and_the_next_one_trains(ca
     assert np.isfinite(stats["gradients_global_norm"])
     assert learner.num_gradient_steps_skipped == 2 and learner.num_updates == updates + 1
     assert all(torch.isfinite(p).all() for p in learner.module.parameters())
+    assert any(not torch.equal(v, weights[k]) for k, v in learner.module.state_dict().items())
+    # the skipped step left the optimizer's step count alone: one step in sgd after the one before
+    assert all(int(st["step"]) == 2 for st in learner.optimizers["default"].optimizer.state_dict()["state"].values())
+    # and a skipped sgd step leaves nothing behind that would skip the next direct step
+    weights = {k: v.clone() for k, v in learner.module.state_dict().items()}
+    assert np.isfinite(learner.apply_gradients(big_loss(learner))) and learner.num_updates == updates + 2
     assert any(not torch.equal(v, weights[k]) for k, v in learner.module.state_dict().items())
 
 

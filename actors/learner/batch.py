@@ -123,22 +123,31 @@ def batch_slices(batch: dict[str, Any], num_batches: int) -> list[dict[str, Any]
             for i in range(num_batches)]
 
 
-def mean_stats(steps: list[dict[str, Any]]) -> dict[str, float]:
-    """Each statistic summed over ``steps`` (one dict per gradient step) and divided by their number, as floats.
-    Tensor values -- on the learner's device -- are stacked and read in one transfer."""
-    sums: dict[str, float] = {}
+def read_stats(steps: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """``steps`` (one dict of statistics per gradient step) as floats. Tensor values -- on the learner's
+    device -- are stacked and read in one transfer."""
+    out: list[dict[str, float]] = [{} for _ in steps]
     tensors, owners = [], []
-    for step in steps:
+    for i, step in enumerate(steps):
         for k, v in step.items():
             if isinstance(v, torch.Tensor):
                 tensors.append(v if v.dim() == 0 and v.dtype == torch.float32 else v.float().reshape(()))
-                owners.append(k)
+                owners.append((i, k))
             else:
-                sums[k] = sums.get(k, 0.0) + float(v)
+                out[i][k] = float(v)
     if tensors:
         with torch.no_grad():  # statistics are read, never differentiated
             values = torch.stack(tensors).tolist()
-        for k, v in zip(owners, values):
+        for (i, k), v in zip(owners, values):
+            out[i][k] = v
+    return out
+
+
+def mean_stats(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Each statistic summed over ``steps`` (floats, one dict per gradient step) and divided by their number."""
+    sums: dict[str, float] = {}
+    for step in steps:
+        for k, v in step.items():
             sums[k] = sums.get(k, 0.0) + v
     return {k: v / len(steps) for k, v in sums.items()}
 

@@ -36,7 +36,7 @@ from torch import nn
 from actors.callbacks import CallbacksSpec, build_callbacks, call_hook, overrides
 from actors.core import LearnerRole
 from actors.learner.adam import Adam
-from actors.learner.batch import ChunkBatch, batch_slices, check_num_batches, combined_stats, mean_stats
+from actors.learner.batch import ChunkBatch, batch_slices, check_num_batches, combined_stats, mean_stats, read_stats
 from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
 from actors.learner.gradients import FlatGrads
@@ -94,7 +94,8 @@ class Learner(FedByStreams, LearnerRole):
     fused_adam: ClassVar[bool] = False
     """Build Adam with ``fused=True``: about a quarter faster per step on small networks, which
     matters where updates dominate (DQN, SAC, PPO's many minibatches); rounding differs slightly from the
-    default path, so IMPALA and APPO keep the default and their seeded runs stay as measured."""
+    default path, so IMPALA and APPO keep the default on a CPU and their seeded runs stay as measured. On a GPU
+    every learner's Adam is fused."""
 
     def __init__(self, settings: LearnerSettings, observation_space: gym.Space | None = None,
                  action_space: gym.Space | None = None, *, module_spec: Any = None, device: str = "cpu", rank: int = 0,
@@ -163,11 +164,12 @@ class Learner(FedByStreams, LearnerRole):
         return {"default": Optimizer(self.adam(params, self.settings.lr, eps=1e-5), params, self.settings.lr)}
 
     def adam(self, params: list[nn.Parameter], lr: float | list, **kwargs: Any) -> torch.optim.Adam:
-        """Adam over ``params`` starting at the schedule's first learning rate (fused where chosen, else the
-        multi-tensor ``foreach`` path: torch's default on a GPU; on the CPU the same numbers, bit for bit, as its
-        default loop over tensors, in a dozen calls per step instead of about ten per tensor):
-        ``torch.optim.Adam`` minus its import of ``torch._dynamo`` (``actors.learner.adam``)."""
-        if self.fused_adam:
+        """Adam over ``params`` starting at the schedule's first learning rate: fused where the class chooses it
+        and on a GPU (one kernel a step, and ``sgd`` need not read each step's norm, see ``_step_slot``); else
+        torch's multi-tensor ``foreach`` path (on the CPU the same numbers, bit for bit, as its default loop
+        over tensors, in a dozen calls per step instead of about ten per tensor). ``torch.optim.Adam`` minus its
+        import of ``torch._dynamo`` (``actors.learner.adam``)."""
+        if self.fused_adam or self.device.type == "cuda":
             kwargs["fused"] = True
         else:
             kwargs.setdefault("foreach", True)
@@ -285,6 +287,10 @@ class Learner(FedByStreams, LearnerRole):
         stepped as ``apply_gradients`` does one; returns each slot's global norm before clipping. For a
         sum of losses that each reach only their own slot's parameters (SAC's critic, actor and
         temperature): one pass through autograd instead of one per loss."""
+        self.zero_and_backward(loss, optimizers)
+        return [self._step_slot(name) for name in optimizers]
+
+    def zero_and_backward(self, loss: torch.Tensor, optimizers: tuple[str, ...]) -> None:
         for name in optimizers:
             flat = self.flat_grads.get(name)
             if flat is not None:
@@ -292,22 +298,39 @@ class Learner(FedByStreams, LearnerRole):
             else:
                 self.optimizers[name].optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        return [self._step_slot(name) for name in optimizers]
 
-    def _step_slot(self, name: str) -> float:
+    def _step_slot(self, name: str, defer: bool = False) -> float | torch.Tensor:
+        """Clip and step one optimizer slot; its gradients' global norm before clipping. ``defer`` with a fused
+        Adam: the norm stays a tensor and is never read here -- the optimizer skips a non-finite step by
+        itself (its ``found_inf``), and the caller counts the step once it has read the norm
+        (``count_deferred_step``); on a GPU that is one device read per update instead of one per step."""
         slot, flat = self.optimizers[name], self.flat_grads.get(name)
-        norm = float(self._finish_flat(flat) if flat is not None else self._finish_tensors(slot.params))
+        norm = self._finish_flat(flat) if flat is not None else self._finish_tensors(slot.params)
+        if defer and slot.optimizer.defaults.get("fused"):
+            slot.optimizer.found_inf = (~torch.isfinite(norm)).float()
+            try:
+                slot.optimizer.step()
+            finally:  # a later step of this optimizer (``apply_gradients``) is decided by its own norm
+                del slot.optimizer.found_inf
+            return norm
+        return self.count_deferred_step(float(norm), lambda: slot.optimizer.step())
+
+    def count_deferred_step(self, norm: float, step: Callable[[], Any] | None = None) -> float:
+        """Count a gradient step by its norm: a finite one as an update (after ``step`` runs it, where it has
+        not run yet), a non-finite one as skipped. One infinite or NaN gradient would make every weight and
+        the optimizer's moments NaN for good: the runners would then act on NaN (a categorical policy always
+        picks action 0) and the job could not recover. So such a step is skipped -- not taken, or taken by a
+        fused Adam told it was non-finite, which leaves weights, moments and its step count alone --
+        counted and logged; learners of a group skip alike (their gradients were averaged first, so their
+        norms agree)."""
         if not math.isfinite(norm):
-            # one infinite or NaN gradient would make every weight and the optimizer's moments NaN for good: the
-            # runners would then act on NaN (a categorical policy always picks action 0) and the job could not
-            # recover. The step is skipped, counted and logged; learners of a group skip alike (their
-            # gradients were averaged first, so their norms agree)
             self.num_gradient_steps_skipped += 1
             (log.warning if self.num_gradient_steps_skipped == 1 else log.debug)(
                 "learner %d skipped a gradient step with a non-finite gradient norm (%s; %d so far): the weights "
                 "and optimizer state are left as they were", self.rank, norm, self.num_gradient_steps_skipped)
             return norm
-        slot.optimizer.step()
+        if step is not None:
+            step()
         self.num_updates += 1
         return norm
 
@@ -390,12 +413,17 @@ class Learner(FedByStreams, LearnerRole):
                                for i in range(num_minibatches)]
             for mb in minibatches:
                 loss, stats = loss_fn(mb)
-                skipped_before = self.num_gradient_steps_skipped
-                stats["gradients_global_norm"] = self.apply_gradients(loss, optimizer)
-                if self.num_gradient_steps_skipped != skipped_before:  # its NaN stays out of the means
-                    continue
+                self.zero_and_backward(loss, (optimizer,))
+                stats["gradients_global_norm"] = self._step_slot(optimizer, defer=True)
                 kept.append(stats)
-        out = mean_stats(kept)
+        deferred = [isinstance(stats["gradients_global_norm"], torch.Tensor) for stats in kept]
+        trained = []
+        for was_deferred, stats in zip(deferred, read_stats(kept)):
+            if was_deferred:
+                self.count_deferred_step(stats["gradients_global_norm"])
+            if math.isfinite(stats["gradients_global_norm"]):  # a skipped step's NaN stays out of the means
+                trained.append(stats)
+        out = mean_stats(trained)
         if self.num_gradient_steps_skipped != skipped_at_start:
             out["num_gradient_steps_skipped"] = float(self.num_gradient_steps_skipped - skipped_at_start)
         return out
