@@ -39,7 +39,7 @@ from actors.learner.adam import Adam
 from actors.learner.batch import ChunkBatch, batch_slices, check_num_batches, combined_stats, mean_stats, read_stats
 from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
-from actors.learner.gradients import FlatGrads
+from actors.learner.gradients import FlatGrads, finish_flat, finish_tensors
 from actors.modules import ActorCriticModule, RLModule
 from actors.modules.rl_module import set_autocast
 from actors.schedules import piecewise
@@ -47,8 +47,6 @@ from protocols import nested
 from protocols.codec import decode
 
 log = logging.getLogger("runnel")
-TOTAL_NORM = getattr(torch.nn.utils, "get_total_norm", None)
-"""torch >= 2.6: the global norm of many tensors in one fused call (older: one norm per tensor, stacked)."""
 
 
 @dataclass
@@ -305,7 +303,9 @@ class Learner(FedByStreams, LearnerRole):
         itself (its ``found_inf``), and the caller counts the step once it has read the norm
         (``count_deferred_step``); on a GPU that is one device read per update instead of one per step."""
         slot, flat = self.optimizers[name], self.flat_grads.get(name)
-        norm = self._finish_flat(flat) if flat is not None else self._finish_tensors(slot.params)
+        clip, by = self.settings.grad_clip, self.settings.grad_clip_by
+        norm = finish_flat(flat, self.world_size, clip, by) if flat is not None \
+            else finish_tensors(slot.params, self.world_size, clip, by)
         if defer and slot.optimizer.defaults.get("fused"):
             slot.optimizer.found_inf = (~torch.isfinite(norm)).float()
             try:
@@ -332,50 +332,6 @@ class Learner(FedByStreams, LearnerRole):
         if step is not None:
             step()
         self.num_updates += 1
-        return norm
-
-    def _finish_tensors(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """After backward: average across learners, clip; the global norm before clipping."""
-        for p in params:  # a loss that leaves a head out (BC's value head): zeros, so every learner reduces alike
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.world_size > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            flat /= self.world_size
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
-        clip, by = self.settings.grad_clip, self.settings.grad_clip_by
-        if clip is not None and by == "value":
-            torch.nn.utils.clip_grad_value_(params, clip)
-        elif clip is not None and by == "norm":
-            for p in params:
-                torch.nn.utils.clip_grad_norm_([p], clip)
-        if clip is not None and by == "global_norm":
-            return torch.nn.utils.clip_grad_norm_(params, clip)
-        if TOTAL_NORM is not None:
-            return TOTAL_NORM([p.grad for p in params])
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-
-    def _finish_flat(self, grads: FlatGrads) -> torch.Tensor:
-        """``_finish_tensors`` with the slot's gradients in one buffer: one call each to average, measure
-        and clip them (the same rule as ``clip_grad_norm_``: scale by ``clip / (norm + 1e-6)`` when below 1)."""
-        flat = grads.collect()
-        if self.world_size > 1:
-            dist.all_reduce(flat)
-            flat /= self.world_size
-        clip, by = self.settings.grad_clip, self.settings.grad_clip_by
-        if clip is not None and by == "value":
-            flat.clamp_(-clip, clip)
-        elif clip is not None and by == "norm":
-            for p in grads.params:  # each .grad is its view of the buffer
-                torch.nn.utils.clip_grad_norm_([p], clip)
-        norm = torch.linalg.vector_norm(flat)
-        if clip is not None and by == "global_norm":
-            flat.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
         return norm
 
     def minibatches(self, n: int, minibatch_size: int, num_minibatches: int) -> list[np.ndarray]:
