@@ -55,6 +55,58 @@ def test_steps_state_and_state_dicts_match_torch_adam_bit_for_bit(fused):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("maximize", [False, True])
+def test_fused_step_is_torchs_fused_step_to_the_bit(maximize):
+    """``fused_step`` (straight to the fused kernel) against torch's fused Adam: the same weights and state after
+    steps at changing learning rates, with weight decay, with a step skipped through ``found_inf`` and with
+    gradients set to None in between (torch's path then builds nothing new: the state exists)."""
+    nets, optimizers = [], []
+    for cls in (Adam, torch.optim.Adam):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        nets.append(net)
+        optimizers.append(cls(net.parameters(), lr=1e-2, eps=1e-5, weight_decay=1e-3, fused=True, maximize=maximize))
+    ours, theirs = optimizers
+    for step in range(30):
+        skip = step in (7, 8)
+        for net, optimizer in zip(nets, optimizers):
+            torch.manual_seed(step)
+            optimizer.param_groups[0]["lr"] = 1e-2 / (1 + step)
+            optimizer.zero_grad(set_to_none=step % 3 == 0)
+            (net(torch.randn(8, 4)) ** 2).sum().backward()
+            optimizer.found_inf = torch.tensor(1.0 if skip else 0.0)
+        ours.fused_step()
+        theirs.step()
+        for p, q in zip(*(n.parameters() for n in nets)):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert ours._plan_fused() is not None  # the fast path ran (after the first step built the state)
+    assert_same_state(ours.state_dict(), theirs.state_dict())
+    assert all(int(s["step"]) == 28 for s in ours.state_dict()["state"].values())
+
+
+def test_fused_step_takes_torchs_path_where_it_must():
+    """Hooks run, a parameter without a gradient is left alone (no state for it), and an unfused Adam steps."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = Adam(net.parameters(), lr=1e-2, fused=True)
+    calls = []
+    handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    for _ in range(2):
+        optimizer.zero_grad()
+        (net(torch.randn(8, 4)) ** 2).sum().backward()
+        optimizer.fused_step()
+    assert calls == ["post", "post"]
+    handle.remove()
+    before = net[2].weight.detach().clone()
+    net[2].weight.grad = None  # a loss that left it out: torch's path steps the others only
+    net[0].weight.grad = torch.ones_like(net[0].weight)
+    optimizer.fused_step()
+    assert torch.equal(net[2].weight, before)
+    unfused = Adam(net.parameters(), lr=1e-2)
+    (net(torch.randn(8, 4)) ** 2).sum().backward()
+    unfused.fused_step()
+    assert all(int(s["step"]) == 1 for s in unfused.state_dict()["state"].values())
+
+
 def test_it_is_a_torch_adam_with_working_hooks_and_closures():
     net, optimizer = trained(Adam, None, steps=1)
     assert isinstance(optimizer, torch.optim.Adam)

@@ -49,6 +49,14 @@ from protocols.codec import decode
 log = logging.getLogger("runnel")
 
 
+def step_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """One step: a fused runnel Adam straight to its kernel (``Adam.fused_step``), any other optimizer's ``step``."""
+    if isinstance(optimizer, Adam) and optimizer.defaults.get("fused"):
+        optimizer.fused_step()
+    else:
+        optimizer.step()
+
+
 @dataclass
 class LearnerSettings:
     """What every learner needs beyond its algorithm's own settings."""
@@ -309,11 +317,11 @@ class Learner(FedByStreams, LearnerRole):
         if defer and slot.optimizer.defaults.get("fused"):
             slot.optimizer.found_inf = (~torch.isfinite(norm)).float()
             try:
-                slot.optimizer.step()
+                step_optimizer(slot.optimizer)
             finally:  # a later step of this optimizer (``apply_gradients``) is decided by its own norm
                 del slot.optimizer.found_inf
             return norm
-        return self.count_deferred_step(float(norm), lambda: slot.optimizer.step())
+        return self.count_deferred_step(float(norm), lambda: step_optimizer(slot.optimizer))
 
     def count_deferred_step(self, norm: float, step: Callable[[], Any] | None = None) -> float:
         """Count a gradient step by its norm: a finite one as an update (after ``step`` runs it, where it has
