@@ -297,6 +297,7 @@ class Learner(FedByStreams, LearnerRole):
         return [self._step_slot(name) for name in optimizers]
 
     def zero_and_backward(self, loss: torch.Tensor, optimizers: tuple[str, ...]) -> None:
+        """The slots' gradients zeroed (each flat buffer's views kept), then ``loss.backward()`` fills them."""
         for name in optimizers:
             flat = self.flat_grads.get(name)
             if flat is not None:
