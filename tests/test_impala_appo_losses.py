@@ -9,6 +9,7 @@ from actors.modules import ActorCriticModule as RLModule
 from pipeline import APPOConfig, ConfigError, IMPALAConfig
 from pipeline.algorithms.appo.learner import appo_loss
 from pipeline.algorithms.impala.learner import impala_loss
+from tests.fake_steps import on_policy_steps
 
 OBS_SPACE = gym.spaces.Box(-1, 1, (4,), np.float32)
 ACT_SPACE = gym.spaces.Discrete(2)
@@ -22,15 +23,9 @@ def module():
 
 
 def fake_batch(module, n=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    obs = torch.randn(n, 4, generator=g)
-    with torch.no_grad():
-        dist_inputs = module.forward_inference(obs)["action_dist_inputs"]
-        dist = module.action_dist(dist_inputs)
-        actions = dist.sample()
-        logp = dist.logp(actions)
-    return {"obs": obs, "actions": actions, "action_logp": logp, "old_action_logp": logp.clone(),
-            "old_action_dist_inputs": dist_inputs, "pg_advantages": torch.randn(n, generator=g),
+    s, g = on_policy_steps(module, n, seed)
+    return {"obs": s["obs"], "actions": s["actions"], "action_logp": s["logp"], "old_action_logp": s["logp"].clone(),
+            "old_action_dist_inputs": s["dist_inputs"], "pg_advantages": torch.randn(n, generator=g),
             "vtrace_targets": torch.randn(n, generator=g)}
 
 

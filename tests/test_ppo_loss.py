@@ -7,17 +7,12 @@ import torch
 from actors.modules import ActorCriticModule as RLModule
 from pipeline.algorithms.ppo.config import PPOConfig
 from pipeline.algorithms.ppo.learner import ppo_loss
+from tests.fake_steps import on_policy_steps
 
 
 def fake_batch(module, n=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    obs = torch.randn(n, 4, generator=g)
-    with torch.no_grad():
-        dist_inputs = module.forward_inference(obs)["action_dist_inputs"]
-        dist = module.action_dist(dist_inputs)
-        actions = dist.sample()
-        logp = dist.logp(actions)
-    return {"obs": obs, "actions": actions, "action_logp": logp, "action_dist_inputs": dist_inputs,
+    s, g = on_policy_steps(module, n, seed)
+    return {"obs": s["obs"], "actions": s["actions"], "action_logp": s["logp"], "action_dist_inputs": s["dist_inputs"],
             "advantages": torch.randn(n, generator=g), "value_targets": torch.randn(n, generator=g)}
 
 

@@ -310,7 +310,7 @@ class Learner(FedByStreams, LearnerRole):
         """Clip and step one optimizer slot; its gradients' global norm before clipping. ``defer`` with a fused
         Adam: the norm stays a tensor and is never read here -- the optimizer skips a non-finite step by
         itself (its ``found_inf``), and the caller counts the step once it has read the norm
-        (``count_deferred_step``); on a GPU that is one device read per update instead of one per step."""
+        (``count_gradient_step``); on a GPU that is one device read per update instead of one per step."""
         slot, flat = self.optimizers[name], self.flat_grads.get(name)
         clip, by = self.settings.grad_clip, self.settings.grad_clip_by
         norm = finish_flat(flat, self.world_size, clip, by) if flat is not None \
@@ -322,9 +322,9 @@ class Learner(FedByStreams, LearnerRole):
             finally:  # a later step of this optimizer (``apply_gradients``) is decided by its own norm
                 del slot.optimizer.found_inf
             return norm
-        return self.count_deferred_step(float(norm), lambda: step_optimizer(slot.optimizer))
+        return self.count_gradient_step(float(norm), lambda: step_optimizer(slot.optimizer))
 
-    def count_deferred_step(self, norm: float, step: Callable[[], Any] | None = None) -> float:
+    def count_gradient_step(self, norm: float, step: Callable[[], Any] | None = None) -> float:
         """Count a gradient step by its norm: a finite one as an update (after ``step`` runs it, where it has
         not run yet), a non-finite one as skipped. One infinite or NaN gradient would make every weight and
         the optimizer's moments NaN for good: the runners would then act on NaN (a categorical policy always
@@ -381,11 +381,10 @@ class Learner(FedByStreams, LearnerRole):
                 self.zero_and_backward(loss, (optimizer,))
                 stats["gradients_global_norm"] = self._step_slot(optimizer, defer=True)
                 kept.append(stats)
-        deferred = [isinstance(stats["gradients_global_norm"], torch.Tensor) for stats in kept]
         trained = []
-        for was_deferred, stats in zip(deferred, read_stats(kept)):
-            if was_deferred:
-                self.count_deferred_step(stats["gradients_global_norm"])
+        for raw, stats in zip(kept, read_stats(kept)):
+            if isinstance(raw["gradients_global_norm"], torch.Tensor):  # stepped by the optimizer, not counted yet
+                self.count_gradient_step(stats["gradients_global_norm"])
             if math.isfinite(stats["gradients_global_norm"]):  # a skipped step's NaN stays out of the means
                 trained.append(stats)
         out = mean_stats(trained)
