@@ -41,6 +41,8 @@ class Episode:
     prev_extra: dict = field(default_factory=dict)
     reward: float = 0.0
     versions: list[int] = field(default_factory=list)  # weights versions of the steps since the last cut
+    state: Any = None  # a recurrent policy's state after the last step acted (None: the episode's start)
+    chunk_state: Any = None  # the state the chunk being built acted its first step from (its state_in)
     in_flight: tuple | None = None  # send_action's request (id, epoch, header, body, local result) until received
 
 
@@ -103,7 +105,7 @@ class SingleAgentEpisodes:
             return self._took(ep, *self._inference.act_remote(eid, obs, given, ep.builder is not None))
         if self._spool.server_version > self._inference.weights_version:
             self._pull_announced_weights()
-        return self._took(ep, *self._inference.act_local(obs, given))
+        return self._took(ep, *self._act_local(ep, obs, given))
 
     def act_batch(self, episode_ids: list[str], observations: list[Any]) -> list[Any]:
         if len(episode_ids) != len(observations):
@@ -116,7 +118,11 @@ class SingleAgentEpisodes:
         if self._remote:
             rows = self._inference.act_remote_batch(list(episode_ids), obs)
         else:
-            rows = self._inference.act_local_batch(obs)
+            before = [ep.state for ep in eps]
+            rows, after = self._inference.act_local_batch(obs, before)
+            for ep, prev, state in zip(eps, before, after):
+                ep.state = state
+                self._chunk_starts(ep, prev)
         return [self._took(ep, *row) for ep, row in zip(eps, rows)]
 
     def send(self, episode_id: str, observation: Any) -> None:
@@ -126,7 +132,7 @@ class SingleAgentEpisodes:
         self._check_value(episode_id, "obs", observation)
         obs = self._observed(ep, observation)
         if not self._remote:
-            ep.in_flight = (0, 0, None, None, self._inference.act_local(obs, None))
+            ep.in_flight = (0, 0, None, None, self._act_local(ep, obs, None))
             return
         request, body = self._inference.act_request(episode_id, obs, None)
         with self._lock:
@@ -190,6 +196,18 @@ class SingleAgentEpisodes:
                     self._add_step(ep, obs)
         return obs
 
+    def _act_local(self, ep: Episode, obs: Any, given: Any) -> tuple:
+        """Act with the exported policy, carrying a recurrent policy's state from step to step."""
+        prev = ep.state
+        acted, ep.state = self._inference.act_local(obs, given, prev)
+        self._chunk_starts(ep, prev)
+        return acted
+
+    def _chunk_starts(self, ep: Episode, prev: Any) -> None:
+        """A step acted from state ``prev``: if it is its chunk's first, the chunk's ``state_in`` is that state."""
+        if ep.builder is not None and ep.chunk_state is None:
+            ep.chunk_state = self._inference.start_state(prev)
+
     def _pull_announced_weights(self) -> None:
         """The server said it has newer weights: fetch them before acting (local inference)."""
         with self._lock:
@@ -215,7 +233,9 @@ class SingleAgentEpisodes:
         if b.is_done or len(b) >= limit:
             b.weights_version = min(ep.versions) if ep.versions else 0
             ep.versions.clear()
-            self._spool_chunk(b.cut())
+            chunk = b.cut()
+            chunk.state_in, ep.chunk_state = ep.chunk_state, None
+            self._spool_chunk(chunk)
 
     def _start_remote(self, eid: str) -> None:
         self._conn.request({"op": wire.START, "episode_id": eid})

@@ -106,27 +106,65 @@ class Inference:
         return np.asarray(value, dtype=self._action_dtype)
 
     # --- local --------------------------------------------------------------------------------
-    def act_local_batch(self, obs: list[Any]) -> list[Acted]:
+    def act_local_batch(self, obs: list[Any], states: list[np.ndarray | None] | None = None
+                        ) -> tuple[list[Acted], list[np.ndarray | None]]:
+        """Actions for a batch of observations, and (a recurrent policy) each row's next state; ``states``: the
+        rows' states (None for an episode's first step)."""
         if self._policy is None:
             self.pull_weights()
         policy, version = self._policy, self.weights_version
-        actions, extra = policy.act(nested.stack(obs), explore=self._welcome.get("explore", True), rng=self._rng)
+        explore = self._welcome.get("explore", True)
+        if policy.recurrent:
+            actions, extra, after = policy.act_recurrent(nested.stack(obs), self._states(states or [None] * len(obs)),
+                                                         explore=explore, rng=self._rng)
+            next_states: list[np.ndarray | None] = list(after)
+        else:
+            actions, extra = policy.act(nested.stack(obs), explore=explore, rng=self._rng)
+            next_states = [None] * len(obs)
         return [(_env_value(self._to_env(actions[i])), actions[i], {k: v[i] for k, v in extra.items()}, version)
-                for i in range(len(obs))]
+                for i in range(len(obs))], next_states
 
-    def act_local(self, obs: Any, given: Any) -> Acted:
+    def act_local(self, obs: Any, given: Any, state: np.ndarray | None = None) -> tuple[Acted, np.ndarray | None]:
+        """The action for one observation, and (a recurrent policy) the state after it; ``state``: the one it acts
+        from (None: an episode's first step)."""
         if self._policy is None:
             self.pull_weights()
         policy, version = self._policy, self.weights_version
         batch = nested.map_structure(lambda a: a[None], obs)
-        if given is None:
-            actions, extra = policy.act(batch, explore=self._welcome.get("explore", True), rng=self._rng)
+        explore = self._welcome.get("explore", True)
+        after = None
+        if policy.recurrent:
+            if given is None:
+                actions, extra, after = policy.act_recurrent(batch, self._states([state]), explore=explore,
+                                                             rng=self._rng)
+            else:
+                actions = self._to_module(np.asarray(given))[None]
+                extra, after = policy.extras_recurrent(batch, self._states([state]), actions)
+        elif given is None:
+            actions, extra = policy.act(batch, explore=explore, rng=self._rng)
         else:
             actions = self._to_module(np.asarray(given))[None]
             extra = policy.extras(batch, actions)
         module_action = actions[0]
         extra = {k: v[0] for k, v in extra.items()}
-        return _env_value(self._to_env(module_action)), module_action, extra, version
+        return (_env_value(self._to_env(module_action)), module_action, extra, version), \
+            (None if after is None else after[0])
+
+    def start_state(self, state: np.ndarray | None) -> np.ndarray | None:
+        """The state a step acts from, for a chunk's ``state_in``: ``state``, or a new episode's (zeros) when it is
+        None or does not fit the policy; None for a policy that is not recurrent."""
+        policy = self._policy
+        if policy is None or not policy.recurrent:
+            return None
+        return self._states([state])[0]
+
+    def _states(self, states: list[np.ndarray | None]) -> np.ndarray:
+        """The rows' states as one ``[B, 2, cell]`` batch; a missing one (or one from another policy's cell) zeros."""
+        fresh = self._policy.initial_state(len(states))
+        for i, st in enumerate(states):
+            if st is not None and st.shape == fresh.shape[1:]:
+                fresh[i] = st
+        return fresh
 
     def _to_module(self, action: np.ndarray) -> np.ndarray:
         """An env action the client chose (``log_action``) -> the policy's raw action."""

@@ -19,7 +19,10 @@ from protocols import nested
 from protocols.errors import ProtocolError
 
 FORMAT = "runnel-numpy-policy"
-VERSION = 1
+VERSION = 2
+"""The newest format version written and read. Version 2 adds the ``lstm`` op (recurrent policies); a policy
+without one is written as version 1, which every older reader reads."""
+VERSIONS = (1, 2)
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
 MAX_WIDTH = 1 << 22
 """Most numbers per row a tensor may hold: bounds what a hostile description can make us allocate."""
@@ -56,8 +59,9 @@ class NumpyPolicy:
     def __init__(self, desc: dict) -> None:
         if not isinstance(desc, dict) or desc.get("format") != FORMAT:
             raise ProtocolError(f"not a {FORMAT} description")
-        if desc.get("version") != VERSION:
-            raise ProtocolError(f"{FORMAT} version {desc.get('version')!r}; this reader reads version {VERSION}")
+        if desc.get("version") not in VERSIONS:
+            raise ProtocolError(f"{FORMAT} version {desc.get('version')!r}; this reader reads versions "
+                                f"{' and '.join(map(str, VERSIONS))}")
         try:
             self._parse(desc)
         except ProtocolError:
@@ -79,9 +83,17 @@ class NumpyPolicy:
             shape = (_int(sum(leaf.width for leaf in self.encoder), "encoder width", 1),)
         self.width_in = math.prod(shape)
         self._one_box = len(self.encoder) == 1 and self.encoder[0].kind == "box"
-        self.layers, shape = _ops(_field(desc, "layers", list, "the description"), shape, "layers", head=True)
+        layers, shape = _ops(_field(desc, "layers", list, "the description"), shape, "layers", head=True)
         if len(shape) != 1:
             raise ProtocolError(f"layers end with a {shape} image tensor; a 'flatten' op is missing")
+        cells = [i for i, op in enumerate(layers) if isinstance(op, _LSTM)]
+        if cells and desc["version"] < 2:
+            raise ProtocolError("layers: the 'lstm' op is version 2's; this description says version 1")
+        if len(cells) > 1:
+            raise ProtocolError(f"layers: {len(cells)} 'lstm' ops; a policy has at most one")
+        self.cell: _LSTM | None = layers[cells[0]] if cells else None
+        """A recurrent policy's LSTM (``act_recurrent``): the ops before it are ``layers``, those after it ``head``."""
+        self.layers, self.head = (layers[:cells[0]], layers[cells[0] + 1:]) if cells else (layers, [])
 
         dist = _field(desc, "dist", dict, "the description")
         self.kind = _field(dist, "kind", str, "dist")
@@ -112,14 +124,47 @@ class NumpyPolicy:
             raise ProtocolError("softmax exploration needs discrete actions and a temperature > 0")
 
     # --- forward ---------------------------------------------------------------------------------
+    @property
+    def recurrent(self) -> bool:
+        """The policy carries a state from step to step (an ``lstm`` op): act with ``act_recurrent``."""
+        return self.cell is not None
+
+    def initial_state(self, n: int) -> np.ndarray:
+        """``n`` states an episode starts from (zeros, float32 ``[n, 2, cell]``: hidden and cell state)."""
+        if self.cell is None:
+            raise ValueError("this policy is not recurrent: it has no state")
+        return np.zeros((n, 2, self.cell.size), np.float32)
+
     def dist_inputs(self, obs: Any) -> np.ndarray:
         """A batch of observations (leading batch dim, nested like the space) -> float32 ``[B, D]``."""
+        if self.cell is not None:
+            raise ValueError("this policy is recurrent: act with act_recurrent(obs, state, ...), which takes and "
+                             "returns the episodes' states")
+        return self._features_through(obs, self.layers)
+
+    def step(self, obs: Any, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A recurrent policy's step: the distribution inputs ``[B, D]`` for a batch of observations acting from
+        ``state`` ``[B, 2, cell]``, and the states after it."""
+        if self.cell is None:
+            raise ValueError("this policy is not recurrent: use dist_inputs(obs)")
+        x = self._features_through(obs, self.layers)
+        want = (x.shape[0], 2, self.cell.size)
+        state = np.asarray(state)
+        if state.shape != want or state.dtype != np.float32:
+            raise ValueError(f"recurrent state of shape {state.shape} and dtype {state.dtype}; this policy takes "
+                             f"float32 {want} (rows, hidden and cell state)")
+        h, state_out = self.cell(x, state)
+        for op in self.head:
+            h = op(h)
+        return h.astype(np.float32, copy=False), state_out
+
+    def _features_through(self, obs: Any, ops: list[Op]) -> np.ndarray:
         if (type(obs) is np.ndarray and self._one_box and obs.ndim == 2 and obs.shape[1] == self.width_in
                 and obs.dtype.kind in "biuf"):
             x = obs.astype(np.float32, copy=False)  # the common case, checked without flattening
         else:
             x = self._features(nested.flatten(obs))
-        for op in self.layers:
+        for op in ops:
             x = op(x)
         return x.astype(np.float32, copy=False)
 
@@ -156,6 +201,20 @@ class NumpyPolicy:
         actions, logp = self.choose_with_logp(inputs, explore, rng if rng is not None else self._default_rng())
         return actions, {"action_logp": logp, "action_dist_inputs": inputs}
 
+    def act_recurrent(self, obs: Any, state: np.ndarray, explore: bool = True, rng: np.random.Generator | None = None
+                      ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
+        """``act`` for a recurrent policy: also the states ``[B, 2, cell]`` the batch acts from, and the next ones
+        are returned after the extras."""
+        inputs, state_out = self.step(obs, state)
+        actions, logp = self.choose_with_logp(inputs, explore, rng if rng is not None else self._default_rng())
+        return actions, {"action_logp": logp, "action_dist_inputs": inputs}, state_out
+
+    def extras_recurrent(self, obs: Any, state: np.ndarray, actions: np.ndarray
+                         ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """``extras`` for a recurrent policy: the extras of ``actions`` acting from ``state``, and the next states."""
+        inputs, state_out = self.step(obs, state)
+        return self._extras_of(inputs, actions), state_out
+
     def choose_with_logp(self, inputs: np.ndarray, explore: bool, rng: np.random.Generator
                          ) -> tuple[np.ndarray, np.ndarray]:
         """``choose`` and ``logp`` of what it chose, in one pass."""
@@ -181,7 +240,9 @@ class NumpyPolicy:
 
     def extras(self, obs: Any, actions: np.ndarray) -> dict[str, np.ndarray]:
         """The extras of actions chosen by someone else (``log_action``)."""
-        inputs = self.dist_inputs(obs)
+        return self._extras_of(self.dist_inputs(obs), actions)
+
+    def _extras_of(self, inputs: np.ndarray, actions: np.ndarray) -> dict[str, np.ndarray]:
         actions = np.asarray(actions)
         n = inputs.shape[0]
         if self.kind == "gaussian":
@@ -313,7 +374,8 @@ def _leaf(x: Any, where: str) -> _Leaf:
 def _ops(raw: list, shape: tuple[int, ...], where: str, head: bool) -> tuple[list[Op], tuple[int, ...]]:
     """Checked ops as functions, and the shape of one row they output given the shape they read:
     ``(width,)`` for a vector, ``(H, W, C)`` for an image tensor. Only a head list may hold
-    conv2d/flatten/dueling ops; a dueling head's own lists are linear and elementwise ops."""
+    conv2d/flatten/dueling/lstm ops (an lstm op is an ``_LSTM``, which the caller splits the list at);
+    a dueling head's own lists are linear and elementwise ops."""
     ops: list[Op] = []
     for i, op in enumerate(raw):
         at = f"{where}[{i}]"
@@ -327,6 +389,16 @@ def _ops(raw: list, shape: tuple[int, ...], where: str, head: bool) -> tuple[lis
             b = _array(op, "bias", (w.shape[0],), at)
             ops.append(_linear(w, b))
             shape = (_int(w.shape[0], f"{at} outputs", 1),)
+        elif kind == "lstm" and head:
+            if len(shape) != 1:
+                raise ProtocolError(f"{at}: lstm reads a vector, not a {shape} image tensor")
+            w_ih = _array(op, "weight_ih", (None, shape[0]), at)
+            if w_ih.shape[0] % 4 or not w_ih.shape[0]:
+                raise ProtocolError(f"{at}.weight_ih has {w_ih.shape[0]} rows; an LSTM's are 4 x its cell size")
+            size = _int(w_ih.shape[0] // 4, f"{at} cell size", 1)
+            ops.append(_LSTM(w_ih, _array(op, "weight_hh", (4 * size, size), at),
+                             _array(op, "bias_ih", (4 * size,), at), _array(op, "bias_hh", (4 * size,), at)))
+            shape = (size,)
         elif kind == "conv2d" and head:
             if len(shape) != 3:
                 raise ProtocolError(f"{at}: conv2d reads an [H, W, C] image tensor, not a vector")
@@ -358,7 +430,7 @@ def _ops(raw: list, shape: tuple[int, ...], where: str, head: bool) -> tuple[lis
             ops.append(_dueling(adv, value, np.cumsum(branches)[:-1].tolist()))
             shape = adv_shape
         else:
-            raise ProtocolError(f"{at}: unknown op {kind!r}" if head or kind not in ("conv2d", "flatten", "dueling")
+            raise ProtocolError(f"{at}: unknown op {kind!r}" if head or kind not in ("conv2d", "flatten", "dueling", "lstm")
                                 else f"{at}: op {kind!r} is not allowed inside a dueling head")
     return ops, shape
 
@@ -385,6 +457,31 @@ def _conv2d(w: np.ndarray, b: np.ndarray, sh: int, sw: int) -> Op:
         y += b
         return y
     return conv2d
+
+
+class _LSTM:
+    """One step of an LSTM cell (torch's ``nn.LSTM`` math and weight layout: gates input, forget, cell,
+    output, stacked in that order), on a batch of vectors and their states ``[B, 2, size]``."""
+
+    def __init__(self, w_ih: np.ndarray, w_hh: np.ndarray, b_ih: np.ndarray, b_hh: np.ndarray) -> None:
+        self.size = w_hh.shape[1]
+        self.w_ih_t, self.w_hh_t = w_ih.T.copy(), w_hh.T.copy()
+        self.bias = b_ih + b_hh
+
+    def __call__(self, x: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = self.size
+        h, c = state[:, 0], state[:, 1]
+        gates = x @ self.w_ih_t
+        gates += h @ self.w_hh_t
+        gates += self.bias
+        i, f, o = (_sigmoid(gates[:, k * n:(k + 1) * n]) for k in (0, 1, 3))
+        c_out = f * c + i * np.tanh(gates[:, 2 * n:3 * n])
+        h_out = o * np.tanh(c_out)
+        return h_out, np.stack([h_out, c_out], axis=1).astype(np.float32, copy=False)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * z)  # no exp overflow for large |z|
 
 
 def _flatten(x: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 FORMAT = "runnel-numpy-policy"
-VERSIONS = (1,)
+VERSIONS = (1, 2)
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
 ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "tanh": np.tanh,
@@ -63,7 +63,12 @@ class SpecPolicy:
             raise Unreadable("an encoder needs leaves, and an image leaf is the only one")
         shape: tuple[int, ...] = (self.leaves[0].shape if self.leaves[0].kind == "image"
                                   else (sum(x.width for x in self.leaves),))
+        self.version = desc["version"]
         self.layers, shape = self._layers(desc["layers"], shape, inside_dueling=False)
+        cells = [op for op in self.layers if isinstance(op, Cell)]
+        if len(cells) > 1:
+            raise Unreadable("more than one lstm op")
+        self.cell = cells[0] if cells else None
         dist = desc["dist"]
         self.kind, self.dim = dist["kind"], int(dist["dim"])
         if shape != (self.dim,):
@@ -123,6 +128,14 @@ class SpecPolicy:
                     # channel-major: x[i, j, c] -> c*H*W + i*W + j
                     out.append(lambda x: np.moveaxis(x, 3, 1).reshape(len(x), -1))
                     shape = (math.prod(shape),)
+            elif name == "lstm" and len(shape) == 1 and not inside_dueling and self.version >= 2:
+                wi, wh = _weights(op, "weight_ih", 2), _weights(op, "weight_hh", 2)
+                bi, bh = _weights(op, "bias_ih", 1), _weights(op, "bias_hh", 1)
+                n = wh.shape[1]
+                if wi.shape != (4 * n, shape[0]) or wh.shape != (4 * n, n) or bi.shape != (4 * n,) or bh.shape != (4 * n,):
+                    raise Unreadable(f"lstm {wi.shape} {wh.shape} after {shape}")
+                out.append(Cell(wi, wh, bi, bh))
+                shape = (n,)
             elif name == "dueling" and len(shape) == 1 and not inside_dueling:
                 branches = [int(n) for n in op["branches"]]
                 adv, adv_shape = self._layers(op["advantage"], shape, inside_dueling=True)
@@ -161,10 +174,21 @@ class SpecPolicy:
         return np.concatenate(hot)
 
     def dist_inputs(self, observations: list[Any]) -> np.ndarray:
+        return self.step(observations, None)[0]
+
+    def step(self, observations: list[Any], state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The distribution inputs, and for a recurrent policy (9.8) the rows' new states ``[B, 2, n]`` from
+        ``state`` (None: each row at its episode's start, h = c = 0)."""
         x = self.features(observations)
+        new_state = None
         for op in self.layers:
-            x = op(x)
-        return x
+            if isinstance(op, Cell):
+                if state is None:
+                    state = np.zeros((len(x), 2, op.n))
+                x, new_state = op.step(x, state)
+            else:
+                x = op(x)
+        return x, new_state
 
     # --- distributions (9.4) and acting (9.5) ----------------------------------------------
     def groups(self, inputs: np.ndarray) -> list[np.ndarray]:
@@ -229,6 +253,22 @@ class SpecPolicy:
             random, greedy = self.random(len(inputs), rng), self.greedy(inputs)
             actions = np.where(pick.reshape(-1, *[1] * (greedy.ndim - 1)), random, greedy)
         return actions, self.logp(inputs, actions), inputs
+
+
+class Cell:
+    """The lstm op (9.3): one LSTM step; state row 0 is h, row 1 is c."""
+
+    def __init__(self, wi: np.ndarray, wh: np.ndarray, bi: np.ndarray, bh: np.ndarray) -> None:
+        self.wi, self.wh, self.bi, self.bh, self.n = wi, wh, bi, bh, wh.shape[1]
+
+    def step(self, v: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        h, c, n = state[:, 0], state[:, 1], self.n
+        z = v @ self.wi.T + self.bi + h @ self.wh.T + self.bh
+        sigmoid = lambda a: 1.0 / (1.0 + np.exp(-a))  # noqa: E731
+        i, f, g, o = sigmoid(z[:, :n]), sigmoid(z[:, n:2 * n]), np.tanh(z[:, 2 * n:3 * n]), sigmoid(z[:, 3 * n:])
+        c2 = f * c + i * g
+        h2 = o * np.tanh(c2)
+        return h2, np.stack([h2, c2], axis=1)
 
 
 def _leaves_in_order(obs: Any) -> list[Any]:

@@ -253,7 +253,7 @@ def test_readers_refuse_unknown_math_and_ignore_unknown_keys() -> None:
     extended = dict(desc, comment="informative", dist=dict(desc["dist"], note=1))
     np.testing.assert_allclose(SpecPolicy(extended).dist_inputs(rows), NumpyPolicy(extended).dist_inputs(batch), **TOL)
     layer_norm = {"op": "layer_norm", "weight": np.ones(16, np.float32), "bias": np.zeros(16, np.float32)}
-    refused = [dict(desc, version=2), dict(desc, format="other"), {k: v for k, v in desc.items() if k != "version"},
+    refused = [dict(desc, version=3), dict(desc, format="other"), {k: v for k, v in desc.items() if k != "version"},
                dict(desc, layers=desc["layers"][:2] + [layer_norm] + desc["layers"][2:]),
                dict(desc, encoder=[dict(desc["encoder"][0], kind="text")] + desc["encoder"][1:]),
                dict(desc, dist=dict(desc["dist"], kind="squashed_gaussian")),

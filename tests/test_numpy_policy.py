@@ -218,7 +218,7 @@ def test_malformed_descriptions_are_protocol_errors() -> None:
         "not a map": [good],
         "no format": {k: v for k, v in good.items() if k != "format"},
         "other format": {**good, "format": "pickle"},
-        "other version": {**good, "version": 2},
+        "other version": {**good, "version": 3},
         "unknown op": {**good, "layers": good["layers"] + [{"op": "exec", "code": "import os"}]},
         "op not a map": {**good, "layers": ["tanh"]},
         "sizes do not chain": {**good, "layers": [linear(3, 9)]},

@@ -188,10 +188,13 @@ def test_compute_single_action_takes_and_returns_the_state():
         assert action in (0, 1) and state.shape == (2, 16) and state.any() and info == {}
         again, state2, _ = algo.compute_single_action(obs, explore=False, state=state)
         assert not np.array_equal(state, state2)
-        with pytest.raises(ValueError, match="numpy export"):
-            from actors.modules.export import export_policy
+        # the numpy export carries the cell (external clients act with it): the same next state
+        from actors.modules.export import export_policy
+        from protocols.numpy_policy import NumpyPolicy
 
-            export_policy(algo.get_module())
+        inputs, after = NumpyPolicy(export_policy(algo.get_module())).step(obs[None], state[None])
+        np.testing.assert_allclose(after[0], state2, atol=1e-5)
+        assert int(inputs[0].argmax()) == again
     finally:
         algo.stop()
 

@@ -58,11 +58,14 @@ class EpisodeTally:
 class ChunkIntake:
     def __init__(self, lock: threading.Condition, endpoint: ServerEndpoint, journal: CommitJournal,
                  metrics: MetricsLogger, counts: dict[str, int], external: ExternalSettings, schema: ChunkSchema,
-                 dist_dim: int, worker_index: int, weights_version: Callable[[], int]) -> None:
+                 dist_dim: int, worker_index: int, weights_version: Callable[[], int],
+                 state_shape: tuple[int, int] | None = None) -> None:
         """``lock``: the server's lock, which the caller holds around ``commit`` and ``take``;
         ``counts``: the server thread's counters; ``weights_version``: the version the server acts with
-        now (chunks lagging it by more than ``max_policy_lag`` are stale)."""
+        now (chunks lagging it by more than ``max_policy_lag`` are stale); ``state_shape``: a recurrent
+        policy's state ``(2, cell)``, which every chunk must carry as ``state_in`` (None: no chunk may)."""
         self.x, self.schema, self.dist_dim, self.worker_index = external, schema, dist_dim, worker_index
+        self.state_shape = state_shape
         self.journal, self.metrics = journal, metrics
         self._lock = lock
         self._send, self._wake = endpoint.send, endpoint.wake
@@ -210,12 +213,30 @@ class ChunkIntake:
             if not isinstance(dists, np.ndarray) or dists.shape != (len(chunk), self.dist_dim) or dists.dtype.kind != "f":
                 raise ProtocolError(f"extra['action_dist_inputs'] must be a float array of shape "
                                     f"({len(chunk)}, {self.dist_dim}), got {getattr(dists, 'shape', type(dists).__name__)}")
+            self._check_state(chunk)
             # values last, each a vectorized pass: an action outside the space would crash a learner
             self.schema.check_values(chunk, finite_obs=not self.x.allow_nonfinite_observations)
             check_finite("extra['action_dist_inputs']", dists)
         except ProtocolError as err:
             return err
         return None
+
+    def _check_state(self, chunk: EpisodeChunk) -> None:
+        """A recurrent policy's learners unroll each chunk from its ``state_in``: one of the policy's shape, its
+        hidden half in [-1, 1] as an LSTM's output always is (``validate`` has checked float32 and finite)."""
+        st, want = chunk.state_in, self.state_shape
+        if want is None:
+            if st is not None:
+                raise ProtocolError("state_in: this policy is not recurrent; send chunks without one")
+            return
+        if st is None:
+            raise ProtocolError(f"state_in missing: this policy is recurrent, and each chunk carries the state "
+                                f"{list(want)} (hidden, cell) its first step acted from (EXTERNAL.md 9.8)")
+        if st.shape != want:
+            raise ProtocolError(f"state_in of shape {list(st.shape)}; this policy's state is {list(want)} "
+                                f"(hidden, cell)")
+        if np.abs(st[0]).max() > 1.0:
+            raise ProtocolError("state_in: the hidden state (row 0) must lie in [-1, 1], an LSTM's output range")
 
     def add_recorded(self, chunks: list[EpisodeChunk]) -> None:
         """Chunks the server cut itself (multi-agent episodes it records): pending like those clients

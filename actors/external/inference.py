@@ -49,6 +49,12 @@ class ServerPolicy:
         self._numpy: NumpyPolicy | None = None
 
     @property
+    def state_shape(self) -> tuple[int, int] | None:
+        """A recurrent module's state ``(2, cell)`` (hidden, cell), which its clients carry; None when it has none."""
+        lstm = getattr(self.module, "lstm", None)
+        return None if lstm is None else (2, int(lstm.hidden_size))
+
+    @property
     def timestep(self) -> int:
         return self.num_env_steps_served + self.timestep_offset
 
@@ -97,7 +103,9 @@ class ServerPolicy:
         backend = self.inference_backend
         if backend == "auto" and self._desc is not None:  # torch convolves images faster than numpy can
             backend = "torch" if any(op.get("op") == "conv2d" for op in self._desc["layers"]) else "numpy"
-        self._numpy = NumpyPolicy(self._desc) if self._desc is not None and backend == "numpy" else None
+        # a recurrent policy acts for nobody here: its clients act locally, with their own states
+        usable = self._desc is not None and backend == "numpy" and self.state_shape is None
+        self._numpy = NumpyPolicy(self._desc) if usable else None
 
     def forward(self, obs: Any, explore: list[bool], given: dict[int, np.ndarray]
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

@@ -132,7 +132,8 @@ class PolicyServer(EnvRunnerRole):
         self._stopping = threading.Event()
         self.chunks = ChunkIntake(self._lock, self.endpoint, self.journal, self.metrics, self._counts, self.x,
                                   self.schema, self.module.dist_spec.input_dim, worker_index,
-                                  weights_version=lambda: self.policy.weights_version)
+                                  weights_version=lambda: self.policy.weights_version,
+                                  state_shape=self.policy.state_shape)
         conns: dict[bytes, Conn] = {}
         self._ma_ended: list[MultiAgentEpisode] = []  # multi-agent episodes ended since the last report
         modules = None

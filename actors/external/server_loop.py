@@ -213,11 +213,18 @@ class ServerLoop:
             self._send(route, wire.error(rid, wire.VERSION_MISMATCH, f"version {h['version']}: this server speaks "
                                          f"{wire.PROTOCOL} versions {' and '.join(map(str, wire.VERSIONS))}"))
             return
-        mode = h["inference_mode"] or ("remote" if self.modules is not None else self.x.inference_mode)
+        recurrent = getattr(self.policy, "state_shape", None) is not None
+        mode = h["inference_mode"] or ("remote" if self.modules is not None else "local" if recurrent
+                                       else self.x.inference_mode)
         if mode not in ("remote", "local") or (mode == "local" and self.modules is not None):
             self._send(route, wire.error(rid, wire.BAD_MODE, f"inference_mode {mode!r:.80}: use " + (
                 "'remote' or '': a multi-agent server acts for its clients" if self.modules is not None else
                 "'remote', 'local' or '' (the server's choice)")))
+            return
+        if mode == "remote" and recurrent:
+            self._send(route, wire.error(rid, wire.BAD_MODE, "inference_mode 'remote': this policy is recurrent "
+                                         "(use_lstm), and its clients act with its exported cell and carry their own "
+                                         "states; use inference_mode 'local' or '' (EXTERNAL.md 9.8)"))
             return
         for key in ("observation_space", "action_space"):
             if key in h and not self._same_space(h[key], key):

@@ -13,7 +13,8 @@ checks an evaluator written from the section against what is exported here. In s
      "encoder": [leaf, ...], "layers": [op, ...],
      "dist": {"kind": ..., "dim": D, "nvec": [...]}, "exploration": {"type": ..., ...}}
 
-Exported: ``ActorCriticModule`` (encoder, policy trunk, policy head; the value head stays behind)
+Exported: ``ActorCriticModule`` (encoder, policy trunk, its LSTM when recurrent -- format version 2 --, policy
+head; the value head stays behind)
 and ``QModule`` without distributional atoms (dueling or not, Discrete or MultiDiscrete), on the
 flattening or the CNN encoder, with StochasticSampling, EpsilonGreedy or SoftQ exploration.
 Anything else raises ``ValueError`` naming it; such a policy serves clients in remote inference mode.
@@ -47,12 +48,13 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
     if getattr(module, "masking", None) is not None:  # the exported layers would act without the mask
         raise ValueError(f"{type(module).__name__} honours an action mask (its observation space has "
                          f"'action_mask'), which the numpy export does not carry -- {_USE_REMOTE}")
-    if getattr(module, "is_recurrent", False):  # the exported layers have no LSTM cell yet
-        raise ValueError(f"{type(module).__name__} is recurrent (model_config use_lstm), which the numpy export "
-                         f"does not carry yet -- {_USE_REMOTE}")
+    if getattr(module, "is_recurrent", False) and type(module) is not ActorCriticModule:
+        raise ValueError(f"{type(module).__name__} is recurrent (model_config use_lstm); of the recurrent modules only "
+                         f"the actor-critic has a numpy export yet -- {_USE_REMOTE}")
     # exact classes: a subclass may compute its actions differently from the layers exported here
     if type(module) is ActorCriticModule:
-        head = _sequential(module.pi_trunk, names) + [_linear(module.pi_head, names)]
+        cell = [] if module.lstm is None else [_lstm(module.lstm, names)]
+        head = _sequential(module.pi_trunk, names) + cell + [_linear(module.pi_head, names)]
     elif type(module) is QModule:
         if module.num_atoms > 1:
             raise ValueError(f"distributional QModule (num_atoms={module.num_atoms}) has no numpy export -- "
@@ -68,7 +70,9 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
     if spec.kind not in ("categorical", "multi_categorical", "gaussian"):
         raise ValueError(f"{spec.kind} action distributions have no numpy export -- {_USE_REMOTE}")
     leaves, encoder_ops = _encoder(module.encoder, module.observation_space, names)
-    return {"format": FORMAT, "version": VERSION, "encoder": leaves, "layers": encoder_ops + head,
+    recurrent = any(op["op"] == "lstm" for op in head)
+    # version 1 unless the policy needs version 2's lstm op: readers from before version 2 read the rest
+    return {"format": FORMAT, "version": VERSION if recurrent else 1, "encoder": leaves, "layers": encoder_ops + head,
             "dist": {"kind": spec.kind, "dim": int(spec.input_dim),
                      "nvec": [int(spec.input_dim)] if spec.kind == "categorical" else list(getattr(spec, "nvec", []))},
             "exploration": describe_exploration(exploration, timestep)}
@@ -78,6 +82,8 @@ def acting_plan(module: RLModule, exploration: Exploration) -> dict[str, Any]:
     """What an env runner needs to act with numpy alone (``actors.env.numpy_acting``): the keyed policy and
     the exploration's rule over timesteps, as plain data. Raises ``ValueError`` naming what numpy cannot
     act with (then the runner acts with the torch module)."""
+    if getattr(module, "is_recurrent", False):  # numpy_acting keeps no states
+        raise ValueError(f"{type(module).__name__} is recurrent (model_config use_lstm): runners act with torch")
     policy = export_policy(module, exploration, keyed=True)
     if type(exploration) is StochasticSampling:
         rule: dict[str, Any] = {"type": "sample", "random_timesteps": int(exploration.random_timesteps)}
@@ -132,6 +138,18 @@ def _keyed(op: dict[str, Any], layer: nn.Module, names: dict[int, str] | None) -
     """``op`` with the state-dict names of its ``weight`` and ``bias`` (``names``: id(parameter) -> name)."""
     if names is not None:
         op["keys"] = {"weight": names[id(layer.weight)], "bias": names[id(layer.bias)]}
+    return op
+
+
+def _lstm(lstm: nn.LSTM, names: dict[int, str] | None) -> dict[str, Any]:
+    """A one-layer, one-direction LSTM as the format's ``lstm`` op (torch's weight layout and gate order)."""
+    if (lstm.num_layers != 1 or lstm.bidirectional or not lstm.bias or getattr(lstm, "proj_size", 0)
+            or not lstm.batch_first):
+        raise ValueError(f"{lstm} has no numpy counterpart (one layer, one direction, with biases) -- {_USE_REMOTE}")
+    keys = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    op: dict[str, Any] = {"op": "lstm", **{k: _array(getattr(lstm, f"{k}_l0")) for k in keys}}
+    if names is not None:
+        op["keys"] = {k: names[id(getattr(lstm, f"{k}_l0"))] for k in keys}
     return op
 
 

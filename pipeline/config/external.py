@@ -31,6 +31,11 @@ def external_settings(config: Any) -> ExternalSettings | None:
     if "fragment_length" not in d:
         rfl = config.rollout_fragment_length
         d["fragment_length"] = int(rfl) if rfl != "auto" else 200
+    seq_len = recurrent_seq_len(config)
+    if seq_len is not None:  # clients act with the exported cell and cut chunks a learner unrolls from state_in
+        d.setdefault("inference_mode", "local")
+        if isinstance(d["fragment_length"], int):
+            d["fragment_length"] = min(d["fragment_length"], seq_len)
     x = ExternalSettings(**d)
     fresh = config.synchronous_sampling and config.trains_on_policy  # PPO: experience from the current weights
     if x.hold_acts_while_training is None:
@@ -46,6 +51,17 @@ def external_settings(config: Any) -> ExternalSettings | None:
         except (TypeError, ValueError):
             pass
     return x
+
+
+def recurrent_seq_len(config: Any) -> int | None:
+    """A recurrent module's ``max_seq_len`` (the longest chunk its clients may cut), None for other modules."""
+    mc = config.model_config
+    if not (isinstance(mc, dict) and mc.get("use_lstm")):
+        return None
+    from actors.modules import ModelConfig
+
+    seq_len = mc.get("max_seq_len", ModelConfig.max_seq_len)
+    return seq_len if isinstance(seq_len, int) and seq_len >= 1 else None
 
 
 def external_problems(config: Any) -> list[str]:
