@@ -14,6 +14,10 @@ one codec frame (``protocols.codec``; no compression, checksummed) holding a pla
 * server -> runner, ``actions``: ``{"op": "actions", "seq": int, "weights_version": int,
   "actions": [k, ...], "logp": [k], "dist_inputs": [k, d]}`` -- the module's actions (before the
   env's rescaling), their log-probabilities and the distribution inputs, which the chunks carry;
+* a recurrent module (``use_lstm``): the runner keeps its sub-envs' states and each ``act`` carries them,
+  ``"state": float32 [k, 2, cell]`` (hidden and cell state; zeros where an episode starts), and the answer
+  the states after the step, ``"state_out": float32 [k, 2, cell]``. The server keeps no state of its own, so
+  a restarted server serves on with no loss;
 * server -> runner, ``error``: ``{"op": "error", "seq": int, "message": str, "code": str}`` -- the
   request could not be served (a malformed frame, observations that do not fit the space); the runner
   raises, naming the message, so its stage group recreates it. ``code`` "shm_unavailable" is the one
@@ -74,6 +78,8 @@ class ActRequest:
     shared: SharedBlock | None = None
     lane: int = 0
     """Which of the runner's requests out at once this is (``MAX_LANES``)."""
+    state: np.ndarray | None = None
+    """A recurrent module's states the rows act from, float32 ``[rows, 2, cell]`` (None: not recurrent)."""
 
 
 @dataclass
@@ -95,14 +101,19 @@ class ActReply:
     actions: np.ndarray
     logp: np.ndarray
     dist_inputs: np.ndarray
+    state_out: np.ndarray | None = None
+    """A recurrent module's states after the step (None: not recurrent)."""
 
 
 def act_request(runner: int, seq: int, obs: Any, explore: bool, timestep: int,
-                shared: SharedBlock | None = None, lane: int = 0) -> bytes:
-    """``shared``: the observations are in shared memory there (``obs`` is then not sent)."""
+                shared: SharedBlock | None = None, lane: int = 0, state: np.ndarray | None = None) -> bytes:
+    """``shared``: the observations are in shared memory there (``obs`` is then not sent); ``state``: a recurrent
+    module's states the rows act from."""
     msg = {"op": ACT, "runner": int(runner), "seq": int(seq), "explore": bool(explore), "timestep": int(timestep)}
     if lane:
         msg["lane"] = int(lane)
+    if state is not None:
+        msg["state"] = state
     if shared is None:
         msg["obs"] = obs
     else:
@@ -111,9 +122,12 @@ def act_request(runner: int, seq: int, obs: Any, explore: bool, timestep: int,
 
 
 def actions_reply(seq: int, weights_version: int, actions: np.ndarray, logp: np.ndarray,
-                  dist_inputs: np.ndarray) -> bytes:
-    return encode({"op": ACTIONS, "seq": int(seq), "weights_version": int(weights_version), "actions": actions,
-                   "logp": logp, "dist_inputs": dist_inputs}, compress=False)
+                  dist_inputs: np.ndarray, state_out: np.ndarray | None = None) -> bytes:
+    msg = {"op": ACTIONS, "seq": int(seq), "weights_version": int(weights_version), "actions": actions,
+           "logp": logp, "dist_inputs": dist_inputs}
+    if state_out is not None:
+        msg["state_out"] = state_out
+    return encode(msg, compress=False)
 
 
 ERROR_CODES = ("bad_request", "failed", "shm_unavailable")
@@ -151,10 +165,25 @@ def read_request(frame: bytes) -> ActRequest:
         if "obs" in msg:
             raise ProtocolError("an 'act' message carries 'obs' or 'obs_shm', not both")
         shared = _shared_block(msg["obs_shm"])
-        return ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], None, shared.shape[0], shared,
-                          lane)
-    rows = _rows(msg.get("obs"), "obs")
-    return ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], msg["obs"], rows, lane=lane)
+        request = ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], None, shared.shape[0], shared,
+                             lane)
+    else:
+        rows = _rows(msg.get("obs"), "obs")
+        request = ActRequest(msg["runner"], msg["seq"], msg["explore"], msg["timestep"], msg["obs"], rows, lane=lane)
+    if "state" in msg:
+        request.state = _states(msg["state"], request.rows, "state")
+    return request
+
+
+def _states(state: Any, rows: int, where: str) -> np.ndarray:
+    """Recurrent states: float32 ``[rows, 2, cell]``, finite (what the module may be handed)."""
+    if (not isinstance(state, np.ndarray) or state.dtype != np.float32 or state.ndim != 3 or len(state) != rows
+            or state.shape[1] != 2 or state.shape[2] < 1):
+        got = f"{state.dtype} {state.shape}" if isinstance(state, np.ndarray) else type(state).__name__
+        raise ProtocolError(f"{where!r} must be a float32 array [{rows}, 2, cell], got {got}")
+    if not np.isfinite(state).all():
+        raise ProtocolError(f"{where!r} holds NaN or infinite values")
+    return state
 
 
 def _shared_block(ref: Any) -> SharedBlock:
@@ -185,7 +214,8 @@ def read_reply(frame: bytes) -> ActReply | ServerError:
     arrays = [msg.get(k) for k in ("actions", "logp", "dist_inputs")]
     if not all(isinstance(a, np.ndarray) for a in arrays) or len({len(a) for a in arrays}) != 1:
         raise ProtocolError("an 'actions' message needs arrays 'actions', 'logp' and 'dist_inputs' of one length")
-    return ActReply(msg["seq"], msg["weights_version"], *arrays)
+    state_out = _states(msg["state_out"], len(arrays[0]), "state_out") if "state_out" in msg else None
+    return ActReply(msg["seq"], msg["weights_version"], *arrays, state_out=state_out)
 
 
 def _rows(obs: Any, where: str) -> int:

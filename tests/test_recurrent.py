@@ -207,9 +207,16 @@ def test_recurrent_settings_that_cannot_work_are_config_errors():
     with pytest.raises(ConfigError, match="one learner"):
         APPOConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).learners(
             num_learners=2).validate()
-    with pytest.raises(ConfigError, match="central inference"):
-        PPOConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).inference(
-            mode="central").validate()
+    PPOConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).inference(
+        mode="central").validate()  # the runners send their states with each request
+    spaces = {"observation_space": StatelessCartPole().observation_space, "action_space": gym.spaces.Discrete(2)}
+    with pytest.raises(ConfigError, match="inference_mode='local'"):
+        PPOConfig().environment(**spaces).rl_module(model_config={"use_lstm": True}).external_clients(
+            inference_mode="remote").validate()
+    with pytest.raises(ConfigError, match="no export for clients yet"):
+        from pipeline import DQNConfig
+
+        DQNConfig().environment(**spaces).rl_module(model_config={"use_lstm": True}).external_clients().validate()
     with pytest.raises(ConfigError, match="lstm_use_prev_action"):
         PPOConfig().environment("CartPole-v1").rl_module(
             model_config={"use_lstm": True, "lstm_use_prev_action": True}).validate()

@@ -43,6 +43,8 @@ class LocalActing:
         self.recurrent = bool(getattr(module, "is_recurrent", False))
         """The module carries a state from step to step (``model_config`` ``use_lstm``)."""
         self.state: np.ndarray | None = None  # [num_envs, 2, cell] for a recurrent module, once it acted
+        self.max_seq_len = module.config.max_seq_len if self.recurrent else None
+        """A recurrent module's longest sequence: the runner cuts chunks to it."""
 
     def session(self) -> Any:
         """Held around a sampling run (and the chunk cut, whose postprocessing hooks run in it too)."""

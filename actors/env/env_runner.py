@@ -104,7 +104,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         recurrent = getattr(self.acting, "recurrent", False)
         self.slots = EpisodeSlots(settings.num_envs, worker_index, settings.clip_rewards, self.metrics,
                                   settings.metrics_window, self.hooks, self._postprocessed,
-                                  max_seq_len=self.module.config.max_seq_len if recurrent else None)
+                                  max_seq_len=self.acting.max_seq_len if recurrent else None)
         if self.env.supports_hooks:
             self.env.before_reset = self.slots.begin
         with_infos = settings.recording is not None and settings.recording.output_write_infos

@@ -40,6 +40,7 @@ from actors.inference.shared_obs import MIN_BYTES, ObsSegment, shared_memory_ava
 from actors.network import node_address
 from protocols import inference as wire
 from protocols.errors import ProtocolError
+from protocols.nested import first_leaf as nested_first
 
 log = logging.getLogger("runnel")
 
@@ -81,6 +82,11 @@ class RemoteActing:
         self._shm_refusals = 0
         self._shm_wanted = settings.shared_memory and shared_memory_available()
         self._last_sent = 0.0  # when a request last went out (resends are due resend_after_s later)
+        self.recurrent = settings.state_size is not None
+        """The module carries a state from step to step: kept here, sent with each request (``states``)."""
+        self.state: np.ndarray | None = None  # [num_envs, 2, cell] once it acted
+        self.max_seq_len = settings.max_seq_len
+        """A recurrent module's longest sequence: the runner cuts chunks to it."""
         self._connect(self._wait_for_address(time.monotonic() + settings.reply_timeout_s))
 
     @property
@@ -122,13 +128,28 @@ class RemoteActing:
         self.send(0, obs, explore, timestep)
         return self.receive(0)
 
+    def states(self, n: int) -> np.ndarray:
+        """A recurrent module's current state per sub-env ``[n, 2, cell]`` (zeros before its first step)."""
+        if self.state is None or len(self.state) != n:
+            self.state = np.zeros((n, 2, self.s.state_size), np.float32)
+        return self.state
+
+    def reset_states(self, rows: Any = None) -> None:
+        """Episodes start in these sub-envs (None: all): their recurrent state starts afresh."""
+        if self.state is not None:
+            if rows is None:
+                self.state = None
+            else:
+                self.state[rows] = 0.0
+
     def send(self, lane: int, obs: Any, explore: bool, timestep: int) -> None:
         """Ask for the actions of ``obs`` on ``lane`` and return at once (double buffering: the runner steps
         its other sub-envs meanwhile); ``receive(lane)`` gets them. One request per lane at a time: a request
         still out there (a sampling run that raised midway) is abandoned, its answer dropped when it comes."""
         out = self.lanes[lane]
         self.seq += 1
-        out.seq, out.request, out.reply = self.seq, (obs, explore, timestep), None
+        state = self.states(len(nested_first(obs))).copy() if self.recurrent else None  # kept for a resend
+        out.seq, out.request, out.reply = self.seq, (obs, explore, timestep, state), None
         self._sock.send(self._frame(out), copy=False)
         self._last_sent = time.monotonic()
 
@@ -153,6 +174,11 @@ class RemoteActing:
         if out.segment is not None:
             out.segment.answered()
         self.weights_version = reply.weights_version
+        if self.recurrent:
+            if reply.state_out is None or reply.state_out.shape != self.state.shape:
+                raise RuntimeError(f"env runner {self.worker_index}: inference server {self.server} answered without "
+                                   f"the recurrent states {self.state.shape} (a server for another model config?)")
+            self.state = reply.state_out.copy()  # decoded frames are read-only; reset_states writes rows
         return reply.actions, reply.logp, reply.dist_inputs, reply.weights_version
 
     def _take(self, frame: bytes) -> None:
@@ -188,7 +214,7 @@ class RemoteActing:
         self._last_sent = time.monotonic()
 
     def _frame(self, lane: Lane) -> bytes:
-        obs, explore, timestep = lane.request
+        obs, explore, timestep, state = lane.request
         segment = lane.segment
         if segment is not None and type(obs) is np.ndarray and obs.nbytes >= MIN_BYTES:
             try:
@@ -198,8 +224,8 @@ class RemoteActing:
                             self.worker_index, err)
                 self._inline_from_now_on()
             else:
-                return wire.act_request(self.worker_index, lane.seq, None, explore, timestep, shared, lane.index)
-        return wire.act_request(self.worker_index, lane.seq, obs, explore, timestep, lane=lane.index)
+                return wire.act_request(self.worker_index, lane.seq, None, explore, timestep, shared, lane.index, state)
+        return wire.act_request(self.worker_index, lane.seq, obs, explore, timestep, lane=lane.index, state=state)
 
     def _inline_from_now_on(self) -> None:
         for lane in self.lanes:
@@ -250,10 +276,12 @@ class RemoteActing:
                            f"inference) and holds no weights: use algo.get_weights() or algo.get_module()")
 
     def get_state(self) -> dict[str, Any]:
-        return {}  # exploration state lives in the server (per runner)
+        """A recurrent module's states (exploration state lives in the server, per runner)."""
+        return {} if self.state is None else {"recurrent_state": self.state.copy()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        pass
+        if self.recurrent and state.get("recurrent_state") is not None:
+            self.state = np.array(state["recurrent_state"], np.float32)
 
     def close(self) -> None:
         for lane in self.lanes:

@@ -98,6 +98,9 @@ class InferenceServer(InferenceRole):
 
         self.forward = PolicyForward(build(), device, graphs=inference.cuda_graphs,
                                      precision=inference.precision)
+        lstm = getattr(self.forward.module, "lstm", None)
+        self.state_size: int | None = None if lstm is None else int(lstm.hidden_size)
+        """A recurrent module's cell size: each request carries its rows' states (the server keeps none)."""
         dist_spec = self.forward.dist_spec
         chooser = (NumpyChooser(NumpyPolicy(settings.numpy_policy["policy"]), settings.numpy_policy["exploration"])
                    if settings.numpy_policy is not None else None)  # only its choosing is used: weights need not match
@@ -168,6 +171,7 @@ class InferenceServer(InferenceRole):
                 request.obs = self.segments.view(request.runner, request.shared, request.lane)
                 self.counts["num_shm_requests"] += 1
             self.schema.check_observation_rows(request.obs, request.rows)
+            self._check_state(request)
         except ProtocolError as err:
             self.counts["num_bad_requests"] += 1
             self._sock.send_multipart([route, wire.error_reply(seq, f"bad request: {err}", "bad_request")])
@@ -178,6 +182,18 @@ class InferenceServer(InferenceRole):
             return
         self.counts["num_requests"] += 1
         self.queue.add((route, request), request.rows)
+
+    def _check_state(self, request: wire.ActRequest) -> None:
+        """A recurrent module's requests carry states of its cell size (``read_request`` checked their form);
+        other modules' carry none."""
+        st = request.state
+        if self.state_size is None:
+            if st is not None:
+                raise ProtocolError("'state': this server's module is not recurrent")
+        elif st is None or st.shape[2] != self.state_size:
+            raise ProtocolError(f"'state': this server's module is recurrent (lstm_cell_size={self.state_size}): "
+                                f"each request carries its rows' states [rows, 2, {self.state_size}], got "
+                                f"{None if st is None else list(st.shape)}")
 
     def _apply_pending(self) -> None:
         """New weights, between two batches (the copy to the device happened in ``set_weights``)."""
@@ -207,7 +223,11 @@ class InferenceServer(InferenceRole):
         try:
             obs = gather_blocks([r.obs for _, r in group],
                                 lambda shape, dtype: self.forward.host_array(("batch", explore), shape, dtype))
-            inputs = self.forward.dist_inputs(obs, explore)
+            if self.state_size is None:
+                inputs, states = self.forward.dist_inputs(obs, explore), None
+            else:
+                states_in = np.concatenate([r.state for _, r in group]) if len(group) > 1 else group[0][1].state
+                inputs, states = self.forward.recurrent_dist_inputs(obs, states_in, explore)
         except Exception as err:  # noqa: BLE001 - a bad batch must not stop serving every runner
             self._failed(group, err)
             return
@@ -230,7 +250,8 @@ class InferenceServer(InferenceRole):
             if pair is None:
                 continue
             actions, logp = pair
-            send([route, wire.actions_reply(r.seq, version, actions, logp, inputs[rows].numpy())])
+            send([route, wire.actions_reply(r.seq, version, actions, logp, inputs[rows].numpy(),
+                                            None if states is None else states[rows])])
             self.counts["num_actions"] += r.rows
 
     def _choose(self, route: bytes, r: wire.ActRequest, inputs: torch.Tensor, explore: bool

@@ -80,6 +80,11 @@ class InferenceClientSettings:
     reply_timeout_s: float = 120.0
     shared_memory: bool = True
     double_buffer: bool = False
+    state_size: int | None = None
+    """A recurrent module's ``lstm_cell_size``: the runner keeps its sub-envs' states ``[n, 2, state_size]`` and
+    sends them with each request (None: the module is not recurrent)."""
+    max_seq_len: int | None = None
+    """A recurrent module's ``max_seq_len``: the runner cuts its chunks to sequences of at most this many steps."""
 
     @property
     def lanes(self) -> int:

@@ -89,8 +89,14 @@ class InferenceGroup:
     def runner_settings(self, settings: EnvRunnerSettings) -> EnvRunnerSettings:
         """The runners' copy of ``settings``: acting through the servers, and without the module class and
         exploration (which live in the servers; unpickling them would import torch into the runner)."""
-        return replace(settings, inference=self.client_settings(), module_class=None, module_kwargs={},
-                       exploration_config={})
+        client = self.client_settings()
+        mc = settings.model_config
+        if isinstance(mc, dict) and mc.get("use_lstm"):
+            from actors.modules import ModelConfig
+
+            model = ModelConfig.from_dict(mc)
+            client = replace(client, state_size=model.lstm_cell_size, max_seq_len=model.max_seq_len)
+        return replace(settings, inference=client, module_class=None, module_kwargs={}, exploration_config={})
 
     # --- servers ------------------------------------------------------------------------------
     def _call(self, handle: Any, method: str, *args: Any) -> Any:
