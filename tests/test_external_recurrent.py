@@ -12,6 +12,7 @@ from actors.env.settings import EnvRunnerSettings
 from actors.external.policy_server import PolicyServer
 from actors.external.settings import ExternalSettings
 from actors.modules import ActorCriticModule
+from actors.modules.q_module import QModule
 from actors.modules.export import acting_plan, export_policy
 from actors.env.exploration import StochasticSampling
 from pipeline.algorithms.ppo.config import PPOConfig
@@ -46,10 +47,18 @@ def module() -> ActorCriticModule:
     return ActorCriticModule(CARTPOLE.observation_space, CARTPOLE.action_space, dict(MODEL), inference_only=True)
 
 
-def test_the_numpy_cell_steps_as_the_torch_module_does():
-    m = module()
+def q_module(dueling: bool) -> QModule:
+    torch.manual_seed(4)
+    return QModule(CARTPOLE.observation_space, CARTPOLE.action_space, dict(MODEL), inference_only=True,
+                   dueling=dueling)
+
+
+@pytest.mark.parametrize("make, head", [(module, "linear"), (lambda: q_module(False), "linear"),
+                                        (lambda: q_module(True), "dueling")])
+def test_the_numpy_cell_steps_as_the_torch_module_does(make, head):
+    m = make()
     desc = export_policy(m)
-    assert desc["version"] == 2 and [op["op"] for op in desc["layers"]][-2:] == ["lstm", "linear"]
+    assert desc["version"] == 2 and [op["op"] for op in desc["layers"]][-2:] == ["lstm", head]
     policy = NumpyPolicy(desc)
     assert policy.recurrent
     rng = np.random.default_rng(0)
@@ -236,20 +245,27 @@ def test_config_takes_local_inference_and_the_sequence_length_for_recurrent_clie
         config.build(logdir=None)
 
 
-def test_ppo_trains_on_a_recurrent_local_client(tmp_path):
-    """End to end: the algorithm's own server, a client in this process, two training iterations."""
+@pytest.mark.parametrize("algo_name", ["PPO", "DQN"])
+def test_an_algorithm_trains_on_a_recurrent_local_client(tmp_path, algo_name):
+    """End to end: the algorithm's own server, a client in this process, a few training iterations (DQN: R2D2's
+    sequence replay of the client's chunks, epsilon-greedy in the client)."""
     import threading
+
+    from pipeline import DQNConfig
 
     address = f"tcp://127.0.0.1:{free_port()}"
     spaces = {"observation_space": CARTPOLE.observation_space, "action_space": CARTPOLE.action_space}
-    algo = (PPOConfig().environment(**spaces).env_runners(num_env_runners=0)
-            .rl_module(model_config=dict(MODEL))
-            .training(train_batch_size_per_learner=200, minibatch_size=50, num_epochs=2)
+    if algo_name == "PPO":
+        config = PPOConfig().training(train_batch_size_per_learner=200, minibatch_size=50, num_epochs=2)
+    else:
+        config = DQNConfig().env_runners(rollout_fragment_length=SEQ).training(
+            num_steps_sampled_before_learning_starts=200)
+    algo = (config.environment(**spaces).env_runners(num_env_runners=0).rl_module(model_config=dict(MODEL))
             .external_clients(address=address, journal_dir=str(tmp_path / "j")).debugging(seed=0).build(logdir=None))
     stop = threading.Event()
 
-    def play() -> None:
-        with PolicyClient(address, None, timeout_s=60) as client:
+    def play() -> None:  # never waits for commits: it stops as soon as the test is done
+        with PolicyClient(address, None, timeout_s=60, throttle=False, spool_chunks=1_000_000) as client:
             episode = 0
             while not stop.is_set():
                 run_env(client, gym.make("CartPole-v1"), num_episodes=1, seed=episode)
@@ -259,11 +275,12 @@ def test_ppo_trains_on_a_recurrent_local_client(tmp_path):
     player = threading.Thread(target=play, daemon=True)
     player.start()
     try:
-        for _ in range(2):
+        for _ in range(3):
             result = algo.train()
         learner = result["learners"]["default_policy"]
         assert result["num_env_steps_sampled_lifetime"] >= 400
-        assert np.isfinite(learner["total_loss"]) and learner["num_module_steps_trained"] > 0
+        loss = learner["total_loss" if algo_name == "PPO" else "qf_loss"]
+        assert np.isfinite(loss) and learner["num_module_steps_trained"] > 0
     finally:
         stop.set()
         player.join(timeout=60)

@@ -213,10 +213,6 @@ def test_recurrent_settings_that_cannot_work_are_config_errors():
     with pytest.raises(ConfigError, match="inference_mode='local'"):
         PPOConfig().environment(**spaces).rl_module(model_config={"use_lstm": True}).external_clients(
             inference_mode="remote").validate()
-    with pytest.raises(ConfigError, match="no export for clients yet"):
-        from pipeline import DQNConfig
-
-        DQNConfig().environment(**spaces).rl_module(model_config={"use_lstm": True}).external_clients().validate()
     with pytest.raises(ConfigError, match="lstm_use_prev_action"):
         PPOConfig().environment("CartPole-v1").rl_module(
             model_config={"use_lstm": True, "lstm_use_prev_action": True}).validate()

@@ -15,7 +15,7 @@ checks an evaluator written from the section against what is exported here. In s
 
 Exported: ``ActorCriticModule`` (encoder, policy trunk, its LSTM when recurrent -- format version 2 --, policy
 head; the value head stays behind)
-and ``QModule`` without distributional atoms (dueling or not, Discrete or MultiDiscrete), on the
+and ``QModule`` without distributional atoms (dueling or not, Discrete or MultiDiscrete; its LSTM when recurrent), on the
 flattening or the CNN encoder, with StochasticSampling, EpsilonGreedy or SoftQ exploration.
 Anything else raises ``ValueError`` naming it; such a policy serves clients in remote inference mode.
 """
@@ -48,9 +48,6 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
     if getattr(module, "masking", None) is not None:  # the exported layers would act without the mask
         raise ValueError(f"{type(module).__name__} honours an action mask (its observation space has "
                          f"'action_mask'), which the numpy export does not carry -- {_USE_REMOTE}")
-    if getattr(module, "is_recurrent", False) and type(module) is not ActorCriticModule:
-        raise ValueError(f"{type(module).__name__} is recurrent (model_config use_lstm); of the recurrent modules only "
-                         f"the actor-critic has a numpy export yet -- {_USE_REMOTE}")
     # exact classes: a subclass may compute its actions differently from the layers exported here
     if type(module) is ActorCriticModule:
         cell = [] if module.lstm is None else [_lstm(module.lstm, names)]
@@ -62,7 +59,8 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
         q = ({"op": "dueling", "branches": [int(n) for n in module.branches],
               "advantage": [_linear(module.advantage, names)], "value": [_linear(module.value, names)]}
              if module.dueling else _linear(module.advantage, names))
-        head = _sequential(module.trunk, names) + [q]
+        cell = [] if module.lstm is None else [_lstm(module.lstm, names)]
+        head = _sequential(module.trunk, names) + cell + [q]
     else:
         raise ValueError(f"{type(module).__name__} has no numpy export (supported: ActorCriticModule, QModule "
                          f"with num_atoms=1) -- {_USE_REMOTE}")

@@ -35,10 +35,7 @@ def recurrent_problems(config: Any, multi_agent: bool) -> list[str]:
         out.append(f"model_config use_lstm=True: {config.algo_name} does not train recurrent modules yet (PPO, "
                    f"IMPALA, APPO and DQN do); use one of those, or leave use_lstm off")
     external = config.external_clients_config
-    if external is not None and config.algo_name not in ("PPO", "IMPALA", "APPO"):
-        out.append(f"model_config use_lstm=True with external_clients: {config.algo_name}'s recurrent module has no "
-                   f"export for clients yet (PPO, IMPALA and APPO's have); leave use_lstm off")
-    elif external is not None and external.get("inference_mode") == "remote":
+    if external is not None and external.get("inference_mode") == "remote":
         out.append("model_config use_lstm=True with external_clients(inference_mode='remote'): a policy server does "
                    "not keep its clients' recurrent states; the clients act with the exported cell and carry them: "
                    "external_clients(inference_mode='local') (the default with use_lstm)")
