@@ -221,3 +221,9 @@ class SeenRewards(Callbacks):
 
     def on_learn_on_batch(self, *, policy, train_batch, result, **kwargs):
         SeenRewards.seen.append(max(float(np.max(c.rewards)) for c in train_batch))
+
+
+def optimizer_steps(learner) -> int:
+    """Steps the learner's default optimizer has taken (its Adam's step count; 0 before the first)."""
+    state = learner.optimizers["default"].optimizer.state
+    return max((int(s["step"]) for s in state.values() if "step" in s), default=0)

@@ -26,7 +26,7 @@ from pipeline.algorithms.impala.learner import IMPALALearner
 from protocols.transport import ChunkSender
 from tests.test_impala_appo import check_cartpole
 from tests.helpers import train_until_seen
-from tests.pieces import RecordTrainedChunks, loaded_modules
+from tests.pieces import RecordTrainedChunks, loaded_modules, optimizer_steps
 
 MAX_STEPS = 1_000_000  # the single-learner learning tests' budget (tests/test_impala_appo.py)
 
@@ -174,6 +174,33 @@ def test_two_appo_learners_keep_identical_weights_and_target_networks(ray_cluste
         assert pieces and {p[4] for p in pieces} == {2 - rank}
     assert result["circular_buffer"]["num_batches_added"] > 0
     assert runnel_threads() == []
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_cls", [IMPALAConfig, APPOConfig])
+def test_two_learners_train_a_recurrent_module_in_step(ray_cluster, config_cls):
+    """An LSTM: each learner's batch is whole chunks, so the two batches differ in size; the learners still take
+    the same number of (all-reduced) steps -- the minibatches come from the settings -- and keep identical
+    weights, trained on sequences from their own runners."""
+    from tests.envs import StatelessCartPole
+
+    algo = (config_cls().environment(StatelessCartPole).env_runners(num_env_runners=2, num_envs_per_env_runner=2)
+            .rl_module(model_config={"use_lstm": True, "lstm_cell_size": 16, "max_seq_len": 7})
+            .training(train_batch_size_per_learner=200, minibatch_size=50, num_epochs=2)
+            .learners(num_learners=2).debugging(seed=0).build(logdir=None))
+    try:
+        for _ in range(4):
+            result = algo.train()
+        weights = algo.learner_group.foreach_learner(lambda l: l.get_weights())
+        steps = algo.learner_group.foreach_learner(optimizer_steps)
+    finally:
+        algo.stop()
+    assert steps[0] == steps[1] > 0
+    assert weights[0].keys() == weights[1].keys() and any(k.startswith("lstm.") for k in weights[0])
+    for k in weights[0]:
+        np.testing.assert_array_equal(weights[0][k], weights[1][k], err_msg=k)
+    learner = result["learners"]["default_policy"]
+    assert np.isfinite(learner["total_loss"]) and learner["num_module_steps_trained"] >= 200
+
 
 @pytest.mark.slow
 def test_a_killed_learner_ends_the_run_naming_it_when_no_restarts_are_allowed(ray_cluster):

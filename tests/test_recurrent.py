@@ -16,6 +16,7 @@ from pipeline.algorithms.ppo.learner import PPOLearner
 from protocols.codec import decode, encode
 from protocols.episode import EpisodeChunk
 from tests.envs import StatelessCartPole
+from tests.pieces import optimizer_steps
 
 OBS = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
 ACT = gym.spaces.Discrete(3)
@@ -159,6 +160,22 @@ def test_vtrace_learners_train_on_sequences_without_an_environment(algo):
     assert any(not np.array_equal(before[k], after[k]) for k in before if k.startswith("lstm."))
 
 
+def test_vtrace_learners_take_as_many_steps_whatever_their_batch_of_whole_chunks_holds():
+    """Data-parallel learners all-reduce every step: batches of 60 and of 67 steps (whole chunks) give the same
+    number of optimizer steps, the settings' minibatches per epoch."""
+    from pipeline.algorithms.impala.config import IMPALAConfig
+    from pipeline.algorithms.impala.learner import IMPALALearner
+
+    config = (IMPALAConfig().environment(observation_space=OBS, action_space=ACT).rl_module(model_config=LSTM)
+              .training(train_batch_size_per_learner=60, minibatch_size=20, num_epochs=2).debugging(seed=0))
+    counts = []
+    for lengths in ([7, 7, 3, 7, 5, 7, 7, 7, 5, 5], [7, 7, 7, 7, 7, 7, 7, 7, 7, 4]):
+        learner = IMPALALearner(config, OBS, ACT)
+        learner.update(_fake_chunks(lengths), timestep=0)
+        counts.append(optimizer_steps(learner))
+    assert counts == [6, 6]  # 2 epochs x ceil(60 / 20)
+
+
 def test_a_stream_loader_keeps_recurrent_chunks_whole():
     """Batches are cut from a stream at the batch size, slicing a chunk that straddles two; a recurrent
     policy's chunk is taken whole instead (its tail would have no start state)."""
@@ -204,9 +221,8 @@ def test_recurrent_settings_that_cannot_work_are_config_errors():
 
     with pytest.raises(ConfigError, match="does not train recurrent modules"):
         SACConfig().environment("Pendulum-v1").rl_module(model_config={"use_lstm": True}).validate()
-    with pytest.raises(ConfigError, match="one learner"):
-        APPOConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).learners(
-            num_learners=2).validate()
+    APPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2).rl_module(
+        model_config={"use_lstm": True}).learners(num_learners=2).validate()  # data-parallel sequences
     PPOConfig().environment("CartPole-v1").rl_module(model_config={"use_lstm": True}).inference(
         mode="central").validate()  # the runners send their states with each request
     spaces = {"observation_space": StatelessCartPole().observation_space, "action_space": gym.spaces.Discrete(2)}

@@ -36,14 +36,10 @@ class VTraceSettings:
     """Weight of the entropy bonus, or a schedule ``[[timestep, coeff], ...]``."""
 
     supports_recurrent: ClassVar[bool] = True
-    """``model_config`` ``use_lstm``: batches of whole chunks unrolled from their start states (one learner)."""
+    """``model_config`` ``use_lstm``: batches of whole chunks unrolled from their start states."""
 
     def vtrace_problems(self) -> list[str]:
         problems = []
-        if isinstance(self.model_config, dict) and self.model_config.get("use_lstm") and self.num_learners > 1:
-            problems.append(f"model_config use_lstm=True with num_learners={self.num_learners}: recurrent "
-                            f"{self.algo_name} trains on one learner for now (its batches of whole sequences "
-                            f"differ in size between learners); use num_learners <= 1")
         for key in ("vtrace_clip_rho_threshold", "vtrace_clip_pg_rho_threshold"):
             if not is_number(getattr(self, key)) or getattr(self, key) <= 0:
                 problems.append(f"{key} must be a number > 0, got {getattr(self, key)!r}")
@@ -101,5 +97,8 @@ def sgd_epochs(learner: Learner, config: Any, tensors: dict[str, Any], loss_fn: 
     mbs = min(config.minibatch_size, n)
     if seq is None:
         return learner.sgd(tensors, lambda mb: loss_fn(mb, None), n, mbs, -(-n // mbs), config.num_epochs)
+    # whole chunks make batches of slightly different sizes on different learners; the minibatches per epoch
+    # come from the settings instead, so data-parallel learners take the same number of (all-reduced) steps
     steps = {k: v for k, v in tensors.items() if k != "obs"}
-    return sequence_sgd(learner, seq, steps, loss_fn, n, mbs, -(-n // mbs), config.num_epochs)
+    num_minibatches = -(-int(config.train_batch_size_per_learner) // int(config.minibatch_size))
+    return sequence_sgd(learner, seq, steps, loss_fn, n, mbs, num_minibatches, config.num_epochs)
