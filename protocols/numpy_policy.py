@@ -20,8 +20,9 @@ from protocols.errors import ProtocolError
 
 FORMAT = "runnel-numpy-policy"
 VERSION = 2
-"""The newest format version written and read. Version 2 adds the ``lstm`` op (recurrent policies); a policy
-without one is written as version 1, which every older reader reads."""
+"""The newest format version written and read. Version 2 adds the ``lstm`` op (recurrent policies) and the
+``mask`` key (observations that carry an action mask); a policy with neither is written as version 1, which every
+older reader reads."""
 VERSIONS = (1, 2)
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
 MAX_WIDTH = 1 << 22
@@ -41,6 +42,8 @@ _ELEMENTWISE: dict[str, Op] = {
 _EXPLORATIONS = ("sample", "random", "epsilon_greedy", "softmax")
 _DISTS = ("categorical", "multi_categorical", "gaussian")
 _HALF_LOG_2PI = np.float32(0.5 * math.log(2 * math.pi))
+MASKED = np.finfo(np.float32).min
+"""What an illegal action's distribution input becomes (the lowest finite float32, as the torch modules do)."""
 _LOG_STD_MIN, _LOG_STD_MAX = np.float32(LOG_STD_MIN), np.float32(LOG_STD_MAX)
 
 
@@ -71,6 +74,17 @@ class NumpyPolicy:
         self._rng: np.random.Generator | None = None
 
     def _parse(self, desc: dict) -> None:
+        self.mask_key, self.mask_features = None, None
+        if "mask" in desc:
+            if desc["version"] < 2:
+                raise ProtocolError("mask: action masks are version 2's; this description says version 1")
+            mask = _field(desc, "mask", dict, "the description")
+            self.mask_key = _field(mask, "key", str, "mask")
+            self.mask_features = mask.get("features")
+            if self.mask_features is not None and (type(self.mask_features) is not str
+                                                   or self.mask_features == self.mask_key):
+                raise ProtocolError(f"mask.features must be the one other key (a str) or absent, got "
+                                    f"{self.mask_features!r:.80}")
         leaves = _field(desc, "encoder", list, "the description")
         if not leaves:
             raise ProtocolError("encoder: no observation leaves")
@@ -113,6 +127,11 @@ class NumpyPolicy:
             raise ProtocolError(f"gaussian dist.dim {self.dim} is not 2 * action size")
         self.nvec = nvec if self.kind != "gaussian" else []
         self._splits = np.cumsum(self.nvec)[:-1].tolist()
+        if self.mask_key is not None:
+            if self.kind == "gaussian":
+                raise ProtocolError("mask: action masks need discrete actions, not a gaussian dist")
+            if _int(desc["mask"].get("width"), "mask.width", 1) != self.dim:
+                raise ProtocolError(f"mask.width {desc['mask'].get('width')} is not dist.dim {self.dim}")
 
         exploration = _field(desc, "exploration", dict, "the description", default={"type": "sample"})
         self.exploration = exploration.get("type")
@@ -140,14 +159,18 @@ class NumpyPolicy:
         if self.cell is not None:
             raise ValueError("this policy is recurrent: act with act_recurrent(obs, state, ...), which takes and "
                              "returns the episodes' states")
-        return self._features_through(obs, self.layers)
+        if self.mask_key is None:
+            return self._through(obs, self.layers)
+        features, mask = self._split_mask(obs)
+        return self._masked(self._through(features, self.layers), mask)
 
     def step(self, obs: Any, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A recurrent policy's step: the distribution inputs ``[B, D]`` for a batch of observations acting from
         ``state`` ``[B, 2, cell]``, and the states after it."""
         if self.cell is None:
             raise ValueError("this policy is not recurrent: use dist_inputs(obs)")
-        x = self._features_through(obs, self.layers)
+        features, mask = (obs, None) if self.mask_key is None else self._split_mask(obs)
+        x = self._through(features, self.layers)
         want = (x.shape[0], 2, self.cell.size)
         state = np.asarray(state)
         if state.shape != want or state.dtype != np.float32:
@@ -156,9 +179,35 @@ class NumpyPolicy:
         h, state_out = self.cell(x, state)
         for op in self.head:
             h = op(h)
-        return h.astype(np.float32, copy=False), state_out
+        h = h.astype(np.float32, copy=False)
+        return (h if mask is None else self._masked(h, mask)), state_out
 
-    def _features_through(self, obs: Any, ops: list[Op]) -> np.ndarray:
+    def _split_mask(self, obs: Any) -> tuple[Any, np.ndarray]:
+        """A batch of masked observations -> (what the encoder reads, the mask as bools ``[B, dim]``)."""
+        key = self.mask_key
+        if not isinstance(obs, dict) or key not in obs:
+            got = sorted(obs) if isinstance(obs, dict) else type(obs).__name__
+            raise ProtocolError(f"this policy reads observations with an {key!r} key, got {got}")
+        raw = np.asarray(obs[key])
+        n = _batch(raw)
+        if raw.size != n * self.dim or raw.dtype.kind not in "biuf":
+            raise ProtocolError(f"observation[{key!r}] of shape {raw.shape}: expected {n} rows of {self.dim} numbers")
+        features = obs[self.mask_features] if self.mask_features is not None else {
+            k: v for k, v in obs.items() if k != key}
+        return features, raw.reshape(n, self.dim) > 0
+
+    def _masked(self, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Distribution inputs with illegal actions at ``MASKED``; a row (or branch) with no legal action is an
+        error naming it -- an env must offer a legal action to an agent it asks to act."""
+        for i, legal in enumerate(np.split(mask, self._splits, axis=-1) if self._splits else [mask]):
+            empty = ~legal.any(-1)
+            if empty.any():
+                row = int(np.flatnonzero(empty)[0])
+                where = f"row {row}" + (f", branch {i}" if self._splits else "")
+                raise ValueError(f"observation[{self.mask_key!r}] allows no action ({where} of the batch)")
+        return np.where(mask, x, MASKED).astype(np.float32, copy=False)
+
+    def _through(self, obs: Any, ops: list[Op]) -> np.ndarray:
         if (type(obs) is np.ndarray and self._one_box and obs.ndim == 2 and obs.shape[1] == self.width_in
                 and obs.dtype.kind in "biuf"):
             x = obs.astype(np.float32, copy=False)  # the common case, checked without flattening
@@ -261,13 +310,13 @@ class NumpyPolicy:
             return self.greedy(inputs)
         n = inputs.shape[0]
         if how == "random":
-            return self.random(n, rng)
+            return self.random(n, rng, inputs)
         if how == "epsilon_greedy":
             greedy = self.greedy(inputs)
             pick = rng.random(n) < self.epsilon
             if not pick.any():
                 return greedy
-            return np.where(pick.reshape(n, *([1] * (greedy.ndim - 1))), self.random(n, rng), greedy)
+            return np.where(pick.reshape(n, *([1] * (greedy.ndim - 1))), self.random(n, rng, inputs), greedy)
         if self.kind == "gaussian":
             mean, log_std = self._gaussian(inputs)
             return mean + np.exp(log_std) * rng.standard_normal(mean.shape, dtype=np.float32)
@@ -281,10 +330,15 @@ class NumpyPolicy:
         out = [logits.argmax(-1) for logits in self._branches(inputs)]
         return out[0] if self.kind == "categorical" else np.stack(out, axis=-1)
 
-    def random(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """Uniformly random actions (Box: uniform in [-1, 1], the module's normalized range)."""
+    def random(self, n: int, rng: np.random.Generator, inputs: np.ndarray | None = None) -> np.ndarray:
+        """Uniformly random actions (Box: uniform in [-1, 1], the module's normalized range); with an action
+        mask, among the legal ones ``inputs`` (the masked distribution inputs) leave."""
         if self.kind == "gaussian":
             return rng.uniform(-1.0, 1.0, (n, self.dim // 2)).astype(np.float32)
+        if self.mask_key is not None and inputs is not None:
+            out = [_gumbel_argmax(np.where(block > MASKED / 2, np.float32(0.0), MASKED), rng)
+                   for block in self._branches(inputs)]
+            return out[0] if self.kind == "categorical" else np.stack(out, axis=-1)
         out = [rng.integers(0, k, n) for k in self.nvec]
         return out[0] if self.kind == "categorical" else np.stack(out, axis=-1)
 

@@ -152,15 +152,6 @@ def test_the_mask_is_no_network_input():
     assert torch.equal(a, b)
 
 
-def test_a_masked_module_has_no_numpy_export_that_would_act_without_its_mask():
-    from actors.modules.export import export_policy
-
-    with pytest.raises(ValueError, match="action mask.*inference_mode='remote'"):
-        export_policy(ActorCriticModule(OBS, ACT, {"fcnet_hiddens": [8]}))
-    plain = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
-    assert export_policy(ActorCriticModule(plain, ACT, {"fcnet_hiddens": [8]}))["layers"]
-
-
 def fake_batch(module: ActorCriticModule, n: int = 512) -> dict[str, Any]:
     mask = masks(n, seed=3)
     obs = observations(mask, seed=3)

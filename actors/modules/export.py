@@ -14,7 +14,7 @@ checks an evaluator written from the section against what is exported here. In s
      "dist": {"kind": ..., "dim": D, "nvec": [...]}, "exploration": {"type": ..., ...}}
 
 Exported: ``ActorCriticModule`` (encoder, policy trunk, its LSTM when recurrent -- format version 2 --, policy
-head; the value head stays behind)
+head; the value head stays behind; an action mask in the observations -- version 2 -- as the ``mask`` key)
 and ``QModule`` without distributional atoms (dueling or not, Discrete or MultiDiscrete; its LSTM when recurrent), on the
 flattening or the CNN encoder, with StochasticSampling, EpsilonGreedy or SoftQ exploration.
 Anything else raises ``ValueError`` naming it; such a policy serves clients in remote inference mode.
@@ -28,6 +28,7 @@ import numpy as np
 from torch import nn
 
 from actors.env.exploration import EpsilonGreedy, Exploration, SoftQ, StochasticSampling
+from actors.modules.action_mask import MASK_KEY
 from actors.modules.actor_critic import ActorCriticModule
 from actors.modules.encoders import CNNEncoder, ObsEncoder
 from actors.modules.q_module import QModule
@@ -45,9 +46,6 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
     ...}``), so a runner can refill them from the weights it is sent (``actors.env.numpy_acting``); what is
     sent to clients is not keyed."""
     names = {id(p): n for n, p in module.named_parameters()} if keyed else None
-    if getattr(module, "masking", None) is not None:  # the exported layers would act without the mask
-        raise ValueError(f"{type(module).__name__} honours an action mask (its observation space has "
-                         f"'action_mask'), which the numpy export does not carry -- {_USE_REMOTE}")
     # exact classes: a subclass may compute its actions differently from the layers exported here
     if type(module) is ActorCriticModule:
         cell = [] if module.lstm is None else [_lstm(module.lstm, names)]
@@ -67,10 +65,15 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
     spec = module.dist_spec
     if spec.kind not in ("categorical", "multi_categorical", "gaussian"):
         raise ValueError(f"{spec.kind} action distributions have no numpy export -- {_USE_REMOTE}")
-    leaves, encoder_ops = _encoder(module.encoder, module.observation_space, names)
+    leaves, encoder_ops = _encoder(module.encoder, getattr(module, "encoder_space", module.observation_space), names)
+    masking = getattr(module, "masking", None)
+    mask = {} if masking is None else {"mask": {"key": MASK_KEY, "width": int(spec.input_dim),
+                                                **({} if masking.single_key is None else
+                                                   {"features": masking.single_key})}}
     recurrent = any(op["op"] == "lstm" for op in head)
-    # version 1 unless the policy needs version 2's lstm op: readers from before version 2 read the rest
-    return {"format": FORMAT, "version": VERSION if recurrent else 1, "encoder": leaves, "layers": encoder_ops + head,
+    # version 1 unless the policy needs version 2's lstm op or mask: readers from before version 2 read the rest
+    return {"format": FORMAT, "version": VERSION if recurrent or mask else 1, **mask, "encoder": leaves,
+            "layers": encoder_ops + head,
             "dist": {"kind": spec.kind, "dim": int(spec.input_dim),
                      "nvec": [int(spec.input_dim)] if spec.kind == "categorical" else list(getattr(spec, "nvec", []))},
             "exploration": describe_exploration(exploration, timestep)}
@@ -82,6 +85,8 @@ def acting_plan(module: RLModule, exploration: Exploration) -> dict[str, Any]:
     act with (then the runner acts with the torch module)."""
     if getattr(module, "is_recurrent", False):  # numpy_acting keeps no states
         raise ValueError(f"{type(module).__name__} is recurrent (model_config use_lstm): runners act with torch")
+    if getattr(module, "masking", None) is not None:  # numpy_acting's exploration draws among every action
+        raise ValueError(f"{type(module).__name__} honours an action mask: runners act with torch")
     policy = export_policy(module, exploration, keyed=True)
     if type(exploration) is StochasticSampling:
         rule: dict[str, Any] = {"type": "sample", "random_timesteps": int(exploration.random_timesteps)}
