@@ -17,10 +17,14 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from protocols import nested
 from protocols.episode import EpisodeChunk, chunk_from_steps
 
 AgentID = Hashable  # str or int, as the env names its agents
+STATE_COLUMN = "state_in"
+"""The output column a recurrent module's rows carry: the state each action was taken from (``[2, cell]``)."""
 
 
 @dataclass(slots=True)
@@ -57,6 +61,9 @@ class AgentRecord:
     back: list | None = None
     """With a look-back: its recorded observations before ``obs[0]``, oldest first (as many as its module's
     ``look_back``); None without."""
+    seq_len: int | None = None
+    """A recurrent module's ``max_seq_len``: its chunks are cut into sequences of at most this many steps, each
+    carrying the state its first step acted from (the ``STATE_COLUMN`` of its outputs); None: not recurrent."""
 
     @classmethod
     def joined(cls, agent_id: AgentID, module_id: str, episode_id: str, obs: Any, info: dict | None,
@@ -85,12 +92,13 @@ class AgentRecord:
             self.infos.append(info or {})
         self.pending_reward, self.last_obs, self.last_info = 0.0, obs, info or {}
 
-    def cut(self, weights_version: int, env_runner_index: int, env_index: int) -> EpisodeChunk | None:
-        """Its completed steps since its last chunk as a chunk (None: there are none); a pending action stays
-        for the next."""
+    def cut(self, weights_version: int, env_runner_index: int, env_index: int) -> list[EpisodeChunk]:
+        """Its completed steps since its last chunk as a chunk -- as sequences of ``seq_len`` steps each with its
+        ``state_in`` for a recurrent module -- (none: there are no such steps); a pending action stays for the
+        next."""
         steps = len(self.rewards)
         if not steps:
-            return None
+            return []
         pending = len(self.actions) > steps
         chunk = chunk_from_steps(self.episode_id, self.chunk_index, self.t_started, self.obs,
                                  self.actions[:steps] if pending else self.actions, self.rewards, self.extra_keys or (),
@@ -102,10 +110,17 @@ class AgentRecord:
         if self.back is not None:
             chunk.look_back = nested.stack(self.back)
             self.back = (self.back + self.obs[:-1])[-len(self.back):]  # the rows before the next chunk's first obs
-        self.chunk_index += 1
+        pieces = [chunk]
+        states = chunk.extra.pop(STATE_COLUMN, None)
+        if states is not None:  # sequences for a recurrent module's learner, each from its start state
+            length = self.seq_len or steps
+            pieces = chunk.split(length)
+            for k, piece in enumerate(pieces):
+                piece.state_in = np.ascontiguousarray(states[k * length], np.float32)
+        self.chunk_index += len(pieces)
         self.t_started += steps
         self.obs, self.rewards = self.obs[-1:], []
         self.actions, self.extra_rows = self.actions[steps:], self.extra_rows[steps:]
         if self.infos:
             self.infos = self.infos[-1:]
-        return chunk
+        return pieces

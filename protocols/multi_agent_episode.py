@@ -76,9 +76,13 @@ class MultiAgentEpisode:
     def __init__(self, policy_mapping_fn: Callable[[AgentID, "MultiAgentEpisode"], str] | None = None, *,
                  module_ids: Collection[str] | None = None, episode_id: str | None = None,
                  env_runner_index: int = 0, env_index: int = 0, weights_version: int = 0,
-                 record_infos: bool = False, look_back: Mapping[str, int] | None = None) -> None:
+                 record_infos: bool = False, look_back: Mapping[str, int] | None = None,
+                 seq_lens: Mapping[str, int] | None = None) -> None:
         """``look_back``: module id -> how many recorded observations before each chunk that module's agents'
-        chunks carry (a view's depth); modules absent or at 0 carry none."""
+        chunks carry (a view's depth); modules absent or at 0 carry none. ``seq_lens``: recurrent module id ->
+        its ``max_seq_len`` (its agents' actions carry a ``state_in`` column, and their chunks are cut into
+        sequences of at most that many steps, each with its start state)."""
+        self.seq_lens = dict(seq_lens or {})
         check_look_back(look_back or {})
         self.look_back = {m: int(n) for m, n in (look_back or {}).items() if n}
         self.id_ = episode_id or new_episode_id()
@@ -348,6 +352,7 @@ class MultiAgentEpisode:
         module_id = self.module_for(aid)
         a = AgentRecord.joined(aid, module_id, f"{self.id_}.{len(self._agents)}", obs, info,
                                self.look_back.get(module_id, 0), self.record_infos)
+        a.seq_len = self.seq_lens.get(module_id)
         self._wire_ids[str(aid)] = aid
         self._agents[aid] = a
         self._ready += 1
@@ -365,9 +370,7 @@ class MultiAgentEpisode:
             self._ready += 1
 
     def _emit(self, a: AgentRecord) -> None:
-        chunk = a.cut(self.weights_version, self.env_runner_index, self.env_index)
-        if chunk is not None:
-            self._chunks.append(chunk)
+        self._chunks.extend(a.cut(self.weights_version, self.env_runner_index, self.env_index))
 
 
 def add_action_batch(episodes: Sequence[MultiAgentEpisode], who: Sequence[tuple[int, AgentID]], actions: Sequence[Any],

@@ -126,6 +126,9 @@ class LockstepSampler:
             if not lockstep_fits(env):
                 raise ValueError(f"env {i} is a {type(env).__name__}, not make_multi_agent's copies with their own "
                                  "step and reset and array actions: sample it with MultiAgentSampler")
+        recurrent = sorted(m for m, module in modules.items() if getattr(module, "is_recurrent", False))
+        if recurrent:  # its time-major recording keeps no per-agent states: the per-agent sampler does
+            raise ValueError(f"modules {recurrent} are recurrent (use_lstm): sample with MultiAgentSampler")
         self.acting = ModuleActing(modules, explorations, env_actions,
                                    rng if rng is not None else acting_rng(seed, env_runner_index), self.policy_of,
                                    check_observations)

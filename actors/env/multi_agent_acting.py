@@ -27,6 +27,7 @@ from actors.env.space_values import BatchProblemFinder, batch_problem_finder
 from actors.modules import RLModule
 from actors.modules.fused import FusedActors, fusion_key, pad_rows
 from protocols import nested
+from protocols.agent_record import STATE_COLUMN
 
 Who = list[tuple[int, Any]]
 """The rows of a batch: (env index, agent id) each."""
@@ -64,6 +65,14 @@ class ModuleActing:
         self._dtypes: dict[str, tuple[RLModule, Any]] = {}
         """Module id -> (the module, its observation space's dtypes), computed once per module object."""
         self._groups: tuple[tuple, list[Group]] | None = None
+        self.states: dict[tuple[int, Any], np.ndarray] = {}
+        """A recurrent module's state per running agent ``(env index, agent id)``, after its last action (absent:
+        the agent has not acted yet in this episode, so it starts from zeros)."""
+
+    def forget_states(self, env_index: int) -> None:
+        """A new episode starts in env ``env_index``: its agents' states start afresh."""
+        for key in [k for k in self.states if k[0] == env_index]:
+            del self.states[key]
 
     def share(self, modules: Mapping[str, RLModule], explorations: Mapping[str, Exploration],
               env_actions: Mapping[str, EnvActions]) -> None:
@@ -208,8 +217,19 @@ class ModuleActing:
     def _act(self, mid: str, who: Who, obs: list[Any], forward: Callable[[Any], dict], explore: bool,
              timestep: int, gathered: np.ndarray | None = None) -> tuple[Any, list[Any], dict[str, np.ndarray]]:
         """One module's batch: its actions, the env's form of them, and the extras' columns."""
-        out = forward(self._tensors(mid, who, obs, None, gathered))
-        return self._choose(mid, out["action_dist_inputs"], out, explore, timestep)
+        module = self.modules[mid]
+        if not getattr(module, "is_recurrent", False):
+            out = forward(self._tensors(mid, who, obs, None, gathered))
+            return self._choose(mid, out["action_dist_inputs"], out, explore, timestep)
+        fresh = module.initial_state(1)[0]
+        states = np.stack([self.states.get(w, fresh) for w in who])
+        out = forward(self._tensors(mid, who, obs, None, gathered), torch.from_numpy(states))
+        after = out["state_out"].numpy()
+        for w, state in zip(who, after):
+            self.states[w] = state
+        acts, env_acts, columns = self._choose(mid, out["action_dist_inputs"], out, explore, timestep)
+        columns[STATE_COLUMN] = states  # each row's chunk starts from the state its first action saw
+        return acts, env_acts, columns
 
     def _choose(self, mid: str, dist_inputs: torch.Tensor, out: dict[str, torch.Tensor], explore: bool,
                 timestep: int) -> tuple[Any, list[Any], dict[str, np.ndarray]]:

@@ -135,7 +135,9 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         if self.module_to_env is not None:
             pieces["module_to_env"] = self.module_to_env
         views = self.connectors is not None and bool(self.connectors.look_back)  # built from per-agent episodes
-        if lockstep and not views and not self.listener.runs_callbacks and all(map(lockstep_fits, self.envs)):
+        recurrent = any(getattr(m, "is_recurrent", False) for m in self.module.members.values())
+        if (lockstep and not views and not recurrent and not self.listener.runs_callbacks
+                and all(map(lockstep_fits, self.envs))):
             self.sampler = LockstepSampler(self.envs, self.module.members, self.explorations, self.env_actions,
                                            policy_mapping_fn, **pieces)
         else:
@@ -357,6 +359,11 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                                       f"module_to_env_connector: a pipeline for a module added while training is "
                                       f"not built yet")
         module = self._build_module(module_id, spec)
+        if getattr(module, "is_recurrent", False) and isinstance(self.sampler, LockstepSampler):
+            for table in (self.module_specs, self.module.members, self.explorations, self.env_actions):
+                table.pop(module_id, None)
+            raise NotImplementedError(f"add_module({module_id!r}): a recurrent module joining a run sampled in lockstep "
+                                      f"(make_multi_agent copies): start the run with a recurrent module instead")
         if weights is not None:
             module.set_state(weights)
         self._share_with_sampler()

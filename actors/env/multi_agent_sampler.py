@@ -165,7 +165,9 @@ class MultiAgentSampler:
         ep = MultiAgentEpisode(self.policy_mapping_fn, module_ids=self.acting.modules,
                                env_runner_index=self.env_runner_index, env_index=index,
                                weights_version=self._weights_version, record_infos=self.record_infos,
-                               look_back=None if self.observations is None else self.observations.look_back)
+                               look_back=None if self.observations is None else self.observations.look_back,
+                               seq_lens=seq_lens(self.acting.modules))
+        self.acting.forget_states(index)
         ep.plain_steps = self._fast_path
         if self.listener is not None:  # RLlib's order: the episode object exists before the env resets
             self.listener.episode_created(index, ep)
@@ -319,6 +321,11 @@ def through_module_to_env(pipelines: Mapping[str, ModuleToEnvPipeline], env_acti
             col_parts[k].append(np.asarray(batch[k]))
     return (np.concatenate(parts), env_parts,
             {k: np.concatenate(v) for k, v in col_parts.items()})
+
+
+def seq_lens(modules: Mapping[str, RLModule]) -> dict[str, int]:
+    """The recurrent modules' ``max_seq_len`` (their agents' chunks are sequences of at most that many steps)."""
+    return {mid: int(m.config.max_seq_len) for mid, m in modules.items() if getattr(m, "is_recurrent", False)}
 
 
 def checked_mapping_fn(policy_mapping_fn: Any) -> PolicyMappingFn:

@@ -36,8 +36,8 @@ _NUMPY_TWINS: dict[type, Callable[[np.ndarray], np.ndarray]] = {
 
 def fusion_key(module: RLModule) -> tuple | None:
     """Modules with equal keys can act in one pass; None: this module cannot be fused."""
-    if type(module) is not ActorCriticModule or module.masking is not None:
-        return None
+    if type(module) is not ActorCriticModule or module.masking is not None or module.lstm is not None:
+        return None  # a mask or a recurrent state acts per module
     if module.autocast_dtype is not None:  # acts alone, under its autocast (the fused pass is float32)
         return None
     if (isinstance(module.observation_space, (gym.spaces.Dict, gym.spaces.Tuple)) or type(module.encoder) is not ObsEncoder

@@ -39,8 +39,9 @@ def recurrent_problems(config: Any, multi_agent: bool) -> list[str]:
         out.append("model_config use_lstm=True with external_clients(inference_mode='remote'): a policy server does "
                    "not keep its clients' recurrent states; the clients act with the exported cell and carry them: "
                    "external_clients(inference_mode='local') (the default with use_lstm)")
-    if multi_agent:
-        out.append("model_config use_lstm=True in a multi-agent run: not supported yet")
+    if multi_agent and external is not None:
+        out.append("model_config use_lstm=True in a multi-agent run with external_clients: a multi-agent server acts "
+                   "for its clients (remote inference) and keeps no recurrent states; leave use_lstm off")
     return out
 
 
