@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from actors.inference.recurrent_states import KeepsSubEnvStates, SubEnvStates
 from protocols.nested import first_leaf as nested_first
 
 
-class LocalActing:
+class LocalActing(KeepsSubEnvStates):
     holds_weights = True
 
     def __init__(self, settings: Any, observation_space: Any, action_space: Any) -> None:
@@ -42,7 +43,7 @@ class LocalActing:
         self.weights_version = 0
         self.recurrent = bool(getattr(module, "is_recurrent", False))
         """The module carries a state from step to step (``model_config`` ``use_lstm``)."""
-        self.state: np.ndarray | None = None  # [num_envs, 2, cell] for a recurrent module, once it acted
+        self._states = SubEnvStates(module.config.lstm_cell_size if self.recurrent else 0)
         self.max_seq_len = module.config.max_seq_len if self.recurrent else None
         """A recurrent module's longest sequence: the runner cuts chunks to it."""
 
@@ -58,20 +59,6 @@ class LocalActing:
         inputs = self.forward.dist_inputs(obs, explore)
         actions, logp = self.forward.choose(inputs, self.exploration, explore, timestep)
         return actions.numpy(), logp.numpy(), inputs.numpy(), self.weights_version
-
-    def states(self, n: int) -> np.ndarray:
-        """A recurrent module's current state per sub-env ``[n, 2, cell]`` (fresh ones before its first step)."""
-        if self.state is None or len(self.state) != n:
-            self.state = self.module.initial_state(n)
-        return self.state
-
-    def reset_states(self, rows: Any = None) -> None:
-        """Episodes start in these sub-envs (None: all): their recurrent state starts afresh."""
-        if self.state is not None:
-            if rows is None:
-                self.state = None
-            else:
-                self.state[rows] = 0.0
 
     def set_weights(self, weights: dict[str, Any], weights_version: int) -> None:
         self.forward.set_state(weights)

@@ -35,6 +35,7 @@ import numpy as np
 import zmq
 
 from actors.inference.directory import lookup_address
+from actors.inference.recurrent_states import KeepsSubEnvStates, SubEnvStates
 from actors.inference.settings import InferenceClientSettings
 from actors.inference.shared_obs import MIN_BYTES, ObsSegment, shared_memory_available
 from actors.network import node_address
@@ -59,7 +60,7 @@ class Lane:
     """Its answer, once it came (while the runner waited on another lane)."""
 
 
-class RemoteActing:
+class RemoteActing(KeepsSubEnvStates):
     module = None  # no module in this process: the server holds it
     exploration = None
     holds_weights = False
@@ -84,7 +85,7 @@ class RemoteActing:
         self._last_sent = 0.0  # when a request last went out (resends are due resend_after_s later)
         self.recurrent = settings.state_size is not None
         """The module carries a state from step to step: kept here, sent with each request (``states``)."""
-        self.state: np.ndarray | None = None  # [num_envs, 2, cell] once it acted
+        self._states = SubEnvStates(settings.state_size or 0)
         self.max_seq_len = settings.max_seq_len
         """A recurrent module's longest sequence: the runner cuts chunks to it."""
         self._connect(self._wait_for_address(time.monotonic() + settings.reply_timeout_s))
@@ -127,20 +128,6 @@ class RemoteActing:
         """(module actions, their log-probabilities, distribution inputs, weights version) for one step."""
         self.send(0, obs, explore, timestep)
         return self.receive(0)
-
-    def states(self, n: int) -> np.ndarray:
-        """A recurrent module's current state per sub-env ``[n, 2, cell]`` (zeros before its first step)."""
-        if self.state is None or len(self.state) != n:
-            self.state = np.zeros((n, 2, self.s.state_size), np.float32)
-        return self.state
-
-    def reset_states(self, rows: Any = None) -> None:
-        """Episodes start in these sub-envs (None: all): their recurrent state starts afresh."""
-        if self.state is not None:
-            if rows is None:
-                self.state = None
-            else:
-                self.state[rows] = 0.0
 
     def send(self, lane: int, obs: Any, explore: bool, timestep: int) -> None:
         """Ask for the actions of ``obs`` on ``lane`` and return at once (double buffering: the runner steps
