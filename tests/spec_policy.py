@@ -64,6 +64,7 @@ class SpecPolicy:
         shape: tuple[int, ...] = (self.leaves[0].shape if self.leaves[0].kind == "image"
                                   else (sum(x.width for x in self.leaves),))
         self.version = desc["version"]
+        self.mask = desc.get("mask") if self.version >= 2 else None  # 9.9; a version 1 reader ignores the key
         self.layers, shape = self._layers(desc["layers"], shape, inside_dueling=False)
         cells = [op for op in self.layers if isinstance(op, Cell)]
         if len(cells) > 1:
@@ -179,6 +180,15 @@ class SpecPolicy:
     def step(self, observations: list[Any], state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
         """The distribution inputs, and for a recurrent policy (9.8) the rows' new states ``[B, 2, n]`` from
         ``state`` (None: each row at its episode's start, h = c = 0)."""
+        legal = None
+        if self.mask is not None:  # 9.9: the mask entry out, the encoder reads the rest
+            key, only = self.mask["key"], self.mask.get("features")
+            legal = np.stack([np.asarray(o[key]).reshape(-1) != 0 for o in observations])
+            observations = [o[only] if only is not None else {k: v for k, v in o.items() if k != key}
+                            for o in observations]
+            for i, group in enumerate(self.groups(legal)):
+                if not group.any(axis=1).all():
+                    raise ValueError(f"a mask allows no action in block {i}")
         x = self.features(observations)
         new_state = None
         for op in self.layers:
@@ -188,6 +198,8 @@ class SpecPolicy:
                 x, new_state = op.step(x, state)
             else:
                 x = op(x)
+        if legal is not None:
+            x = np.where(legal, x, float(np.finfo(np.float32).min))
         return x, new_state
 
     # --- distributions (9.4) and acting (9.5) ----------------------------------------------
@@ -220,9 +232,13 @@ class SpecPolicy:
             total += log_softmax[np.arange(len(l)), acts[:, i]]
         return total
 
-    def random(self, n: int, rng: np.random.Generator) -> np.ndarray:
+    def random(self, n: int, rng: np.random.Generator, inputs: np.ndarray | None = None) -> np.ndarray:
         if self.kind == "gaussian":
             return rng.uniform(-1.0, 1.0, (n, self.dim // 2))
+        if self.mask is not None:  # 9.9: uniformly among each block's legal actions
+            floor = float(np.finfo(np.float32).min)
+            return self._shape([np.array([rng.choice(np.flatnonzero(row > floor)) for row in group])
+                                for group in self.groups(inputs)])
         return self._shape([rng.integers(0, k, n) for k in self.nvec])
 
     def sample(self, inputs: np.ndarray, rng: np.random.Generator, temperature: float = 1.0) -> np.ndarray:
@@ -245,12 +261,12 @@ class SpecPolicy:
         elif self.rule == "sample":
             actions = self.sample(inputs, rng)
         elif self.rule == "random":
-            actions = self.random(len(inputs), rng)
+            actions = self.random(len(inputs), rng, inputs)
         elif self.rule == "softmax":
             actions = self.sample(inputs, rng, self.temperature)
         else:  # epsilon_greedy: one draw per observation, the whole action random or greedy
             pick = rng.random(len(inputs)) < self.epsilon
-            random, greedy = self.random(len(inputs), rng), self.greedy(inputs)
+            random, greedy = self.random(len(inputs), rng, inputs), self.greedy(inputs)
             actions = np.where(pick.reshape(-1, *[1] * (greedy.ndim - 1)), random, greedy)
         return actions, self.logp(inputs, actions), inputs
 

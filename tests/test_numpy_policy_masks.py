@@ -73,6 +73,25 @@ def test_a_q_network_with_a_mask_and_a_dueling_head():
     np.testing.assert_allclose(policy.dist_inputs(numpy_obs(mask, 4)), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rule", ["sample", "random", "epsilon_greedy"])
+def test_an_evaluator_written_from_the_spec_masks_as_runnel_does(rule):
+    """tests/spec_policy.py follows EXTERNAL.md 9.9 alone: the same masked inputs, and only legal actions drawn."""
+    from tests.spec_policy import SpecPolicy
+
+    torch.manual_seed(3)
+    desc = export_policy(peaked(ActorCriticModule(OBS, ACT, {"fcnet_hiddens": [16]}, inference_only=True)))
+    desc["exploration"] = {"type": rule, "epsilon": 0.5} if rule == "epsilon_greedy" else {"type": rule}
+    mask = masks(400, seed=8)
+    batch = numpy_obs(mask, 8)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(len(mask))]
+    spec, policy = SpecPolicy(desc), NumpyPolicy(desc)
+    got, want = spec.dist_inputs(rows), policy.dist_inputs(batch)
+    np.testing.assert_array_equal(got == MASKED, want == MASKED)
+    np.testing.assert_allclose(got[mask.numpy()], want[mask.numpy()], rtol=1e-5, atol=1e-4)
+    actions, logp, _ = spec.act(rows, True, np.random.default_rng(0))
+    assert illegal(actions, mask.numpy()) == 0 and np.isfinite(logp).all()
+
+
 def test_masks_with_no_legal_action_or_of_another_width_are_refused():
     policy = NumpyPolicy(export_policy(ActorCriticModule(OBS, ACT, {"fcnet_hiddens": [8]}, inference_only=True)))
     mask = masks(4, seed=5)
