@@ -6,17 +6,19 @@ format is specified in ``protocols/EXTERNAL.md`` section 9; ``actors/modules/exp
 it. The description arrives over a network, so it is checked completely before use: a wrong
 format or version, an unknown op, an array that is not float32 of the right shape, or layers
 whose sizes do not chain raise ``ProtocolError``, and nothing in it is ever executed or unpickled.
+The layers' reading and the ops themselves are ``protocols.policy_layers``'; this module adds the masks, the
+distributions and the acting.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from protocols import nested
 from protocols.errors import ProtocolError
+from protocols.policy_layers import LSTMCell, Op, field, integer, number, read_leaf, read_ops
 
 FORMAT = "runnel-numpy-policy"
 VERSION = 2
@@ -25,35 +27,15 @@ VERSION = 2
 older reader reads."""
 VERSIONS = (1, 2)
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
-MAX_WIDTH = 1 << 22
-"""Most numbers per row a tensor may hold: bounds what a hostile description can make us allocate."""
 SMALL_BATCH = 8
 """Categorical batches up to this many rows are sampled in plain floats (``choose_with_logp``)."""
 
-Op = Callable[[np.ndarray], np.ndarray]
-_ELEMENTWISE: dict[str, Op] = {
-    "tanh": np.tanh,
-    "relu": lambda x: np.maximum(x, np.float32(0.0)),
-    "elu": lambda x: np.maximum(x, np.float32(0.0)) + np.expm1(np.minimum(x, np.float32(0.0))),  # cheaper than where
-    # x * sigmoid(x) with sigmoid through tanh: no exp overflow for large negative x
-    "silu": lambda x: x * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * x)),
-    "identity": lambda x: x,
-}
 _EXPLORATIONS = ("sample", "random", "epsilon_greedy", "softmax")
 _DISTS = ("categorical", "multi_categorical", "gaussian")
 _HALF_LOG_2PI = np.float32(0.5 * math.log(2 * math.pi))
 MASKED = np.finfo(np.float32).min
 """What an illegal action's distribution input becomes (the lowest finite float32, as the torch modules do)."""
 _LOG_STD_MIN, _LOG_STD_MAX = np.float32(LOG_STD_MIN), np.float32(LOG_STD_MAX)
-
-
-class _Leaf(NamedTuple):
-    kind: str  # "box" | "onehot" | "image"
-    width: int  # numbers the leaf adds to the feature vector (image: H*W*C)
-    shape: tuple[int, ...]  # what one observation of the leaf holds, flattened: (size,), (len(nvec),), (H, W, C)
-    nvec: list[int]
-    start: int
-    scale: np.float32
 
 
 class NumpyPolicy:
@@ -78,45 +60,45 @@ class NumpyPolicy:
         if "mask" in desc:
             if desc["version"] < 2:
                 raise ProtocolError("mask: action masks are version 2's; this description says version 1")
-            mask = _field(desc, "mask", dict, "the description")
-            self.mask_key = _field(mask, "key", str, "mask")
+            mask = field(desc, "mask", dict, "the description")
+            self.mask_key = field(mask, "key", str, "mask")
             self.mask_features = mask.get("features")
             if self.mask_features is not None and (type(self.mask_features) is not str
                                                    or self.mask_features == self.mask_key):
                 raise ProtocolError(f"mask.features must be the one other key (a str) or absent, got "
                                     f"{self.mask_features!r:.80}")
-        leaves = _field(desc, "encoder", list, "the description")
+        leaves = field(desc, "encoder", list, "the description")
         if not leaves:
             raise ProtocolError("encoder: no observation leaves")
-        self.encoder = [_leaf(x, f"encoder[{i}]") for i, x in enumerate(leaves)]
+        self.encoder = [read_leaf(x, f"encoder[{i}]") for i, x in enumerate(leaves)]
         if any(leaf.kind == "image" for leaf in self.encoder):
             if len(self.encoder) != 1:
                 raise ProtocolError("encoder: an image leaf must be the only leaf")
             shape: tuple[int, ...] = self.encoder[0].shape
         else:
-            shape = (_int(sum(leaf.width for leaf in self.encoder), "encoder width", 1),)
+            shape = (integer(sum(leaf.width for leaf in self.encoder), "encoder width", 1),)
         self.width_in = math.prod(shape)
         self._one_box = len(self.encoder) == 1 and self.encoder[0].kind == "box"
-        layers, shape = _ops(_field(desc, "layers", list, "the description"), shape, "layers", head=True)
+        layers, shape = read_ops(field(desc, "layers", list, "the description"), shape, "layers", head=True)
         if len(shape) != 1:
             raise ProtocolError(f"layers end with a {shape} image tensor; a 'flatten' op is missing")
-        cells = [i for i, op in enumerate(layers) if isinstance(op, _LSTM)]
+        cells = [i for i, op in enumerate(layers) if isinstance(op, LSTMCell)]
         if cells and desc["version"] < 2:
             raise ProtocolError("layers: the 'lstm' op is version 2's; this description says version 1")
         if len(cells) > 1:
             raise ProtocolError(f"layers: {len(cells)} 'lstm' ops; a policy has at most one")
-        self.cell: _LSTM | None = layers[cells[0]] if cells else None
+        self.cell: LSTMCell | None = layers[cells[0]] if cells else None
         """A recurrent policy's LSTM (``act_recurrent``): the ops before it are ``layers``, those after it ``head``."""
         self.layers, self.head = (layers[:cells[0]], layers[cells[0] + 1:]) if cells else (layers, [])
 
-        dist = _field(desc, "dist", dict, "the description")
-        self.kind = _field(dist, "kind", str, "dist")
+        dist = field(desc, "dist", dict, "the description")
+        self.kind = field(dist, "kind", str, "dist")
         if self.kind not in _DISTS:
             raise ProtocolError(f"dist.kind {self.kind!r} is not one of {list(_DISTS)}")
-        self.dim = _int(dist.get("dim"), "dist.dim", 1)
+        self.dim = integer(dist.get("dim"), "dist.dim", 1)
         if shape[0] != self.dim:
             raise ProtocolError(f"the layers output {shape[0]} numbers; dist.dim is {self.dim}")
-        nvec = [_int(n, "dist.nvec[]", 1) for n in _field(dist, "nvec", list, "dist", default=[])]
+        nvec = [integer(n, "dist.nvec[]", 1) for n in field(dist, "nvec", list, "dist", default=[])]
         if self.kind == "categorical":
             if nvec not in ([], [self.dim]):
                 raise ProtocolError(f"categorical dist.nvec {nvec} does not match dist.dim {self.dim}")
@@ -130,15 +112,15 @@ class NumpyPolicy:
         if self.mask_key is not None:
             if self.kind == "gaussian":
                 raise ProtocolError("mask: action masks need discrete actions, not a gaussian dist")
-            if _int(desc["mask"].get("width"), "mask.width", 1) != self.dim:
+            if integer(desc["mask"].get("width"), "mask.width", 1) != self.dim:
                 raise ProtocolError(f"mask.width {desc['mask'].get('width')} is not dist.dim {self.dim}")
 
-        exploration = _field(desc, "exploration", dict, "the description", default={"type": "sample"})
+        exploration = field(desc, "exploration", dict, "the description", default={"type": "sample"})
         self.exploration = exploration.get("type")
         if self.exploration not in _EXPLORATIONS:
             raise ProtocolError(f"exploration.type {self.exploration!r} is not one of {list(_EXPLORATIONS)}")
-        self.epsilon = _float(exploration.get("epsilon", 0.0), "exploration.epsilon", 0.0, 1.0)
-        self.temperature = _float(exploration.get("temperature", 1.0), "exploration.temperature", 0.0, math.inf)
+        self.epsilon = number(exploration.get("epsilon", 0.0), "exploration.epsilon", 0.0, 1.0)
+        self.temperature = number(exploration.get("temperature", 1.0), "exploration.temperature", 0.0, math.inf)
         if self.exploration == "softmax" and (self.kind == "gaussian" or self.temperature <= 0):
             raise ProtocolError("softmax exploration needs discrete actions and a temperature > 0")
 
@@ -369,189 +351,6 @@ class NumpyPolicy:
         if self._rng is None:  # made once: seeding a generator from OS entropy costs more than a small step
             self._rng = np.random.default_rng()
         return self._rng
-
-
-# --- reading the description ---------------------------------------------------------------------
-def _field(d: Any, key: str, kind: type, where: str, default: Any = None) -> Any:
-    if not isinstance(d, dict):
-        raise ProtocolError(f"{where} must be a map, got {type(d).__name__}")
-    value = d.get(key, default)
-    if not isinstance(value, kind):
-        raise ProtocolError(f"{where}.{key} must be a {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _int(value: Any, where: str, lo: int, hi: int = MAX_WIDTH) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
-        raise ProtocolError(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")
-    return int(value)
-
-
-def _float(value: Any, where: str, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not lo <= value <= hi:
-        raise ProtocolError(f"{where} must be a number in [{lo}, {hi}], got {value!r}")  # NaN fails too
-    return float(value)
-
-
-def _array(op: dict, key: str, shape: tuple[int | None, ...], where: str) -> np.ndarray:
-    """A float32 array of the given shape (None: any size); copied, so it is aligned and owned."""
-    a = op.get(key)
-    if not isinstance(a, np.ndarray) or a.dtype != np.float32:
-        what = f"{a.dtype} array" if isinstance(a, np.ndarray) else type(a).__name__
-        raise ProtocolError(f"{where}.{key} must be a float32 array, got {what}")
-    if a.ndim != len(shape) or any(want is not None and got != want for got, want in zip(a.shape, shape)):
-        want = tuple("*" if s is None else s for s in shape)
-        raise ProtocolError(f"{where}.{key} has shape {a.shape}; expected {want}")
-    return a
-
-
-def _leaf(x: Any, where: str) -> _Leaf:
-    kind = _field(x, "kind", str, where)
-    if kind == "box":
-        size = _int(x.get("size"), f"{where}.size", 1)
-        return _Leaf("box", size, (size,), [], 0, np.float32(1.0))
-    if kind == "onehot":
-        nvec = [_int(n, f"{where}.nvec[]", 1) for n in _field(x, "nvec", list, where)]
-        if not nvec:
-            raise ProtocolError(f"{where}.nvec is empty")
-        start = _int(x.get("start", 0), f"{where}.start", -(1 << 62), 1 << 62)
-        return _Leaf("onehot", _int(sum(nvec), f"{where} width", 1), (len(nvec),), nvec, start, np.float32(1.0))
-    if kind == "image":
-        shape = tuple(_int(n, f"{where}.shape[]", 1) for n in _field(x, "shape", list, where))
-        if len(shape) != 3:
-            raise ProtocolError(f"{where}.shape must be [H, W, C], got {list(shape)}")
-        scale = _float(x.get("scale", 1.0), f"{where}.scale", -math.inf, math.inf)
-        return _Leaf("image", _int(math.prod(shape), f"{where} size", 1), shape, [], 0, np.float32(scale))
-    raise ProtocolError(f"{where}.kind {kind!r} is not one of ['box', 'onehot', 'image']")
-
-
-def _ops(raw: list, shape: tuple[int, ...], where: str, head: bool) -> tuple[list[Op], tuple[int, ...]]:
-    """Checked ops as functions, and the shape of one row they output given the shape they read:
-    ``(width,)`` for a vector, ``(H, W, C)`` for an image tensor. Only a head list may hold
-    conv2d/flatten/dueling/lstm ops (an lstm op is an ``_LSTM``, which the caller splits the list at);
-    a dueling head's own lists are linear and elementwise ops."""
-    ops: list[Op] = []
-    for i, op in enumerate(raw):
-        at = f"{where}[{i}]"
-        kind = _field(op, "op", str, at)
-        if kind in _ELEMENTWISE:
-            ops.append(_ELEMENTWISE[kind])
-        elif kind == "linear":
-            if len(shape) != 1:
-                raise ProtocolError(f"{at}: linear reads a vector; the input is a {shape} image tensor (flatten it)")
-            w = _array(op, "weight", (None, shape[0]), at)
-            b = _array(op, "bias", (w.shape[0],), at)
-            ops.append(_linear(w, b))
-            shape = (_int(w.shape[0], f"{at} outputs", 1),)
-        elif kind == "lstm" and head:
-            if len(shape) != 1:
-                raise ProtocolError(f"{at}: lstm reads a vector, not a {shape} image tensor")
-            w_ih = _array(op, "weight_ih", (None, shape[0]), at)
-            if w_ih.shape[0] % 4 or not w_ih.shape[0]:
-                raise ProtocolError(f"{at}.weight_ih has {w_ih.shape[0]} rows; an LSTM's are 4 x its cell size")
-            size = _int(w_ih.shape[0] // 4, f"{at} cell size", 1)
-            ops.append(_LSTM(w_ih, _array(op, "weight_hh", (4 * size, size), at),
-                             _array(op, "bias_ih", (4 * size,), at), _array(op, "bias_hh", (4 * size,), at)))
-            shape = (size,)
-        elif kind == "conv2d" and head:
-            if len(shape) != 3:
-                raise ProtocolError(f"{at}: conv2d reads an [H, W, C] image tensor, not a vector")
-            w = _array(op, "weight", (None, shape[2], None, None), at)
-            b = _array(op, "bias", (w.shape[0],), at)
-            strides = _field(op, "stride", list, at)
-            if len(strides) != 2:
-                raise ProtocolError(f"{at}.stride must be [sh, sw], got {strides}")
-            sh, sw = (_int(s, f"{at}.stride[]", 1) for s in strides)
-            kh, kw = w.shape[2:]
-            if kh < 1 or kw < 1 or kh > shape[0] or kw > shape[1]:
-                raise ProtocolError(f"{at}: a {kh}x{kw} kernel does not fit a {shape[0]}x{shape[1]} input")
-            ops.append(_conv2d(w, b, sh, sw))
-            shape = ((shape[0] - kh) // sh + 1, (shape[1] - kw) // sw + 1, w.shape[0])
-            _int(math.prod(shape), f"{at} outputs", 1)
-        elif kind == "flatten" and head:
-            if len(shape) == 3:
-                ops.append(_flatten)
-                shape = (math.prod(shape),)
-        elif kind == "dueling" and head:
-            if len(shape) != 1:
-                raise ProtocolError(f"{at}: dueling reads a vector, not a {shape} image tensor")
-            branches = [_int(n, f"{at}.branches[]", 1) for n in _field(op, "branches", list, at)]
-            adv, adv_shape = _ops(_field(op, "advantage", list, at), shape, f"{at}.advantage", head=False)
-            value, value_shape = _ops(_field(op, "value", list, at), shape, f"{at}.value", head=False)
-            if not branches or adv_shape != (sum(branches),) or value_shape != (1,):
-                raise ProtocolError(f"{at}: advantages {adv_shape} for branches {branches}, value {value_shape}; "
-                                    f"expected ({sum(branches)},) and (1,)")
-            ops.append(_dueling(adv, value, np.cumsum(branches)[:-1].tolist()))
-            shape = adv_shape
-        else:
-            raise ProtocolError(f"{at}: unknown op {kind!r}" if head or kind not in ("conv2d", "flatten", "dueling", "lstm")
-                                else f"{at}: op {kind!r} is not allowed inside a dueling head")
-    return ops, shape
-
-
-# --- the ops -------------------------------------------------------------------------------------
-def _linear(w: np.ndarray, b: np.ndarray) -> Op:
-    w_t, b = w.T.copy(), b.copy()  # copies: decoded arrays may be unaligned views, which BLAS would copy per call
-
-    def linear(x: np.ndarray) -> np.ndarray:
-        y = x @ w_t
-        y += b
-        return y
-    return linear
-
-
-def _conv2d(w: np.ndarray, b: np.ndarray, sh: int, sw: int) -> Op:
-    kh, kw = w.shape[2:]
-    w_k = np.ascontiguousarray(w.transpose(1, 2, 3, 0))  # [in, kh, kw, out]: contracts with the windows' last axes
-    b = b.copy()
-
-    def conv2d(x: np.ndarray) -> np.ndarray:
-        windows = sliding_window_view(x, (kh, kw), axis=(1, 2))[:, ::sh, ::sw]  # [B, Ho, Wo, in, kh, kw]
-        y = np.tensordot(windows, w_k, axes=3)
-        y += b
-        return y
-    return conv2d
-
-
-class _LSTM:
-    """One step of an LSTM cell (torch's ``nn.LSTM`` math and weight layout: gates input, forget, cell,
-    output, stacked in that order), on a batch of vectors and their states ``[B, 2, size]``."""
-
-    def __init__(self, w_ih: np.ndarray, w_hh: np.ndarray, b_ih: np.ndarray, b_hh: np.ndarray) -> None:
-        self.size = w_hh.shape[1]
-        self.w_ih_t, self.w_hh_t = w_ih.T.copy(), w_hh.T.copy()
-        self.bias = b_ih + b_hh
-
-    def __call__(self, x: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        n = self.size
-        h, c = state[:, 0], state[:, 1]
-        gates = x @ self.w_ih_t
-        gates += h @ self.w_hh_t
-        gates += self.bias
-        i, f, o = (_sigmoid(gates[:, k * n:(k + 1) * n]) for k in (0, 1, 3))
-        c_out = f * c + i * np.tanh(gates[:, 2 * n:3 * n])
-        h_out = o * np.tanh(c_out)
-        return h_out, np.stack([h_out, c_out], axis=1).astype(np.float32, copy=False)
-
-
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    return np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * z)  # no exp overflow for large |z|
-
-
-def _flatten(x: np.ndarray) -> np.ndarray:
-    return x.transpose(0, 3, 1, 2).reshape(x.shape[0], -1)  # channel-major, as torch flattens NCHW
-
-
-def _dueling(adv_ops: list[Op], value_ops: list[Op], splits: list[int]) -> Op:
-    def dueling(x: np.ndarray) -> np.ndarray:
-        adv, value = x, x
-        for op in adv_ops:
-            adv = op(adv)
-        for op in value_ops:
-            value = op(value)
-        parts = [value + a - a.mean(-1, keepdims=True) for a in np.split(adv, splits, axis=-1)]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
-    return dueling
 
 
 # --- observations and sampling -------------------------------------------------------------------
