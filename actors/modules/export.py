@@ -47,8 +47,9 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
     sent to clients is not keyed."""
     names = {id(p): n for n, p in module.named_parameters()} if keyed else None
     # exact classes: a subclass may compute its actions differently from the layers exported here
+    lstm = getattr(module, "lstm", None)  # both exported classes put it between their trunk and their head
+    cell = [] if lstm is None else [_lstm(lstm, names)]
     if type(module) is ActorCriticModule:
-        cell = [] if module.lstm is None else [_lstm(module.lstm, names)]
         head = _sequential(module.pi_trunk, names) + cell + [_linear(module.pi_head, names)]
     elif type(module) is QModule:
         if module.num_atoms > 1:
@@ -57,7 +58,6 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
         q = ({"op": "dueling", "branches": [int(n) for n in module.branches],
               "advantage": [_linear(module.advantage, names)], "value": [_linear(module.value, names)]}
              if module.dueling else _linear(module.advantage, names))
-        cell = [] if module.lstm is None else [_lstm(module.lstm, names)]
         head = _sequential(module.trunk, names) + cell + [q]
     else:
         raise ValueError(f"{type(module).__name__} has no numpy export (supported: ActorCriticModule, QModule "
@@ -65,14 +65,13 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
     spec = module.dist_spec
     if spec.kind not in ("categorical", "multi_categorical", "gaussian"):
         raise ValueError(f"{spec.kind} action distributions have no numpy export -- {_USE_REMOTE}")
-    leaves, encoder_ops = _encoder(module.encoder, getattr(module, "encoder_space", module.observation_space), names)
-    masking = getattr(module, "masking", None)
+    leaves, encoder_ops = _encoder(module.encoder, module.encoder_space, names)  # the observations less a mask
+    masking = module.masking
     mask = {} if masking is None else {"mask": {"key": MASK_KEY, "width": int(spec.input_dim),
                                                 **({} if masking.single_key is None else
                                                    {"features": masking.single_key})}}
-    recurrent = any(op["op"] == "lstm" for op in head)
     # version 1 unless the policy needs version 2's lstm op or mask: readers from before version 2 read the rest
-    return {"format": FORMAT, "version": VERSION if recurrent or mask else 1, **mask, "encoder": leaves,
+    return {"format": FORMAT, "version": VERSION if cell or mask else 1, **mask, "encoder": leaves,
             "layers": encoder_ops + head,
             "dist": {"kind": spec.kind, "dim": int(spec.input_dim),
                      "nvec": [int(spec.input_dim)] if spec.kind == "categorical" else list(getattr(spec, "nvec", []))},
