@@ -95,15 +95,15 @@ def test_an_evaluator_written_from_the_spec_steps_as_runnel_does():
         SpecPolicy({**desc, "version": 3})
 
 
-def test_a_recurrent_policy_must_be_given_states_and_runners_act_with_torch():
+def test_a_recurrent_policy_must_be_given_states_and_runners_get_its_sequence_length():
     m = module()
     policy = NumpyPolicy(export_policy(m))
     with pytest.raises(ValueError, match="recurrent: act with act_recurrent"):
         policy.dist_inputs(np.zeros((1, 4), np.float32))
     with pytest.raises(ValueError, match=r"float32 \(2, 2, 8\)"):
         policy.step(np.zeros((2, 4), np.float32), np.zeros((2, 8), np.float32))
-    with pytest.raises(ValueError, match="runners act with torch"):
-        acting_plan(m, StochasticSampling(m.dist_spec))
+    plan = acting_plan(m, StochasticSampling(m.dist_spec))  # runners act with it (tests/test_numpy_acting.py)
+    assert plan["max_seq_len"] == SEQ and plan["policy"]["version"] == 2
 
 
 @pytest.mark.parametrize("mend, message", [

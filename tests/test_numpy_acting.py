@@ -62,6 +62,36 @@ def test_numpy_acting_computes_what_the_torch_module_computes(case):
     assert s.action_space.contains(np.asarray(n_actions[0], dtype=s.action_space.dtype))
 
 
+@pytest.mark.parametrize("module_class", [None, QModule])
+def test_recurrent_numpy_acting_keeps_each_sub_envs_state_as_the_torch_module_does(module_class):
+    """An LSTM policy acting with numpy: the same distribution inputs and states as torch step by step, states
+    reset per sub-env where an episode starts, the sequence length for the chunks, and the states in the
+    runner's checkpointed state."""
+    model = {"use_lstm": True, "lstm_cell_size": 8, "max_seq_len": 5, "fcnet_hiddens": [16]}
+    exploration = {"type": "EpsilonGreedy"} if module_class is QModule else None
+    t, n = pair(settings_for(module_class, BOX4, gym.spaces.Discrete(3), exploration=exploration, model=model))
+    assert n.recurrent and n.max_seq_len == 5 and n.state is None
+    rng = np.random.default_rng(1)
+    for step in range(12):
+        obs = rng.uniform(-2, 2, (4, 4)).astype(np.float32)
+        with t.session():
+            t_inputs = t.act(obs, False, 10**6)[2]
+        n_inputs = n.act(obs, False, 10**6)[2]
+        np.testing.assert_allclose(n_inputs, t_inputs, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(n.state, t.state, rtol=1e-4, atol=1e-5)
+        if step == 5:  # episodes start again in sub-envs 1 and 3
+            for acting in (t, n):
+                acting.reset_states(np.array([1, 3]))
+            assert not n.state[[1, 3]].any() and n.state[[0, 2]].any()
+    saved = n.get_state()
+    _, restored = pair(settings_for(module_class, BOX4, gym.spaces.Discrete(3), exploration=exploration, model=model))
+    restored.set_weights(n.get_weights(), 7)  # another module's initial weights until then
+    restored.set_state(saved)
+    np.testing.assert_array_equal(restored.state, n.state)
+    obs = np.ones((4, 4), np.float32)
+    np.testing.assert_array_equal(restored.act(obs, False, 0)[2], n.act(obs, False, 0)[2])
+
+
 def test_epsilon_follows_the_schedule_and_the_generator_state_resumes_the_draws():
     s = settings_for(QModule, BOX4, gym.spaces.Discrete(4), exploration={
         "type": "EpsilonGreedy", "initial_epsilon": 1.0, "final_epsilon": 0.0, "epsilon_timesteps": 1000})
@@ -116,7 +146,9 @@ def test_auto_acts_with_numpy_where_it_can_and_with_torch_where_the_module_or_ca
     assert acting_of(DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=0)) == ["NumpyActing"]
     assert acting_of(local_ppo().inference(runner_backend="torch")) == ["LocalActing"]
     assert acting_of(local_ppo().callbacks(EpisodeEnd)) == ["LocalActing"]  # handed the torch module
-    assert acting_of(local_ppo().rl_module(model_config={"use_lstm": True, "lstm_cell_size": 8})) == ["LocalActing"]
+    assert acting_of(local_ppo().rl_module(model_config={"use_lstm": True, "lstm_cell_size": 8})) == ["NumpyActing"]
+    distributional = DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=0).training(num_atoms=11)
+    assert acting_of(distributional) == ["LocalActing"]  # no numpy export of its atoms
     # RLlib's SingleAgentEnvRunner, built by hand, holds its RLModule (runner.module): torch unless told otherwise
     assert type(SingleAgentEnvRunner(config=local_ppo()).module).__name__ == "ActorCriticModule"
     assert SingleAgentEnvRunner(config=local_ppo().inference(runner_backend="numpy")).module is None
@@ -134,8 +166,8 @@ def test_auto_leaves_convolutions_to_torch_and_numpy_still_exports_them():
 def test_runner_backend_numpy_refuses_what_it_cannot_export_naming_why():
     with pytest.raises(ConfigError, match=r"runner_backend='numpy'.*on_episode_end.*'auto'"):
         local_ppo().callbacks(EpisodeEnd).inference(runner_backend="numpy").build(logdir=None)
-    with pytest.raises(ConfigError, match=r"runner_backend='numpy'.*recurrent"):
-        (local_ppo().rl_module(model_config={"use_lstm": True, "lstm_cell_size": 8})
+    with pytest.raises(ConfigError, match=r"runner_backend='numpy'.*num_atoms=11"):
+        (DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=0).training(num_atoms=11)
          .inference(runner_backend="numpy").build(logdir=None))
     with pytest.raises(ConfigError, match=r"runner_backend='jax' is not one of \['auto', 'numpy', 'torch'\]"):
         local_ppo().inference(runner_backend="jax").build(logdir=None)

@@ -1,7 +1,7 @@
 """Action masks in the numpy export (format version 2's ``mask`` key, EXTERNAL.md 9.9): the exported policy
 splits the mask out of each observation, sets illegal actions' distribution inputs to float32's minimum as the
 torch module does, and never samples, picks or draws at random an illegal action -- a million draws each way;
-local-inference clients act with it, and runners keep acting with torch."""
+local-inference clients and env runners act with it."""
 from __future__ import annotations
 
 import gymnasium as gym
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.env.exploration import StochasticSampling
+from actors.env.exploration import EpsilonGreedy, StochasticSampling
+from actors.env.numpy_acting import NumpyActing
 from actors.modules import ActorCriticModule
 from actors.modules.export import acting_plan, describe_exploration, export_policy
 from actors.modules.q_module import QModule
@@ -114,10 +115,29 @@ def test_hostile_mask_descriptions_are_refused():
             NumpyPolicy(bad)
 
 
-def test_runners_keep_acting_with_torch_for_masked_modules():
-    module = ActorCriticModule(OBS, ACT, {"fcnet_hiddens": [8]}, inference_only=True)
-    with pytest.raises(ValueError, match="action mask: runners act with torch"):
-        acting_plan(module, StochasticSampling(module.dist_spec))
+@pytest.mark.parametrize("rule", ["sample", "random", "epsilon_greedy"])
+def test_runners_acting_with_numpy_take_only_legal_actions(rule):
+    """A runner's numpy acting piece (``actors.env.numpy_acting``) of a masked module: the torch module's
+    distribution inputs, and no illegal action sampled, drawn in the random warm-up or by epsilon-greedy."""
+    torch.manual_seed(0)
+    if rule == "epsilon_greedy":
+        module = peaked(QModule(OBS, ACT, {"fcnet_hiddens": [16]}, inference_only=True))
+        exploration = EpsilonGreedy(module.dist_spec, initial_epsilon=0.5, final_epsilon=0.5)
+    else:
+        module = peaked(ActorCriticModule(OBS, ACT, {"fcnet_hiddens": [16]}, inference_only=True))
+        exploration = StochasticSampling(module.dist_spec, random_timesteps=10**9 if rule == "random" else 0)
+    acting = NumpyActing(acting_plan(module, exploration), seed=0, worker_index=1)
+    acting.set_weights({k: v.detach().numpy() for k, v in module.state_dict().items()}, 1)
+    mask = masks(BATCH, seed=5)
+    obs = numpy_obs(mask, 5)
+    want = module.forward_inference(observations(mask, 5))["action_dist_inputs"].detach().numpy()
+    bad = 0
+    for _ in range(1_000_000 // BATCH):
+        actions, logp, inputs, _ = acting.act(obs, True, 0)
+        bad += illegal(actions, mask.numpy())
+    np.testing.assert_allclose(inputs[mask.numpy()], want[mask.numpy()], rtol=1e-5, atol=1e-4)
+    assert (inputs[~mask.numpy()] == MASKED).all() and np.isfinite(logp).all()
+    assert bad == 0
     assert describe_exploration(None, 0) == {"type": "sample"}
 
 

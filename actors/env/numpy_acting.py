@@ -7,7 +7,9 @@ And a runner process that never imports torch starts a couple of seconds sooner 
 hundred MB less. So when the module and exploration are built-ins the numpy export covers
 (``actors.modules.export.acting_plan``), the driver sends each runner that export -- its arrays
 named by the state-dict entries they come from -- and the runner acts with
-``protocols.numpy_policy.NumpyPolicy``, refilling the arrays from every weights update.
+``protocols.numpy_policy.NumpyPolicy``, refilling the arrays from every weights update. A recurrent policy's
+LSTM steps in numpy too, each sub-env's state kept here (``KeepsSubEnvStates``, as the torch piece keeps them);
+an action mask in the observations is applied as the torch module applies it.
 
 ``NumpyChooser`` applies the exploration rule at a timestep (random warm-up, epsilon schedule,
 softmax temperature) and draws from a numpy generator; the central inference server uses the same
@@ -21,7 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from actors.inference.recurrent_states import KeepsSubEnvStates, SubEnvStates
 from actors.schedules import piecewise
+from protocols.nested import first_leaf as nested_first
 from protocols.numpy_policy import NumpyPolicy
 
 SEED_TAG = 0x5EED_AC75
@@ -105,15 +109,19 @@ class NumpyChooser:
         return policy.choose_with_logp(inputs, explore, rng)
 
 
-class NumpyActing:
+class NumpyActing(KeepsSubEnvStates):
     module = None  # no torch module in this process
-    recurrent = False
     holds_weights = True
 
     def __init__(self, plan: dict[str, Any], seed: int | None, worker_index: int) -> None:
         self.template = plan["policy"]
         """The exported policy whose arrays each weights update replaces (found by their ``keys``)."""
         self.policy = NumpyPolicy(self.template)
+        self.recurrent = self.policy.recurrent
+        """The policy carries a state from step to step (its ``lstm`` op): the sub-envs' states are kept here."""
+        self._states = SubEnvStates(self.policy.initial_state(1).shape[-1] if self.recurrent else 0)
+        self.max_seq_len = plan.get("max_seq_len") if self.recurrent else None
+        """A recurrent module's longest sequence: the runner cuts chunks to it."""
         self.chooser = NumpyChooser(self.policy, plan["exploration"])
         self.exploration = self.chooser
         """What ``runner.exploration`` shows: the rule (``rule``, ``epsilon(timestep)``), in place of a torch piece."""
@@ -128,7 +136,10 @@ class NumpyActing:
         return contextlib.nullcontext()
 
     def act(self, obs: Any, explore: bool, timestep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        inputs = self.policy.dist_inputs(obs)
+        if self.recurrent:
+            inputs, self.state = self.policy.step(obs, self.states(len(nested_first(obs))))
+        else:
+            inputs = self.policy.dist_inputs(obs)
         actions, logp = self.chooser.choose(inputs, explore, timestep, self.rng)
         return actions, logp, inputs, self.weights_version
 
@@ -146,12 +157,16 @@ class NumpyActing:
         return self.weights
 
     def get_state(self) -> dict[str, Any]:
-        """The generator the draws come from: a restored runner draws on where it was."""
-        return {"exploration": {}, "numpy_rng": rng_state(self.rng)}
+        """The generator the draws come from and a recurrent policy's states: a restored runner draws and
+        remembers on where it was."""
+        return {"exploration": {}, "numpy_rng": rng_state(self.rng),
+                "recurrent_state": None if self.state is None else self.state.copy()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         if state.get("numpy_rng") is not None:
             set_rng_state(self.rng, state["numpy_rng"])
+        if self.recurrent and state.get("recurrent_state") is not None:
+            self.state = np.array(state["recurrent_state"], np.float32)
 
     def log_metrics(self, metrics: Any) -> None:
         """Nothing beyond what the runner logs itself."""

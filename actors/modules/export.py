@@ -79,13 +79,9 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
 
 
 def acting_plan(module: RLModule, exploration: Exploration) -> dict[str, Any]:
-    """What an env runner needs to act with numpy alone (``actors.env.numpy_acting``): the keyed policy and
-    the exploration's rule over timesteps, as plain data. Raises ``ValueError`` naming what numpy cannot
+    """What an env runner needs to act with numpy alone (``actors.env.numpy_acting``): the keyed policy, the
+    exploration's rule over timesteps and, for a recurrent module, its ``max_seq_len``, as plain data. Raises ``ValueError`` naming what numpy cannot
     act with (then the runner acts with the torch module)."""
-    if getattr(module, "is_recurrent", False):  # numpy_acting keeps no states
-        raise ValueError(f"{type(module).__name__} is recurrent (model_config use_lstm): runners act with torch")
-    if getattr(module, "masking", None) is not None:  # numpy_acting's exploration draws among every action
-        raise ValueError(f"{type(module).__name__} honours an action mask: runners act with torch")
     policy = export_policy(module, exploration, keyed=True)
     if type(exploration) is StochasticSampling:
         rule: dict[str, Any] = {"type": "sample", "random_timesteps": int(exploration.random_timesteps)}
@@ -93,7 +89,10 @@ def acting_plan(module: RLModule, exploration: Exploration) -> dict[str, Any]:
         rule = {"type": "epsilon_greedy", "schedule": [[int(t), float(e)] for t, e in exploration.schedule]}
     else:  # SoftQ: describe_exploration has checked it is one of the three
         rule = {"type": "softmax", "temperature": float(exploration.temperature)}
-    return {"policy": policy, "exploration": rule}
+    plan = {"policy": policy, "exploration": rule}
+    if getattr(module, "is_recurrent", False):  # the runner cuts its chunks to the learner's sequences
+        plan["max_seq_len"] = int(module.config.max_seq_len)
+    return plan
 
 
 def describe_exploration(exploration: Exploration | None, timestep: int) -> dict[str, Any]:

@@ -10,7 +10,8 @@ summary reports their medians over ``--rounds``:
 * ``runner``: runnel's env runner in this process as a default config builds it (``gym_env_vectorize_mode="auto"``:
   the native vector env; ``runner_backend="auto"``: acting with the numpy export), everything it does included
   (time-major buffers, chunks cut, counters); ``runner_torch``: the same acting with the torch module;
-  ``runner_sync``: the default with ``gym_env_vectorize_mode="sync"``.
+  ``runner_sync``: the default with ``gym_env_vectorize_mode="sync"``; with ``--lstm-cell N``, ``runner_lstm`` and
+  ``runner_lstm_torch``: the runner with an LSTM of N units after the MLP, acting with numpy and with torch.
 
 Then, with Ray, env steps per wall-clock second gathered at the driver from one runner actor with 32 envs and
 from two with 16 each (``--remote-seconds``; 0 skips them).
@@ -18,7 +19,7 @@ from two with 16 each (``--remote-seconds``; 0 skips them).
 Prints JSON lines: {"bench": "machine"}, {"bench": "round", ...} per round, {"bench": "remote", ...},
 {"bench": "summary", ...}.
 
-    python tests/benchmarks/sampling.py [--rounds 3] [--seconds 3] [--remote-seconds 6]
+    python tests/benchmarks/sampling.py [--rounds 3] [--seconds 3] [--remote-seconds 6] [--lstm-cell 64]
 """
 from __future__ import annotations
 
@@ -66,14 +67,17 @@ def bare_loop(env: gym.vector.VectorEnv) -> Callable[[int], int]:
     return run
 
 
-def runner_loop(mode: str, backend: str = "numpy") -> Callable[[int], int]:
+def runner_loop(mode: str, backend: str = "numpy", lstm_cell: int = 0) -> Callable[[int], int]:
     from actors.env import EnvRunner, EnvRunnerSettings
     from actors.env.creators import GymMaker
     from pipeline.groups.env_runners import numpy_plan
 
     env = gym.make("CartPole-v1")
+    model = {"fcnet_hiddens": [HIDDEN, HIDDEN]}
+    if lstm_cell:  # fragments of 64 steps: sequences as long, so chunks are cut where they would be without
+        model.update(use_lstm=True, lstm_cell_size=lstm_cell, max_seq_len=64)
     settings = EnvRunnerSettings(env_creator=GymMaker("CartPole-v1"), num_envs=NUM_ENVS, vectorize_mode=mode,
-                                 rollout_fragment_length=64, seed=0, model_config={"fcnet_hiddens": [HIDDEN, HIDDEN]},
+                                 rollout_fragment_length=64, seed=0, model_config=model,
                                  observation_space=env.observation_space, action_space=env.action_space)
     settings.numpy_policy = numpy_plan(settings, backend)
     runner = EnvRunner(settings, worker_index=1)
@@ -100,6 +104,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0, help="CPU seconds per case per round")
     p.add_argument("--remote-seconds", type=float, default=6.0)
+    p.add_argument("--lstm-cell", type=int, default=0,
+                   help="also time the runner with an LSTM of this many units after the MLP, acting with numpy "
+                        "(runner_lstm) and with torch (runner_lstm_torch); 0 skips them")
     args = p.parse_args()
     torch.set_num_threads(1)
     emit(bench="machine", platform=platform.platform(), processor=platform.processor() or platform.machine(),
@@ -112,6 +119,9 @@ def main() -> None:
         "runner_torch": runner_loop("auto", "torch"),
         "runner_sync": runner_loop("sync"),
     }
+    if args.lstm_cell:
+        cases["runner_lstm"] = runner_loop("auto", "numpy", args.lstm_cell)
+        cases["runner_lstm_torch"] = runner_loop("auto", "torch", args.lstm_cell)
     rounds = []
     for r in range(args.rounds):
         rates = {name: steps_per_cpu_s(run, args.seconds) for name, run in cases.items()}
@@ -120,6 +130,8 @@ def main() -> None:
         row["runner_torch_vs_native_loop"] = round(rates["runner_torch"] / rates["native_loop"], 3)
         row["runner_vs_runner_torch"] = round(rates["runner"] / rates["runner_torch"], 3)
         row["runner_sync_vs_sync_loop"] = round(rates["runner_sync"] / rates["sync_loop"], 3)
+        if args.lstm_cell:
+            row["runner_lstm_vs_runner_lstm_torch"] = round(rates["runner_lstm"] / rates["runner_lstm_torch"], 3)
         rounds.append(row)
         emit(bench="round", round=r, **row)
     summary = {k: statistics.median(row[k] for row in rounds) for k in rounds[0]}
