@@ -36,7 +36,7 @@ from pipeline.algorithm_actions import compute_actions, compute_single_action
 from pipeline.algorithm_evaluation import AlgorithmEvaluation
 from pipeline.algorithm_modules import add_module, load_module, remove_module, set_rllib_state
 from pipeline.algorithm_multi_agent import MultiAgentSetup
-from pipeline.algorithm_results import IterationInfo, iteration_result, training_steps, json_safe, lifetime_counters, result_params
+from pipeline.algorithm_results import IterationInfo, iteration_result, training_steps, lifetime_counters, result_params
 from pipeline.algorithm_stages import build_stages
 from pipeline.algorithm_setup import (algorithm_config, frame_compression, function_setting, policy_setup,
                                       runner_fault_tolerance)
@@ -50,14 +50,13 @@ from pipeline.evaluate import run_episodes
 from pipeline.groups.evaluation import Evaluators
 from pipeline.config.external import external_settings
 from pipeline.config.offline import mixes_sampler, reader_settings, recording_settings
-from actors.offline import write_manifest
+from pipeline.offline.record import write_run_manifest
 from pipeline.groups.learner_group import LearnerGroup
 from pipeline.ray_cluster import init_ray_if_needed
 from pipeline.resources import actor_cpus, check_room, held, released
 from pipeline.results import ResultLogger
 from pipeline.run_dirs import make_run_dir, results_root, run_dir_name
 from pipeline.tune.support import resource_request
-from pipeline.version import runnel_version
 
 class Algorithm(Trainable):
     """Also a ``ray.tune.Trainable``: Tune hosts it as a trial (``tune.Tuner(PPO, param_space=config)``),
@@ -149,9 +148,7 @@ class Algorithm(Trainable):
         self.env_runner_group: EnvRunnerGroup | None = None
         self.plan: Any = None
         if self.recording is not None:
-            write_manifest(self.recording.output, self.chunk_observation_space, self.action_space, self.name,
-                           json_safe(config.to_dict()), runnel_version(),
-                           actions_normalized=bool(config.normalize_actions))
+            write_run_manifest(self)
         try:
             build_stages(self, readers_in_slots)
         except BaseException:

@@ -36,6 +36,7 @@ from pipeline.config.base import ConfigError
 from pipeline.config.keys import setting_names
 from pipeline.config.multi_agent import PolicySpec, as_policy_spec, mapping_function, normalize_policies
 from pipeline.groups.multi_agent import check_module_class
+from pipeline.offline.record import write_run_manifest
 
 ModuleSpecLike = ModuleSpec | RLModuleSpec | PolicySpec | None
 
@@ -69,6 +70,8 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
     algo.learner_group.add_module(module_id, spec, overrides, trains)
     setup.change_modules(added={module_id: spec}, mapping=mapping)
     setup.driver_policies[module_id] = policy
+    if algo.recording is not None:  # its recording's manifest before any runner records for it
+        write_run_manifest(algo, [module_id])
     for group in runner_groups(algo):
         group.manager.foreach_actor("add_module", module_id, spec)
         if mapping is not None:

@@ -11,7 +11,7 @@ Evaluators are ``MultiAgentEnvRunner``s too (``runner_group_args(evaluation=True
 removed while training (``pipeline.algorithm_modules``) change the plan here and the specs and mapping
 every runner group is built with, so recreated runners hold the run's modules.
 
-What is not built for multi-agent runs yet (recording, offline input, the offline algorithms) is refused by
+What is not built for multi-agent runs yet (offline input, the offline algorithms) is refused by
 the config's checks (``pipeline.config.multi_agent.unbuilt_problems``), before anything is built.
 """
 from __future__ import annotations
@@ -88,6 +88,17 @@ class MultiAgentSetup:
     def module_ids(self) -> list[str]:
         """Sorted: ``policies`` may be a set, whose order changes from one process to the next."""
         return sorted(self.plan.module_ids)
+
+    def recorded_spaces(self, module_ids: list[str] | None = None) -> dict[str, tuple[Any, Any]]:
+        """Each module's (observation, action) spaces as its chunks hold them -- what its recording's manifest
+        says: its recording pieces' output (a view's input: frame stacking keeps one frame a step), else the
+        module's own."""
+        out = {}
+        for mid in self.module_ids if module_ids is None else module_ids:
+            spec = self.plan.module_specs[mid]
+            piped = self.connectors is not None and mid in self.connectors.pipelines
+            out[mid] = (self.connectors.recorded_space(mid) if piped else spec.observation_space, spec.action_space)
+        return out
 
     def first_spaces(self) -> tuple[Any, Any]:
         """The first module's (observation, action) spaces: what the driver's single-module pieces

@@ -186,8 +186,7 @@ def test_build_validates_first_then_resolves_the_modules_on_the_env():
 def test_what_multi_agent_runs_do_not_do_yet_is_refused_by_validate_naming_the_setting(tmp_path):
     from pipeline import BCConfig, CQLConfig
 
-    msg = problems(ma(policies={"p0", "p1"}, policy_mapping_fn=per_agent).offline_data(output=str(tmp_path)))
-    assert "offline_data(output=...) is not built for multi-agent runs yet" in msg
+    ma(policies={"p0", "p1"}, policy_mapping_fn=per_agent).offline_data(output=str(tmp_path)).validate()  # built
     cql = (CQLConfig().environment("Pendulum-v1").offline_data(input_=str(tmp_path))
            .multi_agent(policies={"a", "b"}, policy_mapping_fn=per_agent))
     msg = problems(cql)

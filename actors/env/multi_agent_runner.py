@@ -1,15 +1,14 @@
 """MultiAgentEnvRunner: the env-runner stage for multi-agent envs, one inference-only module per policy.
 
 The multi-agent counterpart of ``env_runner.EnvRunner``, implementing the same ``EnvRunnerRole`` so a
-stage group hosts it in-process or as a Ray actor alike. The stepping and recording are a sampler's (one
-batched forward pass per module per step): ``LockstepSampler`` for envs of ``make_multi_agent`` copies when
-no ``on_episode_*`` callback needs ``MultiAgentEpisode`` objects, no module-to-env pipeline is set and no
-env-to-module pipeline has a view (frame stacking; time-major
-rows, cut by slicing: the same chunks at a fraction of the Python), ``MultiAgentSampler`` for every other env;
-this class is the stage
-around it: building the envs (each behind a ``MultiAgentStepChecker`` unless ``check_env`` is off,
-RLlib's ``disable_env_checking``) and the modules, what it is asked to do (sample by steps or by
-episodes, weights, state, modules added and removed, a new mapping) and what it reports.
+stage group hosts it in-process or as a Ray actor alike. The stepping is a sampler's (one batched forward pass
+per module per step): ``LockstepSampler`` for envs of ``make_multi_agent`` copies when no ``on_episode_*``
+callback needs ``MultiAgentEpisode`` objects, no module-to-env pipeline is set and no env-to-module pipeline has
+a view (frame stacking; time-major rows, cut by slicing: the same chunks at a fraction of the Python),
+``MultiAgentSampler`` for every other env; this class is the stage around it: building the envs (each behind a
+``MultiAgentStepChecker`` unless ``check_env`` is off, RLlib's ``disable_env_checking``) and the modules, what it
+is asked to do (sample by steps or by episodes, weights, state, modules added and removed, a new mapping), what
+it reports and records (each module's chunks into its own recording, ``actors.offline.module_recorders``).
 
 It takes the plan's pieces (``module_specs``, ``policy_mapping_fn``, ``count_steps_by``), not the
 plan: actors never import ``pipeline``. Weights are the flat ``{"<module_id>/<param>": array}`` dict
@@ -51,6 +50,7 @@ from actors.env.settings import EnvRunnerSettings
 from actors.env.streaming import StreamingRunner
 from actors.env.vector_env import EnvContext
 from actors.metrics import MetricsLogger
+from actors.offline.module_recorders import ModuleRecorders
 from actors.modules import ModuleSpec, RLModule
 from actors.modules.multi import SEP, MultiRLModule
 from actors.modules.rl_module import set_autocast
@@ -59,7 +59,7 @@ from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 
 COUNT_UNITS = ("env_steps", "agent_steps")
-NAMED_KEYS = ("perf/", "callbacks/", "fault_tolerance/", "stream/")
+NAMED_KEYS = ("perf/", "callbacks/", "fault_tolerance/", "stream/", "offline_data/")
 """Metrics keys that are result keys as they stand; the others belong under ``env_runners/``."""
 
 
@@ -77,15 +77,14 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
             raise ValueError(f"count_steps_by={count_steps_by!r}; use one of {COUNT_UNITS}")
         if not module_specs:
             raise ValueError("MultiAgentEnvRunner needs at least one module spec, got none")
-        if settings.recording is not None:
-            raise NotImplementedError("recording multi-agent episodes (offline_data(output=...)) is not built yet "
-                                      "(issue 27); leave output unset for multi-agent runs")
         self.s = settings
         self.worker_index = worker_index
         self.count_steps_by = count_steps_by
         prepare_process(settings, worker_index)
         self.where = f"{'evaluation ' if settings.in_evaluation else ''}multi-agent env runner {worker_index}"
         self.metrics = MetricsLogger()
+        name = f"{'eval' if settings.in_evaluation else 'runner'}{worker_index:03d}"
+        self.recorder = ModuleRecorders(settings.recording, name) if settings.recording is not None else None
         self.callback_metrics = MetricsLogger()
         """What callbacks log (``metrics_logger`` of the runner hooks); reported under ``env_runners/``."""
         self.callbacks = build_callbacks(settings.callbacks)
@@ -202,6 +201,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         if self._sample_end:
             call_hook(self.callbacks, "on_sample_end", self.where, self.metrics, env_runner=self, worker=self,
                       samples=out, metrics_logger=self.callback_metrics)
+        if self.recorder is not None:
+            self.recorder.record(out)
         return out
 
     def _sample_steps(self, num_timesteps: int | None, explore: bool, force_reset: bool) -> list[EpisodeChunk]:
@@ -280,7 +281,13 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
                        compress: bool = False) -> tuple[bytes, dict[str, Any]]:
         """``sample()`` as one codec frame, plus ``get_metrics()``: chunks cross every process boundary
         as codec frames (``protocols.codec.decode_chunks`` reads them back, module ids included)."""
-        return encode(self.sample(num_timesteps=num_timesteps, explore=explore), compress=compress), self.get_metrics()
+        frame = encode(self.sample(num_timesteps=num_timesteps, explore=explore), compress=compress)
+        self.flush_recording()  # recorded before the chunks leave: a runner killed later lost none of them
+        return frame, self.get_metrics()
+
+    def flush_recording(self) -> None:
+        if self.recorder is not None:
+            self.recorder.flush()
 
     def sample_metrics(self, num_timesteps: int | None = None, num_episodes: int | None = None,
                        explore: bool | None = None, force_reset: bool = False) -> dict[str, Any]:
@@ -299,9 +306,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
 
     @property
     def _own_steps(self) -> int:
-        if self.count_steps_by == "agent_steps":
-            return self.num_agent_steps_sampled_lifetime
-        return self.num_env_steps_sampled_lifetime
+        by_agents = self.count_steps_by == "agent_steps"
+        return self.num_agent_steps_sampled_lifetime if by_agents else self.num_env_steps_sampled_lifetime
 
     @property
     def timestep(self) -> int:
@@ -309,9 +315,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         return self._own_steps + self._timestep_offset
 
     # --- weights, modules, mapping ----------------------------------------------------------
-    # set_weights (StreamingRunner's: held back while streaming) loads ``{"<module_id>/<param>": array}``
-    # into the modules it names; the others keep their weights (frozen modules need not be sent).
-    # ``timestep``: the run's steps so far, in ``count_steps_by`` units, which drives exploration schedules.
+    # set_weights (StreamingRunner's: held back while streaming) loads ``{"<module_id>/<param>": array}`` into the
+    # modules it names, the others keep theirs; its ``timestep`` (``count_steps_by`` units) drives exploration.
     def _checked_weights(self, weights: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """The weights per module, checked in the caller's thread (not later in a streaming one)."""
         by_module: dict[str, dict[str, Any]] = {}
@@ -407,6 +412,8 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         if self._sys is not None:
             for key, value in self._sys.sample().items():
                 self.metrics.log_value(f"perf/env_runner_{self.worker_index}/{key}", value)
+        if self.recorder is not None:
+            self.recorder.log_metrics(self.metrics)
         # a stage group files keys with a '/' as named and bare ones under env_runners/ (EnvRunner's contract):
         # the per-agent and per-module statistics are env_runners/ keys with a '/' of their own
         out = {k if "/" not in k or k.startswith(NAMED_KEYS) else f"env_runners/{k}": v
@@ -478,9 +485,10 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
     def stop(self) -> None:
         self.stop_streaming()
         for env in self.user_envs:
-            close = getattr(env, "close", None)
-            if close is not None:
-                close()
+            if getattr(env, "close", None) is not None:
+                env.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def _flat(sample: MultiAgentSample) -> list[EpisodeChunk]:

@@ -67,6 +67,7 @@ from actors.external.server_loop import ServerLoop
 from actors.external.settings import ExternalSettings
 from actors.external.stream import ServerStream
 from actors.metrics import MetricsLogger
+from actors.offline.module_recorders import ModuleRecorders
 from actors.offline.recorder import Recorder
 from protocols.codec import encode
 from actors.modules import ModuleSpec
@@ -108,7 +109,8 @@ class PolicyServer(EnvRunnerRole):
                        ServerPolicy(settings, worker_index, self.x.inference_backend))
         self.observation_space, self.action_space = self.policy.observation_space, self.policy.action_space
         self.module, self.exploration = self.policy.module, self.policy.exploration  # as on any env runner
-        self.recorder = Recorder(settings.recording, f"server{worker_index:03d}") if settings.recording else None
+        recorder_class = ModuleRecorders if self.multi_agent else Recorder  # multi-agent: a recording per module
+        self.recorder = recorder_class(settings.recording, f"server{worker_index:03d}") if settings.recording else None
         self.schema = ChunkSchema.for_spaces(self.observation_space, self.action_space, ("action_logp",))
         self.spaces = {"observation_space": space_to_dict(self.observation_space),
                        "action_space": space_to_dict(self.action_space)}

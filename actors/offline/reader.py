@@ -59,6 +59,8 @@ def resolve_input(input_: str | list) -> list[str]:
     for item in items:
         item = os.path.expanduser(str(item))
         if os.path.isdir(item):
+            if os.path.exists(os.path.join(item, MANIFEST)):
+                read_manifest(item)  # a multi-agent run's recording names the module recordings to read instead
             found = sorted(glob.glob(os.path.join(item, "**", f"*{SUFFIX}"), recursive=True))
         elif any(ch in item for ch in "*?["):
             found = sorted(glob.glob(item, recursive=True))

@@ -33,6 +33,9 @@ from protocols.spaces import space_to_dict
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "runnel-recording"
 MANIFEST_VERSION = 1
+MULTI_AGENT_FORMAT = "runnel-multi-agent-recording"
+"""The manifest of a multi-agent run's recording: it lists the modules, whose recordings are its subdirectories
+(``actors.offline.module_recorders``)."""
 FSYNC_CHOICES = ("rotation", "always", "never")
 
 
@@ -108,6 +111,11 @@ def read_manifest(directory: str) -> dict[str, Any]:
                                 f"(record one with config.offline_data(output=...) or `runnel record`)") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if isinstance(manifest, dict) and manifest.get("format") == MULTI_AGENT_FORMAT:
+        modules = [str(m) for m in manifest.get("modules", [])]
+        example = os.path.join(directory, modules[0] if modules else "<module_id>")
+        raise ValueError(f"{directory} is a multi-agent recording of modules {modules}: each module's experience is "
+                         f"a recording of its own; read one, e.g. {example}")
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"{path} is not a runnel recording manifest")
     if manifest.get("format_version", 0) > MANIFEST_VERSION:

@@ -207,8 +207,7 @@ def unbuilt_problems(config: Any) -> list[str]:
     """What a config with multi-agent settings asks for that multi-agent runs do not do yet, each naming the
     setting to change."""
     offline = config.offline_data_config or {}
-    unbuilt = {"offline_data(input_=...)": offline.get("input_") not in ("sampler", None),
-               "offline_data(output=...)": offline.get("output") is not None}
+    unbuilt = {"offline_data(input_=...)": offline.get("input_") not in ("sampler", None)}
     named = [name for name, used in unbuilt.items() if used]
     problems = []
     if named:

@@ -82,7 +82,7 @@ def offline_problems(config: Any) -> list[str]:
         for source, _ in input_sources(read.input_):
             try:
                 resolve_input(source)
-            except FileNotFoundError as err:
+            except (FileNotFoundError, ValueError) as err:
                 problems.append(f"offline_data: {err}")
         if not isinstance(read.shuffle_buffer_size, int) or read.shuffle_buffer_size < 0:
             problems.append(f"offline_data shuffle_buffer_size must be an int >= 0, got {read.shuffle_buffer_size!r}")

@@ -17,8 +17,27 @@ import numpy as np
 
 from actors.env import EnvRunner
 from actors.offline import RecordingSettings, manifest_for, resolve_input, write_manifest
+from actors.offline.module_recorders import write_multi_agent_manifest
+from pipeline.algorithm_results import json_safe
+from pipeline.config.base import ConfigError
+from pipeline.version import runnel_version
 from protocols.errors import ProtocolError
 from protocols.shards import ShardReader, decode_record
+
+
+def write_run_manifest(algo: Any, module_ids: list[str] | None = None) -> None:
+    """A training run's recording manifest (``offline_data(output=...)``); in a multi-agent run each module's
+    recording's (``module_ids``: these only, e.g. a module added while training) and the directory's list of
+    them (``actors.offline.module_recorders``)."""
+    config = algo.config
+    args = (algo.name, json_safe(config.to_dict()), runnel_version(), bool(config.normalize_actions))
+    if algo.multi_agent is None:
+        write_manifest(algo.recording.output, algo.chunk_observation_space, algo.action_space, *args)
+        return
+    try:
+        write_multi_agent_manifest(algo.recording.output, algo.multi_agent.recorded_spaces(module_ids), *args)
+    except ValueError as err:  # a module id that cannot name a directory, a single-agent recording there
+        raise ConfigError(f"offline_data(output={algo.recording.output!r}): {err}") from None
 
 
 def record_policy(algo: Any, num_episodes: int, output: str, explore: bool = False,
@@ -30,6 +49,10 @@ def record_policy(algo: Any, num_episodes: int, output: str, explore: bool = Fal
     if algo.env_creator is None:
         raise ValueError("recording a policy needs an env to play in: the algorithm's config has none "
                          "(pass --env, or .environment(...))")
+    if algo.multi_agent is not None:
+        raise ValueError("recording a policy plays single-agent episodes; to record a multi-agent run's modules, "
+                         "train or evaluate it with .offline_data(output=DIR) (output_include_evaluation=True for "
+                         "the evaluators): each module gets a recording of its own, DIR/<module_id>")
     config = algo.config
     write_manifest(output, algo.observation_space, algo.action_space, algo.name,
                    json.loads(json.dumps(config.to_dict(), default=repr)), _version(),

@@ -1,0 +1,179 @@
+"""Recording multi-agent runs (``offline_data(output=DIR)``): each module's agents' chunks go to a single-agent
+recording of its own, ``DIR/<module_id>`` (``actors.offline.module_recorders``), which BC trains from and
+``runnel inspect`` reads; ``DIR`` itself lists the modules and single-agent readers given it say which to read.
+Recorded by in-process and Ray env runners, evaluators and the multi-agent policy server."""
+from __future__ import annotations
+
+import json
+import os
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from actors.env.settings import EnvRunnerSettings
+from actors.external.policy_server import PolicyServer
+from actors.external.settings import ExternalSettings
+from actors.modules import ModuleSpec
+from actors.offline import RecordingSettings, read_manifest, resolve_input
+from pipeline import BCConfig, PPOConfig, make_multi_agent
+from pipeline.config.base import ConfigError
+from pipeline.offline.record import inspect_recording
+from protocols.client import PolicyClient
+from protocols.client_multi_agent import run_multi_agent_env
+from protocols.shards import ShardReader, decode_record
+from protocols.spaces import space_to_dict
+from tests.pieces import by_agent, by_str_or_int_agent
+from tests.test_external import free_port
+
+CARTPOLE = gym.make("CartPole-v1")
+
+
+def two_policy_ppo(output: str, **runners) -> PPOConfig:
+    runners = {"num_env_runners": 0, "num_envs_per_env_runner": 2} | runners
+    return (PPOConfig().environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
+            .env_runners(**runners).training(train_batch_size_per_learner=256, minibatch_size=128, num_epochs=1)
+            .offline_data(output=output).debugging(seed=0))
+
+
+def recorded_chunks(directory: str) -> list:
+    out = []
+    for path in resolve_input(directory):
+        reader = ShardReader(path)
+        for _, frame in reader.frames():
+            out += decode_record(frame, reader.limits)
+    return out
+
+
+def check_recording(directory: str, module_steps: dict[str, int]) -> None:
+    """``directory`` holds one recording per module, each with CartPole's spaces, its own agent's whole
+    episodes and as many steps as the run sampled for it."""
+    with open(os.path.join(directory, "manifest.json")) as f:
+        top = json.load(f)
+    assert top["format"] == "runnel-multi-agent-recording" and top["modules"] == sorted(module_steps)
+    for mid, steps in module_steps.items():
+        manifest = read_manifest(os.path.join(directory, mid))
+        assert manifest["observation_space"] == space_to_dict(CARTPOLE.observation_space)
+        assert manifest["action_space"] == space_to_dict(CARTPOLE.action_space)
+        summary = inspect_recording(os.path.join(directory, mid))
+        assert summary["steps"] == steps > 0 and summary["damaged_records"] == 0 and summary["episodes"] > 0
+        agent = str(int(mid[1:]))  # by_agent maps agent i to module p<i>
+        chunks = recorded_chunks(os.path.join(directory, mid))
+        assert {(c.agent_id, c.module_id) for c in chunks} == {(agent, mid)}
+        assert sum(len(c) for c in chunks) == steps
+        for c in chunks:  # whole episodes of one agent (or the run's last, cut off): from its first step
+            assert c.t_started == 0 and np.all(c.rewards == 1.0)
+        assert len({c.episode_id for c in chunks}) == len(chunks)
+    with pytest.raises(ValueError, match=r"multi-agent recording of modules \['p0', 'p1'\].*read one"):
+        resolve_input(directory)
+
+
+def test_each_module_gets_a_recording_of_its_own_that_bc_trains_from(tmp_path):
+    out = str(tmp_path / "rec")
+    algo = two_policy_ppo(out).build(logdir=None)
+    try:
+        for _ in range(2):
+            result = algo.train()
+    finally:
+        algo.stop()  # episodes still running are written as they are
+    steps = {mid: int(result["env_runners"]["num_module_steps_sampled_lifetime"][mid]) for mid in ("p0", "p1")}
+    assert sum(steps.values()) == result["num_agent_steps_sampled_lifetime"]
+    assert 0 < result["offline_data"]["recorded_steps"] <= sum(steps.values())  # the rest written at stop()
+    check_recording(out, steps)
+    # a module's recording is a single-agent recording: BC trains from it
+    bc = (BCConfig().environment(observation_space=CARTPOLE.observation_space, action_space=CARTPOLE.action_space)
+          .offline_data(input_=os.path.join(out, "p0")).training(train_batch_size_per_learner=64, minibatch_size=64)
+          .env_runners(num_env_runners=0).reporting(min_sample_timesteps_per_iteration=0).debugging(seed=0)
+          .build(logdir=None))
+    try:
+        trained = bc.train()
+        assert trained["num_env_steps_trained_lifetime"] > 0
+    finally:
+        bc.stop()
+    # the directory itself is not one recording: readers say which to read
+    with pytest.raises(ConfigError, match=r"multi-agent recording of modules \['p0', 'p1'\]"):
+        BCConfig().environment("CartPole-v1").offline_data(input_=out).validate()
+
+
+def test_whole_episodes_per_module_and_a_module_added_while_training_gets_its_recording(tmp_path):
+    out = str(tmp_path / "rec")
+    algo = two_policy_ppo(out).build(logdir=None)
+    try:
+        algo.train()
+        algo.add_module("p2", new_agent_to_module_mapping_fn=lambda aid, ep, **kw: f"p{2 if aid == 1 else 0}")
+        result = algo.train()
+    finally:
+        algo.stop()
+    with open(os.path.join(out, "manifest.json")) as f:
+        assert json.load(f)["modules"] == ["p0", "p1", "p2"]
+    assert read_manifest(os.path.join(out, "p2"))["action_space"] == space_to_dict(CARTPOLE.action_space)
+    sampled = result["env_runners"]["num_module_steps_sampled_lifetime"]
+    lifetime = {m: int(sampled.get(m, 0)) for m in ("p0", "p1", "p2")}
+    recorded = {m: inspect_recording(os.path.join(out, m))["steps"] for m in lifetime}
+    assert recorded == lifetime and recorded["p2"] > 0
+
+
+def test_module_ids_that_cannot_name_a_directory_and_a_single_agent_recording_there_are_refused(tmp_path):
+    bad = (PPOConfig().environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
+           .multi_agent(policies={"p0", "p 1"}, policy_mapping_fn=lambda aid, ep, **kw: "p0")
+           .env_runners(num_env_runners=0).offline_data(output=str(tmp_path / "bad")))
+    with pytest.raises(ConfigError, match=r"module id 'p 1' cannot name its recording's directory.*rename"):
+        bad.build(logdir=None)
+    single = str(tmp_path / "single")
+    algo = PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0).offline_data(output=single).build(
+        logdir=None)
+    algo.stop()
+    with pytest.raises(ConfigError, match="already holds a single-agent recording"):
+        two_policy_ppo(single).build(logdir=None)
+
+
+def test_the_multi_agent_policy_server_records_each_module_apart(tmp_path):
+    settings = EnvRunnerSettings(env_creator=None, observation_space=CARTPOLE.observation_space,
+                                 action_space=CARTPOLE.action_space,
+                                 recording=RecordingSettings(output=str(tmp_path / "rec")))
+    specs = {m: ModuleSpec(CARTPOLE.observation_space, CARTPOLE.action_space, {"fcnet_hiddens": [8]})
+             for m in ("p0", "p1")}
+    server = PolicyServer(settings, 0, external=ExternalSettings(
+        address=f"tcp://127.0.0.1:{free_port()}", journal_dir=str(tmp_path / "journal"), fragment_length=20,
+        sample_wait_s=0.5), module_specs=specs, policy_mapping_fn=by_str_or_int_agent)
+    try:
+        with PolicyClient(server.address, timeout_s=30) as client:
+            run_multi_agent_env(client, make_multi_agent("CartPole-v1")({"num_agents": 2}), num_episodes=3, seed=0)
+        chunks = server.sample(10_000)  # recorded before the server hands them on
+    finally:
+        server.stop()
+    steps = {m: sum(len(c) for c in chunks if c.module_id == m) for m in ("p0", "p1")}
+    for mid, n in steps.items():
+        summary = inspect_recording(str(tmp_path / "rec" / mid))
+        assert summary["steps"] == n > 0 and summary["episodes"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_ray_runners_and_evaluators_record_each_module(tmp_path):
+    out = str(tmp_path / "rec")
+    config = (two_policy_ppo(out, num_env_runners=1)
+              .offline_data(output=out, output_include_evaluation=True)
+              .evaluation(evaluation_interval=1, evaluation_duration=2, evaluation_duration_unit="episodes"))
+    algo = config.build(logdir=None)
+    try:
+        result = algo.train()
+    finally:
+        algo.stop()
+    for mid in ("p0", "p1"):
+        files = [os.path.basename(f) for f in resolve_input(os.path.join(out, mid))]
+        assert any(f.startswith("runner001") for f in files) and any(f.startswith("eval") for f in files)
+        summary = inspect_recording(os.path.join(out, mid))
+        assert summary["steps"] >= result["env_runners"]["num_module_steps_sampled_lifetime"][mid]
+
+
+def test_runnel_record_of_a_multi_agent_algorithm_says_how_to_record_its_modules(tmp_path):
+    from pipeline.offline.record import record_policy
+
+    algo = two_policy_ppo(str(tmp_path / "rec")).build(logdir=None)
+    try:
+        with pytest.raises(ValueError, match=r"offline_data\(output=DIR\).*DIR/<module_id>"):
+            record_policy(algo, 1, str(tmp_path / "played"))
+    finally:
+        algo.stop()
