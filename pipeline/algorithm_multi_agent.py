@@ -11,7 +11,7 @@ Evaluators are ``MultiAgentEnvRunner``s too (``runner_group_args(evaluation=True
 removed while training (``pipeline.algorithm_modules``) change the plan here and the specs and mapping
 every runner group is built with, so recreated runners hold the run's modules.
 
-What is not built for multi-agent runs yet (offline input, the offline algorithms) is refused by
+What is not built for multi-agent runs yet (offline input but BC's and MARWIL's, CQL) is refused by
 the config's checks (``pipeline.config.multi_agent.unbuilt_problems``), before anything is built.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pipeline.config.base import AlgorithmConfig, ConfigError
 from pipeline.config.connectors import refuse_view
 from pipeline.config.multi_agent import NOT_YET, settings_used
 from pipeline.config.multi_agent_plan import MultiAgentPlan, multi_agent_plan
+from pipeline.config.offline import module_recorded_spaces, reader_settings
 from pipeline.config.plain import resolve_import_path
 from pipeline.groups.multi_agent import MultiLearnerGroup, OneModule, check_module_class, steps_counter
 
@@ -163,15 +164,26 @@ def multi_agent_setup(config: AlgorithmConfig, creator: Callable | None, learner
     """The multi-agent plan of ``config`` (None when it uses no multi-agent setting: single-agent)."""
     if not settings_used(config):
         return None
-    if creator is None:
+    reader = reader_settings(config)
+    recorded = module_recorded_spaces(config) if reader is not None and reader.modules else None
+    if creator is None and recorded is None:
         raise ConfigError("a multi-agent config needs an env: .environment(MultiAgentEnvClass, env_config=...)")
-    env = make_env(creator, config.env_config)
-    try:
-        plan = multi_agent_plan(config, env)
-    finally:
-        close = getattr(env, "close", None)
-        if close is not None:
-            close()
+    if creator is None:  # trained from a multi-agent recording: each module's spaces as recorded
+        plan = multi_agent_plan(config, None, recorded)
+    else:
+        env = make_env(creator, config.env_config)
+        try:
+            plan = multi_agent_plan(config, env)
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                close()
+        for mid, spaces in (recorded or {}).items():  # the env serves evaluation: its agents act as recorded
+            spec = plan.module_specs[mid]
+            if (spec.observation_space, spec.action_space) != spaces:
+                raise ConfigError(f"module {mid!r} acts in {spec.observation_space} / {spec.action_space} in the "
+                                  f"env, but its recording holds {spaces[0]} / {spaces[1]}: evaluate in the env "
+                                  f"the recording was made in, or give the module its spaces")
     if not plan.is_multi_agent:  # multi_agent_plan refuses modules other than default_policy on such an env
         raise NotImplementedError(f"rl_module(rl_module_spec=...) and multi_agent(...) settings on a single-agent env "
                                   f"({config.env!r}) {NOT_YET}: leave them out (rl_module(model_config=...) sets "

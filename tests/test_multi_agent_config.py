@@ -190,10 +190,10 @@ def test_what_multi_agent_runs_do_not_do_yet_is_refused_by_validate_naming_the_s
     cql = (CQLConfig().environment("Pendulum-v1").offline_data(input_=str(tmp_path))
            .multi_agent(policies={"a", "b"}, policy_mapping_fn=per_agent))
     msg = problems(cql)
-    assert "offline_data(input_=...) is not built for multi-agent runs yet" in msg
-    assert "CQL with multi_agent(...)" in msg and "['APPO', 'DQN', 'IMPALA', 'PPO', 'SAC']" in msg
+    assert "offline_data(input_=...) with CQL is not built for multi-agent runs yet" in msg
+    assert "CQL with multi_agent(...)" in msg and "['APPO', 'BC', 'DQN', 'IMPALA', 'MARWIL', 'PPO', 'SAC']" in msg
     bc = BCConfig().environment("CartPole-v1").offline_data(input_=str(tmp_path)).multi_agent(policies={"p0"})
-    assert "BC with multi_agent(...)" in problems(bc)
+    assert "is not a multi-agent recording" in problems(bc)  # BC trains several modules from a multi-agent one
     DQNConfig().environment("CartPole-v1").multi_agent(policies={"p0"}).validate()  # built: no problem
 
 # --- the plan -----------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from actors.external.policy_server import PolicyServer
 from actors.external.settings import ExternalSettings
 from actors.modules import ModuleSpec
 from actors.offline import RecordingSettings, read_manifest, resolve_input
+from actors.offline.module_recorders import ModuleRecorders, write_multi_agent_manifest
 from pipeline import BCConfig, PPOConfig, make_multi_agent
 from pipeline.config.base import ConfigError
 from pipeline.offline.record import inspect_recording
@@ -175,5 +176,77 @@ def test_runnel_record_of_a_multi_agent_algorithm_says_how_to_record_its_modules
     try:
         with pytest.raises(ValueError, match=r"offline_data\(output=DIR\).*DIR/<module_id>"):
             record_policy(algo, 1, str(tmp_path / "played"))
+    finally:
+        algo.stop()
+
+
+# --- training several modules from a multi-agent recording -----------------------------------------------------
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def expert_and_random(directory: str) -> None:
+    """A multi-agent recording whose module p0 holds the checked-in expert CartPole episodes (agent 0's) and
+    p1 the near-random ones (agent 1's), written by the recorders a multi-agent run uses."""
+    write_multi_agent_manifest(directory, {m: (CARTPOLE.observation_space, CARTPOLE.action_space) for m in ("p0", "p1")},
+                               "PPO", {}, "test")
+    recorders = ModuleRecorders(RecordingSettings(output=directory), "test")
+    for mid, source in (("p0", "cartpole_expert"), ("p1", "cartpole_random")):
+        chunks = recorded_chunks(os.path.join(DATA, source))
+        for c in chunks:
+            c.agent_id, c.module_id = mid[1:], mid
+        recorders.record(chunks)
+    recorders.close()
+
+
+@pytest.mark.learning
+def test_bc_trains_each_module_on_its_own_recording_and_evaluates_in_the_env(tmp_path):
+    """Module p0 learns the expert's play from its recording and p1 the near-random play from its own: agent 0
+    balances for the whole episode in the evaluation env, agent 1 does not."""
+    directory = str(tmp_path / "rec")
+    expert_and_random(directory)
+    config = (BCConfig().environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
+              .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
+              .offline_data(input_=directory).env_runners(num_env_runners=0).debugging(seed=0)
+              .training(lr=1e-3, train_batch_size_per_learner=4000, minibatch_size=250)
+              .evaluation(evaluation_interval=100, evaluation_duration=10, evaluation_duration_unit="episodes"))
+    algo = config.build(logdir=None)
+    try:
+        for _ in range(100):
+            result = algo.train()
+    finally:
+        algo.stop()
+    assert result["learners"]["p0"]["num_module_steps_trained"] > 0 < result["learners"]["p1"]["num_module_steps_trained"]
+    returns = result["evaluation"]["env_runners"]["agent_episode_returns_mean"]
+    assert returns["0"] >= 0.95 * inspect_recording(os.path.join(directory, "p0"))["episode_return_mean"], returns
+    assert returns["1"] <= 100, returns
+
+
+def test_multi_agent_offline_input_is_checked_against_the_recording(tmp_path):
+    directory = str(tmp_path / "rec")
+    expert_and_random(directory)
+    bc = BCConfig().multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent).env_runners(num_env_runners=0)
+    with pytest.raises(ConfigError, match=r"holds no recording of modules \['p2'\].*it holds \['p0', 'p1'\]"):
+        bc.copy().multi_agent(policies={"p0", "p2"}).offline_data(input_=directory).validate()
+    with pytest.raises(ConfigError, match="is not a multi-agent recording"):
+        bc.copy().offline_data(input_=os.path.join(DATA, "cartpole_expert")).validate()
+    with pytest.raises(ConfigError, match="a multi-agent run reads one multi-agent recording"):
+        bc.copy().offline_data(input_=[directory]).validate()
+    with pytest.raises(ConfigError, match="input_reader='local'"):
+        bc.copy().offline_data(input_=directory, input_reader="ray_data").validate()
+    from pipeline import CQLConfig
+
+    cql = CQLConfig().multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent).offline_data(input_=directory)
+    with pytest.raises(ConfigError, match=r"offline_data\(input_=...\) with CQL is not built.*DIR/<module_id>"):
+        cql.validate()
+    # the env the evaluators step must give the modules the spaces they were recorded with
+    pendulums = make_multi_agent("Pendulum-v1")
+    with pytest.raises(ConfigError, match="module 'p0' acts in Box"):
+        bc.copy().environment(pendulums, env_config={"num_agents": 2}).offline_data(input_=directory).build(logdir=None)
+    # trained with no env: the spaces come from the recording
+    algo = bc.copy().offline_data(input_=directory).training(train_batch_size_per_learner=64, minibatch_size=64).build(
+        logdir=None)
+    try:
+        assert algo.get_module("p1").encoder_space == CARTPOLE.observation_space
+        assert algo.train()["learners"]["__all_modules__"]["num_agent_steps_trained_lifetime"] >= 64
     finally:
         algo.stop()

@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Any
 
+from actors.offline.reader import read_json_manifest
 from actors.offline.recorder import MANIFEST, MULTI_AGENT_FORMAT, Recorder, RecordingSettings, write_manifest
 from protocols.episode import EpisodeChunk
 from protocols.shards import fsync_dir
@@ -48,7 +49,7 @@ def write_multi_agent_manifest(directory: str, spaces: dict[str, tuple[Any, Any]
     path = os.path.join(directory, MANIFEST)
     modules: set[str] = set()
     if os.path.exists(path):
-        old = read_json(path)
+        old = read_json_manifest(directory)
         if old.get("format") != MULTI_AGENT_FORMAT:
             raise ValueError(f"{directory} already holds a single-agent recording: record the multi-agent run into "
                              f"a new directory")
@@ -66,17 +67,6 @@ def write_multi_agent_manifest(directory: str, spaces: dict[str, tuple[Any, Any]
     os.replace(tmp, path)
     fsync_dir(directory)
     return manifest
-
-
-def read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} is not a runnel recording manifest")
-    return data
 
 
 class ModuleRecorders:

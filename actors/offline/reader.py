@@ -14,6 +14,7 @@ are skipped and counted (``offline_data/damaged_records``, ``offline_data/torn_t
 from __future__ import annotations
 
 import glob
+import json
 import os
 import random
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import numpy as np
 
 from actors.core import EnvRunnerRole
 from actors.metrics import MetricsLogger
-from actors.offline.recorder import MANIFEST, read_manifest
+from actors.offline.recorder import MANIFEST, MULTI_AGENT_FORMAT, read_manifest
 from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
@@ -50,6 +51,37 @@ class ReaderSettings:
     """How records are read: "local" (this module's streaming reader, in each reader stage) or
     "ray_data" (Ray Data tasks list, read and check the shards: ``actors.offline.dataset``)."""
     seed: int | None = None
+    modules: tuple[str, ...] | None = None
+    """A multi-agent run's modules: ``input_`` is a multi-agent recording and each module's recording
+    (``input_/<module_id>``) is read; its chunks carry their module ids to the learners. None: single-agent."""
+
+
+def resolve_modules_input(input_: str, modules: tuple[str, ...]) -> list[str]:
+    """Shard files of these modules' recordings in a multi-agent run's recording ``input_``
+    (``actors.offline.module_recorders``); a module it does not hold is a FileNotFoundError naming it."""
+    directory = os.path.expanduser(str(input_))
+    manifest = read_json_manifest(directory)
+    if manifest.get("format") != MULTI_AGENT_FORMAT:
+        raise ValueError(f"offline input {input_!r} is not a multi-agent recording (no {MANIFEST} listing modules): "
+                         f"a multi-agent run reads the directory a multi-agent run recorded into")
+    missing = [m for m in modules if m not in manifest.get("modules", [])]
+    if missing:
+        raise FileNotFoundError(f"offline input {input_!r} holds no recording of modules {missing} (it holds "
+                                f"{manifest.get('modules', [])}): train only modules it holds (multi_agent(policies=...))")
+    return [f for m in modules for f in resolve_input(os.path.join(directory, m))]
+
+
+def read_json_manifest(directory: str) -> dict[str, Any]:
+    """``directory``'s manifest as it is, whichever kind (empty when it has none)."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err})") from None
+    return data if isinstance(data, dict) else {}
 
 
 def resolve_input(input_: str | list) -> list[str]:
@@ -113,7 +145,7 @@ class OfflineReader(EnvRunnerRole):
         self.worker_index = worker_index
         self.sources: list[tuple[list[str], float]] = []
         for source, weight in input_sources(offline.input_):
-            files = resolve_input(source)
+            files = resolve_modules_input(source, offline.modules) if offline.modules else resolve_input(source)
             if num_readers > 1:  # readers 1..n take disjoint shares of the shards
                 files = files[worker_index - 1::num_readers] or files
             self.sources.append((files, weight))
@@ -254,6 +286,8 @@ class OfflineReader(EnvRunnerRole):
         self.counts["records"] += len(out)
         self.metrics.log_value("num_env_steps_sampled", n, reduce="sum")
         self.metrics.log_value("num_env_steps_sampled_lifetime", n, reduce="lifetime_sum")
+        if self.r.modules:  # a recorded step is one agent's: what a multi-agent run counts in agent steps
+            self.metrics.log_value("num_agent_steps_sampled", n, reduce="sum")
         self.metrics.log_value("offline_data/num_env_steps_read_lifetime", n, reduce="lifetime_sum")
         return out
 

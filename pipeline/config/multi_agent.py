@@ -199,21 +199,22 @@ def multi_agent_problems(config: Any) -> list[str]:
 
 NOT_YET = "is not built for multi-agent runs yet (issue 27)"
 
-MULTI_AGENT_ALGORITHMS = ("APPO", "DQN", "IMPALA", "PPO", "SAC")
+MULTI_AGENT_ALGORITHMS = ("APPO", "BC", "DQN", "IMPALA", "MARWIL", "PPO", "SAC")
 """The algorithms whose plans train several modules."""
+OFFLINE_MULTI_AGENT = ("BC", "MARWIL")
+"""Those that train several modules from a multi-agent recording (``offline_data(input_=DIR)``)."""
 
 
 def unbuilt_problems(config: Any) -> list[str]:
     """What a config with multi-agent settings asks for that multi-agent runs do not do yet, each naming the
     setting to change."""
     offline = config.offline_data_config or {}
-    unbuilt = {"offline_data(input_=...)": offline.get("input_") not in ("sampler", None)}
-    named = [name for name, used in unbuilt.items() if used]
-    problems = []
-    if named:
-        problems.append(f"{', '.join(named)} {NOT_YET}: leave it unset for "
-                        f"multi-agent training, or train one module without multi_agent(...) settings")
     algo = getattr(config, "algo_name", type(config).__name__)
+    problems = []
+    if offline.get("input_") not in ("sampler", None) and algo not in OFFLINE_MULTI_AGENT:
+        problems.append(f"offline_data(input_=...) with {algo} {NOT_YET} (BC and MARWIL train several modules from "
+                        f"a multi-agent recording): leave it unset for multi-agent training, or train one module "
+                        f"without multi_agent(...) settings on its recording, DIR/<module_id>")
     if algo not in MULTI_AGENT_ALGORITHMS:
         problems.append(f"{algo} with multi_agent(...) or rl_module(rl_module_spec=...) settings is not built yet "
                         f"(issue 27): only {list(MULTI_AGENT_ALGORITHMS)} train several modules so far")

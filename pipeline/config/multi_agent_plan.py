@@ -65,14 +65,18 @@ class MultiAgentPlan:
         return bool(self.policies_to_train(module_id, batch))
 
 
-def multi_agent_plan(config: Any, env: Any) -> MultiAgentPlan:
+def multi_agent_plan(config: Any, env: Any, recorded: dict[str, tuple[Any, Any]] | None = None) -> MultiAgentPlan:
     """Resolve ``config``'s modules on ``env`` (a multi-agent env: ``possible_agents`` and per-agent spaces;
-    or a single-agent gymnasium env). Raises ConfigError naming the module, agent and spaces at fault."""
+    or a single-agent gymnasium env), or -- ``env`` None, training from a multi-agent recording with no env --
+    on each module's ``recorded`` (observation, action) spaces. Raises ConfigError naming the module, agent
+    and spaces at fault."""
     ids = module_ids(config)
     mapping_fn = mapping_function(config.policy_mapping_fn)
     policies = normalize_policies(config.policies) or {}
     rl_spec = as_rl_module_spec(config.rl_module_spec)
-    if is_multi_agent_env(env):
+    if env is None:
+        agent_modules, single = {}, (None, None)
+    elif is_multi_agent_env(env):
         agent_modules = _map_agents(env, mapping_fn, ids)
         agent_spaces = {aid: agent_space_pair(env, aid) for aid in agent_modules}
     elif is_multi_agent(config):
@@ -86,7 +90,10 @@ def multi_agent_plan(config: Any, env: Any) -> MultiAgentPlan:
     for mid in ids:
         pspec = policies.get(mid) or PolicySpec()
         mspec = _rl_module_spec_for(rl_spec, mid)
-        if agent_modules or is_multi_agent_env(env):
+        if env is None:
+            spaces = (_given(mspec.observation_space, pspec.observation_space, recorded[mid][0]),
+                      _given(mspec.action_space, pspec.action_space, recorded[mid][1]))
+        elif agent_modules or is_multi_agent_env(env):
             spaces = _module_spaces(mid, pspec, mspec, agent_modules, agent_spaces)
         else:
             spaces = (_given(mspec.observation_space, pspec.observation_space, single[0]),
@@ -100,7 +107,7 @@ def multi_agent_plan(config: Any, env: Any) -> MultiAgentPlan:
     trainable = None if per_batch else frozenset(ids if to_train is None else to_train)
     return MultiAgentPlan(specs, mapping_fn, trainable, to_train if per_batch else None, config.count_steps_by,
                           agent_modules, {m: o for m, o in overrides.items() if o},
-                          bool(is_multi_agent(config)) or is_multi_agent_env(env))
+                          env is None or bool(is_multi_agent(config)) or is_multi_agent_env(env))
 
 
 # --- the env, duck-typed ---------------------------------------------------------------------------------

@@ -5,22 +5,26 @@ with ``output_include_evaluation=True``) record the chunks it returns into ``DIR
 (``actors.offline.RecordingSettings``). ``config.offline_data(input_="DIR")`` puts
 ``actors.offline.OfflineReader`` stages in the env runner slots: the algorithm trains on the
 recording and steps no env (an env, if given, serves evaluation only); the spaces come from the
-recording's manifest unless given. The keys are the fields of those two settings classes.
+recording's manifest unless given. The keys are the fields of those two settings classes. A multi-agent
+config records each module apart (``DIR/<module_id>``, ``actors.offline.module_recorders``) and, with BC or
+MARWIL, reads such a recording module by module (``ReaderSettings.modules``).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
-from actors.offline import READERS, ReaderSettings, RecordingSettings, manifest_for, resolve_input
-from actors.offline.reader import SAMPLER, input_sources
+from actors.offline import READERS, ReaderSettings, RecordingSettings, manifest_for, read_manifest, resolve_input
+from actors.offline.reader import SAMPLER, input_sources, resolve_modules_input
 from actors.offline.recorder import FSYNC_CHOICES
 from pipeline.config.keys import dict_setting_problems
+from pipeline.config.multi_agent import module_ids, settings_used
 from protocols.errors import ProtocolError
 from protocols.spaces import space_from_dict
 
 OUTPUT_KEYS = tuple(f.name for f in dataclasses.fields(RecordingSettings))
-INPUT_KEYS = tuple(f.name for f in dataclasses.fields(ReaderSettings) if f.name != "seed")
+INPUT_KEYS = tuple(f.name for f in dataclasses.fields(ReaderSettings) if f.name not in ("seed", "modules"))
 KEYS = OUTPUT_KEYS + INPUT_KEYS
 
 
@@ -35,7 +39,33 @@ def reader_settings(config: Any) -> ReaderSettings | None:
     d = config.offline_data_config or {}
     if d.get("input_") is None:
         return None
-    return ReaderSettings(**{k: v for k, v in d.items() if k in INPUT_KEYS}, seed=config.seed)
+    modules = tuple(sorted(module_ids(config))) if settings_used(config) else None  # a multi-agent recording's
+    return ReaderSettings(**{k: v for k, v in d.items() if k in INPUT_KEYS}, seed=config.seed, modules=modules)
+
+
+def _multi_agent_input_problems(read: ReaderSettings) -> list[str]:
+    """A multi-agent run reads one multi-agent recording (``actors.offline.module_recorders``), locally."""
+    if not isinstance(read.input_, (str, os.PathLike)):
+        return [f"offline_data input_={read.input_!r}: a multi-agent run reads one multi-agent recording, the "
+                f"directory a multi-agent run recorded into (offline_data(output=DIR)); give that DIR"]
+    problems = [] if read.input_reader == "local" else [
+        f"offline_data input_reader={read.input_reader!r} reads single-agent recordings; a multi-agent run "
+        f"reads with input_reader='local'"]
+    try:
+        resolve_modules_input(read.input_, read.modules)
+    except (FileNotFoundError, ValueError) as err:
+        problems.append(f"offline_data: {err}")
+    return problems
+
+
+def module_recorded_spaces(config: Any) -> dict[str, tuple[Any, Any]]:
+    """Each module's (observation, action) spaces as its recording in ``input_`` says (its manifest)."""
+    directory = os.path.expanduser(str(config.offline_data_config["input_"]))
+    out = {}
+    for mid in module_ids(config):
+        manifest = read_manifest(os.path.join(directory, mid))
+        out[mid] = (space_from_dict(manifest["observation_space"]), space_from_dict(manifest["action_space"]))
+    return out
 
 
 def recorded_spaces(config: Any) -> tuple[Any, Any]:
@@ -79,7 +109,9 @@ def offline_problems(config: Any) -> list[str]:
             problems += _mixing_problems(config, read.input_)
             if problems:
                 return problems
-        for source, _ in input_sources(read.input_):
+        if read.modules is not None:
+            problems += _multi_agent_input_problems(read)
+        for source, _ in input_sources(read.input_) if read.modules is None else []:
             try:
                 resolve_input(source)
             except (FileNotFoundError, ValueError) as err:
@@ -101,7 +133,7 @@ def offline_problems(config: Any) -> list[str]:
         if config.evaluation_interval and config.env is None and not getattr(config, "off_policy_estimation_methods", None):
             problems.append("evaluation runs an env in evaluators, and this config has none: set "
                             ".environment(env=...) (it serves evaluation only) or turn evaluation_interval off (or evaluate off-policy only: off_policy_estimation_methods)")
-        if not problems and (config.observation_space is None or config.action_space is None):
+        if not problems and read.modules is None and (config.observation_space is None or config.action_space is None):
             try:
                 recorded_spaces(config)
             except (ValueError, ProtocolError) as err:
