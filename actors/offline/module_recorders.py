@@ -15,17 +15,15 @@ arrives, so modules added while training are recorded too.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import time
-import uuid
 from typing import Any
 
 from actors.offline.reader import read_json_manifest
-from actors.offline.recorder import MANIFEST, MULTI_AGENT_FORMAT, Recorder, RecordingSettings, write_manifest
+from actors.offline.recorder import (MANIFEST, MULTI_AGENT_FORMAT, Recorder, RecordingSettings, write_json_atomically,
+                                     write_manifest)
 from protocols.episode import EpisodeChunk
-from protocols.shards import fsync_dir
 
 MULTI_AGENT_VERSION = 1
 _SAFE_ID = re.compile(r"\w[\w\-]{0,127}")  # config checks already keep '/' and '.' out of module ids
@@ -59,14 +57,7 @@ def write_multi_agent_manifest(directory: str, spaces: dict[str, tuple[Any, Any]
     manifest = {"format": MULTI_AGENT_FORMAT, "format_version": MULTI_AGENT_VERSION,
                 "modules": sorted(modules | set(spaces)), "algorithm": algorithm, "runnel_version": version,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(directory)
-    return manifest
+    return write_json_atomically(directory, manifest)
 
 
 class ModuleRecorders:

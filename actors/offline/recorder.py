@@ -91,6 +91,12 @@ def write_manifest(directory: str, observation_space: Any, action_space: Any, al
                 raise ValueError(f"{directory} already holds a recording with another {key.replace('_', ' ')} "
                                  f"({old.get(key)} vs {manifest[key]}): record into a new directory")
         return old
+    return write_json_atomically(directory, manifest)
+
+
+def write_json_atomically(directory: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """``directory/manifest.json``, written whole or not at all (a temporary file renamed, both synced)."""
+    path = os.path.join(directory, MANIFEST)
     tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
