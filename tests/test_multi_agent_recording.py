@@ -169,15 +169,22 @@ def test_ray_runners_and_evaluators_record_each_module(tmp_path):
         assert summary["steps"] >= result["env_runners"]["num_module_steps_sampled_lifetime"][mid]
 
 
-def test_runnel_record_of_a_multi_agent_algorithm_says_how_to_record_its_modules(tmp_path):
+def test_runnel_record_plays_a_multi_agent_policy_into_a_recording_per_module(tmp_path):
     from pipeline.offline.record import record_policy
 
     algo = two_policy_ppo(str(tmp_path / "rec")).build(logdir=None)
     try:
-        with pytest.raises(ValueError, match=r"offline_data\(output=DIR\).*DIR/<module_id>"):
-            record_policy(algo, 1, str(tmp_path / "played"))
+        played = record_policy(algo, 3, str(tmp_path / "played"))
     finally:
         algo.stop()
+    assert played["episodes"] == 3
+    with open(tmp_path / "played" / "manifest.json") as f:
+        assert json.load(f)["modules"] == ["p0", "p1"]
+    per_module = {m: inspect_recording(str(tmp_path / "played" / m)) for m in ("p0", "p1")}
+    assert all(s["episodes"] == 3 and s["open_episodes"] == 0 for s in per_module.values())
+    # CartPole pays 1 a step: each agent's return is its episode's length, the episode's the longer one
+    assert sum(s["steps"] for s in per_module.values()) == pytest.approx(sum(played["episode_returns"]))
+    assert max(played["episode_lengths"]) == max(max(s["episode_returns"]) for s in per_module.values())
 
 
 # --- training several modules from a multi-agent recording -----------------------------------------------------

@@ -43,24 +43,28 @@ def write_run_manifest(algo: Any, module_ids: list[str] | None = None) -> None:
 def record_policy(algo: Any, num_episodes: int, output: str, explore: bool = False,
                   max_file_size: int = 64 * 1024 * 1024) -> dict[str, Any]:
     """Play ``num_episodes`` episodes with ``algo``'s policy (greedy unless ``explore``) and record
-    them into ``output``. Returns the episodes' returns and lengths."""
+    them into ``output`` (a multi-agent algorithm's: each module's agents into ``output/<module_id>``).
+    Returns the episodes' returns (summed over agents) and lengths (env steps)."""
     if num_episodes < 1:
         raise ValueError(f"num_episodes must be >= 1, got {num_episodes}")
     if algo.env_creator is None:
         raise ValueError("recording a policy needs an env to play in: the algorithm's config has none "
                          "(pass --env, or .environment(...))")
-    if algo.multi_agent is not None:
-        raise ValueError("recording a policy plays single-agent episodes; to record a multi-agent run's modules, "
-                         "train or evaluate it with .offline_data(output=DIR) (output_include_evaluation=True for "
-                         "the evaluators): each module gets a recording of its own, DIR/<module_id>")
-    config = algo.config
-    write_manifest(output, algo.observation_space, algo.action_space, algo.name,
-                   json.loads(json.dumps(config.to_dict(), default=repr)), _version(),
-                   actions_normalized=bool(config.normalize_actions))
+    config, multi = algo.config, algo.multi_agent
+    args = (algo.name, json.loads(json.dumps(config.to_dict(), default=repr)), _version(),
+            bool(config.normalize_actions))
+    if multi is None:
+        write_manifest(output, algo.observation_space, algo.action_space, *args)
+    else:
+        write_multi_agent_manifest(output, multi.recorded_spaces(), *args)
     settings = dataclasses.replace(
         algo.env_runner_settings(in_evaluation=True), num_envs=1, explore=explore,
         recording=RecordingSettings(output=output, output_max_file_size=max_file_size, output_write_episodes=True))
-    runner = EnvRunner(settings, worker_index=1)
+    if multi is None:
+        runner = EnvRunner(settings, worker_index=1)
+    else:  # an evaluator's runner, with every module and the mapping
+        runner_args = multi.runner_group_args(evaluation=True)
+        runner = runner_args["runner_class"](settings, worker_index=1, **runner_args["runner_kwargs"])
     try:
         runner.set_weights(algo.get_weights(), algo.weights_version)
         chunks = runner.sample(num_episodes=num_episodes, explore=explore)
@@ -69,9 +73,10 @@ def record_policy(algo: Any, num_episodes: int, output: str, explore: bool = Fal
         runner.stop()
     returns: dict[str, float] = {}
     lengths: dict[str, int] = {}
-    for c in chunks:
-        returns[c.episode_id] = returns.get(c.episode_id, 0.0) + float(np.sum(c.rewards))
-        lengths[c.episode_id] = lengths.get(c.episode_id, 0) + len(c)
+    for c in chunks:  # an agent's chunks carry "<episode id>.<agent's number>"
+        episode = c.episode_id if multi is None else c.episode_id.rsplit(".", 1)[0]
+        returns[episode] = returns.get(episode, 0.0) + float(np.sum(c.rewards))
+        lengths[episode] = max(lengths.get(episode, 0), c.t_started + len(c))
     rets, lens = list(returns.values()), list(lengths.values())
     return {"output": output, "episodes": len(rets), "steps": int(sum(lens)), "episode_returns": rets,
             "episode_lengths": lens, "episode_return_mean": float(np.mean(rets)) if rets else float("nan")}
