@@ -184,14 +184,19 @@ def test_build_validates_first_then_resolves_the_modules_on_the_env():
 
 
 def test_what_multi_agent_runs_do_not_do_yet_is_refused_by_validate_naming_the_setting(tmp_path):
-    from pipeline import BCConfig, CQLConfig
+    from pipeline import BCConfig
 
     ma(policies={"p0", "p1"}, policy_mapping_fn=per_agent).offline_data(output=str(tmp_path)).validate()  # built
-    cql = (CQLConfig().environment("Pendulum-v1").offline_data(input_=str(tmp_path))
+    dqn = (DQNConfig().environment("CartPole-v1").offline_data(input_={"sampler": 0.5, str(tmp_path): 0.5})
            .multi_agent(policies={"a", "b"}, policy_mapping_fn=per_agent))
-    msg = problems(cql)
-    assert "offline_data(input_=...) with CQL is not built for multi-agent runs yet" in msg
-    assert "CQL with multi_agent(...)" in msg and "['APPO', 'BC', 'DQN', 'IMPALA', 'MARWIL', 'PPO', 'SAC']" in msg
+    msg = problems(dqn)  # a recording mixed into an on-line multi-agent run
+    assert "offline_data(input_=...) with DQN is not built for multi-agent runs yet" in msg
+
+    class Custom(PPOConfig):
+        algo_name = "Custom"
+
+    msg = problems(Custom().environment("CartPole-v1").multi_agent(policies={"a", "b"}, policy_mapping_fn=per_agent))
+    assert "Custom with multi_agent(...)" in msg and "['APPO', 'BC', 'CQL', 'DQN', 'IMPALA', 'MARWIL', 'PPO', 'SAC']" in msg
     bc = BCConfig().environment("CartPole-v1").offline_data(input_=str(tmp_path)).multi_agent(policies={"p0"})
     assert "is not a multi-agent recording" in problems(bc)  # BC trains several modules from a multi-agent one
     DQNConfig().environment("CartPole-v1").multi_agent(policies={"p0"}).validate()  # built: no problem

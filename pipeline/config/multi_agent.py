@@ -199,9 +199,9 @@ def multi_agent_problems(config: Any) -> list[str]:
 
 NOT_YET = "is not built for multi-agent runs yet (issue 27)"
 
-MULTI_AGENT_ALGORITHMS = ("APPO", "BC", "DQN", "IMPALA", "MARWIL", "PPO", "SAC")
+MULTI_AGENT_ALGORITHMS = ("APPO", "BC", "CQL", "DQN", "IMPALA", "MARWIL", "PPO", "SAC")
 """The algorithms whose plans train several modules."""
-OFFLINE_MULTI_AGENT = ("BC", "MARWIL")
+OFFLINE_MULTI_AGENT = ("BC", "CQL", "MARWIL")
 """Those that train several modules from a multi-agent recording (``offline_data(input_=DIR)``)."""
 
 

@@ -6,8 +6,8 @@ with ``output_include_evaluation=True``) record the chunks it returns into ``DIR
 ``actors.offline.OfflineReader`` stages in the env runner slots: the algorithm trains on the
 recording and steps no env (an env, if given, serves evaluation only); the spaces come from the
 recording's manifest unless given. The keys are the fields of those two settings classes. A multi-agent
-config records each module apart (``DIR/<module_id>``, ``actors.offline.module_recorders``) and, with BC or
-MARWIL, reads such a recording module by module (``ReaderSettings.modules``).
+config records each module apart (``DIR/<module_id>``, ``actors.offline.module_recorders``) and, with BC,
+MARWIL or CQL, reads such a recording module by module (``ReaderSettings.modules``).
 """
 from __future__ import annotations
 
