@@ -55,6 +55,11 @@ class ServerPolicy:
         return None if lstm is None else (2, int(lstm.hidden_size))
 
     @property
+    def seq_len(self) -> int | None:
+        """A recurrent module's ``max_seq_len`` (the longest chunk a learner unrolls); None when it has no state."""
+        return None if self.state_shape is None else int(self.module.config.max_seq_len)
+
+    @property
     def timestep(self) -> int:
         return self.num_env_steps_served + self.timestep_offset
 
@@ -132,6 +137,21 @@ class ServerPolicy:
         for i, action in given.items():
             actions[i] = action
         return actions, policy.logp(inputs, actions), inputs
+
+    @torch.inference_mode()
+    def forward_recurrent(self, obs: Any, explore: list[bool], states: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
+        """A recurrent module's step for rows acting from ``states`` ``[n, 2, cell]`` (a multi-agent server keeps
+        each agent's): (module actions, log-probabilities, distribution inputs, weights version, next states),
+        under the module lock."""
+        with self.lock:
+            dist_inputs, state_out = self.torch_forward.recurrent_dist_inputs(obs, states, True)
+            dist = self.module.dist_spec.build(dist_inputs)
+            actions = self.exploration.actions(dist, True, self.timestep)
+            if not all(explore):
+                keep = torch.tensor(explore).view(len(explore), *([1] * (actions.dim() - 1)))
+                actions = torch.where(keep, actions, dist.deterministic())
+            return actions.numpy(), dist.logp(actions).numpy(), dist_inputs.numpy(), self.weights_version, state_out
 
     @torch.inference_mode()
     def _compute_torch(self, obs: Any, explore: list[bool], given: dict[int, np.ndarray]

@@ -35,6 +35,7 @@ from actors.external.inference import ServerPolicy
 from actors.external.settings import ExternalSettings
 from protocols import external as wire
 from protocols import nested
+from protocols.agent_record import STATE_COLUMN
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
 from protocols.external_agents import AgentError, agent_ids, done_flags, reward_pairs
@@ -62,6 +63,8 @@ class Running:
     counted: int = 0
     """Env steps handed on with chunks so far."""
     reported: bool = False
+    states: dict = field(default_factory=dict)
+    """Agent -> its recurrent module's state ``[2, cell]`` after its last action (absent: zeros, the start)."""
 
 
 @dataclass
@@ -88,6 +91,8 @@ class MultiAgentActs(ActBatcher):
         first = next(iter(policies))
         super().__init__(endpoint, conns, counts, policies[first], self.schemas[first], settings, external)
         self.policy_mapping_fn = policy_mapping_fn
+        self.seq_lens = {mid: p.seq_len for mid, p in policies.items() if p.state_shape is not None}
+        """Recurrent modules' ``max_seq_len``: the server keeps each agent's state and cuts its chunks to it."""
         self.intake, self.worker_index = intake, worker_index
         self.on_episode_end = on_episode_end
         self._env_steps_of: OrderedDict[tuple[str, int], int] = OrderedDict()  # see env_steps_of
@@ -146,7 +151,7 @@ class MultiAgentActs(ActBatcher):
             return
         # the server's own episode id: clients' ids may repeat across clients, chunk ids must not
         conn.ma_episodes[eid] = Running(MultiAgentEpisode(self.policy_mapping_fn, module_ids=set(self.policies),
-                                                          env_runner_index=self.worker_index))
+                                                          env_runner_index=self.worker_index, seq_lens=self.seq_lens))
         self._send(route, {"op": wire.STARTED, "id": rid, "episode_id": eid})
 
     def _request(self, route: bytes, conn: Conn, rid: int, eid: str, h: dict, final: bool
@@ -325,7 +330,7 @@ class MultiAgentActs(ActBatcher):
         n = sum(len(a.obs) for a in acts)
         self._counts["num_actions_served"] += n
         self._counts["num_inference_batches"] += 1
-        for a, (version, env_actions, module_actions, extras) in zip(acts, answers):
+        for a, (version, env_actions, module_actions, extras, states) in zip(acts, answers):
             conn = self._conns.get(a.route)
             if conn is not None:
                 conn.in_flight -= 1
@@ -339,29 +344,42 @@ class MultiAgentActs(ActBatcher):
                     self._broken(a.route, conn, a.rid, a.eid, err)
                 continue
             a.running.acted.update(a.agents)
+            a.running.states.update((aid, st) for aid, st in zip(a.agents, states) if st is not None)
             self._send(a.route, {"op": wire.MA_ACTION, "id": a.rid, "weights_version": version,
                                  "agents": a.agents, "actions": env_actions})
 
-    def _forward_modules(self, acts: list[_MaAct]) -> list[tuple[int, list, list, list]]:
-        """Per request: (weights version, env actions, module actions, extras), one pass per module."""
+    def _forward_modules(self, acts: list[_MaAct]) -> list[tuple[int, list, list, list, list]]:
+        """Per request: (weights version, env actions, module actions, extras, each agent's next state: None for
+        a stateless module), one pass per module; a recurrent module's rows act from their agents' states, and
+        the state each acted from goes into its extras (``state_in``: a chunk's learner unrolls from it)."""
         slots: dict[str, list[tuple[int, int]]] = {}  # module -> (request, agent) positions, in order
         for i, a in enumerate(acts):
             for k, mid in enumerate(a.modules):
                 slots.setdefault(mid, []).append((i, k))
         versions = [0] * len(acts)  # modules share the run's version (set_weights sets them together)
-        env_out, module_out, extra_out = ([[None] * len(a.agents) for a in acts] for _ in range(3))
+        env_out, module_out, extra_out, state_out = ([[None] * len(a.agents) for a in acts] for _ in range(4))
         for mid, where in slots.items():
             policy = self.policies[mid]
             rows = [acts[i].obs[k] for i, k in where]
             obs = np.stack(rows) if isinstance(rows[0], np.ndarray) else nested.stack(rows)
-            actions, logp, dists, version = policy.forward(obs, [acts[i].explore for i, _ in where], {})
+            explore = [acts[i].explore for i, _ in where]
+            states = None
+            if policy.state_shape is None:
+                actions, logp, dists, version = policy.forward(obs, explore, {})
+            else:
+                zeros = np.zeros(policy.state_shape, np.float32)
+                states = np.stack([acts[i].running.states.get(acts[i].agents[k], zeros) for i, k in where])
+                actions, logp, dists, version, after = policy.forward_recurrent(obs, explore, states)
             env_actions = policy.env_actions(actions).tolist()
             policy.num_env_steps_served += len(where)
             for j, (i, k) in enumerate(where):
                 versions[i] = version
                 env_out[i][k], module_out[i][k] = env_actions[j], actions[j]
                 extra_out[i][k] = {"action_logp": np.float32(logp[j]), "action_dist_inputs": dists[j]}
-        return list(zip(versions, env_out, module_out, extra_out))
+                if states is not None:
+                    extra_out[i][k][STATE_COLUMN] = states[j]
+                    state_out[i][k] = after[j]
+        return list(zip(versions, env_out, module_out, extra_out, state_out))
 
     def _failed(self, acts: list, err: Exception) -> None:
         """The forward pass raised: the requests get ``server_error`` and their episodes are forgotten (their

@@ -213,7 +213,8 @@ class ServerLoop:
             self._send(route, wire.error(rid, wire.VERSION_MISMATCH, f"version {h['version']}: this server speaks "
                                          f"{wire.PROTOCOL} versions {' and '.join(map(str, wire.VERSIONS))}"))
             return
-        recurrent = getattr(self.policy, "state_shape", None) is not None
+        # a single-agent recurrent policy's clients carry their states; a multi-agent server keeps its agents'
+        recurrent = getattr(self.policy, "state_shape", None) is not None and self.modules is None
         mode = h["inference_mode"] or ("remote" if self.modules is not None else "local" if recurrent
                                        else self.x.inference_mode)
         if mode not in ("remote", "local") or (mode == "local" and self.modules is not None):

@@ -35,13 +35,12 @@ def recurrent_problems(config: Any, multi_agent: bool) -> list[str]:
         out.append(f"model_config use_lstm=True: {config.algo_name} does not train recurrent modules yet (PPO, "
                    f"IMPALA, APPO and DQN do); use one of those, or leave use_lstm off")
     external = config.external_clients_config
-    if external is not None and external.get("inference_mode") == "remote":
+    # a multi-agent server acts for its clients and keeps each agent's state itself; a single-agent one's
+    # clients act with the exported cell and carry their states
+    if external is not None and external.get("inference_mode") == "remote" and not multi_agent:
         out.append("model_config use_lstm=True with external_clients(inference_mode='remote'): a policy server does "
                    "not keep its clients' recurrent states; the clients act with the exported cell and carry them: "
                    "external_clients(inference_mode='local') (the default with use_lstm)")
-    if multi_agent and external is not None:
-        out.append("model_config use_lstm=True in a multi-agent run with external_clients: a multi-agent server acts "
-                   "for its clients (remote inference) and keeps no recurrent states; leave use_lstm off")
     return out
 
 
