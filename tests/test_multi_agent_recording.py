@@ -246,8 +246,6 @@ def test_multi_agent_offline_input_is_checked_against_the_recording(tmp_path):
         bc.copy().offline_data(input_=[directory]).validate()
     with pytest.raises(ConfigError, match="input_reader='local'"):
         bc.copy().offline_data(input_=directory, input_reader="ray_data").validate()
-    from pipeline import CQLConfig
-
     from pipeline import DQNConfig
 
     dqn = DQNConfig().multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent).offline_data(input_=directory)
