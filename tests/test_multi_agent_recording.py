@@ -170,6 +170,20 @@ def test_ray_runners_and_evaluators_record_each_module(tmp_path):
         assert summary["steps"] >= result["env_runners"]["num_module_steps_sampled_lifetime"][mid]
 
 
+def test_runnel_inspect_summarizes_each_module_of_a_multi_agent_recording(tmp_path, capsys):
+    from pipeline.cli.main import main
+
+    directory = str(tmp_path / "rec")
+    expert_and_random(directory)
+    assert main(["inspect", directory, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["multi_agent"] and sorted(out["modules"]) == ["p0", "p1"]
+    assert out["modules"]["p0"]["episode_return_mean"] == 500.0 and out["modules"]["p1"]["episode_return_mean"] < 30
+    assert main(["inspect", directory]) == 0
+    text = capsys.readouterr().out
+    assert "multi-agent recording" in text and f"recording {os.path.join(directory, 'p1')}:" in text
+
+
 def test_runnel_record_plays_a_multi_agent_policy_into_a_recording_per_module(tmp_path):
     from pipeline.offline.record import record_policy
 

@@ -49,17 +49,32 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from actors.offline.reader import read_json_manifest
+    from actors.offline.recorder import MULTI_AGENT_FORMAT
     from pipeline.offline.record import inspect_recording
 
     try:
-        out = inspect_recording(args.input)
+        top = read_json_manifest(os.path.expanduser(args.input)) if isinstance(args.input, str) else {}
+        modules = [str(m) for m in top.get("modules", [])] if top.get("format") == MULTI_AGENT_FORMAT else []
+        if modules:  # a multi-agent run's recording: one recording per module
+            outs = {m: inspect_recording(os.path.join(os.path.expanduser(args.input), m)) for m in modules}
+        else:
+            outs = {"": inspect_recording(args.input)}
     except (FileNotFoundError, ValueError) as err:
         raise CLIError(str(err), EXIT_USAGE) from err
     if args.json:
-        print(json.dumps(out), flush=True)
+        print(json.dumps({"multi_agent": True, "modules": outs} if modules else outs[""]), flush=True)
         return EXIT_OK
+    if modules:
+        print(f"multi-agent recording {args.input}: modules {modules}, each a recording of its own")
+    for module, out in outs.items():
+        _print_summary(os.path.join(args.input, module) if module else args.input, out)
+    return EXIT_OK
+
+
+def _print_summary(where: str, out: dict[str, Any]) -> None:
     rets = out.pop("episode_returns")
-    print(f"recording {args.input}: {out['shards']} shards ({out['complete_shards']} closed), "
+    print(f"recording {where}: {out['shards']} shards ({out['complete_shards']} closed), "
           f"{out['bytes'] / 1e6:.1f} MB, made by {out['algorithm']} with runnel {out['runnel_version']}")
     print(f"  records {out['records']:,}   chunks {out['chunks']:,}   steps {out['steps']:,}   "
           f"episodes {out['episodes']:,} (+{out['open_episodes']} unfinished)")
@@ -70,7 +85,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  damaged records {out['damaged_records']}   torn tails {out['torn_tails']}")
     for line in out["damage"]:
         print(f"    {line}")
-    return EXIT_OK
 
 
 def cmd_import(args: argparse.Namespace) -> int:
