@@ -146,4 +146,5 @@ def test_two_recurrent_policies_learn_stateless_cartpole_from_a_multi_agent_clie
         result = train_with_clients(algo, address, done, clients=2)
     finally:
         algo.stop()
+    print(f"summed return {best[0]:.0f} after {result['num_env_steps_sampled_lifetime']} env steps")
     assert best[0] >= 400, f"summed return {best[0]} after {result['num_env_steps_sampled_lifetime']} env steps"
