@@ -312,3 +312,25 @@ def test_cql_trains_two_modules_from_a_multi_agent_pendulum_recording(tmp_path):
         algo.stop()
     assert min(returns[-1].values()) >= -300, returns
     assert result["learners"]["p0"]["num_module_steps_trained"] > 0 < result["learners"]["p1"]["num_module_steps_trained"]
+
+
+def test_a_module_trains_on_what_its_own_directory_holds_whatever_the_chunks_say(tmp_path):
+    """Chunks are stamped with the module whose recording the reader found them in: a file that names another
+    module (moved, or written by someone else) cannot feed that module's learner."""
+    from actors.offline.reader import OfflineReader, ReaderSettings
+
+    directory = str(tmp_path / "rec")
+    expert_and_random(directory)
+    files = {m: resolve_input(os.path.join(directory, m)) for m in ("p0", "p1")}
+    for mid, other in (("p0", "p1"), ("p1", "p0")):  # swapped: each module's files now hold the other's chunks
+        for path in files[mid]:
+            os.rename(path, os.path.join(directory, other, "moved-" + os.path.basename(path)))
+    settings = EnvRunnerSettings(env_creator=None, num_envs=1, rollout_fragment_length=500)
+    reader = OfflineReader(settings, offline=ReaderSettings(input_=directory, modules=("p0", "p1"), seed=0))
+    try:
+        chunks = [c for _ in range(20) for c in reader.sample(num_timesteps=500)]
+    finally:
+        reader.stop()
+    returns = {m: [float(c.rewards.sum()) for c in chunks if c.module_id == m and c.chunk_index == 0 and c.is_done]
+               for m in ("p0", "p1")}
+    assert returns["p0"] and returns["p1"] and max(returns["p0"]) < 100 < min(returns["p1"])  # swapped

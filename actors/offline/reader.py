@@ -144,8 +144,16 @@ class OfflineReader(EnvRunnerRole):
         self.r = offline
         self.worker_index = worker_index
         self.sources: list[tuple[list[str], float]] = []
+        self.module_of: dict[str, str] = {}
+        """A multi-agent recording's shard file -> the module whose recording holds it: its chunks are stamped
+        with that module id, whatever they say (a file moved into another module's directory trains that one)."""
         for source, weight in input_sources(offline.input_):
-            files = resolve_modules_input(source, offline.modules) if offline.modules else resolve_input(source)
+            if offline.modules:
+                per_module = {mid: resolve_modules_input(source, (mid,)) for mid in offline.modules}
+                files = [f for fs in per_module.values() for f in fs]
+                self.module_of.update({f: mid for mid, fs in per_module.items() for f in fs})
+            else:
+                files = resolve_input(source)
             if num_readers > 1:  # readers 1..n take disjoint shares of the shards
                 files = files[worker_index - 1::num_readers] or files
             self.sources.append((files, weight))
@@ -220,6 +228,7 @@ class OfflineReader(EnvRunnerRole):
 
     def _shard_records(self, reader: ShardReader) -> Iterator[list[EpisodeChunk]]:
         """One record's chunks at a time (a shard's chunks are grouped back into its records)."""
+        module = self.module_of.get(reader.path)
         for off, frame in reader.frames():
             try:
                 chunks = decode_record(frame, reader.limits, f"{reader.path} at byte {off}")
@@ -227,6 +236,9 @@ class OfflineReader(EnvRunnerRole):
                 self.counts["damaged_records"] += 1
                 self.metrics.log_value("offline_data/damaged_records", 1, reduce="lifetime_sum")
                 continue
+            if module is not None:
+                for c in chunks:
+                    c.module_id = module
             yield chunks
 
     def _account(self, reader: ShardReader) -> None:

@@ -62,7 +62,7 @@ def module_recorded_spaces(config: Any) -> dict[str, tuple[Any, Any]]:
     """Each module's (observation, action) spaces as its recording in ``input_`` says (its manifest)."""
     directory = os.path.expanduser(str(config.offline_data_config["input_"]))
     out = {}
-    for mid in module_ids(config):
+    for mid in sorted(module_ids(config)):  # policies may be a set: the same order (and first error) every run
         manifest = read_manifest(os.path.join(directory, mid))
         out[mid] = (space_from_dict(manifest["observation_space"]), space_from_dict(manifest["action_space"]))
     return out
