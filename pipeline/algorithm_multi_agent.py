@@ -11,7 +11,8 @@ Evaluators are ``MultiAgentEnvRunner``s too (``runner_group_args(evaluation=True
 removed while training (``pipeline.algorithm_modules``) change the plan here and the specs and mapping
 every runner group is built with, so recreated runners hold the run's modules.
 
-What is not built for multi-agent runs yet (a recording mixed into an on-line run) is refused by
+What is not built for multi-agent runs yet (offline input for the on-line algorithms but DQN's and SAC's
+mixing) is refused by
 the config's checks (``pipeline.config.multi_agent.unbuilt_problems``), before anything is built.
 """
 from __future__ import annotations

@@ -187,10 +187,10 @@ def test_what_multi_agent_runs_do_not_do_yet_is_refused_by_validate_naming_the_s
     from pipeline import BCConfig
 
     ma(policies={"p0", "p1"}, policy_mapping_fn=per_agent).offline_data(output=str(tmp_path)).validate()  # built
-    dqn = (DQNConfig().environment("CartPole-v1").offline_data(input_={"sampler": 0.5, str(tmp_path): 0.5})
+    ppo = (PPOConfig().environment("CartPole-v1").offline_data(input_=str(tmp_path))
            .multi_agent(policies={"a", "b"}, policy_mapping_fn=per_agent))
-    msg = problems(dqn)  # a recording mixed into an on-line multi-agent run
-    assert "offline_data(input_=...) with DQN is not built for multi-agent runs yet" in msg
+    msg = problems(ppo)  # an on-line algorithm trained from a multi-agent recording
+    assert "offline_data(input_=...) with PPO is not built for multi-agent runs yet" in msg
 
     class Custom(PPOConfig):
         algo_name = "Custom"

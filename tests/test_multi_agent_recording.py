@@ -256,7 +256,7 @@ def test_multi_agent_offline_input_is_checked_against_the_recording(tmp_path):
         bc.copy().multi_agent(policies={"p0", "p2"}).offline_data(input_=directory).validate()
     with pytest.raises(ConfigError, match="is not a multi-agent recording"):
         bc.copy().offline_data(input_=os.path.join(DATA, "cartpole_expert")).validate()
-    with pytest.raises(ConfigError, match="a multi-agent run reads one multi-agent recording"):
+    with pytest.raises(ConfigError, match=r"a multi-agent run reads a multi-agent recording.*or a dict"):
         bc.copy().offline_data(input_=[directory]).validate()
     with pytest.raises(ConfigError, match="input_reader='local'"):
         bc.copy().offline_data(input_=directory, input_reader="ray_data").validate()
@@ -334,3 +334,33 @@ def test_a_module_trains_on_what_its_own_directory_holds_whatever_the_chunks_say
     returns = {m: [float(c.rewards.sum()) for c in chunks if c.module_id == m and c.chunk_index == 0 and c.is_done]
                for m in ("p0", "p1")}
     assert returns["p0"] and returns["p1"] and max(returns["p0"]) < 100 < min(returns["p1"])  # swapped
+
+
+def test_dqn_mixes_a_multi_agent_recording_into_each_modules_replay(tmp_path):
+    """``input_={"sampler": 0.5, DIR: 0.5}`` in a multi-agent DQN run: a recorded (agent) step per step sampled
+    (``count_steps_by`` units: env steps here) joins the replay each round, each into the buffer of the module
+    whose recording holds it."""
+    from pipeline import DQNConfig
+
+    directory = str(tmp_path / "rec")  # short episodes for both: records are drawn a chunk (episode) at a time
+    multi_agent_recording(directory, {"p0": "cartpole_random", "p1": "cartpole_random"},
+                          (CARTPOLE.observation_space, CARTPOLE.action_space))
+    algo = (DQNConfig().environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
+            .offline_data(input_={"sampler": 0.5, directory: 0.5})
+            .rl_module(model_config={"fcnet_hiddens": [16]}).env_runners(num_env_runners=0)
+            .training(num_steps_sampled_before_learning_starts=64, train_batch_size_per_learner=32)
+            .reporting(min_sample_timesteps_per_iteration=0).debugging(seed=0).build(logdir=None))
+    try:
+        for _ in range(30):
+            result = algo.train()
+    finally:
+        algo.stop()
+    read = result["offline_data"]["num_env_steps_read_lifetime"]
+    sampled = result["num_env_steps_sampled_lifetime"]
+    assert sampled <= read <= sampled + 500  # one recorded step per sampled one (a piece may run over)
+    modules = result["env_runners"]["num_module_steps_sampled_lifetime"]
+    added = {m: result["replay"][m]["inserts"] for m in ("p0", "p1")}
+    assert all(added[m] > modules[m] for m in added) and sum(added.values()) == sum(modules.values()) + read, \
+        (added, modules, read)
+    assert result["learners"]["p0"]["num_module_steps_trained"] > 0

@@ -211,10 +211,13 @@ def unbuilt_problems(config: Any) -> list[str]:
     offline = config.offline_data_config or {}
     algo = getattr(config, "algo_name", type(config).__name__)
     problems = []
-    if offline.get("input_") not in ("sampler", None) and algo not in OFFLINE_MULTI_AGENT:
-        problems.append(f"offline_data(input_=...) with {algo} {NOT_YET} (BC and MARWIL train several modules from "
-                        f"a multi-agent recording): leave it unset for multi-agent training, or train one module "
-                        f"without multi_agent(...) settings on its recording, DIR/<module_id>")
+    input_ = offline.get("input_")
+    mixes = isinstance(input_, dict) and "sampler" in input_  # DQN's and SAC's replay take recorded steps too
+    if input_ not in ("sampler", None) and algo not in OFFLINE_MULTI_AGENT and not mixes:
+        problems.append(f"offline_data(input_=...) with {algo} {NOT_YET} (BC, MARWIL and CQL train several modules "
+                        f"from a multi-agent recording; DQN and SAC mix one in with input_={{'sampler': p, DIR: q}}): "
+                        f"leave it unset for multi-agent training, or train one module without multi_agent(...) "
+                        f"settings on its recording, DIR/<module_id>")
     if algo not in MULTI_AGENT_ALGORITHMS:
         problems.append(f"{algo} with multi_agent(...) or rl_module(rl_module_spec=...) settings is not built yet "
                         f"(issue 27): only {list(MULTI_AGENT_ALGORITHMS)} train several modules so far")

@@ -44,23 +44,27 @@ def reader_settings(config: Any) -> ReaderSettings | None:
 
 
 def _multi_agent_input_problems(read: ReaderSettings) -> list[str]:
-    """A multi-agent run reads one multi-agent recording (``actors.offline.module_recorders``), locally."""
-    if not isinstance(read.input_, (str, os.PathLike)):
-        return [f"offline_data input_={read.input_!r}: a multi-agent run reads one multi-agent recording, the "
-                f"directory a multi-agent run recorded into (offline_data(output=DIR)); give that DIR"]
+    """A multi-agent run reads multi-agent recordings (``actors.offline.module_recorders``: directories, each
+    named alone or in a dict of sources), locally."""
+    if not isinstance(read.input_, (str, os.PathLike, dict)):
+        return [f"offline_data input_={read.input_!r}: a multi-agent run reads a multi-agent recording, the "
+                f"directory a multi-agent run recorded into (offline_data(output=DIR)); give that DIR (or a dict "
+                f"{{DIR: p, ...}})"]
     problems = [] if read.input_reader == "local" else [
         f"offline_data input_reader={read.input_reader!r} reads single-agent recordings; a multi-agent run "
         f"reads with input_reader='local'"]
-    try:
-        resolve_modules_input(read.input_, read.modules)
-    except (FileNotFoundError, ValueError) as err:
-        problems.append(f"offline_data: {err}")
+    for source, _ in input_sources(read.input_):
+        try:
+            resolve_modules_input(source, read.modules)
+        except (FileNotFoundError, ValueError, TypeError) as err:
+            problems.append(f"offline_data: {err}")
     return problems
 
 
 def module_recorded_spaces(config: Any) -> dict[str, tuple[Any, Any]]:
-    """Each module's (observation, action) spaces as its recording in ``input_`` says (its manifest)."""
-    directory = os.path.expanduser(str(config.offline_data_config["input_"]))
+    """Each module's (observation, action) spaces as its recording in ``input_`` says (its manifest; with
+    several recordings, the first's -- the learners check every chunk against them)."""
+    directory = os.path.expanduser(str(input_sources(config.offline_data_config["input_"])[0][0]))
     out = {}
     for mid in sorted(module_ids(config)):  # policies may be a set: the same order (and first error) every run
         manifest = read_manifest(os.path.join(directory, mid))

@@ -266,7 +266,8 @@ class OffPolicyPlan:
         if multi_agent is not None:
             from pipeline.plans.offpolicy_multi_agent import MultiAgentOffPolicy
 
-            self.multi = MultiAgentOffPolicy(config, settings, env_runners, learners, metrics, multi_agent)
+            self.mix = RecordedMix(config, runner_settings) if mixes_sampler(config) else None
+            self.multi = MultiAgentOffPolicy(config, settings, env_runners, learners, metrics, multi_agent, self.mix)
             return
         if config.replay_buffer_config.get("remote", False):
             from pipeline.plans.offpolicy_streaming import StreamingReplay

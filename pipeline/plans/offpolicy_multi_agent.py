@@ -34,10 +34,13 @@ from pipeline.groups.multi_agent import MultiLearnerGroup
 
 class MultiAgentOffPolicy:
     def __init__(self, config: Any, settings: ReplaySettings, env_runners: EnvRunnerGroup,
-                 learners: MultiLearnerGroup, metrics: MetricsLogger, multi_agent: Any) -> None:
+                 learners: MultiLearnerGroup, metrics: MetricsLogger, multi_agent: Any, mix: Any = None) -> None:
         """``settings``: the run's replay settings (``OffPolicySettings.replay_settings``); ``multi_agent``:
-        the run's ``MultiAgentSetup`` (its plan's trainable modules and ``count_steps_by``)."""
+        the run's ``MultiAgentSetup`` (its plan's trainable modules and ``count_steps_by``); ``mix``: recorded
+        steps mixed into each round (``input_={"sampler": p, "DIR": q}`` of a multi-agent recording; its chunks
+        carry their module ids to the modules' buffers), or None."""
         self.config, self.env_runners, self.learners, self.metrics = config, env_runners, learners, metrics
+        self.mix = mix
         self.multi_agent = multi_agent
         self.batch_size = int(config.train_batch_size_per_learner)
         self.steps_per_training_step = config.steps_per_training_step()
@@ -89,6 +92,8 @@ class MultiAgentOffPolicy:
         with m.log_time("timers/env_runner_sampling_timer"):
             chunks = self.env_runners.sample(self.steps_per_training_step, m)
         timestep = self.sampled_lifetime()
+        if self.mix is not None:  # in proportion to the steps sampled (count_steps_by units)
+            chunks = chunks + self.mix.sample(timestep - before, m)
         with m.log_time("timers/replay_insert"):
             for mid in self.replay.module_ids:
                 if mid not in self.multi_agent.plan.module_specs:  # removed from the run
