@@ -364,3 +364,27 @@ def test_dqn_mixes_a_multi_agent_recording_into_each_modules_replay(tmp_path):
     assert all(added[m] > modules[m] for m in added) and sum(added.values()) == sum(modules.values()) + read, \
         (added, modules, read)
     assert result["learners"]["p0"]["num_module_steps_trained"] > 0
+
+
+def test_each_modules_buffer_is_prefilled_from_its_own_recording(tmp_path):
+    from pipeline import DQNConfig
+
+    directory = str(tmp_path / "rec")
+    expert_and_random(directory)
+    config = (DQNConfig().environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
+              .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
+              .rl_module(model_config={"fcnet_hiddens": [16]}).env_runners(num_env_runners=0)
+              .training(num_steps_sampled_before_learning_starts=64, train_batch_size_per_learner=32,
+                        replay_buffer_config={"prefill_from": directory, "prefill_steps": 3000})
+              .reporting(min_sample_timesteps_per_iteration=0).debugging(seed=0))
+    algo = config.build(logdir=None)
+    try:
+        result = algo.train()
+        assert all(len(algo.plan.multi.replay.buffer(m)) >= 3000 for m in ("p0", "p1"))
+    finally:
+        algo.stop()
+    prefilled = {m: result["replay"][m]["num_prefilled_steps"] for m in ("p0", "p1")}
+    assert all(3000 <= n < 3000 + 500 for n in prefilled.values()), prefilled  # whole chunks, up to prefill_steps
+    assert prefilled["p0"] % 500 == 0  # p0's recording: the expert's 500-step episodes
+    with pytest.raises(ConfigError, match="is not a multi-agent recording"):
+        config.copy().training(replay_buffer_config={"prefill_from": os.path.join(DATA, "cartpole_expert")}).validate()

@@ -18,6 +18,7 @@ Settings come in RLlib's ``replay_buffer_config`` form (mixed into DQN's and SAC
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +41,7 @@ BUFFER_TYPES = {"EpisodeReplayBuffer": False, "uniform": False,
                 "PrioritizedEpisodeReplayBuffer": True, "prioritized": True}
 """replay_buffer_config["type"] -> prioritized? (RLlib's class names, and runnel's short names)."""
 MULTI_AGENT_UNBUILT = {"remote": "the replay actor is fed by runner streams, and multi-agent env runners do not "
-                                 "stream",
-                       "prefill_from": "recordings hold single-agent episodes"}
+                                 "stream"}
 """replay_buffer_config keys that multi-agent runs refuse, and why."""
 BUFFER_KEYS = ("type", "capacity", "alpha", "beta", "epsilon", "samples_per_insert", "min_size_to_sample",
                "error_buffer", "timeout_s", "remote", "prefetch", "num_cpus", "prefill_from", "prefill_steps",
@@ -117,7 +117,7 @@ class OffPolicySettings:
                             "replay actor (with num_env_runners=0 use the in-process replay stage, remote=False; an "
                             "in-driver policy server for external clients may stream to it)")
         if c.get("prefill_from") is not None:
-            problems += _prefill_problems(c)
+            problems += _prefill_problems(c, settings_used(self))
             if c.get("remote", False):
                 problems.append("replay_buffer_config prefill_from fills the in-process replay stage: use it with "
                                 "remote=False")
@@ -157,13 +157,20 @@ class OffPolicySettings:
         return problems + [f"replay: {p}" for p in settings.problems()]
 
 
-def _prefill_problems(c: dict) -> list[str]:
+def _prefill_problems(c: dict, multi_agent: bool) -> list[str]:
     from actors.offline import resolve_input
+    from actors.offline.reader import resolve_modules_input
 
     problems = []
     steps = c.get("prefill_steps")
     if steps is not None and (not is_int(steps) or steps < 1):
         problems.append(f"replay_buffer_config prefill_steps={steps!r} must be an int >= 1 (or None: up to the capacity)")
+    if multi_agent:  # each module's buffer from its own recording (its directory is checked when it is read)
+        try:
+            resolve_modules_input(c["prefill_from"], ())
+        except (OSError, ValueError, TypeError) as err:
+            problems.append(f"replay_buffer_config prefill_from={c['prefill_from']!r}: {err}")
+        return problems
     try:
         if not resolve_input(c["prefill_from"]):
             raise ValueError("no shard files there")
@@ -173,25 +180,30 @@ def _prefill_problems(c: dict) -> list[str]:
     return problems
 
 
-def prefill_replay(replay: ReplayBuffer, config: Any, runner_settings: Any, metrics: MetricsLogger) -> int:
-    """One pass over the recording (in shuffled record order) into ``replay``, up to ``prefill_steps``."""
+def prefill_replay(replay: ReplayBuffer, config: Any, runner_settings: Any, metrics: MetricsLogger,
+                   module_id: str | None = None, spaces: tuple[Any, Any] | None = None) -> int:
+    """One pass over the recording (in shuffled record order) into ``replay``, up to ``prefill_steps``; in a
+    multi-agent run, module ``module_id``'s recording in it into that module's buffer, whose chunks hold
+    ``spaces``."""
     from actors.offline import OfflineReader, ReaderSettings
 
     from actors.offline import manifest_for, resolve_input
     from protocols.spaces import space_to_dict
 
     c = config.replay_buffer_config
-    manifest = manifest_for(resolve_input(c["prefill_from"]))
-    for key, space in (("observation_space", runner_settings.observation_space),
-                       ("action_space", runner_settings.action_space)):
+    source = c["prefill_from"] if module_id is None else os.path.join(os.path.expanduser(c["prefill_from"]), module_id)
+    manifest = manifest_for(resolve_input(source))
+    obs_space, act_space = spaces or (runner_settings.observation_space, runner_settings.action_space)
+    for key, space in (("observation_space", obs_space), ("action_space", act_space)):
         recorded = (manifest or {}).get(key)
         if recorded is not None and space is not None and recorded != space_to_dict(space):
             raise ValueError(f"replay_buffer_config prefill_from={c['prefill_from']!r}: the recording's {key} "
                              f"{recorded} is not this algorithm's {space_to_dict(space)}: prefill from a recording "
                              f"of the same env")
     limit = int(c.get("prefill_steps") or replay.settings.capacity)
+    modules = None if module_id is None else (module_id,)  # stamped with the module whose directory holds them
     reader = OfflineReader(runner_settings, offline=ReaderSettings(input_=c["prefill_from"], shuffle_buffer_size=0,
-                                                                    seed=config.seed))
+                                                                    seed=config.seed, modules=modules))
     stored = 0
     try:
         while stored < limit:
@@ -205,7 +217,8 @@ def prefill_replay(replay: ReplayBuffer, config: Any, runner_settings: Any, metr
                                  f"fit this algorithm's replay: {err}") from None
     finally:
         reader.stop()
-    metrics.log_value("replay/num_prefilled_steps", stored, reduce="max", window=1)
+    where = "replay" if module_id is None else f"replay/{module_id}"
+    metrics.log_value(f"{where}/num_prefilled_steps", stored, reduce="max", window=1)
     return stored
 
 
@@ -268,6 +281,10 @@ class OffPolicyPlan:
 
             self.mix = RecordedMix(config, runner_settings) if mixes_sampler(config) else None
             self.multi = MultiAgentOffPolicy(config, settings, env_runners, learners, metrics, multi_agent, self.mix)
+            if config.replay_buffer_config.get("prefill_from") is not None:
+                for mid in self.multi.replay.module_ids:  # each trainable module's buffer from its own recording
+                    prefill_replay(self.multi.replay.buffer(mid), config, runner_settings, metrics, mid,
+                                   multi_agent.recorded_spaces([mid])[mid])
             return
         if config.replay_buffer_config.get("remote", False):
             from pipeline.plans.offpolicy_streaming import StreamingReplay
