@@ -179,17 +179,19 @@ def multi_agent_setup(config: AlgorithmConfig, creator: Callable | None, learner
             close = getattr(env, "close", None)
             if close is not None:
                 close()
-        for mid, spaces in (recorded or {}).items():  # the env serves evaluation: its agents act as recorded
-            spec = plan.module_specs[mid]
-            if (spec.observation_space, spec.action_space) != spaces:
-                raise ConfigError(f"module {mid!r} acts in {spec.observation_space} / {spec.action_space} in the "
-                                  f"env, but its recording holds {spaces[0]} / {spaces[1]}: evaluate in the env "
-                                  f"the recording was made in, or give the module its spaces")
     if not plan.is_multi_agent:  # multi_agent_plan refuses modules other than default_policy on such an env
         raise NotImplementedError(f"rl_module(rl_module_spec=...) and multi_agent(...) settings on a single-agent env "
                                   f"({config.env!r}) {NOT_YET}: leave them out (rl_module(model_config=...) sets "
                                   f"the one module's network)")
     connectors, spaces = module_connectors(config, plan)
+    for mid, held in (recorded or {}).items():  # the env serves evaluation or sampling: its agents act as recorded
+        spec = plan.module_specs[mid]
+        piped = connectors is not None and mid in connectors.pipelines
+        chunk_spaces = (connectors.recorded_space(mid) if piped else spec.observation_space, spec.action_space)
+        if creator is not None and chunk_spaces != held:
+            raise ConfigError(f"module {mid!r} acts in {chunk_spaces[0]} / {chunk_spaces[1]} in the env, but its "
+                              f"recording holds {held[0]} / {held[1]}: use the env the recording was made in, or "
+                              f"give the module its spaces")
     if connectors is not None:  # every stage builds its module for what the pipeline puts out
         plan = dataclasses.replace(plan, module_specs={
             mid: dataclasses.replace(spec, observation_space=connectors.observation_space(mid))
