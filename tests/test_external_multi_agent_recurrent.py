@@ -114,6 +114,7 @@ def train_with_clients(algo: Any, address: str, until: Callable[[dict], bool], c
             p.join()
 
 
+@pytest.mark.slow
 def test_ppo_trains_recurrent_modules_from_a_multi_agent_client():
     address = f"tcp://127.0.0.1:{free_port()}"
     algo = lstm_config(address).build(logdir=None)
