@@ -291,11 +291,16 @@ def test_the_c_client_plays_two_agent_episodes(tmp_path):
 
 
 # --- training ---------------------------------------------------------------------------------------
-def _play(address: str, stop: Any, seed: int) -> None:
-    """A client process: two-agent CartPole episodes until told to stop."""
+def play_cartpoles(address: str, stop: Any, seed: int, stateless: bool = False) -> None:
+    """A client process: two-agent CartPole episodes (``stateless``: Stateless CartPole's) until told to stop."""
     from actors.env.multi_agent_env import make_multi_agent
 
-    env = make_multi_agent("CartPole-v1")({"num_agents": 2})
+    if stateless:
+        from tests.test_multi_agent_recurrent import TwoAgents
+
+        env = TwoAgents({"num_agents": 2})
+    else:
+        env = make_multi_agent("CartPole-v1")({"num_agents": 2})
     client = PolicyClient(address, timeout_s=120)
     episode = 0
     while not stop.is_set():
@@ -356,7 +361,7 @@ def test_ppo_trains_two_policies_from_two_external_clients():
     algo = two_agent_config(address).build(logdir=None)
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
-    players = [ctx.Process(target=_play, args=(address, stop, i), daemon=True) for i in range(2)]
+    players = [ctx.Process(target=play_cartpoles, args=(address, stop, i), daemon=True) for i in range(2)]
     for p in players:
         p.start()
     try:

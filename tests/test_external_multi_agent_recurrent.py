@@ -21,6 +21,7 @@ from protocols.client import PolicyClient
 from protocols.client_multi_agent import run_multi_agent_env
 from tests.pieces import by_str_or_int_agent
 from tests.test_external import free_port
+from tests.test_external_multi_agent import play_cartpoles
 
 CARTPOLE = gym.make("CartPole-v1")
 CELL, SEQ = 8, 7
@@ -83,23 +84,10 @@ def lstm_config(address: str, **training):
             .training(**training).debugging(seed=0))
 
 
-def _play(address: str, stop: Any, seed: int) -> None:
-    """A client process: two-agent Stateless CartPole episodes until told to stop."""
-    from tests.test_multi_agent_recurrent import TwoAgents
-
-    env = TwoAgents({"num_agents": 2})
-    client = PolicyClient(address, timeout_s=120)
-    episode = 0
-    while not stop.is_set():
-        run_multi_agent_env(client, env, num_episodes=1, seed=seed * 1_000_000 + episode)
-        episode += 1
-    client.close(flush=False)
-
-
 def train_with_clients(algo: Any, address: str, until: Callable[[dict], bool], clients: int = 1) -> dict:
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
-    players = [ctx.Process(target=_play, args=(address, stop, i), daemon=True) for i in range(clients)]
+    players = [ctx.Process(target=play_cartpoles, args=(address, stop, i, True), daemon=True) for i in range(clients)]
     for p in players:
         p.start()
     try:
