@@ -20,9 +20,8 @@ import re
 import time
 from typing import Any
 
-from actors.offline.reader import read_json_manifest
-from actors.offline.recorder import (MANIFEST, MULTI_AGENT_FORMAT, Recorder, RecordingSettings, write_json_atomically,
-                                     write_manifest)
+from actors.offline.recorder import (MANIFEST, MULTI_AGENT_FORMAT, Recorder, RecordingSettings, read_json_manifest,
+                                     write_json_atomically, write_manifest)
 from protocols.episode import EpisodeChunk
 
 MULTI_AGENT_VERSION = 1

@@ -14,7 +14,6 @@ are skipped and counted (``offline_data/damaged_records``, ``offline_data/torn_t
 from __future__ import annotations
 
 import glob
-import json
 import os
 import random
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import numpy as np
 
 from actors.core import EnvRunnerRole
 from actors.metrics import MetricsLogger
-from actors.offline.recorder import MANIFEST, MULTI_AGENT_FORMAT, read_manifest
+from actors.offline.recorder import MANIFEST, MULTI_AGENT_FORMAT, read_json_manifest, read_manifest
 from protocols.codec import encode
 from protocols.episode import EpisodeChunk
 from protocols.errors import ProtocolError
@@ -69,19 +68,6 @@ def resolve_modules_input(input_: str, modules: tuple[str, ...]) -> list[str]:
         raise FileNotFoundError(f"offline input {input_!r} holds no recording of modules {missing} (it holds "
                                 f"{manifest.get('modules', [])}): train only modules it holds (multi_agent(policies=...))")
     return [f for m in modules for f in resolve_input(os.path.join(directory, m))]
-
-
-def read_json_manifest(directory: str) -> dict[str, Any]:
-    """``directory``'s manifest as it is, whichever kind (empty when it has none)."""
-    path = os.path.join(directory, MANIFEST)
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON ({err})") from None
-    return data if isinstance(data, dict) else {}
 
 
 def resolve_input(input_: str | list) -> list[str]:

@@ -107,16 +107,25 @@ def write_json_atomically(directory: str, manifest: dict[str, Any]) -> dict[str,
     return manifest
 
 
+def read_json_manifest(directory: str) -> dict[str, Any]:
+    """``directory``'s manifest as it is, whichever kind (empty when it has none or it is not a map)."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err})") from None
+    return data if isinstance(data, dict) else {}
+
+
 def read_manifest(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
+    if not os.path.exists(path):
         raise FileNotFoundError(f"{directory} has no {MANIFEST}: not a runnel recording "
-                                f"(record one with config.offline_data(output=...) or `runnel record`)") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from None
+                                f"(record one with config.offline_data(output=...) or `runnel record`)")
+    manifest = read_json_manifest(directory)
     if isinstance(manifest, dict) and manifest.get("format") == MULTI_AGENT_FORMAT:
         modules = [str(m) for m in manifest.get("modules", [])]
         example = os.path.join(directory, modules[0] if modules else "<module_id>")

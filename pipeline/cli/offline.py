@@ -49,8 +49,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from actors.offline.reader import read_json_manifest
-    from actors.offline.recorder import MULTI_AGENT_FORMAT
+    from actors.offline.recorder import MULTI_AGENT_FORMAT, read_json_manifest
     from pipeline.offline.record import inspect_recording
 
     try:
