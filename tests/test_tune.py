@@ -1,14 +1,12 @@
 """Algorithms under Ray Tune: grid search by name and by class, Tune checkpoints that restore through
 runnel's format, and PBT perturbing ``lr`` of running trials."""
 import re
-import time
 
 import pytest
 import ray
 from ray import tune
 from ray.tune.schedulers import PopulationBasedTraining
 
-from actors.replacements import cluster_actors
 from pipeline import PPO, Algorithm, PPOConfig
 from tests.pieces import by_agent
 
@@ -142,48 +140,3 @@ def test_cli_grid_search_in_a_tuned_file_runs_through_tune(ray2, tmp_path, capsy
         assert algo.iteration == 1 and algo.config.lr in (0.001, 0.0001)
     finally:
         algo.stop()
-
-
-def wait_for_free_cpus(n: float, timeout_s: float = 300.0, leftovers_after_s: float = 20.0) -> None:
-    """The Tune runs before leave trial processes exiting (Tune's kill does not wait for their deaths); a
-    test that needs the whole Ray waits, on Ray's own count, until they are gone. A loaded fresh clone saw one
-    CPU still held 120 s, and once for good, after the trials before had ended, with no live actor left: a
-    trial's placement group that Tune's asynchronous clean-up had not removed. Every Tune run of this module has
-    returned by then, so after ``leftovers_after_s`` the placement groups still standing are removed here."""
-    start = time.monotonic()
-    removed: list[str] = []
-    while ray.available_resources().get("CPU", 0.0) < n:
-        waited = time.monotonic() - start
-        assert waited < timeout_s, (f"{ray.available_resources()} free after {timeout_s:.0f} s; live actors: "
-                                    f"{cluster_actors()}; placement groups removed here: {removed}")
-        if waited > leftovers_after_s and not removed:
-            removed = remove_standing_placement_groups() or ["none standing"]
-        time.sleep(0.1)  # Ray offers no event for freed resources: poll its count
-
-
-def remove_standing_placement_groups() -> list[str]:
-    """Remove every placement group Ray still holds (their ids and states before)."""
-    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
-
-    out = []
-    for pg_id, info in placement_group_table().items():
-        if info.get("state") != "REMOVED":
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
-            out.append(f"{pg_id[:8]} ({info.get('state')})")
-    return out
-
-
-@pytest.mark.slow
-def test_a_second_algorithm_fails_fast_naming_the_one_holding_the_cpus(ray2, tmp_path):
-    """On a 2-CPU Ray, restoring while the first algorithm's two runners still run cannot place its
-    runners: say so at once (naming the holder), instead of waiting for a start-up timeout."""
-    wait_for_free_cpus(2)
-    first = small_config(num_env_runners=2).build(logdir=None)
-    try:
-        path = first.save(str(tmp_path / "ckpt"))
-        with pytest.raises(RuntimeError, match=r"needs 2 CPUs .* 0 of 2 free: PPO built at .* holds 2 .*\.stop\(\)"):
-            Algorithm.from_checkpoint(path, logdir=None)
-    finally:
-        first.stop()
-    second = Algorithm.from_checkpoint(path, logdir=None)  # once the first is stopped, it fits
-    second.stop()
