@@ -216,6 +216,10 @@ class Algorithm(Trainable):
         return self.evaluators.group if self.evaluators is not None else None
 
     # --- what an algorithm provides -----------------------------------------------------------
+    def check_spaces(self) -> None:
+        """Raise ConfigError for spaces this algorithm cannot train on that its module would accept; called
+        before any stage is built (the spaces are known by then)."""
+
     def build_plan(self) -> Any:
         """Stages beyond the env runner and learner groups that ``training_step`` drives (streams,
         a circular buffer...); None when it needs none."""

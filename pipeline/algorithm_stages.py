@@ -17,6 +17,7 @@ def build_stages(algo: Any, readers_in_slots: bool) -> None:
     """Set ``algo.env_runner_group``, ``algo.learner_group``, the evaluators (with ``evaluation_interval``)
     and ``algo.plan``; the caller cleans up what was built if this raises."""
     config = algo.config
+    algo.check_spaces()
     # Remote runners start in processes of their own: ask for them first and build the driver's learner while
     # they start (both take seconds), then wait for them. An in-process runner keeps coming after the learner:
     # building it draws from this process's generators, which the learner's seeded initialization must not see

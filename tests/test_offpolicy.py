@@ -168,9 +168,24 @@ def test_squashed_gaussian_log_prob_matches_a_change_of_variables():
 
 
 # --- bad input at build ------------------------------------------------------------------------
+class TwoDiscreteActions(gym.Env):
+    """An action space SAC has no policy for (MultiDiscrete)."""
+    observation_space = OBS
+    action_space = gym.spaces.MultiDiscrete([2, 3])
+
+    def __init__(self, config=None):
+        pass
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(3, np.float32), 0.0, True, False, {}
+
+
 @pytest.mark.parametrize("make, needle", [
     (lambda: DQNConfig().environment("Pendulum-v1"), "DQN needs Discrete or MultiDiscrete actions"),
-    (lambda: SACConfig().environment("CartPole-v1"), "SAC needs a 1-d Box action space"),
+    (lambda: SACConfig().environment(TwoDiscreteActions), "SAC needs a 1-d Box or a Discrete action space"),
     (lambda: DQNConfig().environment("CartPole-v1").training(
         replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 16}), "smaller than a train batch"),
     (lambda: DQNConfig().environment("CartPole-v1").training(n_step=[5, 2]), "n_step"),

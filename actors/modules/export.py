@@ -33,6 +33,7 @@ from actors.modules.actor_critic import ActorCriticModule
 from actors.modules.encoders import CNNEncoder, ObsEncoder
 from actors.modules.q_module import QModule
 from actors.modules.rl_module import RLModule
+from actors.modules.sac_module import SACModule
 from protocols.numpy_policy import FORMAT, VERSION
 
 _ELEMENTWISE = {nn.Tanh: "tanh", nn.ReLU: "relu", nn.ELU: "elu", nn.SiLU: "silu", nn.Identity: "identity"}
@@ -59,9 +60,11 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
               "advantage": [_linear(module.advantage, names)], "value": [_linear(module.value, names)]}
              if module.dueling else _linear(module.advantage, names))
         head = _sequential(module.trunk, names) + cell + [q]
+    elif type(module) is SACModule and module.discrete:  # the actor alone acts; the critics stay with the learner
+        head = _sequential(module.pi_trunk, names) + cell + [_linear(module.pi_head, names)]
     else:
         raise ValueError(f"{type(module).__name__} has no numpy export (supported: ActorCriticModule, QModule "
-                         f"with num_atoms=1) -- {_USE_REMOTE}")
+                         f"with num_atoms=1, SACModule with Discrete actions) -- {_USE_REMOTE}")
     spec = module.dist_spec
     if spec.kind not in ("categorical", "multi_categorical", "gaussian"):
         raise ValueError(f"{spec.kind} action distributions have no numpy export -- {_USE_REMOTE}")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.cql.config import CQLConfig
-from pipeline.algorithms.cql.learner import CQLLearner
+from pipeline.algorithms.cql.learner import CQLLearner, refuse_discrete
+from pipeline.config.base import ConfigError
 from pipeline.plans.offpolicy import OffPolicyPlan
 from pipeline.registry import register_algorithm
 
@@ -12,6 +13,15 @@ from pipeline.registry import register_algorithm
 class CQL(Algorithm):
     config_class = CQLConfig
     learner_class = CQLLearner
+
+    def check_spaces(self) -> None:
+        spaces = ([self.action_space] if self.multi_agent is None else
+                  [spec.action_space for spec in self.multi_agent.plan.module_specs.values()])
+        for space in spaces:
+            try:
+                refuse_discrete(space)
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
 
     def build_plan(self) -> OffPolicyPlan:
         return OffPolicyPlan.of(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import gymnasium as gym
 import torch
 
 from actors.learner import Optimizer
@@ -50,6 +51,13 @@ def cql_regularizer(module: SACModule, batch: dict[str, Any], config: Any,
     return total, stats
 
 
+def refuse_discrete(action_space: Any) -> None:
+    """ValueError for Discrete actions: CQL's regularizer draws uniform Box actions and densities."""
+    if isinstance(action_space, gym.spaces.Discrete):
+        raise ValueError(f"CQL needs a 1-d Box action space, got {action_space}; for Discrete actions train "
+                         f"from the recording with BC or MARWIL, or mix it into DQN (offline_data(input_=...))")
+
+
 class CQLLearner(SACLearner):
     """SAC's updates with CQL's regularizer in the critic step and behaviour cloning for the actor's
     first ``bc_iters`` updates; with ``lagrangian``, a learned multiplier on the regularizer."""
@@ -58,6 +66,7 @@ class CQLLearner(SACLearner):
     state_fields = ("num_target_updates", "log_alpha_prime_value")
 
     def __init__(self, config: CQLConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
+        refuse_discrete(action_space)
         self.log_alpha_prime = torch.nn.Parameter(torch.zeros(()))
         super().__init__(config, observation_space, action_space, **placement)
 

@@ -42,7 +42,12 @@ class SACConfig(OffPolicySettings, AlgorithmConfig):
     initial_alpha: float = 1.0
     """Initial entropy temperature."""
     target_entropy: float | str = "auto"
-    """Entropy the temperature steers toward; "auto" is minus the action dimension."""
+    """Entropy the temperature steers toward; "auto" is minus the action dimension for a Box, and
+    ``discrete_target_entropy_scale * log(n)`` for Discrete(n) actions."""
+    discrete_target_entropy_scale: float = 0.3
+    """Discrete actions with ``target_entropy="auto"``: the target as a fraction of the uniform policy's
+    entropy (runnel-only). RLlib's old stack used 0.98, which keeps the policy close to uniform; a
+    lower target lets it commit where the critics tell actions apart."""
     grad_clip: float | None = None
     """Clip threshold for gradients (None: no clipping)."""
     model_config: dict = field(default_factory=lambda: {"fcnet_hiddens": [256, 256], "fcnet_activation": "relu"})
@@ -61,5 +66,8 @@ class SACConfig(OffPolicySettings, AlgorithmConfig):
             problems.append(f"initial_alpha must be a number > 0, got {self.initial_alpha!r}")
         if self.target_entropy != "auto" and not is_number(self.target_entropy):
             problems.append(f"target_entropy must be 'auto' or a number, got {self.target_entropy!r}")
+        scale = self.discrete_target_entropy_scale
+        if not is_number(scale) or not 0 < scale < 1:
+            problems.append(f"discrete_target_entropy_scale must be a number in (0, 1), got {scale!r}")
         return problems
 

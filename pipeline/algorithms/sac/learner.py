@@ -3,9 +3,11 @@ and settings) and ``SACLearner``, which steps the three optimizers and the targe
 no Ray Tune."""
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import gymnasium as gym
 import torch
 
 from actors.learner import Learner, Optimizer, batch_slices, combined_stats
@@ -16,14 +18,23 @@ from pipeline.plans.offpolicy import polyak, to_tensors
 
 def sac_critic_loss(module: SACModule, target: SACModule, batch: dict[str, Any], config: SACConfig,
                     alpha: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """Soft Bellman error of both critics; returns (loss, stats, per-sample TD error for priorities)."""
+    """Soft Bellman error of both critics; returns (loss, stats, per-sample TD error for priorities).
+    Discrete actions: the next state's soft value is the expectation over the policy's probabilities,
+    ``sum_a pi(a|s') (min Q'(s', a) - alpha log pi(a|s'))``, instead of one sampled action's."""
     q1, q2 = module.q_values(batch["obs"], batch["actions"])
     with torch.no_grad():
-        next_dist = module.action_dist(module.forward_inference(batch["next_obs"])["action_dist_inputs"])
-        next_actions, next_logp = next_dist.rsample_with_logp()
-        tq1, tq2 = target.q_values(batch["next_obs"], next_actions)
-        next_q = torch.min(tq1, tq2) if config.twin_q else tq1
-        y = batch["rewards"] + batch["discounts"] * (next_q - alpha * next_logp)
+        logits = module.forward_inference(batch["next_obs"])["action_dist_inputs"]
+        if module.discrete:
+            next_logp = torch.log_softmax(logits, -1)
+            tq1, tq2 = target.all_q_values(batch["next_obs"])
+            next_q = torch.min(tq1, tq2) if config.twin_q else tq1
+            next_v = (next_logp.exp() * (next_q - alpha * next_logp)).sum(-1)
+        else:
+            next_actions, next_logp = module.action_dist(logits).rsample_with_logp()
+            tq1, tq2 = target.q_values(batch["next_obs"], next_actions)
+            next_q = torch.min(tq1, tq2) if config.twin_q else tq1
+            next_v = next_q - alpha * next_logp
+        y = batch["rewards"] + batch["discounts"] * next_v
     w = batch["weights"]
     loss = 0.5 * (w * (q1 - y).pow(2)).mean() + (0.5 * (w * (q2 - y).pow(2)).mean() if config.twin_q else 0.0)
     td_error = (0.5 * ((q1 - y).abs() + (q2 - y).abs()) if config.twin_q else (q1 - y).abs()).detach()
@@ -34,12 +45,22 @@ def sac_critic_loss(module: SACModule, target: SACModule, batch: dict[str, Any],
 
 def sac_actor_loss(module: SACModule, batch: dict[str, Any], config: SACConfig,
                    alpha: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """``alpha * log pi(a|s) - min Q(s, a)`` with reparameterized actions; returns the log-probs too."""
-    dist = module.action_dist(module.forward_inference(batch["obs"])["action_dist_inputs"])
-    actions, logp = dist.rsample_with_logp()
-    q1, q2 = module.q_values(batch["obs"], actions)
-    q = torch.min(q1, q2) if config.twin_q else q1
-    loss = (alpha * logp - q).mean()
+    """``alpha * log pi(a|s) - min Q(s, a)`` with reparameterized actions; returns the log-probs too.
+    Discrete actions: its expectation over the policy's probabilities (exact, no sample), and as "log-probs"
+    each state's ``sum_a pi log pi`` (minus its entropy), which is what the temperature's loss needs."""
+    logits = module.forward_inference(batch["obs"])["action_dist_inputs"]
+    if module.discrete:
+        log_pi = torch.log_softmax(logits, -1)
+        q1, q2 = module.all_q_values(batch["obs"])
+        q = torch.min(q1, q2) if config.twin_q else q1
+        pi = log_pi.exp()
+        loss = (pi * (alpha * log_pi - q)).sum(-1).mean()
+        logp = (pi * log_pi).sum(-1)
+    else:
+        actions, logp = module.action_dist(logits).rsample_with_logp()
+        q1, q2 = module.q_values(batch["obs"], actions)
+        q = torch.min(q1, q2) if config.twin_q else q1
+        loss = (alpha * logp - q).mean()
     return loss, {"actor_loss": loss.detach(), "entropy": -logp.detach().mean()}, logp.detach()
 
 
@@ -57,8 +78,8 @@ class SACLearner(Learner):
 
     def __init__(self, config: SACConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
         self.config = config
-        act_dim = int(action_space.shape[0]) if getattr(action_space, "shape", None) else 1
-        self.target_entropy = -float(act_dim) if config.target_entropy == "auto" else float(config.target_entropy)
+        self.target_entropy = (auto_target_entropy(action_space, config.discrete_target_entropy_scale)
+                               if config.target_entropy == "auto" else float(config.target_entropy))
         self.num_target_updates = 0
         super().__init__(config.learner_settings(), observation_space, action_space, **placement)
 
@@ -111,6 +132,14 @@ class SACLearner(Learner):
         stats |= {"critic_gradients_global_norm": critic_norm, "actor_gradients_global_norm": actor_norm,
                   "alpha_loss": alpha_loss.detach(), "alpha_value": alpha}
         return stats, td_error
+
+
+def auto_target_entropy(action_space: Any, discrete_scale: float) -> float:
+    """``target_entropy="auto"``: minus the action dimension for a Box (Haarnoja et al.); for Discrete(n),
+    ``discrete_scale`` times the uniform policy's entropy ``log n``."""
+    if isinstance(action_space, gym.spaces.Discrete):
+        return float(discrete_scale * math.log(int(action_space.n)))
+    return -float(action_space.shape[0])
 
 
 @contextmanager
