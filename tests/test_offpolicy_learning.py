@@ -19,16 +19,24 @@ def tuned(path, seed):
     return config, stop["env_runners/episode_return_mean"], stop["num_env_steps_sampled_lifetime"]
 
 
+def train_tuned(path, seed, stop=None):
+    """The tuned file's run with ``seed`` until its target (or ``stop``: (target, budget)); returns
+    (best return seen, last result, the file's (target, budget))."""
+    config, target, budget = tuned(path, seed)
+    goal = stop or (target, budget)
+    algo = config.build()
+    try:
+        best, result = train_until(algo, *goal)
+    finally:
+        algo.stop()
+    return best, result, (target, budget)
+
+
 @pytest.mark.learning
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.seeds), pytest.param(2, marks=pytest.mark.seeds)])
 def test_dqn_reaches_450_on_cartpole_within_200k_steps(seed):
-    config, target, budget = tuned("tuned/cartpole-dqn.yaml", seed)
-    assert (target, budget) == (450, 200_000)
-    algo = config.build()
-    try:
-        best, result = train_until(algo, target, budget)
-    finally:
-        algo.stop()
+    best, result, stop = train_tuned("tuned/cartpole-dqn.yaml", seed)
+    assert stop == (450, 200_000)
     assert best >= 450, f"seed {seed}: mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
     assert result["num_env_steps_sampled_lifetime"] <= 200_000
     assert result["replay"]["samples_per_insert"] > 0 and result["learners"]["default_policy"]["num_target_updates"] > 0
@@ -37,13 +45,8 @@ def test_dqn_reaches_450_on_cartpole_within_200k_steps(seed):
 @pytest.mark.learning
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.seeds), pytest.param(2, marks=pytest.mark.seeds)])
 def test_sac_reaches_minus_250_on_pendulum_within_20k_steps(seed):
-    config, target, budget = tuned("tuned/pendulum-sac.yaml", seed)
-    assert (target, budget) == (-250, 20_000)
-    algo = config.build()
-    try:
-        best, result = train_until(algo, target, budget)
-    finally:
-        algo.stop()
+    best, result, stop = train_tuned("tuned/pendulum-sac.yaml", seed)
+    assert stop == (-250, 20_000)
     assert best >= -250, f"seed {seed}: mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
     assert result["num_env_steps_sampled_lifetime"] <= 20_000
     stats = result["learners"]["default_policy"]
@@ -55,14 +58,8 @@ def test_discrete_sac_learns_cartpole_within_15k_steps():
     """Discrete SAC with its tuned file's settings, seed 0, to a smoothed return of 200 (random play: ~22; the
     tuned run passed 196 at 4.1k env steps and reached 450 at 26k); 450 itself for seeds 0-2 is the seeds
     test below (minutes each at one update per env step)."""
-    config, target, budget = tuned("tuned/cartpole-sac.yaml", 0)
-    assert (target, budget) == (450, 60_000)
-    algo = config.build()
-    try:
-        assert algo.module.discrete and algo.module.dist_spec.kind == "categorical"
-        best, result = train_until(algo, 200, 15_000)
-    finally:
-        algo.stop()
+    best, result, stop = train_tuned("tuned/cartpole-sac.yaml", 0, stop=(200, 15_000))
+    assert stop == (450, 60_000)
     assert best >= 200, f"mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
     stats = result["learners"]["default_policy"]
     assert np.isfinite(stats["qf_loss"]) and stats["target_entropy"] == pytest.approx(0.3 * np.log(2))
@@ -72,12 +69,7 @@ def test_discrete_sac_learns_cartpole_within_15k_steps():
 @pytest.mark.seeds
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_discrete_sac_reaches_450_on_cartpole_within_60k_steps(seed):
-    config, target, budget = tuned("tuned/cartpole-sac.yaml", seed)
-    algo = config.build()
-    try:
-        best, result = train_until(algo, target, budget)
-    finally:
-        algo.stop()
+    best, result, _ = train_tuned("tuned/cartpole-sac.yaml", seed)
     assert best >= 450, f"seed {seed}: mean return {best} after {result['num_env_steps_sampled_lifetime']} steps"
 
 

@@ -1,0 +1,89 @@
+"""IMPALA (or APPO) on CartPole-v1 past 450: how often a run that learned falls back to random play.
+
+Run: ``.venv/bin/python tests/benchmarks/impala_stability.py [--algo IMPALA] [--runs 6] [--budget 800000]
+[--learner-pause-s 0.03] [--config JSON ...]``. Each run trains the learning test's config (2 runner actors, seed 0;
+runs differ by their asynchrony) for ``--budget`` env steps without stopping at 450, and prints one JSON line:
+the first env step count at a smoothed return of 450, whether the run collapsed after it (a return below 50
+once it had reached 450), and (return, entropy, gradient norm, weights lag, env steps) per iteration.
+``--config`` (repeatable) gives training settings per arm; the runs alternate between the arms.
+``--learner-pause-s`` sleeps that long after each learner update (the driver's learner, patched in this
+process): the learner becomes the bottleneck and the data lags ~12 updates, as in the suite's failed runs.
+
+Measured 2026-12-05 (docs/HISTORY.md; rows in results_impala_stability_amd_2026-12-05.jsonl): the default config
+collapsed in 1 of 9 runs, in 2 of 6 with a 0.03 s pause.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import ray  # noqa: E402
+
+from pipeline import get_algorithm  # noqa: E402
+
+
+def pause_learner_updates(algo_name: str, seconds: float) -> None:
+    """Every update of the algorithm's learner class sleeps ``seconds`` after it (in this process)."""
+    learner_cls = get_algorithm(algo_name)[1].learner_class
+    update = learner_cls.update
+
+    def slow_update(self, *args, **kwargs):
+        out = update(self, *args, **kwargs)
+        time.sleep(seconds)
+        return out
+
+    learner_cls.update = slow_update
+
+
+def one_run(algo_name: str, overrides: dict, budget: int) -> dict:
+    config = get_algorithm(algo_name)[0]().environment("CartPole-v1").env_runners(num_env_runners=2).debugging(seed=0)
+    if overrides:
+        config = config.training(**overrides)
+    algo = config.build()
+    rows, start = [], time.perf_counter()
+    try:
+        while not rows or rows[-1][-1] < budget:
+            r = algo.train()
+            learner = r.get("learners", {}).get("default_policy", {})
+            rows.append([round(float(r["env_runners"].get("episode_return_mean", float("nan"))), 1),
+                         round(float(learner.get("entropy", float("nan"))), 3),
+                         round(float(learner.get("gradients_global_norm", float("nan"))), 2),
+                         round(float(r["stream"].get("weights_lag_mean", float("nan"))), 1),
+                         int(r["num_env_steps_sampled_lifetime"])])
+    finally:
+        algo.stop()
+    first = next((i for i, row in enumerate(rows) if row[0] >= 450), None)
+    collapsed = first is not None and any(row[0] < 50 for row in rows[first:])
+    return {"bench": "impala_stability", "algo": algo_name, "config": overrides, "budget": budget,
+            "first_450_env_steps": None if first is None else rows[first][-1], "collapsed_after_450": collapsed,
+            "wall_s": round(time.perf_counter() - start, 1), "rows": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--algo", default="IMPALA", choices=["IMPALA", "APPO"])
+    p.add_argument("--runs", type=int, default=6)
+    p.add_argument("--budget", type=int, default=800_000)
+    p.add_argument("--learner-pause-s", type=float, default=0.0)
+    p.add_argument("--config", action="append", type=json.loads, default=[],
+                   help='training settings of one arm, e.g. \'{"lr": 0.0005}\' (repeatable; default: the defaults)')
+    args = p.parse_args()
+    if args.learner_pause_s > 0:
+        pause_learner_updates(args.algo, args.learner_pause_s)
+    arms = args.config or [{}]
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        for i in range(args.runs):
+            out = one_run(args.algo, arms[i % len(arms)], args.budget)
+            print(json.dumps({**out, "run": i, "learner_pause_s": args.learner_pause_s}), flush=True)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
