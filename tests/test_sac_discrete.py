@@ -123,3 +123,28 @@ def test_cql_refuses_discrete_actions_at_build_naming_the_alternatives():
               .offline_data(input_="tests/data/cartpole_expert"))
     with pytest.raises(ConfigError, match="CQL needs a 1-d Box action space, got Discrete.*BC or MARWIL"):
         config.build()
+
+
+def test_two_discrete_sac_policies_train_on_two_agent_cartpole():
+    """A multi-agent run: each module its own categorical actor, critics and temperature, updated from its own
+    buffer (a smoke check of the plumbing; the learning run is the single-agent one)."""
+    from pipeline import make_multi_agent
+    from tests.pieces import by_agent
+
+    config = (SACConfig().environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
+              .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
+              .training(train_batch_size_per_learner=32, training_intensity=32, num_steps_sampled_before_learning_starts=64,
+                        replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 5_000})
+              .rl_module(model_config={"fcnet_hiddens": [16]}).env_runners(num_env_runners=0).debugging(seed=0))
+    algo = config.build(logdir=None)
+    try:
+        result = {}
+        while result.get("num_env_steps_sampled_lifetime", 0) < 400:
+            result = algo.train()
+        for mid in ("p0", "p1"):
+            stats = result["learners"][mid]
+            assert stats["target_entropy"] == pytest.approx(0.3 * math.log(2)) and np.isfinite(stats["qf_loss"])
+            assert algo.get_module(mid).discrete
+        assert algo.compute_single_action(np.zeros(4, np.float32), policy_id="p1") in (0, 1)
+    finally:
+        algo.stop()
