@@ -50,7 +50,8 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
     # exact classes: a subclass may compute its actions differently from the layers exported here
     lstm = getattr(module, "lstm", None)  # both exported classes put it between their trunk and their head
     cell = [] if lstm is None else [_lstm(lstm, names)]
-    if type(module) is ActorCriticModule:
+    # a discrete SAC module acts with its actor alone, laid out as ActorCriticModule's policy (the critics stay home)
+    if type(module) is ActorCriticModule or (type(module) is SACModule and module.discrete):
         head = _sequential(module.pi_trunk, names) + cell + [_linear(module.pi_head, names)]
     elif type(module) is QModule:
         if module.num_atoms > 1:
@@ -60,8 +61,6 @@ def export_policy(module: RLModule, exploration: Exploration | None = None, time
               "advantage": [_linear(module.advantage, names)], "value": [_linear(module.value, names)]}
              if module.dueling else _linear(module.advantage, names))
         head = _sequential(module.trunk, names) + cell + [q]
-    elif type(module) is SACModule and module.discrete:  # the actor alone acts; the critics stay with the learner
-        head = _sequential(module.pi_trunk, names) + cell + [_linear(module.pi_head, names)]
     else:
         raise ValueError(f"{type(module).__name__} has no numpy export (supported: ActorCriticModule, QModule "
                          f"with num_atoms=1, SACModule with Discrete actions) -- {_USE_REMOTE}")

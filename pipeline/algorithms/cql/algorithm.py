@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pipeline.algorithm import Algorithm
 from pipeline.algorithms.cql.config import CQLConfig
-from pipeline.algorithms.cql.learner import CQLLearner, refuse_discrete
+from pipeline.algorithms.cql.learner import CQLLearner, discrete_problem
 from pipeline.config.base import ConfigError
 from pipeline.plans.offpolicy import OffPolicyPlan
 from pipeline.registry import register_algorithm
@@ -17,11 +17,9 @@ class CQL(Algorithm):
     def check_spaces(self) -> None:
         spaces = ([self.action_space] if self.multi_agent is None else
                   [spec.action_space for spec in self.multi_agent.plan.module_specs.values()])
-        for space in spaces:
-            try:
-                refuse_discrete(space)
-            except ValueError as err:
-                raise ConfigError(str(err)) from err
+        problems = [p for p in map(discrete_problem, spaces) if p is not None]
+        if problems:
+            raise ConfigError(problems[0])
 
     def build_plan(self) -> OffPolicyPlan:
         return OffPolicyPlan.of(self)

@@ -51,11 +51,13 @@ def cql_regularizer(module: SACModule, batch: dict[str, Any], config: Any,
     return total, stats
 
 
-def refuse_discrete(action_space: Any) -> None:
-    """ValueError for Discrete actions: CQL's regularizer draws uniform Box actions and densities."""
-    if isinstance(action_space, gym.spaces.Discrete):
-        raise ValueError(f"CQL needs a 1-d Box action space, got {action_space}; for Discrete actions train "
-                         f"from the recording with BC or MARWIL, or mix it into DQN (offline_data(input_=...))")
+def discrete_problem(action_space: Any) -> str | None:
+    """Why CQL cannot train on ``action_space`` (None: it can): its regularizer draws uniform Box actions and
+    their densities."""
+    if not isinstance(action_space, gym.spaces.Discrete):
+        return None
+    return (f"CQL needs a 1-d Box action space, got {action_space}; for Discrete actions train from the recording "
+            f"with BC or MARWIL, or mix it into DQN (offline_data(input_=...))")
 
 
 class CQLLearner(SACLearner):
@@ -66,7 +68,9 @@ class CQLLearner(SACLearner):
     state_fields = ("num_target_updates", "log_alpha_prime_value")
 
     def __init__(self, config: CQLConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
-        refuse_discrete(action_space)
+        problem = discrete_problem(action_space)  # a module added later reaches the learner without check_spaces
+        if problem is not None:
+            raise ValueError(problem)
         self.log_alpha_prime = torch.nn.Parameter(torch.zeros(()))
         super().__init__(config, observation_space, action_space, **placement)
 
