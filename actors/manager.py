@@ -90,6 +90,12 @@ class FaultToleranceSettings:
                        "ignore_env_runner_failures=True to go on without them.")
     """Appended to the error raised when a member fails and neither restarts nor ignoring are on."""
 
+    @property
+    def build_timeout_s(self) -> float | None:
+        """How long a call that builds something in a running member (a module added while training) may
+        take: as long as a start may, and never less than a probe (None: probes wait as long as it takes)."""
+        return None if self.probe_timeout_s is None else max(self.start_timeout_s, self.probe_timeout_s)
+
 
 @dataclass
 class _Member:

@@ -73,7 +73,9 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
     if algo.recording is not None:  # its recording's manifest before any runner records for it
         write_run_manifest(algo, [module_id])
     for group in runner_groups(algo):
-        group.manager.foreach_actor("add_module", module_id, spec)
+        # building a module is start-up work (an evaluator busy with a parallel evaluation answers after it):
+        # the start timeout, not the probe's, before a slow answer counts as a failure
+        group.manager.foreach_actor("add_module", module_id, spec, timeout_s=group.manager.settings.build_timeout_s)
         if mapping is not None:
             group.manager.foreach_actor("set_policy_mapping_fn", mapping)
     remember_in_config(algo.config, setup.module_ids, module_id, spec, overrides, new_agent_to_module_mapping_fn)

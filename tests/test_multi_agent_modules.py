@@ -8,6 +8,7 @@ once with Ray runners and two data-parallel learners.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -274,5 +275,30 @@ def test_add_and_remove_with_ray_runners_and_two_learners(ray_cluster):
             == [["p0", "p0_v1"]] * 2
         for on_runner in runner_weights(algo, "p0_v1"):
             assert all(torch.equal(v, weights(algo, "p0_v1")[k]) for k, v in on_runner.items())
+    finally:
+        algo.stop()
+
+
+class SlowToBuildInActors(ActorCriticModule):
+    """Takes seconds to build inside a Ray actor (as a big module or a busy, niced runner does)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import ray
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            time.sleep(4.0)
+        super().__init__(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_adding_a_module_slower_than_a_probe_keeps_the_runners(ray_cluster):
+    # building a module is start-up work: it waits the start timeout, not the 2 s health probe
+    algo = (config().env_runners(num_env_runners=2)
+            .fault_tolerance(env_runner_health_probe_timeout_s=2.0).build(logdir=None))
+    try:
+        algo.add_module("slow", RLModuleSpec(module_class=SlowToBuildInActors),
+                        new_agent_to_module_mapping_fn=by_agent)
+        assert algo.env_runner_group.manager.healthy_ids() == [1, 2]
+        assert algo.env_runner_group.manager.num_failures == 0
+        assert algo.foreach_env_runner(lambda runner: runner.module_ids) == [["p0", "p1", "slow"]] * 2
     finally:
         algo.stop()

@@ -239,7 +239,8 @@ class MultiLearnerGroup(LearnerGroup):
             raise ValueError(f"module {module_id!r} exists already (modules: {self.module_ids}); remove_module() it "
                              f"first or pick another id")
         check_module_class(self.learner_class, module_id, spec)  # here, before any actor is asked
-        self.manager.foreach_actor("add_module_from_spec", module_id, spec, dict(overrides), trainable)
+        self.manager.foreach_actor("add_module_from_spec", module_id, spec, dict(overrides), trainable,
+                                   timeout_s=self.manager.settings.build_timeout_s)  # builds a module: start-up work
         self.module_ids = sorted([*self.module_ids, module_id])
         self._follow_modules(add=(module_id, spec, overrides, trainable))
         if len(self.manager.healthy_ids()) > 1:  # ranks draw apart without a seed: rank 0's weights for all
