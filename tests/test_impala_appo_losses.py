@@ -9,6 +9,7 @@ from actors.modules import ActorCriticModule as RLModule
 from pipeline import APPOConfig, ConfigError, IMPALAConfig
 from pipeline.algorithms.appo.learner import appo_loss
 from pipeline.algorithms.impala.learner import impala_loss
+from pipeline.algorithms.returns import vtrace
 from tests.fake_steps import on_policy_steps
 
 OBS_SPACE = gym.spaces.Box(-1, 1, (4,), np.float32)
@@ -66,6 +67,31 @@ def test_impala_loss_gradient_raises_the_probability_of_advantaged_actions(modul
         loss.backward()
         opt.step()
     assert p1() > before + 0.05
+
+
+def expected_logit_step(mu: np.ndarray, pi: np.ndarray, delta: float, pg_rho_threshold: float) -> np.ndarray:
+    """The expected policy-gradient ascent direction on the logits, E_mu[pg_adv * grad log pi(a)], when every
+    TD error is ``delta`` (a value function that is off by a constant), with V-trace's advantages for one-step
+    chunks of each action."""
+    values = np.array([10.0, 10.0 + delta / 0.99] * 2, np.float32)  # r=0 + 0.99 * V' - V = delta
+    _, adv = vtrace(np.log(mu), np.log(pi), np.zeros(2, np.float32), values, np.array([1, 1]),
+                    np.array([False, False]), 0.99, clip_pg_rho_threshold=pg_rho_threshold)
+    return sum(mu[a] * adv[a] * (np.eye(2)[a] - pi) for a in range(2))
+
+
+def test_impala_default_pg_clip_gives_a_constant_advantage_error_no_pull_away_from_the_runners_policy():
+    # The learner's policy has drifted from the runners' (lag): pi(0) = 0.8 against mu(0) = 0.5. A value
+    # function that overestimates every state (after a dip in return) makes every TD error negative. With the
+    # policy-gradient ratio clipped at 1 (the IMPALA paper's rho-bar), that constant error pushes pi further
+    # towards action 0 -- away from mu, towards one action -- the feedback in which IMPALA's CartPole runs
+    # collapsed (docs/HISTORY.md, 2026-12-05). Clipped at IMPALA's default (3), a ratio of 1.6 is not clipped
+    # and a constant error has no expected pull.
+    mu, pi = np.array([0.5, 0.5], np.float32), np.array([0.8, 0.2], np.float32)
+    clipped_at_one = expected_logit_step(mu, pi, delta=-1.0, pg_rho_threshold=1.0)
+    assert clipped_at_one[0] - clipped_at_one[1] > 0.1  # towards action 0, away from mu
+    default = expected_logit_step(mu, pi, delta=-1.0, pg_rho_threshold=IMPALAConfig().vtrace_clip_pg_rho_threshold)
+    np.testing.assert_allclose(default, 0.0, atol=1e-6)
+    assert APPOConfig().vtrace_clip_pg_rho_threshold == 1.0  # APPO's clipped surrogate and target network hold it
 
 
 def test_appo_loss_on_policy_is_minus_mean_advantage_with_zero_kl(module):

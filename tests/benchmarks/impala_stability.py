@@ -10,7 +10,8 @@ once it had reached 450), and (return, entropy, gradient norm, weights lag, env 
 process): the learner becomes the bottleneck and the data lags ~12 updates, as in the suite's failed runs.
 
 Measured 2026-12-05 (docs/HISTORY.md; rows in results_impala_stability_amd_2026-12-05.jsonl): the default config
-collapsed in 1 of 9 runs, in 2 of 6 with a 0.03 s pause.
+of then (policy-gradient ratio clipped at 1) collapsed in 1 of 9 runs to 800k, in 2 of 6 with a 0.03 s pause; to 1M
+with the pause in 7 of 11, and clipped at 3 (the default since) in none of 8 (results_impala_pg_clip_amd_2026-12-05.jsonl).
 """
 from __future__ import annotations
 
