@@ -1,10 +1,11 @@
 """IMPALA (or APPO) on CartPole-v1 past 450: how often a run that learned falls back to random play.
 
 Run: ``.venv/bin/python tests/benchmarks/impala_stability.py [--algo IMPALA] [--runs 6] [--budget 800000]
-[--learner-pause-s 0.03] [--config JSON ...]``. Each run trains the learning test's config (2 runner actors, seed 0;
-runs differ by their asynchrony) for ``--budget`` env steps without stopping at 450, and prints one JSON line:
-the first env step count at a smoothed return of 450, whether the run collapsed after it (a return below 50
-once it had reached 450), and (return, entropy, gradient norm, weights lag, env steps) per iteration.
+[--learner-pause-s 0.03 | --num-learners 2] [--config JSON ...]``. Each run trains the learning test's config (2
+runner actors, seed 0; runs differ by their asynchrony) for ``--budget`` env steps without stopping at 450, and
+prints one JSON line: the first env step count at a smoothed return of 450, whether the run collapsed after it (a
+return below 50 once it had reached 450), and (return, entropy, gradient norm, weights lag, env steps) per
+iteration. ``--num-learners 2`` runs the two-learner test's setting (learner actors, half the batch each).
 ``--config`` (repeatable) gives training settings per arm; the runs alternate between the arms.
 ``--learner-pause-s`` sleeps that long after each learner update (the driver's learner, patched in this
 process): the learner becomes the bottleneck and the data lags ~12 updates, as in the suite's failed runs.
@@ -41,8 +42,12 @@ def pause_learner_updates(algo_name: str, seconds: float) -> None:
     learner_cls.update = slow_update
 
 
-def one_run(algo_name: str, overrides: dict, budget: int) -> dict:
+def one_run(algo_name: str, overrides: dict, budget: int, num_learners: int = 0) -> dict:
     config = get_algorithm(algo_name)[0]().environment("CartPole-v1").env_runners(num_env_runners=2).debugging(seed=0)
+    if num_learners > 0:  # the two-learner test's setting: each learner half the batch (the same steps per update)
+        per_learner = 500 // num_learners
+        config = config.learners(num_learners=num_learners).training(train_batch_size_per_learner=per_learner,
+                                                                     minibatch_size=per_learner)
     if overrides:
         config = config.training(**overrides)
     algo = config.build()
@@ -60,7 +65,8 @@ def one_run(algo_name: str, overrides: dict, budget: int) -> dict:
         algo.stop()
     first = next((i for i, row in enumerate(rows) if row[0] >= 450), None)
     collapsed = first is not None and any(row[0] < 50 for row in rows[first:])
-    return {"bench": "impala_stability", "algo": algo_name, "config": overrides, "budget": budget,
+    return {"bench": "impala_stability", "algo": algo_name, "config": overrides, "num_learners": num_learners,
+            "budget": budget,
             "first_450_env_steps": None if first is None else rows[first][-1], "collapsed_after_450": collapsed,
             "wall_s": round(time.perf_counter() - start, 1), "rows": rows}
 
@@ -71,16 +77,20 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=6)
     p.add_argument("--budget", type=int, default=800_000)
     p.add_argument("--learner-pause-s", type=float, default=0.0)
+    p.add_argument("--num-learners", type=int, default=0,
+                   help="learner actors (0: the learner in this process); the batch is split between them")
     p.add_argument("--config", action="append", type=json.loads, default=[],
                    help='training settings of one arm, e.g. \'{"lr": 0.0005}\' (repeatable; default: the defaults)')
     args = p.parse_args()
+    if args.learner_pause_s > 0 and args.num_learners > 0:
+        p.error("--learner-pause-s patches the learner in this process; with --num-learners the learners are actors")
     if args.learner_pause_s > 0:
         pause_learner_updates(args.algo, args.learner_pause_s)
     arms = args.config or [{}]
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         for i in range(args.runs):
-            out = one_run(args.algo, arms[i % len(arms)], args.budget)
+            out = one_run(args.algo, arms[i % len(arms)], args.budget, args.num_learners)
             print(json.dumps({**out, "run": i, "learner_pause_s": args.learner_pause_s}), flush=True)
     finally:
         ray.shutdown()
