@@ -285,15 +285,16 @@ class SlowToBuildInActors(ActorCriticModule):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import ray
         if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-            time.sleep(4.0)
+            time.sleep(8.0)
         super().__init__(*args, **kwargs)
 
 
 @pytest.mark.slow
 def test_adding_a_module_slower_than_a_probe_keeps_the_runners(ray_cluster):
-    # building a module is start-up work: it waits the start timeout, not the 2 s health probe
+    # building a module is start-up work: it waits the start timeout, not the 5 s health probe (which the other
+    # calls here, to idle runners, answer well within)
     algo = (config().env_runners(num_env_runners=2)
-            .fault_tolerance(env_runner_health_probe_timeout_s=2.0).build(logdir=None))
+            .fault_tolerance(env_runner_health_probe_timeout_s=5.0).build(logdir=None))
     try:
         algo.add_module("slow", RLModuleSpec(module_class=SlowToBuildInActors),
                         new_agent_to_module_mapping_fn=by_agent)
