@@ -4,6 +4,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.modules import ActorCriticModule as RLModule
 from pipeline import APPOConfig, ConfigError, IMPALAConfig
@@ -73,10 +75,30 @@ def expected_logit_step(mu: np.ndarray, pi: np.ndarray, delta: float, pg_rho_thr
     """The expected policy-gradient ascent direction on the logits, E_mu[pg_adv * grad log pi(a)], when every
     TD error is ``delta`` (a value function that is off by a constant), with V-trace's advantages for one-step
     chunks of each action."""
-    values = np.array([10.0, 10.0 + delta / 0.99] * 2, np.float32)  # r=0 + 0.99 * V' - V = delta
-    _, adv = vtrace(np.log(mu), np.log(pi), np.zeros(2, np.float32), values, np.array([1, 1]),
-                    np.array([False, False]), 0.99, clip_pg_rho_threshold=pg_rho_threshold)
-    return sum(mu[a] * adv[a] * (np.eye(2)[a] - pi) for a in range(2))
+    n = len(mu)
+    values = np.array([10.0, (10.0 + delta) / 0.99] * n, np.float64)  # r=0 + 0.99 * V' - V = delta
+    _, adv = vtrace(np.log(mu), np.log(pi), np.zeros(n, np.float32), values, np.ones(n, np.int64),
+                    np.zeros(n, bool), 0.99, clip_pg_rho_threshold=pg_rho_threshold)
+    return sum(mu[a] * adv[a] * (np.eye(n)[a] - pi) for a in range(n))
+
+
+def probabilities(min_size: int = 2, max_size: int = 5) -> st.SearchStrategy:
+    return st.lists(st.floats(0.05, 1.0), min_size=min_size, max_size=max_size).map(lambda w: np.array(w) / np.sum(w))
+
+
+@settings(max_examples=50, deadline=None)
+@given(mu=probabilities(), data=st.data(), delta=st.floats(-5.0, 5.0))
+def test_a_constant_td_error_pulls_by_the_clipped_mass_only(mu, data, delta):
+    # E_mu[min(rho_bar, pi/mu) * delta * grad log pi] = -delta * sum_{a: pi > rho_bar mu} (pi - rho_bar mu) grad log pi:
+    # with no ratio clipped a constant error pulls nowhere; clipped, it pulls along the clipped actions' excess
+    pi = data.draw(probabilities(len(mu), len(mu)))
+    mu, pi = mu.astype(np.float32), pi.astype(np.float32)
+    unclipped = expected_logit_step(mu, pi, delta, pg_rho_threshold=float(np.max(pi / mu)) + 1.0)
+    np.testing.assert_allclose(unclipped, 0.0, atol=1e-4)
+    for rho_bar in (1.0, 3.0):
+        excess = np.maximum(pi - rho_bar * mu, 0.0)
+        formula = -delta * sum(excess[a] * (np.eye(len(mu))[a] - pi) for a in range(len(mu)))
+        np.testing.assert_allclose(expected_logit_step(mu, pi, delta, rho_bar), formula, atol=1e-4)
 
 
 def test_impala_default_pg_clip_gives_a_constant_advantage_error_no_pull_away_from_the_runners_policy():
