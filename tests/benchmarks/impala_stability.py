@@ -44,8 +44,8 @@ def pause_learner_updates(algo_name: str, seconds: float) -> None:
 
 def one_run(algo_name: str, overrides: dict, budget: int, num_learners: int = 0) -> dict:
     config = get_algorithm(algo_name)[0]().environment("CartPole-v1").env_runners(num_env_runners=2).debugging(seed=0)
-    if num_learners > 0:  # the two-learner test's setting: each learner half the batch (the same steps per update)
-        per_learner = 500 // num_learners
+    if num_learners > 0:  # the two-learner test's setting: the default batch split (the same steps per update)
+        per_learner = config.train_batch_size_per_learner // num_learners
         config = config.learners(num_learners=num_learners).training(train_batch_size_per_learner=per_learner,
                                                                      minibatch_size=per_learner)
     if overrides:

@@ -17,9 +17,9 @@ class CQL(Algorithm):
     def check_spaces(self) -> None:
         spaces = ([self.action_space] if self.multi_agent is None else
                   [spec.action_space for spec in self.multi_agent.plan.module_specs.values()])
-        problems = [p for p in map(discrete_problem, spaces) if p is not None]
-        if problems:
-            raise ConfigError(problems[0])
+        problem = next((p for p in map(discrete_problem, spaces) if p is not None), None)
+        if problem is not None:
+            raise ConfigError(problem)
 
     def build_plan(self) -> OffPolicyPlan:
         return OffPolicyPlan.of(self)
