@@ -91,6 +91,11 @@ class EnvRunnerRole(Stage, Saveable, MetricsSource):
     def is_streaming(self) -> bool:
         ...
 
+    def stream_totals(self) -> dict[str, int]:
+        """Env steps pushed to each receiver address over the runner's life (ZeroMQ accepted them): what was
+        sent to a learner that died. A runner that never streams has sent nothing."""
+        return {}
+
     def pop_connector_deltas(self) -> list[Any] | None:
         """What the runner's env-to-module connectors learned since the last call (None: nothing to share)."""
         return None

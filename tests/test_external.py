@@ -30,6 +30,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports (policy server slot i binds the base port + i - 1)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n - 1 > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"found no {n} consecutive free ports")
+
+
 def make_server(tmp_path, **kwargs) -> PolicyServer:
     settings = EnvRunnerSettings(env_creator=None, observation_space=CARTPOLE.observation_space,
                                  action_space=CARTPOLE.action_space)

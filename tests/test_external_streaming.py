@@ -10,6 +10,7 @@ APPO and IMPALA to CartPole-v1 450 from 4 client processes.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from collections import Counter
 
 import gymnasium as gym
+import numpy as np
 import pytest
 
 from pipeline import APPOConfig, DQNConfig, IMPALAConfig
@@ -26,8 +28,10 @@ from pipeline.config.base import ConfigError
 from protocols.client import PolicyClient, run_env
 from protocols.schema import ChunkSchema
 from protocols.transport import ChunkPuller
-from tests.test_external import free_port, ids, make_server
+from tests.pieces import RecordTrainedChunks
+from tests.test_external import free_port, free_ports, ids, make_server
 from tests.test_external_faults import SPACES, Clients
+from tests.test_learner_recovery import RecordTrainedToFiles, fault_tolerance, kill_learner, trained_dir, trained_pieces
 
 CARTPOLE = gym.make("CartPole-v1")
 SCHEMA = ChunkSchema.for_spaces(CARTPOLE.observation_space, CARTPOLE.action_space, ("action_logp",))
@@ -327,8 +331,108 @@ def test_streaming_configs_take_external_clients():
     DQNConfig().environment(**SPACES).external_clients().training(**remote).env_runners(num_env_runners=0).validate()
     with pytest.raises(ConfigError, match="remote=True needs num_env_runners"):  # env runners still need actors
         DQNConfig().environment("CartPole-v1").training(**remote).env_runners(num_env_runners=0).validate()
-    with pytest.raises(ConfigError, match="num_learners=0"):  # what the plan lacks is still said
-        APPOConfig().environment(**SPACES).external_clients().learners(num_learners=2).validate()
+    # remote learners: policy server slot i feeds learner i mod n, as env runner i would
+    APPOConfig().environment(**SPACES).external_clients().env_runners(num_env_runners=2).learners(num_learners=2).validate()
+    IMPALAConfig().environment(**SPACES).external_clients().env_runners(num_env_runners=0).learners(num_learners=1).validate()
+    with pytest.raises(ConfigError, match=r"num_learners=2 needs num_env_runners >= 2.*own policy server slots"):
+        APPOConfig().environment(**SPACES).external_clients().env_runners(num_env_runners=1).learners(num_learners=2).validate()
+
+
+# --- remote learners: each policy server slot feeds its own learner ---------------------------------
+def two_servers_two_learners(tmp_path, callbacks, **fault_tolerance):
+    """IMPALA with 2 policy server slots and 2 learner actors, and 2 client threads on each server."""
+    port = free_ports(2)
+    config = external(IMPALAConfig().env_runners(num_env_runners=2).learners(num_learners=2)
+                      .training(train_batch_size_per_learner=200, minibatch_size=100).callbacks(callbacks),
+                      f"tcp://127.0.0.1:{port}", str(tmp_path))
+    algo = config.fault_tolerance(**fault_tolerance).build()
+    return algo, [Clients(f"tcp://127.0.0.1:{port + k}", 2) for k in range(2)]
+
+
+def finish_all(clients: list) -> list[tuple[set, set]]:
+    """Every server's clients stopped, all of them even if one raises: (acknowledged, spooled) per server."""
+    out, errors = [], []
+    for c in clients:
+        try:
+            out.append(c.finish())
+        except BaseException as err:  # noqa: BLE001 - raised below, once all are stopped
+            errors.append(err)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.slow
+def test_two_impala_learners_each_train_their_own_servers_clients_chunks_once(ray_cluster, tmp_path):
+    algo, clients = two_servers_two_learners(tmp_path, RecordTrainedChunks)
+    try:
+        results = [algo.train()]
+        deadline = time.monotonic() + 180  # clients connect and fill batches on their own time on a loaded machine
+        while algo.weights_version < 5 and time.monotonic() < deadline:
+            results.append(algo.train())
+        trained = algo.learner_group.foreach_learner(lambda l: l.callbacks.trained)
+        weights = algo.learner_group.foreach_learner(lambda l: l.get_weights())
+        versions = [c.weights_version for cs in clients for c in cs.clients]
+    finally:
+        acknowledged = finish_all(clients)
+        algo.stop()
+    assert algo.weights_version >= 5, algo.weights_version
+    for k in weights[0]:  # gradients averaged every minibatch
+        np.testing.assert_array_equal(weights[0][k], weights[1][k])
+    assert min(versions) > 0  # learner 0's broadcasts reach both servers' clients
+    # server slot i streams to learner i mod 2: learner 0 trains slot 2's clients' chunks, learner 1 slot 1's
+    for rank, pieces in enumerate(trained):
+        assert pieces and {p[4] for p in pieces} == {2 - rank}, (rank, {p[4] for p in pieces})
+        committed, spooled = acknowledged[1 - rank]  # slot 2 - rank's clients
+        assert {p[:2] for p in pieces} <= committed | spooled  # a chunk trains only once pushed, which commits it
+    pieces = [p for ps in trained for p in ps]
+    assert len({p[:3] for p in pieces}) == len(pieces)  # no piece of a chunk twice, across the learners
+    steps = [sum(p[3] for p in ps) for ps in trained]
+    assert steps[0] == steps[1] == 200 * algo.weights_version  # each learner its batch of 200 per update
+    assert results[-1]["num_env_steps_trained_lifetime"] == sum(steps)
+    assert results[-1]["stream"]["num_chunks_dropped_invalid"] == 0
+    assert stream_threads() == []
+
+
+@pytest.mark.slow
+def test_a_killed_learner_is_rebuilt_and_its_policy_server_repointed(ray_cluster, tmp_path):
+    shutil.rmtree(trained_dir(), ignore_errors=True)
+    algo, clients = two_servers_two_learners(tmp_path, RecordTrainedToFiles)
+    try:
+        result = algo.train()
+        deadline = time.monotonic() + 180
+        while algo.weights_version < 2 and time.monotonic() < deadline:
+            result = algo.train()
+        assert algo.weights_version >= 2, algo.weights_version
+        old_address = algo.plan.feeds.addresses[1]
+        kill_learner(algo, 1)
+        deadline = time.monotonic() + 180
+        while fault_tolerance(result)["num_learner_recoveries"] == 0 and time.monotonic() < deadline:
+            result = algo.train()
+        version = algo.weights_version
+        deadline = time.monotonic() + 180
+        while algo.weights_version <= version and time.monotonic() < deadline:  # the new learner gets batches
+            result = algo.train()
+        assert algo.weights_version > version
+        ft = fault_tolerance(result)
+        assert ft["num_learner_recoveries"] == 1 and ft["num_learner_restarts"] == 1
+        # what server slot 1 had pushed to the dead learner and it never trained: counted from the server's totals
+        assert ft["num_env_steps_lost_with_learners"] > 0
+        new_address = algo.plan.feeds.addresses[1]
+        assert new_address != old_address
+        totals = algo.env_runner_group.foreach_env_runner(lambda server: server.stream_totals())
+        assert totals[0][old_address] > 0 and totals[0][new_address] > 0 and old_address not in totals[1]
+        pids = algo.learner_group.foreach_learner(lambda learner: os.getpid())
+    finally:
+        finish_all(clients)
+        algo.stop()
+    pieces = trained_pieces()
+    (dead,) = [key for key in pieces if key[0] == 1 and key[1] != pids[1]]
+    new, survivor = pieces[1, pids[1]], pieces[0, pids[0]]
+    # no piece trained by two learners, the dead one and its replacement included; each its own server's
+    assert new and pieces[dead] and not new & pieces[dead] and not survivor & (new | pieces[dead])
+    assert {p[3] for p in new | pieces[dead]} == {"1"} and {p[3] for p in survivor} == {"2"}
+    assert stream_threads() == []
 
 
 # --- learning: 4 client processes ------------------------------------------------------------------

@@ -140,6 +140,26 @@ class RunnerStream:
         return not self._thread.is_alive()
 
 
+class SentTotals:
+    """Env steps a sender's streams handed to ZeroMQ, per receiver address, over the sender's life (streams
+    come and go as receivers move): when a learner dies, what its runners or policy servers had sent it."""
+
+    def __init__(self) -> None:
+        self._before: dict[str, int] = {}  # env steps sent per address by streams now ended
+
+    def retire(self, stream: RunnerStream | None) -> None:
+        """Fold an ended (or replaced) stream's count in."""
+        if stream is not None:
+            self._before[stream.address] = self._before.get(stream.address, 0) + stream.num_env_steps_sent
+
+    def totals(self, current: RunnerStream | None) -> dict[str, int]:
+        """The ended streams' counts plus ``current``'s so far."""
+        totals = dict(self._before)
+        if current is not None:
+            totals[current.address] = totals.get(current.address, 0) + current.num_env_steps_sent
+        return totals
+
+
 class StreamingRunner:
     """Mixin of the env runners that stream. The runner calls ``init_streaming()`` in its constructor,
     implements ``_apply_weights`` (load weights now) and may override ``_checked_weights`` (reject
@@ -151,7 +171,7 @@ class StreamingRunner:
         self._weights_lock = threading.Lock()
         self._pending_weights: tuple[Any, int, int | None] | None = None
         self._stream: RunnerStream | None = None
-        self._steps_sent_before: dict[str, int] = {}  # env steps sent per address by streams now ended
+        self._sent = SentTotals()
 
     def _apply_weights(self, weights: Any, weights_version: int, timestep: int | None) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _apply_weights to stream")
@@ -200,7 +220,7 @@ class StreamingRunner:
             if stream.address == address:
                 return
             stream.stop()
-        self._retire(stream)
+        self._sent.retire(stream)
         self._stream = RunnerStream(self, address, hwm=hwm, compress=compress, sndbuf=sndbuf,
                                     stall_timeout_s=stall_timeout_s, window=window)
         self._stream.start()
@@ -212,24 +232,15 @@ class StreamingRunner:
             return True
         stopped = stream.stop(timeout_s)
         if stopped:
-            self._retire(stream)
+            self._sent.retire(stream)
             self._stream = None
             self.apply_pending_weights()  # what arrived for a fragment that never came
         return stopped
 
-    def _retire(self, stream: RunnerStream | None) -> None:
-        if stream is not None:
-            sent = self._steps_sent_before
-            sent[stream.address] = sent.get(stream.address, 0) + stream.num_env_steps_sent
-
     def stream_totals(self) -> dict[str, int]:
         """Env steps this runner has sent to each receiver address over its life (ZeroMQ accepted them;
         whether they arrived is the receiver's count): when a learner dies, what its runners sent it."""
-        totals = dict(self._steps_sent_before)
-        stream = self._stream
-        if stream is not None:
-            totals[stream.address] = totals.get(stream.address, 0) + stream.num_env_steps_sent
-        return totals
+        return self._sent.totals(self._stream)
 
     def is_streaming(self) -> bool:
         stream = self._stream

@@ -55,6 +55,7 @@ import zmq
 from actors.core import EnvRunnerRole
 from actors.env.process import set_log_level
 from actors.env.settings import EnvRunnerSettings
+from actors.env.streaming import SentTotals
 from actors.external.acts import ActBatcher
 from actors.external.chunks import ChunkIntake
 from actors.external.endpoint import Conn, ServerEndpoint
@@ -126,6 +127,7 @@ class PolicyServer(EnvRunnerRole):
         self.journal = CommitJournal(os.path.join(journal_dir, f"policy-server-{port}.journal") if journal_dir else None)
         self._quiet_logged = 0.0
         self._stream: ServerStream | None = None
+        self._sent = SentTotals()
         self._last_pushed_at = time.monotonic()  # the stream's last frame (the quiet warning while streaming)
         self._ctx = zmq.Context()
         self.security = ServerSecurity(self._ctx, self.address, self.x.server_secret_key, self.x.allowed_client_keys,
@@ -325,6 +327,7 @@ class PolicyServer(EnvRunnerRole):
         if self.is_streaming() and self._stream.address == address:
             return
         self.stop_streaming()
+        self._sent.retire(self._stream)  # a stream that would not stop in time is replaced all the same
         with self._lock:
             self.chunks.commit_delivered()  # what a sample call handed on before
         self._last_pushed_at = time.monotonic()
@@ -335,8 +338,14 @@ class PolicyServer(EnvRunnerRole):
         """Stop the stream thread (a send blocked by back-pressure gives up and its chunks wait here
         again). True if it ended."""
         if self._stream is not None and self._stream.stop(timeout_s):
+            self._sent.retire(self._stream)
             self._stream = None
         return self._stream is None
+
+    def stream_totals(self) -> dict[str, int]:
+        """Env steps this server has pushed to each receiver address over its life (ZeroMQ accepted them):
+        when a learner dies, what its servers had sent it (``EnvRunner.stream_totals``)."""
+        return self._sent.totals(self._stream)
 
     def is_streaming(self) -> bool:
         return self._stream is not None and self._stream.alive()

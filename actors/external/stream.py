@@ -61,6 +61,7 @@ class ServerStream(RunnerStream):
         if not sender.send(chunks, self._stop):
             server.not_pushed(chunks)
             return False
+        self.num_env_steps_sent += sum(len(c) for c in chunks)
         server.pushed(chunks)
         return True
 

@@ -28,7 +28,10 @@ on its own batch, gradients averaged, once all have one (``pipeline.plans.learne
 go out from learner 0. Counters and queue depths are summed over the learners. A remote learner that dies
 is rebuilt in the job (``pipeline.plans.learner_feeds``); the runners that streamed to it are re-pointed
 to its replacement, and the env steps they had sent it that it never trained on are counted in
-``fault_tolerance/num_env_steps_lost_with_learners``.
+``fault_tolerance/num_env_steps_lost_with_learners``. With external clients the env runner slots host policy
+servers (``actors.external.policy_server``), which stream what their clients send the same way: server i
+pushes to learner ``i mod n``, and is re-pointed like a runner when its learner is rebuilt (the chunks the dead
+learner held had been acknowledged to their clients; they are lost and counted as a runner's would be).
 
 Multi-agent runs (``multi_agent``: the run's ``MultiAgentSetup``; ``num_learners=0`` only) stream the
 same way from ``MultiAgentEnvRunner``s. The loader checks each chunk against its module's spaces and cuts
@@ -131,20 +134,20 @@ class AsyncPlanSettings:
         return problems
 
     def remote_learner_problems(self) -> list[str]:
-        """What ``num_learners > 0`` needs: a single-agent run fed by env runners, at least one per learner."""
+        """What ``num_learners > 0`` needs: a single-agent run fed by env runners (or policy servers for external
+        clients), at least one per learner."""
         n = self.num_learners
         if not is_int(n) or n == 0:
             return []
         if settings_used(self):
             return [f"{self.algo_name} with multi-agent settings supports only num_learners=0 (its per-module learners "
                     f"receive the streams in the driver), got num_learners={n}: set .learners(num_learners=0)"]
-        if self.external_clients_config is not None:
-            return [f"{self.algo_name} with external_clients() supports only num_learners=0 (its policy servers "
-                    f"stream to the driver), got num_learners={n}: set .learners(num_learners=0)"]
         runners = self.num_env_runners
         if n > 1 and is_int(runners) and runners < n:
+            # with external clients each env runner slot hosts a policy server, and servers feed learners alike
+            what = "policy server slots" if self.external_clients_config is not None else "env runners"
             return [f"num_learners={n} needs num_env_runners >= {n}: each learner trains on the streams of its own "
-                    f"env runners (runner i feeds learner i mod {n}), got num_env_runners={runners}; raise "
+                    f"{what} (runner i feeds learner i mod {n}), got num_env_runners={runners}; raise "
                     f"num_env_runners or lower num_learners"]
         return []
 

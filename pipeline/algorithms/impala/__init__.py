@@ -8,8 +8,9 @@ V-trace (the ratio of the learner's and the behaviour policy's action probabilit
 the driver beside the loader thread that receives every stream; with ``num_learners=n`` it runs as n Ray
 actors, each receiving the streams of its own env runners (runner i feeds learner ``i mod n``) and
 cutting its own batches of ``train_batch_size_per_learner`` steps, gradients averaged every minibatch
-and weights broadcast from learner 0 (``actors.learner.feed``, ``pipeline.plans.learner_feeds``).
-Multi-agent runs and external clients train with ``num_learners=0`` only.
+and weights broadcast from learner 0 (``actors.learner.feed``, ``pipeline.plans.learner_feeds``); with
+external clients the slots' policy servers feed the learners as runners do. Multi-agent runs train with
+``num_learners=0`` only.
 """
 from pipeline.lazy import lazy_exports
 
