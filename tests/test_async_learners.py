@@ -36,9 +36,13 @@ def test_remote_learner_configs_validate_or_name_what_to_change():
     APPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0).learners(num_learners=1).validate()
     with pytest.raises(ConfigError, match=r"num_learners=3 needs num_env_runners >= 3.*got num_env_runners=2"):
         APPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2).learners(num_learners=3).validate()
-    with pytest.raises(ConfigError, match=r"multi-agent settings supports only num_learners=0"):
+    # multi-agent runs too (tests/test_multi_agent_async_learners.py), with policies_to_train as ids
+    (APPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2).learners(num_learners=2)
+     .multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda agent_id, episode, **kw: "a").validate())
+    with pytest.raises(ConfigError, match=r"takes policies_to_train as module ids, not a function"):
         (APPOConfig().environment("CartPole-v1").env_runners(num_env_runners=2).learners(num_learners=2)
-         .multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda agent_id, episode, **kw: "a").validate())
+         .multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda agent_id, episode, **kw: "a",
+                      policies_to_train=lambda mid, batch: True).validate())
 
 # --- a learner's feed, in this process ----------------------------------------------------------
 def make_feed(source):

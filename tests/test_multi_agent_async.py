@@ -257,14 +257,16 @@ def history(results: list[dict]) -> list:
              r["num_env_steps_sampled_lifetime"]) for r in results]
 
 
-def learn(config_cls: type, target: float, max_env_steps: int = 300_000, each: float = 0.0) -> list[dict]:
+def learn(config_cls: type, target: float, max_env_steps: int = 300_000, each: float = 0.0, num_learners: int = 0,
+          batch: int = 1000) -> list[dict]:
     """Until the summed return reaches ``target`` and each module's ``each`` (both counted over the same
     episodes), or ``max_env_steps`` are sampled. A batch of 1000 agent steps gives each module about the 500
-    steps a single-agent batch has; two SGD passes over each."""
+    steps a single-agent batch has; two SGD passes over each. (Several learners cut a batch per module:
+    give ``batch=500`` there.)"""
     algo = (config_cls().environment(CARTPOLES, env_config={"num_agents": 2})
             .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=by_agent)
-            .training(train_batch_size_per_learner=1000, num_epochs=2)
-            .env_runners(num_env_runners=2).debugging(seed=0).build(logdir=None))
+            .training(train_batch_size_per_learner=batch, num_epochs=2)
+            .env_runners(num_env_runners=2).learners(num_learners=num_learners).debugging(seed=0).build(logdir=None))
     results: list[dict] = []
     try:
         while True:

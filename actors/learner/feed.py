@@ -22,6 +22,8 @@ poll the runners meanwhile.
 """
 from __future__ import annotations
 
+import collections
+import copy
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -80,6 +82,9 @@ class FeedSettings:
     """Kernel receive buffer of the socket (``stream_socket_buffer_bytes``)."""
     max_weights_lag: int | None = None
     """Drop chunks acted by weights more than this many versions old (``max_weights_lag``)."""
+    module_spaces: dict[str, tuple[gym.Space, gym.Space]] | None = None
+    """A multi-agent run's module id -> (observation, action space): the learner is a ``MultiLearner`` and its
+    feed a ``ModuleFeed``, which keeps each module's batches apart (None: a single-agent learner)."""
 
 
 @dataclass
@@ -88,6 +93,8 @@ class FeedStatus:
 
     ready: bool
     stats: dict[str, Any] = field(default_factory=dict)
+    modules: tuple[str, ...] = ()
+    """A ``ModuleFeed``'s trainable modules it can update now (``ready``: any)."""
     """The receiver's counters (``ChunkReceiver.stats``), ``num_env_steps_trained_once`` (env steps of the
     batches this feed has trained on at least once), ``dropped_by_sender`` and ``source`` (the batch
     source's ``stats()``)."""
@@ -105,6 +112,8 @@ class FeedUpdate:
     """Steps of each chunk of the batch."""
     status: FeedStatus
     """The feed after the update (ready for the next one?)."""
+    module_steps: dict[str, int] = field(default_factory=dict)
+    """A ``ModuleFeed``'s update: agent steps trained per module."""
 
 
 class FedLearner(Protocol):
@@ -182,30 +191,140 @@ class LearnerFeed:
         self.receiver.close()
 
 
+class ModuleFeed:
+    """The feed of one data-parallel ``MultiLearner`` (multi-agent IMPALA/APPO with ``num_learners > 1``).
+
+    The learners meet at an all-reduce in every SGD step of every module, so an update must step the same
+    modules on every learner, each on a batch of the same size. The receiver cuts each module's steps into
+    batches of their own (``ChunkReceiver(per_module=True)``); this feed holds them by module, each module
+    with its own batch source (APPO: its own circular buffer), and says which modules it could update now
+    (``status().modules``). The driver updates the modules every learner can (``update(modules=...)``); the
+    others wait for their batches. Batches of frozen modules are dropped here and counted. Holding is bounded:
+    once a module holds ``queue_size`` batches this feed takes no more off the queue, and the receiver's
+    back-pressure reaches the runners -- a module that only some learners' runners sample then stops the run
+    at ``learner_queue_timeout`` with an error naming it, rather than filling memory.
+    """
+
+    def __init__(self, learner: Any, settings: FeedSettings, source: BatchSource) -> None:
+        self.learner, self.settings, self.template = learner, settings, source
+        self.receiver = ChunkReceiver(None, None, settings.batch_size, queue_size=settings.queue_size,
+                                      hwm=settings.hwm, rcvbuf=settings.rcvbuf, device=learner.device,
+                                      max_weights_lag=settings.max_weights_lag, module_spaces=settings.module_spaces,
+                                      module_connector=learner.module_connector, module_view=learner.module_view,
+                                      per_module=True).start()
+        self.address = self.receiver.address
+        self._held: dict[str, list[ChunkBatch]] = {}  # taken off the queue, not handed to a source yet
+        self._sources: dict[str, BatchSource] = {}
+        self._untrained: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.num_env_steps_trained_once = 0
+        """Agent steps of the batches trained on at least once (as ``LearnerFeed``'s)."""
+        self.num_frozen_batches_dropped = 0
+
+    def _source(self, module_id: str) -> BatchSource:
+        if module_id not in self._sources:
+            self._sources[module_id] = copy.deepcopy(self.template)
+        return self._sources[module_id]
+
+    def _full(self) -> bool:
+        return any(len(held) >= self.settings.queue_size for held in self._held.values())
+
+    def _pull(self, timeout: float) -> None:
+        """File what the queue holds by module, waiting up to ``timeout`` for the first when none is ready."""
+        wait = timeout if not self.ready_modules() else 0.0
+        while not self._full():
+            batch = self.receiver.get_batch(timeout=wait)
+            if batch is None:
+                return
+            wait = 0.0
+            ((mid, module_batch),) = batch.items()
+            if mid not in self.learner.trainable:
+                self.num_frozen_batches_dropped += 1
+                self.num_env_steps_trained_once += module_batch.num_steps  # used up: not lost with the learner
+                continue
+            self._held.setdefault(mid, []).append(module_batch)
+            self._untrained[id(module_batch)] = module_batch
+
+    def ready_modules(self) -> tuple[str, ...]:
+        """The trainable modules with a batch held or in their source now."""
+        return tuple(sorted(mid for mid in self.learner.trainable
+                            if self._held.get(mid) or len(self._sources.get(mid, ()))))
+
+    def status(self, timeout: float = 0.0) -> FeedStatus:
+        self._pull(timeout)
+        modules = self.ready_modules()
+        stats: dict[str, Any] = self.receiver.stats()
+        stats["num_env_steps_trained_once"] = self.num_env_steps_trained_once
+        stats["dropped_by_sender"] = dict(self.receiver.dropped_by_sender)
+        source_stats: collections.Counter = collections.Counter()
+        for source in self._sources.values():  # summed over the modules, as over the learners
+            source_stats.update(source.stats())
+        stats["source"] = dict(source_stats)
+        stats["learner_queue_size"] += sum(len(held) for held in self._held.values())
+        stats["num_frozen_batches_dropped"] = self.num_frozen_batches_dropped
+        return FeedStatus(bool(modules), stats, modules)
+
+    def update(self, timestep: int, weights_version: int | None = None,
+               modules: tuple[str, ...] | list[str] = ()) -> FeedUpdate:
+        """One update of ``modules`` (every learner of the group is given the same), each on the next batch of
+        its own source; the driver names only modules every learner's ``status`` said it can update."""
+        if weights_version is not None:
+            self.receiver.set_weights_version(weights_version + 1)
+        self._pull(0.0)
+        batches = ModuleBatches()
+        for mid in sorted(modules):
+            held = self._held.get(mid, [])
+            batch = self._source(mid).next(lambda timeout, held=held: held.pop(0) if held else None)
+            if batch is None:  # the driver's protocol rules this out; raising beats entering the all-reduce short
+                raise RuntimeError(f"learner {getattr(self.learner, 'rank', 0)} was asked to update module {mid!r} but holds no "
+                                   f"train batch of it: update only modules every feed said ready")
+            batches[mid] = batch
+        versions, steps = batches.weights_versions()
+        stats = self.learner.update(batches, timestep)
+        for batch in batches.values():
+            if self._untrained.pop(id(batch), None) is not None:
+                self.num_env_steps_trained_once += batch.num_steps
+        module_steps = {mid: int(batch.num_steps) for mid, batch in batches.items()}
+        return FeedUpdate(stats, int(steps.sum()), versions, steps, self.status(0.0), module_steps)
+
+    def close(self) -> None:
+        self._held.clear()
+        self.receiver.close()
+
+
 class FedByStreams:
     """Mixin of ``Learner``: host a ``LearnerFeed`` and update from it (what the asynchronous plan
     calls on remote learners)."""
 
-    feed: LearnerFeed | None = None
+    feed: LearnerFeed | ModuleFeed | None = None
 
     def open_feed(self, settings: FeedSettings, source: BatchSource) -> str:
         """Start receiving (a new feed replaces an old one); returns the address runners push to."""
         self.close_feed()
-        self.feed = LearnerFeed(self, settings, source)  # type: ignore[arg-type]  # a Learner is a FedLearner
+        if settings.module_spaces is not None:
+            self.feed = ModuleFeed(self, settings, source)
+        else:
+            self.feed = LearnerFeed(self, settings, source)  # type: ignore[arg-type]  # a Learner is a FedLearner
         return self.feed.address
 
     def feed_status(self, timeout: float = 0.0) -> FeedStatus:
         return self._open_feed().status(timeout)
 
-    def update_from_feed(self, timestep: int, weights_version: int | None = None) -> FeedUpdate:
-        return self._open_feed().update(timestep, weights_version)
+    def update_from_feed(self, timestep: int, weights_version: int | None = None,
+                         modules: tuple[str, ...] | list[str] | None = None) -> FeedUpdate:
+        """One update from the feed; ``modules``: which modules (a ``ModuleFeed``; None for a ``LearnerFeed``)."""
+        feed = self._open_feed()
+        if isinstance(feed, ModuleFeed):
+            if modules is None:
+                raise ValueError("a multi-agent learner's feed updates the modules it is told: pass modules=[...]")
+            return feed.update(timestep, weights_version, modules)
+        return feed.update(timestep, weights_version)
 
     def close_feed(self) -> None:
         if self.feed is not None:
             self.feed.close()
             self.feed = None
 
-    def _open_feed(self) -> LearnerFeed:
+    def _open_feed(self) -> LearnerFeed | ModuleFeed:
         if self.feed is None:
             raise RuntimeError("this learner has no feed: call open_feed(settings, source) first")
         return self.feed

@@ -27,6 +27,14 @@ batches of a fixed size would fill at the rates the modules' agents act, and a m
 seldom (or a frozen one, whose steps the learner drops) would hold back or starve the others. The
 batch is cut in agent steps (chunk rows), the only count the chunks carry: env steps are known to
 the runner that stepped the envs, not to the receiver.
+
+Data-parallel learners (``per_module=True``: several learner actors, each with its own share of the
+streams) cannot take that batch: the learners meet at an all-reduce in every SGD step of every module,
+so each must step the same modules the same number of times, and one stretch of two learners' streams
+holds different modules in different amounts. There each module's steps are cut into batches of their
+own, ``batch_size`` agent steps of that module, each a one-module ``ModuleBatches``; the learner's feed
+(``actors.learner.feed``) holds them by module and the driver updates the modules every learner holds a
+batch of -- a module that acts seldom trains seldom and holds back no other.
 """
 from __future__ import annotations
 
@@ -93,7 +101,7 @@ class ChunkReceiver:
                  module_spaces: dict[str, tuple[gym.Space, gym.Space]] | None = None,
                  max_weights_lag: int | None = None, observation_view: Any = None,
                  learner_connector: Any = None, module_connector: Callable[[str], Any] | None = None,
-                 module_view: Callable[[str], Any] | None = None) -> None:
+                 module_view: Callable[[str], Any] | None = None, per_module: bool = False) -> None:
         """``module_spaces``: module id -> (observation, action space) of a multi-agent run's modules:
         batches are ``ModuleBatches`` of ``batch_size`` agent steps (``observation_space`` and
         ``action_space`` are then not used). ``max_weights_lag``: drop chunks acted by weights more than
@@ -104,9 +112,12 @@ class ChunkReceiver:
         view; a batch it fails on is dropped, counted and logged. ``module_connector``: in a multi-agent
         stream, module id -> that module's pipeline (or None), applied to the module's share of each batch;
         ``module_view``: module id -> that module's ``ObservationView`` (or None), as ``observation_view`` for the
-        module's share (its chunks checked against the recorded space)."""
+        module's share (its chunks checked against the recorded space). ``per_module`` (with ``module_spaces``):
+        each module's steps cut into batches of their own (see the module's docstring)."""
         if batch_size < 1 or queue_size < 1 or hwm < 1:
             raise ValueError(f"batch_size, queue_size and hwm must be >= 1, got {batch_size}, {queue_size}, {hwm}")
+        if per_module and module_spaces is None:
+            raise ValueError("per_module=True cuts a multi-agent stream per module: give module_spaces too")
         if module_spaces is not None and not module_spaces:
             raise ValueError("module_spaces is empty: give each module's (observation, action) spaces, or None "
                              "for a single-agent stream")
@@ -150,6 +161,9 @@ class ChunkReceiver:
         self._ready: collections.deque[ChunkBatch | ModuleBatches] = collections.deque()
         self._pending: collections.deque[EpisodeChunk] = collections.deque()
         self._pending_steps = 0
+        self.per_module = per_module
+        self._module_pending: dict[str, collections.deque[EpisodeChunk]] = {}
+        self._module_pending_steps: dict[str, int] = {}
         self.num_batches_built = 0
         self._stop = threading.Event()
         self._torch_threads = torch.get_num_threads()  # per-thread setting (see actors.env.streaming)
@@ -268,24 +282,14 @@ class ChunkReceiver:
 
     def _add(self, chunks: list[EpisodeChunk]) -> None:
         chunks = self._fresh(chunks)
-        self._pending.extend(chunks)
         self._pending_steps += sum(len(c) for c in chunks)
+        if self.per_module:
+            self._add_per_module(chunks)
+            return
+        self._pending.extend(chunks)
         b = self.batch_size
         while self._pending_steps >= b:
-            take: list[EpisodeChunk] = []
-            n = 0
-            while n < b:
-                chunk = self._pending.popleft()
-                if n + len(chunk) <= b or chunk.state_in is not None:
-                    # a recurrent policy's chunk stays whole: its tail would have no start state to unroll
-                    # from (it is at most max_seq_len steps, so the batch grows by less than that)
-                    take.append(chunk)
-                    n += len(chunk)
-                else:  # split: the head completes this batch, the tail starts the next one
-                    k = b - n
-                    take.append(chunk.slice(0, k))
-                    self._pending.appendleft(chunk.slice(k, len(chunk)))
-                    n = b
+            take, n = self._cut(self._pending)
             self._pending_steps -= n
             if self.multi_module:
                 made = {mid: self._make_batch(chunks, self.module_connector(mid) if self.module_connector else None,
@@ -297,6 +301,42 @@ class ChunkReceiver:
                 if batch is not None:
                     self._ready.append(batch)
             self.num_batches_built += 1
+
+    def _cut(self, pending: collections.deque[EpisodeChunk]) -> tuple[list[EpisodeChunk], int]:
+        """The next ``batch_size`` steps off ``pending`` (which holds at least that many), and their count."""
+        b = self.batch_size
+        take: list[EpisodeChunk] = []
+        n = 0
+        while n < b:
+            chunk = pending.popleft()
+            if n + len(chunk) <= b or chunk.state_in is not None:
+                # a recurrent policy's chunk stays whole: its tail would have no start state to unroll
+                # from (it is at most max_seq_len steps, so the batch grows by less than that)
+                take.append(chunk)
+                n += len(chunk)
+            else:  # split: the head completes this batch, the tail starts the next one
+                k = b - n
+                take.append(chunk.slice(0, k))
+                pending.appendleft(chunk.slice(k, len(chunk)))
+                n = b
+        return take, n
+
+    def _add_per_module(self, chunks: list[EpisodeChunk]) -> None:
+        """Each module's steps into its own batches of ``batch_size`` (data-parallel learners)."""
+        for mid, module_chunks in sorted(chunks_by_module(chunks).items()):
+            pending = self._module_pending.setdefault(mid, collections.deque())
+            pending.extend(module_chunks)
+            steps = self._module_pending_steps.get(mid, 0) + sum(len(c) for c in module_chunks)
+            while steps >= self.batch_size:
+                take, n = self._cut(pending)
+                steps -= n
+                self._pending_steps -= n
+                batch = self._make_batch(take, self.module_connector(mid) if self.module_connector else None,
+                                         self.module_view(mid) if self.module_view else None)
+                if batch is not None:
+                    self._ready.append(ModuleBatches({mid: batch}))
+                self.num_batches_built += 1
+            self._module_pending_steps[mid] = steps
 
     def _rebuilt(self, chunks: list[EpisodeChunk], view: Any) -> list[EpisodeChunk]:
         """The view rebuilt chunk by chunk; a chunk sent without the look-back rows is dropped and counted."""

@@ -19,7 +19,9 @@ each update first checks with one all-reduce that every rank got batches for the
 (an error on all ranks, not a hang, when they did not). The process group is the process's own,
 shared by all modules' learners, so ``setup_distributed`` joins it once.
 
-The class is a plain ``LearnerRole`` that a Ray actor hosts like a single ``Learner``.
+The class is a plain ``LearnerRole`` that a Ray actor hosts like a single ``Learner``; as a remote learner of
+multi-agent IMPALA/APPO it hosts a ``ModuleFeed`` (``actors.learner.feed``: its own share of the streams, each
+module's batches kept apart so that every rank steps the same modules).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from actors.core import LearnerRole
+from actors.learner.feed import FedByStreams
 from actors.learner.learner import Learner
 from actors.modules.multi import SEP
 from protocols.codec import decode
@@ -43,7 +46,7 @@ ALL_MODULES = "__all_modules__"
 """The statistics key for what concerns the update as a whole (RLlib's name)."""
 
 
-class MultiLearner(LearnerRole):
+class MultiLearner(FedByStreams, LearnerRole):
     def __init__(self, learners: Mapping[str, Learner], trainable: Collection[str] | None = None) -> None:
         """``learners``: module id -> that module's algorithm learner. ``trainable``: the module ids
         that train (None: all); the others are frozen."""
@@ -263,6 +266,7 @@ class MultiLearner(LearnerRole):
         return fn(self)
 
     def stop(self) -> None:
+        self.close_feed()
         for mid in self.module_ids:  # the first leaves the process group; the rest find it gone
             self._learners[mid].stop()
 

@@ -169,7 +169,16 @@ class MultiLearnerGroup(LearnerGroup):
             for i, shard in zip(ids, [chunks] if len(ids) == 1 else shard_chunks(chunks, len(ids))):
                 shards[i][mid] = shard if self.manager.in_process else encode(shard, compress=False)
         results = self.call("update", per_actor_args={i: (shards[i], timestep) for i in ids})
-        all_stats = [r.value for r in results]
+        steps = {mid: sum(len(c) for c in chunks) for mid, chunks in by_module.items()}
+        return self.record_module_update([r.value for r in results], steps, metrics, num_env_steps, refused), {}
+
+    def record_module_update(self, all_stats: list[dict[str, dict[str, float]]], steps: Mapping[str, int],
+                             metrics: MetricsLogger | None, num_env_steps: int | None = None, refused: int = 0
+                             ) -> dict[str, dict[str, float]]:
+        """Account for one update of the learners (``all_stats``: each learner's statistics per module;
+        ``steps``: agent steps of each module's batches, all learners together; ``num_env_steps``: the env steps
+        they stand for, None: as many as the agent steps trained): the mean statistics per module, logged into
+        ``metrics``, and a new weights version unless no module trained."""
         stats = {mid: {k: float(np.mean([s[mid][k] for s in all_stats])) for k in all_stats[0][mid]}
                  for mid in all_stats[0]}
         if refused:
@@ -178,7 +187,7 @@ class MultiLearnerGroup(LearnerGroup):
         if trained:
             self.weights_version += 1
         if metrics is not None:
-            agent_steps = sum(len(c) for mid in trained for c in by_module[mid])
+            agent_steps = sum(steps.get(mid, 0) for mid in trained)
             env_steps = agent_steps if num_env_steps is None else num_env_steps
             for mid, module_stats in stats.items():
                 log_learner_stats(metrics, module_stats, f"learners/{mid}")
@@ -188,7 +197,7 @@ class MultiLearnerGroup(LearnerGroup):
             for key, value in (("num_env_steps_trained_lifetime", env_steps if trained else 0),
                                ("num_agent_steps_trained_lifetime", agent_steps)):
                 metrics.log_value(f"learners/{ALL_MODULES}/{key}", value, reduce="lifetime_sum")
-        return stats, {}
+        return stats
 
     def module_weights(self, module_id: str) -> dict[str, np.ndarray]:
         """One module's weights, its own parameter names (no module prefix)."""

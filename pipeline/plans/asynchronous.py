@@ -33,14 +33,18 @@ servers (``actors.external.policy_server``), which stream what their clients sen
 pushes to learner ``i mod n``, and is re-pointed like a runner when its learner is rebuilt (the chunks the dead
 learner held had been acknowledged to their clients; they are lost and counted as a runner's would be).
 
-Multi-agent runs (``multi_agent``: the run's ``MultiAgentSetup``; ``num_learners=0`` only) stream the
-same way from ``MultiAgentEnvRunner``s. The loader checks each chunk against its module's spaces and cuts
+Multi-agent runs (``multi_agent``: the run's ``MultiAgentSetup``) stream the same way from
+``MultiAgentEnvRunner``s. The loader checks each chunk against its module's spaces and cuts
 ``ModuleBatches`` (the next ``train_batch_size_per_learner`` agent steps, laid out per module; see
 ``actors.learner.loader``); one update of the ``MultiLearnerGroup`` trains every trainable module on its
 part (APPO: each module's learner keeps its own target network; the circular buffer reuses whole
 multi-module batches); the flat ``{"<module_id>/<param>": array}`` weights go out. Chunks hold agent
 steps, so here env and agent steps count as sampled where the runners report them, and a batch's env
-steps trained are its agent steps times the runners' env-to-agent step ratio so far.
+steps trained are its agent steps times the runners' env-to-agent step ratio so far. With
+``num_learners=n > 0`` each learner actor is a ``MultiLearner`` whose ``ModuleFeed`` cuts every module's
+steps into batches of their own (``train_batch_size_per_learner`` agent steps of that module); an update
+steps the modules every learner holds a batch of, on all learners at once (the gradient all-reduces must
+pair up), and a module's batches wait until every learner has one (``pipeline.plans.learner_feeds``).
 """
 from __future__ import annotations
 
@@ -139,9 +143,11 @@ class AsyncPlanSettings:
         n = self.num_learners
         if not is_int(n) or n == 0:
             return []
-        if settings_used(self):
-            return [f"{self.algo_name} with multi-agent settings supports only num_learners=0 (its per-module learners "
-                    f"receive the streams in the driver), got num_learners={n}: set .learners(num_learners=0)"]
+        if settings_used(self) and callable(self.policies_to_train):
+            return [f"{self.algo_name} with num_learners={n} takes policies_to_train as module ids, not a function: "
+                    f"the function is asked per batch in the driver, and with num_learners > 0 the learners receive "
+                    f"the streams themselves; give .multi_agent(policies_to_train=[...]) or set "
+                    f".learners(num_learners=0)"]
         runners = self.num_env_runners
         if n > 1 and is_int(runners) and runners < n:
             # with external clients each env runner slot hosts a policy server, and servers feed learners alike
@@ -193,8 +199,9 @@ class AsyncPlan:
             address: str | list[str] = self.receiver.address
         else:
             settings = FeedSettings(config.train_batch_size_per_learner, config.learner_queue_size, config.stream_hwm,
-                                    config.stream_socket_buffer_bytes, max_weights_lag(config))
-            self.feeds = LearnerFeeds(learners, settings, self.batches, config.learner_queue_timeout)
+                                    config.stream_socket_buffer_bytes, max_weights_lag(config), module_spaces)
+            self.feeds = LearnerFeeds(learners, settings, self.batches, config.learner_queue_timeout,
+                                      env_steps_of=self._env_steps_of if multi_agent is not None else None)
             address = self.feeds.addresses  # runner i streams to learner i mod n
             metrics.log_value("fault_tolerance/num_env_steps_lost_with_learners", 0, reduce="lifetime_sum")
         self.stream_args = {"address": address, "hwm": config.stream_hwm, "window": config.stream_frames_in_flight,

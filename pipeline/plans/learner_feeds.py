@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -37,9 +37,15 @@ from pipeline.groups.learner_group import LearnerGroup
 
 class LearnerFeeds:
     def __init__(self, learners: LearnerGroup, settings: FeedSettings, source: BatchSource,
-                 queue_timeout_s: float) -> None:
-        """``source``: the batch source each learner gets a copy of (a fresh one: it is sent empty)."""
+                 queue_timeout_s: float, env_steps_of: Callable[[int], int] | None = None) -> None:
+        """``source``: the batch source each learner gets a copy of (a fresh one: it is sent empty).
+        ``settings.module_spaces`` given: the learners are ``MultiLearner``s of a ``MultiLearnerGroup`` with
+        ``ModuleFeed``s, and ``env_steps_of`` turns the agent steps an update trained into env steps."""
         self.learners, self.queue_timeout_s = learners, queue_timeout_s
+        self.multi_module = settings.module_spaces is not None
+        self.env_steps_of = env_steps_of
+        self._modules: list[str] = []  # what the next update steps on every learner (multi-module)
+        self._frozen_dropped = 0  # batches of frozen modules the feeds dropped, as of the last update
         self.settings, self.source = settings, source
         self.manager = learners.manager
         self.ids = self.manager.healthy_ids()
@@ -61,7 +67,10 @@ class LearnerFeeds:
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Whether every learner can update now; those not known to be ready are asked, and wait up to
-        ``timeout_s`` for a batch (all at once)."""
+        ``timeout_s`` for a batch (all at once). Multi-module feeds: whether some trainable module has a batch
+        on every learner (all are asked when none is known to)."""
+        if self.multi_module:
+            return self._wait_modules_ready(timeout_s)
         ask = [i for i in self.ids if not self._status[i].ready]
         if ask:
             results = self._call("feed_status", timeout_s, actor_ids=ask)
@@ -71,6 +80,27 @@ class LearnerFeeds:
                 self._status[res.actor_id] = res.value
         if all(self._status[i].ready for i in self.ids):
             return True
+        return self._check_waited()
+
+    def _common_modules(self) -> list[str]:
+        common = set.intersection(*(set(self._status[i].modules) for i in self.ids))
+        return sorted(common)
+
+    def _wait_modules_ready(self, timeout_s: float) -> bool:
+        self._modules = self._common_modules()
+        if not self._modules:
+            results = self._call("feed_status", timeout_s)
+            if results is None:
+                return False
+            for res in results:
+                self._status[res.actor_id] = res.value
+            self._modules = self._common_modules()
+        if self._modules:
+            return True
+        return self._check_waited()
+
+    def _check_waited(self) -> bool:
+        """False, or the run's end once no update could start for ``learner_queue_timeout`` seconds."""
         waited = time.monotonic() - self._waiting_since
         if waited > self.queue_timeout_s:
             raise RuntimeError(f"no train batch arrived for {waited:.0f} s (learner_queue_timeout={self.queue_timeout_s}) "
@@ -79,6 +109,12 @@ class LearnerFeeds:
 
     def _not_ready(self) -> str:
         parts = []
+        if self.multi_module:  # which modules each learner could update: the missing ones name the problem
+            held = {i: sorted(self._status[i].modules) for i in self.ids}
+            return "; ".join(f"learner {i} (fed by env runners with index % {self.num_learners} == {k}) holds "
+                             f"batches of modules {held[i]}" for k, i in enumerate(self.ids)) + \
+                " -- every learner's env runners must sample each trainable module (an update steps a module on " \
+                "every learner at once)"
         for k, i in enumerate(self.ids):
             s = self._status[i]
             if s.ready:
@@ -93,7 +129,8 @@ class LearnerFeeds:
     def update(self, timestep: int, weights_version: int, metrics: MetricsLogger) -> None:
         """One update of every learner, each on its own batch (call after ``wait_ready`` said yes);
         logs the weights lag, the queue depth and the update's statistics."""
-        results = self._call("update_from_feed", timestep, weights_version)
+        args = (timestep, weights_version, list(self._modules)) if self.multi_module else (timestep, weights_version)
+        results = self._call("update_from_feed", *args)
         if results is None:  # a learner died in it: this update is dropped, the group rebuilt
             return
         updates: list[FeedUpdate] = [r.value for r in results]
@@ -106,7 +143,18 @@ class LearnerFeeds:
         metrics.log_value("stream/weights_lag_mean", float((lag * steps).sum() / steps.sum()))
         metrics.log_value("stream/weights_lag_max", int(lag.max()), reduce="max")
         metrics.log_value("learner_queue/size_mean", self.stats()["learner_queue_size"])
-        self.learners.record_update([u.stats for u in updates], sum(u.num_steps for u in updates), metrics)
+        agent_steps = sum(u.num_steps for u in updates)
+        if self.multi_module:
+            module_steps: Counter = Counter()
+            for u in updates:
+                module_steps.update(u.module_steps)
+            env_steps = agent_steps if self.env_steps_of is None else self.env_steps_of(agent_steps)
+            dropped = int(self.stats().get("num_frozen_batches_dropped", 0))  # the feeds drop them, not the learners
+            self.learners.record_module_update([u.stats for u in updates], module_steps, metrics, env_steps,
+                                               refused=dropped - self._frozen_dropped)
+            self._frozen_dropped = dropped
+            return
+        self.learners.record_update([u.stats for u in updates], agent_steps, metrics)
 
     def _call(self, method: str, *args: Any, actor_ids: list[int] | None = None) -> list[CallResult] | None:
         """The learners' answers; None when learners died in the call (the group is rebuilt, the

@@ -9,8 +9,8 @@ the driver beside the loader thread that receives every stream; with ``num_learn
 actors, each receiving the streams of its own env runners (runner i feeds learner ``i mod n``) and
 cutting its own batches of ``train_batch_size_per_learner`` steps, gradients averaged every minibatch
 and weights broadcast from learner 0 (``actors.learner.feed``, ``pipeline.plans.learner_feeds``); with
-external clients the slots' policy servers feed the learners as runners do. Multi-agent runs train with
-``num_learners=0`` only.
+external clients the slots' policy servers feed the learners as runners do; in multi-agent runs each
+learner is a ``MultiLearner`` whose feed keeps every module's batches apart (``actors.learner.feed.ModuleFeed``).
 """
 from pipeline.lazy import lazy_exports
 
