@@ -37,6 +37,7 @@ from pipeline.config.keys import setting_names
 from pipeline.config.multi_agent import PolicySpec, as_policy_spec, mapping_function, normalize_policies
 from pipeline.groups.multi_agent import check_module_class
 from pipeline.offline.record import write_run_manifest
+from pipeline.plans.asynchronous import AsyncPlan
 
 ModuleSpecLike = ModuleSpec | RLModuleSpec | PolicySpec | None
 
@@ -68,6 +69,8 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
         trains = callable(new_should_module_be_updated) or module_id in new_should_module_be_updated
     policy = DriverPolicy.build(spec, algo.config, spec.observation_space, spec.action_space)  # checks, first
     algo.learner_group.add_module(module_id, spec, overrides, trains)
+    if isinstance(algo.plan, AsyncPlan):  # streamed chunks are checked against the modules' spaces on arrival
+        algo.plan.add_module(module_id, spec.observation_space, spec.action_space)
     setup.change_modules(added={module_id: spec}, mapping=mapping)
     setup.driver_policies[module_id] = policy
     if algo.recording is not None:  # its recording's manifest before any runner records for it
@@ -99,9 +102,13 @@ def remove_module(algo: Any, module_id: str, *, new_agent_to_module_mapping_fn: 
                    remove_from_eval_env_runners=remove_from_eval_env_runners)
     check_should_update(new_should_module_be_updated, [mid for mid in setup.module_ids if mid != module_id])
     mapping = None if new_agent_to_module_mapping_fn is None else mapping_function(new_agent_to_module_mapping_fn)
+    if isinstance(algo.plan, AsyncPlan):  # runners reset episodes of the module, which must not race their streams
+        algo.plan.pause_streams()
     for group in runner_groups(algo):
         group.manager.foreach_actor("remove_module", module_id, mapping)
     algo.learner_group.remove_module(module_id)
+    if isinstance(algo.plan, AsyncPlan):
+        algo.plan.remove_module(module_id)
     setup.change_modules(removed=module_id, mapping=mapping)
     setup.driver_policies.pop(module_id, None)
     algo.metrics.delete(f"learners/{module_id}")  # its last update's statistics would otherwise stay in the results

@@ -80,6 +80,23 @@ def test_receiver_cuts_multi_module_batches_of_exact_agent_steps():
         receiver.close()
 
 
+def test_receiver_takes_a_module_added_later_and_drops_a_removed_ones_chunks():
+    receiver = ChunkReceiver(None, None, 50, module_spaces={"p0": SPACES["p0"]}, queue_size=4).start()
+    sender = ChunkSender(receiver.address, "test-sender")
+    try:
+        receiver.add_module("p1", OBS, ACT)
+        receiver.remove_module("p0")
+        sender.send([chunk("p0", 30, "a.0"), chunk("p1", 50, "a.1")])
+        batch = receiver.get_batch(timeout=30)
+        assert sorted(batch) == ["p1"] and batch.num_steps == 50
+        assert receiver.stats()["num_chunks_dropped_invalid"] == 1  # p0's chunk: no longer one of the modules
+    finally:
+        sender.close()
+        receiver.close()
+    with pytest.raises(ValueError, match="takes a single-agent stream"):
+        ChunkReceiver(OBS, ACT, 50).add_module("p1", OBS, ACT)
+
+
 def test_receiver_refuses_an_empty_module_list():
     with pytest.raises(ValueError, match="module_spaces is empty"):
         ChunkReceiver(None, None, 100, module_spaces={})
@@ -247,6 +264,25 @@ def test_a_frozen_module_never_moves(config_cls):
     r = results[-1]
     assert "p1" not in r["learners"] and "p0" in r["learners"]
     assert r["learners"]["__all_modules__"]["num_frozen_batches_dropped"] >= 1
+
+
+def test_a_module_added_while_streaming_trains_and_a_removed_ones_chunks_stop():
+    algo = config(APPOConfig).build(logdir=None)
+    try:
+        train_until_updates(algo, 2)
+        # agent 1 plays for the new module from now on: its chunks must be taken, not dropped as unknown
+        algo.add_module("p2", new_agent_to_module_mapping_fn=lambda agent_id, episode, **kw: f"p{2 * int(agent_id)}")
+        added = module_weights(algo, "p2")
+        version = algo.weights_version
+        results = train_until_updates(algo, version + 6)
+        assert not same(added, module_weights(algo, "p2")), "the added module did not train"
+        assert "p2" in results[-1]["learners"] and results[-1]["stream"]["num_chunks_dropped_invalid"] == 0
+        algo.remove_module("p1")  # no agent maps to it any more; chunks still naming it are dropped and counted
+        version = algo.weights_version
+        results = train_until_updates(algo, version + 2)
+        assert "p1" not in results[-1]["learners"] and {"p0", "p2"} <= set(results[-1]["learners"])
+    finally:
+        algo.stop()
 
 
 # --- learning (Ray: two streaming runners) -----------------------------------------------------------

@@ -167,6 +167,28 @@ def test_a_frozen_module_never_moves_on_any_learner(ray_cluster):
     assert "p1" not in results[-1]["learners"]
 
 
+@pytest.mark.slow
+def test_a_module_added_while_training_trains_on_both_learners_and_a_removed_one_goes(ray_cluster):
+    algo = config(APPOConfig).build(logdir=None)
+    try:
+        train_until_version(algo, 2)
+        algo.add_module("p2", new_agent_to_module_mapping_fn=lambda agent_id, episode, **kw: f"p{2 * int(agent_id)}")
+        added = algo.learner_group.foreach_learner(lambda l: l.get_weights(module_ids=["p2"]))[0]
+        results = train_until_version(algo, algo.weights_version + 6)
+        final = algo.learner_group.foreach_learner(lambda l: l.get_weights(module_ids=["p2"]))
+        assert "p2" in results[-1]["learners"] and results[-1]["stream"]["num_chunks_dropped_invalid"] == 0
+        algo.remove_module("p1")  # no agent maps to it any more: the learners go on with p0 and p2
+        after = train_until_version(algo, algo.weights_version + 2)[-1]
+        modules = algo.learner_group.foreach_learner(lambda l: l.module_ids)
+    finally:
+        algo.stop()
+    assert any(not np.array_equal(final[0][k], added[k]) for k in added), "the added module did not train"
+    for k in added:
+        np.testing.assert_array_equal(final[0][k], final[1][k])
+    assert modules == [["p0", "p2"], ["p0", "p2"]]
+    assert "p1" not in after["learners"] and {"p0", "p2"} <= set(after["learners"])
+
+
 @pytest.mark.long
 @pytest.mark.learning
 def test_appo_with_two_learners_trains_two_policies_on_two_agent_cartpole(ray_cluster):

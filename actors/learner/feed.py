@@ -286,6 +286,16 @@ class ModuleFeed:
         module_steps = {mid: int(batch.num_steps) for mid, batch in batches.items()}
         return FeedUpdate(stats, int(steps.sum()), versions, steps, self.status(0.0), module_steps)
 
+    def add_module(self, module_id: str, observation_space: gym.Space, action_space: gym.Space) -> None:
+        """A module added while the run goes on: its chunks are taken from now on."""
+        self.receiver.add_module(module_id, observation_space, action_space)
+
+    def remove_module(self, module_id: str) -> None:
+        """A module removed: its chunks are dropped from now on, and what this feed held of it goes."""
+        self.receiver.remove_module(module_id)
+        self._held.pop(module_id, None)
+        self._sources.pop(module_id, None)
+
     def close(self) -> None:
         self._held.clear()
         self.receiver.close()
@@ -318,6 +328,18 @@ class FedByStreams:
                 raise ValueError("a multi-agent learner's feed updates the modules it is told: pass modules=[...]")
             return feed.update(timestep, weights_version, modules)
         return feed.update(timestep, weights_version)
+
+    def feed_add_module(self, module_id: str, observation_space: gym.Space, action_space: gym.Space) -> None:
+        """A module added to a multi-agent run: this learner's feed takes its chunks from now on."""
+        feed = self._open_feed()
+        if not isinstance(feed, ModuleFeed):
+            raise ValueError(f"feed_add_module({module_id!r}): this learner's feed takes a single-agent stream")
+        feed.add_module(module_id, observation_space, action_space)
+
+    def feed_remove_module(self, module_id: str) -> None:
+        feed = self._open_feed()
+        if isinstance(feed, ModuleFeed):
+            feed.remove_module(module_id)
 
     def close_feed(self) -> None:
         if self.feed is not None:

@@ -141,19 +141,17 @@ class ChunkReceiver:
         self.device = torch.device(device)
         self.prebuild = prebuild
         self.multi_module = module_spaces is not None
+        self.module_schemas: ModuleSchemas | None = None
         schema: ChunkSchema | ModuleSchemas
         if module_spaces is None:
             schema = ChunkSchema.for_spaces(observation_space, action_space, required_extra)
             if observation_view is not None:
                 schema.look_back_rows = observation_view.piece.look_back
         else:
-            schemas = {}
+            self.required_extra = required_extra
+            schema = self.module_schemas = ModuleSchemas({})
             for mid, (obs, act) in module_spaces.items():
-                view = module_view(mid) if module_view is not None else None
-                schemas[mid] = ChunkSchema.for_spaces(obs if view is None else view.recorded_space, act, required_extra)
-                if view is not None:
-                    schemas[mid].look_back_rows = view.piece.look_back
-            schema = ModuleSchemas(schemas)
+                self.add_module(mid, obs, act)
         self.puller = ChunkPuller(host or node_address(), schema, hwm=hwm, rcvbuf=rcvbuf, limits=limits,
                                   max_log_lines_per_sender=max_log_lines_per_sender)
         self.address = self.puller.address
@@ -195,6 +193,25 @@ class ChunkReceiver:
             return self._queue.get(timeout=timeout) if timeout != 0 else self._queue.get_nowait()
         except queue.Empty:
             return None
+
+    def add_module(self, module_id: str, observation_space: gym.Space, action_space: gym.Space) -> None:
+        """A multi-agent stream's chunks of ``module_id`` are accepted from now on (a module added while the
+        run goes on), checked against these spaces (or its ``module_view``'s recorded space)."""
+        if self.module_schemas is None:
+            raise ValueError(f"add_module({module_id!r}): this receiver takes a single-agent stream")
+        view = self.module_view(module_id) if self.module_view is not None else None
+        schema = ChunkSchema.for_spaces(observation_space if view is None else view.recorded_space, action_space,
+                                        self.required_extra)
+        if view is not None:
+            schema.look_back_rows = view.piece.look_back
+        # a new dict, swapped in whole: the loader thread looks schemas up meanwhile
+        self.module_schemas.schemas = {**self.module_schemas.schemas, module_id: schema}
+
+    def remove_module(self, module_id: str) -> None:
+        """Chunks of ``module_id`` are dropped (and counted) from now on; steps of it already received still
+        make their batch, which the learner then drops."""
+        if self.module_schemas is not None:
+            self.module_schemas.schemas = {k: v for k, v in self.module_schemas.schemas.items() if k != module_id}
 
     def set_weights_version(self, version: int) -> None:
         """The learner's weights version now: chunks acted more than ``max_weights_lag`` versions before it

@@ -233,6 +233,27 @@ class AsyncPlan:
                 self.receiver.sender_lost(stream_sender_id(i))
         self._log_stream()
 
+    def add_module(self, module_id: str, observation_space: Any, action_space: Any) -> None:
+        """A module added to the multi-agent run (``Algorithm.add_module``): the receivers take its chunks from
+        now on -- call before any runner maps an agent to it."""
+        if self.receiver is not None:
+            self.receiver.add_module(module_id, observation_space, action_space)
+        else:
+            self.feeds.add_module(module_id, observation_space, action_space)
+
+    def pause_streams(self) -> None:
+        """Stop the runners' sampling threads (a runner removes a module only while it does not stream); the
+        next training step starts them again."""
+        self.env_runners.stop_streaming()
+        self._streaming = False
+
+    def remove_module(self, module_id: str) -> None:
+        """A module removed from the run: its chunks are dropped from now on (counted as invalid)."""
+        if self.receiver is not None:
+            self.receiver.remove_module(module_id)
+        else:
+            self.feeds.remove_module(module_id)
+
     def _take(self, timeout: float) -> ChunkBatch | ModuleBatches | None:
         batch = self.receiver.get_batch(timeout=timeout)
         now = time.monotonic()

@@ -23,6 +23,7 @@ back. A learner method that raises ends the run naming the learner; one that has
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -175,6 +176,19 @@ class LearnerFeeds:
             self._status[i] = FeedStatus(False)
         self._waiting_since = time.monotonic()  # the new learners need time for their first batch
         return None
+
+    def add_module(self, module_id: str, observation_space: Any, action_space: Any) -> None:
+        """Every learner's feed takes ``module_id``'s chunks from now on (so do feeds opened later, for learners
+        rebuilt after a death)."""
+        spaces = dict(self.settings.module_spaces or {})
+        spaces[module_id] = (observation_space, action_space)
+        self.settings = dataclasses.replace(self.settings, module_spaces=spaces)
+        self.learners.call("feed_add_module", module_id, observation_space, action_space)
+
+    def remove_module(self, module_id: str) -> None:
+        spaces = {k: v for k, v in (self.settings.module_spaces or {}).items() if k != module_id}
+        self.settings = dataclasses.replace(self.settings, module_spaces=spaces)
+        self.learners.call("feed_remove_module", module_id)
 
     def take_moved(self) -> dict[str, int]:
         """The dead feeds' addresses (each with the env steps its learner trained at least once) since the
