@@ -353,6 +353,52 @@ def test_a_policy_server_in_a_ray_runner_slot_trains_both_modules(ray_cluster):
     assert set(r["env_runners"]["module_episode_returns_mean"]) == {"p0", "p1"}
 
 
+@pytest.mark.slow
+def test_two_appo_learners_train_both_modules_from_the_clients_of_two_server_slots(ray_cluster):
+    """Multi-agent APPO with 2 learner actors and 2 policy server slots: server slot i streams to learner i mod 2,
+    each learner cuts each module's steps into batches of their own, and both train both modules in step."""
+    from actors.env.multi_agent_env import make_multi_agent
+    from pipeline import APPOConfig
+    from tests.test_external import free_ports
+
+    port = free_ports(2)
+    algo = (APPOConfig().environment(make_multi_agent("CartPole-v1"), env_config={"num_agents": 2})
+            .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=agent_to_module)
+            .training(train_batch_size_per_learner=200, minibatch_size=100)
+            .env_runners(num_env_runners=2).learners(num_learners=2)
+            .external_clients(address=f"tcp://127.0.0.1:{port}", journal_dir="", sample_wait_s=1.0)
+            .reporting(min_time_s_per_iteration=0.5).debugging(seed=0).build(logdir=None))
+    stop = threading.Event()
+
+    def play(address: str) -> None:
+        env = make_multi_agent("CartPole-v1")({"num_agents": 2})
+        with PolicyClient(address, timeout_s=120) as client:
+            while not stop.is_set():
+                run_multi_agent_env(client, env, num_episodes=1)
+
+    initial = algo.learner_group.foreach_learner(lambda learner: learner.get_weights())[0]
+    players = [threading.Thread(target=play, args=(f"tcp://127.0.0.1:{port + k}",), daemon=True) for k in range(2)]
+    for p in players:
+        p.start()
+    try:
+        results = [algo.train()]
+        deadline = time.monotonic() + 180  # clients connect and fill batches on their own time on a loaded machine
+        while algo.weights_version < 3 and time.monotonic() < deadline:
+            results.append(algo.train())
+        weights = algo.learner_group.foreach_learner(lambda learner: learner.get_weights())
+    finally:
+        stop.set()
+        for p in players:
+            p.join(timeout=120)
+        algo.stop()
+    assert algo.weights_version >= 3, algo.weights_version
+    for k in weights[0]:
+        np.testing.assert_array_equal(weights[0][k], weights[1][k])
+    for mid in ("p0", "p1"):  # both modules trained
+        assert any(not np.array_equal(weights[0][k], initial[k]) for k in initial if k.startswith(f"{mid}/")), mid
+    assert results[-1]["stream"]["num_chunks_dropped_invalid"] == 0
+
+
 @pytest.mark.learning
 def test_ppo_trains_two_policies_from_two_external_clients():
     """Summed return (both agents) of 400 within 200k env steps, from two client processes playing

@@ -5,7 +5,8 @@ Without Ray: the loader's per-module mode cuts each module's steps into exact ba
 ``ModuleFeed`` says which modules it could update, updates only those it is told, drops frozen modules'
 batches and refuses a module it holds nothing of. With Ray: two learners train two modules with identical
 weights per module, each on its own runners' chunks and no piece twice; a frozen module never moves on any
-learner; the config checks. ``long``: both policies learn on two-agent CartPole with two learners.
+learner; the config checks; a module added while training trains on both learners and a removed one goes.
+``long``: a killed learner is rebuilt with every module; both policies learn on two-agent CartPole.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pipeline import APPOConfig, ConfigError, IMPALAConfig
 from pipeline.algorithms.impala.learner import IMPALALearner
 from protocols.transport import ChunkSender
 from tests.pieces import RecordTrainedChunks, by_agent
+from tests.test_learner_recovery import kill_learner
 from tests.test_multi_agent_async import CARTPOLES, MODEL, OBS, ACT, SPACES, chunk, history, learn
 
 
@@ -187,6 +189,27 @@ def test_a_module_added_while_training_trains_on_both_learners_and_a_removed_one
         np.testing.assert_array_equal(final[0][k], final[1][k])
     assert modules == [["p0", "p2"], ["p0", "p2"]]
     assert "p1" not in after["learners"] and {"p0", "p2"} <= set(after["learners"])
+
+
+@pytest.mark.long
+def test_a_killed_learner_is_rebuilt_with_every_module_and_both_train_again(ray_cluster):
+    algo = config(APPOConfig).build(logdir=None)
+    try:
+        train_until_version(algo, 2)
+        kill_learner(algo, 1)
+        results = [algo.train()]
+        while results[-1]["fault_tolerance"]["num_learner_recoveries"] == 0:
+            assert len(results) < 20, "no recovery within 20 iterations"
+            results.append(algo.train())
+        train_until_version(algo, algo.weights_version + 3)  # the rebuilt learner's feed gets batches of both
+        weights = algo.learner_group.foreach_learner(lambda l: l.get_weights())
+        lost = algo.train()["fault_tolerance"]["num_env_steps_lost_with_learners"]
+    finally:
+        algo.stop()
+    assert {k.split("/")[0] for k in weights[1]} == {"p0", "p1"}
+    for k in weights[0]:
+        np.testing.assert_array_equal(weights[0][k], weights[1][k])
+    assert lost > 0  # what runner 1 had sent the dead learner, untrained (agent steps)
 
 
 @pytest.mark.long
