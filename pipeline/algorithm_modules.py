@@ -75,6 +75,8 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
     setup.driver_policies[module_id] = policy
     if algo.recording is not None:  # its recording's manifest before any runner records for it
         write_run_manifest(algo, [module_id])
+    if isinstance(algo.plan, AsyncPlan):  # runners change the module tables their sampling threads read
+        algo.plan.pause_streams()
     for group in runner_groups(algo):
         # building a module is start-up work (an evaluator busy with a parallel evaluation answers after it):
         # the start timeout, not the probe's, before a slow answer counts as a failure
@@ -103,7 +105,7 @@ def remove_module(algo: Any, module_id: str, *, new_agent_to_module_mapping_fn: 
     check_should_update(new_should_module_be_updated, [mid for mid in setup.module_ids if mid != module_id])
     mapping = None if new_agent_to_module_mapping_fn is None else mapping_function(new_agent_to_module_mapping_fn)
     if isinstance(algo.plan, AsyncPlan):  # runners reset episodes of the module, which must not race their streams
-        algo.plan.pause_streams()
+        algo.plan.pause_streams()  # (the next training step starts them again)
     for group in runner_groups(algo):
         group.manager.foreach_actor("remove_module", module_id, mapping)
     algo.learner_group.remove_module(module_id)

