@@ -93,11 +93,11 @@ class FeedStatus:
 
     ready: bool
     stats: dict[str, Any] = field(default_factory=dict)
-    modules: tuple[str, ...] = ()
-    """A ``ModuleFeed``'s trainable modules it can update now (``ready``: any)."""
     """The receiver's counters (``ChunkReceiver.stats``), ``num_env_steps_trained_once`` (env steps of the
     batches this feed has trained on at least once), ``dropped_by_sender`` and ``source`` (the batch
     source's ``stats()``)."""
+    modules: tuple[str, ...] = ()
+    """A ``ModuleFeed``'s trainable modules it can update now (``ready``: any)."""
 
 
 @dataclass
@@ -192,7 +192,7 @@ class LearnerFeed:
 
 
 class ModuleFeed:
-    """The feed of one data-parallel ``MultiLearner`` (multi-agent IMPALA/APPO with ``num_learners > 1``).
+    """The feed of a remote ``MultiLearner`` (multi-agent IMPALA/APPO with ``num_learners > 0``).
 
     The learners meet at an all-reduce in every SGD step of every module, so an update must step the same
     modules on every learner, each on a batch of the same size. The receiver cuts each module's steps into
@@ -275,8 +275,9 @@ class ModuleFeed:
             held = self._held.get(mid, [])
             batch = self._source(mid).next(lambda timeout, held=held: held.pop(0) if held else None)
             if batch is None:  # the driver's protocol rules this out; raising beats entering the all-reduce short
-                raise RuntimeError(f"learner {getattr(self.learner, 'rank', 0)} was asked to update module {mid!r} but holds no "
-                                   f"train batch of it: update only modules every feed said ready")
+                rank = getattr(self.learner, "rank", 0)
+                raise RuntimeError(f"learner {rank} was asked to update module {mid!r} but holds no train batch of "
+                                   f"it: update only modules every feed said ready")
             batches[mid] = batch
         versions, steps = batches.weights_versions()
         stats = self.learner.update(batches, timestep)
