@@ -127,6 +127,15 @@ class FedLearner(Protocol):
     def update(self, batch: Any, timestep: int) -> dict[str, float]: ...
 
 
+def feed_stats(receiver: ChunkReceiver, trained_once: int, source_stats: dict[str, int]) -> dict[str, Any]:
+    """What a feed reports (``FeedStatus.stats``): its receiver's counters and what it trained and holds."""
+    stats: dict[str, Any] = receiver.stats()
+    stats["num_env_steps_trained_once"] = trained_once
+    stats["dropped_by_sender"] = dict(receiver.dropped_by_sender)
+    stats["source"] = source_stats
+    return stats
+
+
 class LearnerFeed:
     def __init__(self, learner: FedLearner, settings: FeedSettings, source: BatchSource) -> None:
         self.learner, self.source = learner, source
@@ -165,11 +174,7 @@ class LearnerFeed:
 
     def status(self, timeout: float = 0.0) -> FeedStatus:
         ready = self.ready(timeout)
-        stats: dict[str, Any] = self.receiver.stats()
-        stats["num_env_steps_trained_once"] = self.num_env_steps_trained_once
-        stats["dropped_by_sender"] = dict(self.receiver.dropped_by_sender)
-        stats["source"] = self.source.stats()
-        return FeedStatus(ready, stats)
+        return FeedStatus(ready, feed_stats(self.receiver, self.num_env_steps_trained_once, self.source.stats()))
 
     def update(self, timestep: int, weights_version: int | None = None) -> FeedUpdate:
         """One update on the next batch of the source; the driver calls it only after ``ready``.
@@ -252,13 +257,10 @@ class ModuleFeed:
     def status(self, timeout: float = 0.0) -> FeedStatus:
         self._pull(timeout)
         modules = self.ready_modules()
-        stats: dict[str, Any] = self.receiver.stats()
-        stats["num_env_steps_trained_once"] = self.num_env_steps_trained_once
-        stats["dropped_by_sender"] = dict(self.receiver.dropped_by_sender)
         source_stats: collections.Counter = collections.Counter()
         for source in self._sources.values():  # summed over the modules, as over the learners
             source_stats.update(source.stats())
-        stats["source"] = dict(source_stats)
+        stats = feed_stats(self.receiver, self.num_env_steps_trained_once, dict(source_stats))
         stats["learner_queue_size"] += sum(len(held) for held in self._held.values())
         stats["num_frozen_batches_dropped"] = self.num_frozen_batches_dropped
         return FeedStatus(bool(modules), stats, modules)

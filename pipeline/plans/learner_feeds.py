@@ -143,14 +143,15 @@ class LearnerFeeds:
         lag = weights_version - versions
         metrics.log_value("stream/weights_lag_mean", float((lag * steps).sum() / steps.sum()))
         metrics.log_value("stream/weights_lag_max", int(lag.max()), reduce="max")
-        metrics.log_value("learner_queue/size_mean", self.stats()["learner_queue_size"])
+        summed = self.stats()  # once per update: it adds up every learner's counters
+        metrics.log_value("learner_queue/size_mean", summed["learner_queue_size"])
         agent_steps = sum(u.num_steps for u in updates)
         if self.multi_module:
             module_steps: Counter = Counter()
             for u in updates:
                 module_steps.update(u.module_steps)
             env_steps = agent_steps if self.env_steps_of is None else self.env_steps_of(agent_steps)
-            dropped = int(self.stats().get("num_frozen_batches_dropped", 0))  # the feeds drop them, not the learners
+            dropped = int(summed.get("num_frozen_batches_dropped", 0))  # the feeds drop them, not the learners
             self.learners.record_module_update([u.stats for u in updates], module_steps, metrics, env_steps,
                                                refused=dropped - self._frozen_dropped)
             self._frozen_dropped = dropped
