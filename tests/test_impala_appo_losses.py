@@ -106,13 +106,20 @@ def test_impala_default_pg_clip_gives_a_constant_advantage_error_no_pull_away_fr
     # function that overestimates every state (after a dip in return) makes every TD error negative. With the
     # policy-gradient ratio clipped at 1 (the IMPALA paper's rho-bar), that constant error pushes pi further
     # towards action 0 -- away from mu, towards one action -- the feedback in which IMPALA's CartPole runs
-    # collapsed (docs/HISTORY.md, 2026-12-05). Clipped at IMPALA's default (3), a ratio of 1.6 is not clipped
-    # and a constant error has no expected pull.
+    # collapsed (docs/HISTORY.md, 2026-12-05). At 3 (the default of 2026-12-05) a ratio of 5 still pulls; at
+    # IMPALA's default (100) neither ratio is clipped and a constant error has no expected pull.
     mu, pi = np.array([0.5, 0.5], np.float32), np.array([0.8, 0.2], np.float32)
     clipped_at_one = expected_logit_step(mu, pi, delta=-1.0, pg_rho_threshold=1.0)
     assert clipped_at_one[0] - clipped_at_one[1] > 0.1  # towards action 0, away from mu
     default = expected_logit_step(mu, pi, delta=-1.0, pg_rho_threshold=IMPALAConfig().vtrace_clip_pg_rho_threshold)
     np.testing.assert_allclose(default, 0.0, atol=1e-6)
+    # further drift, the trace of the runs that fell (pi(a)/mu(a) up to ~190 for a few % of the steps):
+    # mu(0) = 0.1, pi(0) = 0.5 is clipped at 3, not at the default
+    mu, pi = np.array([0.1, 0.9], np.float32), np.array([0.5, 0.5], np.float32)
+    clipped_at_three = expected_logit_step(mu, pi, delta=-1.0, pg_rho_threshold=3.0)
+    assert clipped_at_three[0] - clipped_at_three[1] > 0.1
+    default = expected_logit_step(mu, pi, delta=-1.0, pg_rho_threshold=IMPALAConfig().vtrace_clip_pg_rho_threshold)
+    np.testing.assert_allclose(default, 0.0, atol=1e-5)
     assert APPOConfig().vtrace_clip_pg_rho_threshold == 1.0  # APPO's clipped surrogate and target network hold it
 
 

@@ -1,9 +1,10 @@
 """IMPALA (or APPO) on CartPole-v1 past 450: how often a run that learned falls back to random play.
 
 Run: ``.venv/bin/python tests/benchmarks/impala_stability.py [--algo IMPALA] [--runs 6] [--budget 800000]
-[--learner-pause-s 0.03 | --num-learners 2] [--config JSON ...]``. Each run trains the learning test's config (2
-runner actors, seed 0; runs differ by their asynchrony) for ``--budget`` env steps without stopping at 450, and
-prints one JSON line: the first env step count at a smoothed return of 450, whether the run collapsed after it (a
+[--learner-pause-s 0.03 | --num-learners 2] [--stop-at 450] [--config JSON ...]``. Each run trains the learning test's config (2
+runner actors, seed 0; runs differ by their asynchrony) for ``--budget`` env steps without stopping at 450 (with
+``--stop-at 450``: until the first iteration at 450, the learning test's rule), and prints one JSON line: the first
+env step count at an iteration's mean return of 450, whether the run collapsed after it (a
 return below 50 once it had reached 450), and (return, entropy, gradient norm, weights lag, env steps) per
 iteration. ``--num-learners 2`` runs the two-learner test's setting (learner actors, half the batch each).
 ``--config`` (repeatable) gives training settings per arm; the runs alternate between the arms.
@@ -12,7 +13,10 @@ process): the learner becomes the bottleneck and the data lags ~12 updates, as i
 
 Measured 2026-12-05 (docs/HISTORY.md; rows in results_impala_stability_amd_2026-12-05.jsonl): the default config
 of then (policy-gradient ratio clipped at 1) collapsed in 1 of 9 runs to 800k, in 2 of 6 with a 0.03 s pause; to 1M
-with the pause in 7 of 11, and clipped at 3 (the default since) in none of 8 (results_impala_pg_clip_amd_2026-12-05.jsonl).
+with the pause in 7 of 11, and clipped at 3 in none of 8 (results_impala_pg_clip_amd_2026-12-05.jsonl). On 2026-12-06,
+with the learner the bottleneck without a pause (lag ~12.5), clipped at 3: 9 of 30 runs fell below 50 and 2 never
+reached 450; at 1e6 none of 30 fell; at 100 (the default since) 2 of 95 ``--stop-at 450`` runs missed 450 within 1M,
+on a plateau (results_impala_clip_amd_2026-12-06.jsonl).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ def pause_learner_updates(algo_name: str, seconds: float) -> None:
     learner_cls.update = slow_update
 
 
-def one_run(algo_name: str, overrides: dict, budget: int, num_learners: int = 0) -> dict:
+def one_run(algo_name: str, overrides: dict, budget: int, num_learners: int = 0, stop_at: float | None = None) -> dict:
     config = get_algorithm(algo_name)[0]().environment("CartPole-v1").env_runners(num_env_runners=2).debugging(seed=0)
     if num_learners > 0:  # the two-learner test's setting: the default batch split (the same steps per update)
         per_learner = config.train_batch_size_per_learner // num_learners
@@ -53,7 +57,7 @@ def one_run(algo_name: str, overrides: dict, budget: int, num_learners: int = 0)
     algo = config.build()
     rows, start = [], time.perf_counter()
     try:
-        while not rows or rows[-1][-1] < budget:
+        while not rows or (rows[-1][-1] < budget and (stop_at is None or rows[-1][0] < stop_at)):
             r = algo.train()
             learner = r.get("learners", {}).get("default_policy", {})
             rows.append([round(float(r["env_runners"].get("episode_return_mean", float("nan"))), 1),
@@ -79,6 +83,8 @@ def main() -> None:
     p.add_argument("--learner-pause-s", type=float, default=0.0)
     p.add_argument("--num-learners", type=int, default=0,
                    help="learner actors (0: the learner in this process); the batch is split between them")
+    p.add_argument("--stop-at", type=float, default=None,
+                   help="end a run at the first iteration whose mean return reaches this (the learning test's rule)")
     p.add_argument("--config", action="append", type=json.loads, default=[],
                    help='training settings of one arm, e.g. \'{"lr": 0.0005}\' (repeatable; default: the defaults)')
     args = p.parse_args()
@@ -90,7 +96,7 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         for i in range(args.runs):
-            out = one_run(args.algo, arms[i % len(arms)], args.budget, args.num_learners)
+            out = one_run(args.algo, arms[i % len(arms)], args.budget, args.num_learners, args.stop_at)
             print(json.dumps({**out, "run": i, "learner_pause_s": args.learner_pause_s}), flush=True)
     finally:
         ray.shutdown()

@@ -14,13 +14,17 @@ class IMPALAConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     algo_name = "IMPALA"
     algorithm_module = "pipeline.algorithms.impala.algorithm"
 
-    vtrace_clip_pg_rho_threshold: float = 3.0
-    """V-trace: clip the importance ratio of the policy-gradient advantages at this (runnel's IMPALA default; the
-    paper and RLlib use 1, as APPO does here). Clipped at 1, a value function that overestimates after a dip in
-    return pushes the learner's policy further from the lagging runners' -- towards one action -- and on CartPole
-    runs with the learner as the bottleneck collapsed to a return of 9 in 7 of 11 (2026-12-05); at 3, none of
-    8 did, and without the bottleneck all 13 runs reached 450 within 1M env steps (12 of 13 at 1). APPO's clipped
-    surrogate and target network hold the same drift back."""
+    vtrace_clip_pg_rho_threshold: float = 100.0
+    """V-trace: clip the importance ratio of the policy-gradient advantages at this. runnel's IMPALA default is
+    high enough that the learner's own policy almost never meets it (the paper and RLlib use 1, as APPO does
+    here; runnel used 3 from 2026-12-05): every clipped ratio turns a value function that overestimates -- as it
+    does after any dip in return -- into a pull towards the actions the learner already favours over the lagging
+    runners', a feedback that ends on one action (the property test in ``tests/test_impala_appo_losses.py``). On
+    CartPole with the learner the bottleneck (data ~12 updates old), 9 of 30 runs at 3 fell below a return of 50
+    and 2 never reached 450 in 1M env steps; effectively unclipped, none of 30 fell and 1 stayed at ~200
+    (2026-12-06, ``tests/benchmarks/impala_stability.py``). The bound keeps one implausible behaviour
+    log-probability (an external client's) from outweighing a whole batch. APPO's clipped surrogate and target
+    network hold the drift back, so it keeps 1."""
     minibatch_size: int = 250
     """Steps per SGD step: two steps per default 500-step batch (runnel's IMPALA default since 2026-12-05; the
     whole batch in one step before). On CartPole to 1M env steps, one step per batch missed 450 in 2 of 22 runs
