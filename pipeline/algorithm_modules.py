@@ -68,6 +68,11 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
     else:
         trains = callable(new_should_module_be_updated) or module_id in new_should_module_be_updated
     policy = DriverPolicy.build(spec, algo.config, spec.observation_space, spec.action_space)  # checks, first
+    if isinstance(algo.plan, AsyncPlan):
+        # before anything changes: runners change the module tables their sampling threads read, and an
+        # in-process runner shares the run's mapping object, so a thread still sampling would map agents to the
+        # new module before its runner holds it (the next training step starts the streams again)
+        algo.plan.pause_streams()
     algo.learner_group.add_module(module_id, spec, overrides, trains)
     if isinstance(algo.plan, AsyncPlan):  # streamed chunks are checked against the modules' spaces on arrival
         algo.plan.add_module(module_id, spec.observation_space, spec.action_space)
@@ -75,8 +80,6 @@ def add_module(algo: Any, module_id: str, module_spec: ModuleSpecLike = None, *,
     setup.driver_policies[module_id] = policy
     if algo.recording is not None:  # its recording's manifest before any runner records for it
         write_run_manifest(algo, [module_id])
-    if isinstance(algo.plan, AsyncPlan):  # runners change the module tables their sampling threads read
-        algo.plan.pause_streams()
     for group in runner_groups(algo):
         # building a module is start-up work (an evaluator busy with a parallel evaluation answers after it):
         # the start timeout, not the probe's, before a slow answer counts as a failure

@@ -131,7 +131,11 @@ def test_a_receiver_that_falls_behind_blocks_the_stream_and_clients_hear_busy(tm
         assert not server.is_streaming() and client.unacknowledged > 0
         # Committed so far: what ZeroMQ took. The frames its socket still queued went with it (the
         # stream's documented window, as for an env runner's stream); nothing else may be missing.
-        committed_at_stop = {k for k in set(client.committed) | set(client.spooled_ids()) if k in server.journal}
+        # (the spool first: when an ack comes the client moves the id from its spool to its committed list
+        # under the lock ``spooled_ids`` takes; read the other way round, an id moved between the two reads
+        # would be in neither, and its frame, dropped with the stopped socket, would be waited for in vain)
+        spooled = set(client.spooled_ids())
+        committed_at_stop = {k for k in spooled | set(client.committed) if k in server.journal}
         server.start_streaming(puller.address, compress=False)
         received: list = []  # read now: the stream, then the client, go on
         deadline = time.monotonic() + 120

@@ -292,6 +292,32 @@ def test_a_module_added_while_streaming_trains_and_a_removed_ones_chunks_stop():
         algo.stop()
 
 
+def test_add_module_stops_the_in_process_runners_stream_before_the_shared_mapping_changes():
+    # The in-process runner holds the run's mapping object itself: changed while its sampling thread still ran,
+    # an episode starting in between mapped agent 1 to "p2" before the runner held it, and the thread failed
+    # (a fresh clone, 2026-12-06). The streams must be stopped before the run's module tables change.
+    algo = config(IMPALAConfig).build(logdir=None)
+    try:
+        train_until_updates(algo, 1)
+        runner = algo.env_runner_group.local
+        assert runner.is_streaming()
+        setup = algo.multi_agent
+        change_modules = setup.change_modules
+        streaming_at_change: list[bool] = []
+
+        def recording_change(*args, **kwargs):
+            streaming_at_change.append(runner.is_streaming())
+            return change_modules(*args, **kwargs)
+
+        setup.change_modules = recording_change
+        algo.add_module("p2", new_agent_to_module_mapping_fn=lambda agent_id, episode, **kw: f"p{2 * int(agent_id)}")
+        assert streaming_at_change == [False]
+        train_until_updates(algo, algo.weights_version + 2)
+        assert runner.is_streaming() and "p2" in runner.module_ids
+    finally:
+        algo.stop()
+
+
 # --- learning (Ray: two streaming runners) -----------------------------------------------------------
 def history(results: list[dict]) -> list:
     """(summed return, each module's return, env steps) per iteration: what a failed learning run's message shows."""
