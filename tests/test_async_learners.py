@@ -301,8 +301,8 @@ def run_to_450(config_cls):
 # stream_frames_in_flight=1) the lag is ~15 updates and nothing is dropped: measured on a quiet AMD VM
 # (2026-12-02) APPO reached 450 at 399k env steps, IMPALA in three of three runs at 203k-378k (and not in a
 # fourth, beside another learning test: 108 after 1M). With IMPALA's policy-gradient ratio clipped at 3 (its
-# default since 2026-12-05) 9 of 9 runs to 1M reached 450 at 268k-934k env steps and none fell back, against 8 of 9
-# and 3 that fell to 9 when clipped at 1 (tests/benchmarks/results_impala_two_learners_amd_2026-12-05.jsonl); one
+# default from 2026-12-05 to 2026-12-06; 100 since, not yet measured with two learners) 9 of 9 runs to 1M
+# reached 450 at 268k-934k env steps and none fell back, against 8 of 9 and 3 that fell to 9 when clipped at 1 (tests/benchmarks/results_impala_two_learners_amd_2026-12-05.jsonl); one
 # run at 934k is near the budget, so the test stays an xfail. Before
 # (4 frames each side, 256-KiB socket buffers, ~25 of a learner's batches in flight per runner) both ended
 # at 154 and 50 after 1M env steps, and with streams one frame deep and 16-KiB buffers (lag 12-24) IMPALA
