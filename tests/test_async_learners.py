@@ -301,7 +301,7 @@ def run_to_450(config_cls):
 # stream_frames_in_flight=1) the lag is ~15 updates and nothing is dropped: measured on a quiet AMD VM
 # (2026-12-02) APPO reached 450 at 399k env steps, IMPALA in three of three runs at 203k-378k (and not in a
 # fourth, beside another learning test: 108 after 1M). With IMPALA's policy-gradient ratio clipped at 3 (its
-# default from 2026-12-05 to 2026-12-06; 100 since, not yet measured with two learners) 9 of 9 runs to 1M
+# default from 2026-12-05 to 2026-12-06; at 100 since, 6 of 6 at 241k-929k, none fell) 9 of 9 runs to 1M
 # reached 450 at 268k-934k env steps and none fell back, against 8 of 9 and 3 that fell to 9 when clipped at 1 (tests/benchmarks/results_impala_two_learners_amd_2026-12-05.jsonl); one
 # run at 934k is near the budget, so the test stays an xfail. Before
 # (4 frames each side, 256-KiB socket buffers, ~25 of a learner's batches in flight per runner) both ended
@@ -319,8 +319,8 @@ def test_appo_with_two_learners_reaches_450(ray_cluster):
 @pytest.mark.long
 @pytest.mark.xfail(strict=False, reason=(
     "open: two IMPALA learners on 2 cores (lag ~14) may need close to the 1M budget: with the policy-gradient clip at 3 "
-    "9 of 9 runs reached 450 at 268k-934k env steps and none collapsed (2026-12-05; at 1, one beside another learning "
-    "test ended at 108 after 1M on 2026-12-02); IMPALA, without APPO's clipping and target network, is the less "
+    "9 of 9 runs reached 450 at 268k-934k env steps and none collapsed (2026-12-05; at 100, the default since, 6 of 6 "
+    "at 241k-929k; at 1, one beside another learning test ended at 108 after 1M on 2026-12-02); IMPALA, without APPO's clipping and target network, is the less "
     "forgiving of lag"))
 def test_impala_with_two_learners_reaches_450(ray_cluster):
     results, streaming = run_to_450(IMPALAConfig)
