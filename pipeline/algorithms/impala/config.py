@@ -33,12 +33,6 @@ class IMPALAConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     (189k-613k), and with the learner the bottleneck in 8 of 8 against 15 of 15 (177k-417k). Must not exceed
     ``train_batch_size_per_learner``: lower both for smaller batches."""
 
-    num_epochs: int = 2
-    """Passes over each train batch (runnel's IMPALA default since 2026-12-06; one before). With the clip above
-    no longer pulling the policy away, a second pass halves the time to CartPole's 450 with the learner the
-    bottleneck: median 200k env steps (max 278k) against 304k (max 557k), 15 runs each, none fell -- margin
-    against the plateau that can hold a run below 450 to 1M (``results_impala_clip_amd_2026-12-06.jsonl``)."""
-
     def _problems(self) -> list[str]:
         return super()._problems() + self.async_plan_problems() + self.vtrace_problems()
 
