@@ -46,8 +46,8 @@ from typing import Any
 from protocols.agent_record import AgentID, AgentRecord
 from protocols.episode import EpisodeChunk, new_episode_id
 from protocols.multi_agent_episode_checks import (ALL, agent_flags, check_actions, check_extras, check_joining,
-                                                  check_look_back, check_module_id, check_reset, check_running,
-                                                  check_step, plain_step)
+                                                  check_look_back, check_reset, check_running,
+                                                  check_step, mapped_module, plain_step)
 
 DEFAULT_MODULE_ID = "default_policy"
 
@@ -131,8 +131,7 @@ class MultiAgentEpisode:
         """The module ``agent_id`` acts with: ``policy_mapping_fn`` asked once, then remembered."""
         module_id = self._modules.get(agent_id)
         if module_id is None:
-            module_id = self.policy_mapping_fn(agent_id, self)
-            check_module_id(agent_id, module_id, self.module_ids)
+            module_id = mapped_module(self.policy_mapping_fn, agent_id, self, self.module_ids)
             self._modules[agent_id] = module_id
         return module_id
 

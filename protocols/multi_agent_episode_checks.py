@@ -25,14 +25,33 @@ def check_look_back(look_back: Mapping[str, int]) -> None:
             raise ValueError(f"look_back[{mid!r}] = {n}: give a number of rows >= 0")
 
 
+class MappingError(ValueError):
+    """``policy_mapping_fn`` raised, or named no module that exists. The user's error: a runner meeting it is
+    not restarted (the restarted one would meet it again), the run ends with this message instead
+    (``runnel_user_code``, read by the stage groups and the streaming thread's health check)."""
+
+    runnel_user_code = True
+
+
+def mapped_module(policy_mapping_fn: Callable[..., Any], agent_id: AgentID, episode: Any,
+                  module_ids: Collection[str] | None) -> str:
+    """The module ``policy_mapping_fn`` picks for ``agent_id``, checked; a ``MappingError`` otherwise."""
+    try:
+        module_id = policy_mapping_fn(agent_id, episode)
+    except Exception as err:
+        raise MappingError(f"policy_mapping_fn raised {type(err).__name__} for agent {agent_id!r}: {err}") from err
+    check_module_id(agent_id, module_id, module_ids)
+    return module_id
+
+
 def check_module_id(agent_id: AgentID, module_id: Any, module_ids: Collection[str] | None) -> None:
     """What ``policy_mapping_fn`` gave for ``agent_id`` must name a module that exists (any str when
     ``module_ids`` is None)."""
     if not isinstance(module_id, str) or not module_id:
-        raise ValueError(f"policy_mapping_fn mapped agent {agent_id!r} to {module_id!r}; "
+        raise MappingError(f"policy_mapping_fn mapped agent {agent_id!r} to {module_id!r}; "
                          "it must return a module id (a non-empty str)")
     if module_ids is not None and module_id not in module_ids:
-        raise ValueError(f"policy_mapping_fn mapped agent {agent_id!r} to module {module_id!r}, which "
+        raise MappingError(f"policy_mapping_fn mapped agent {agent_id!r} to module {module_id!r}, which "
                          f"does not exist; modules: {sorted(module_ids)}. Add it to "
                          "`.multi_agent(policies=...)` or fix the mapping")
 

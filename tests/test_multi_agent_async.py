@@ -318,6 +318,37 @@ def test_add_module_stops_the_in_process_runners_stream_before_the_shared_mappin
         algo.stop()
 
 
+class GoesBad:
+    """A mapping that works for its first ``calls`` calls in each process, then names a module nobody holds."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+
+    def __call__(self, agent_id: Any, episode: Any, **kwargs: Any) -> str:
+        self.calls -= 1
+        return f"p{agent_id}" if self.calls >= 0 else "p9"
+
+
+@pytest.mark.parametrize("num_env_runners", [0, 1], ids=["in-process", "actor"])
+def test_a_mapping_gone_bad_mid_run_ends_the_run_with_its_own_message(num_env_runners):
+    # The user's error: restarting the runner would meet it again (and a restarted stream used to cut a malformed
+    # chunk from the half-started episode it left), so the run ends at once, naming the agent and the module.
+    from protocols.multi_agent_episode_checks import MappingError
+
+    algo = (config(IMPALAConfig).multi_agent(policy_mapping_fn=GoesBad(200)).env_runners(num_env_runners=num_env_runners)
+            .fault_tolerance(restart_failed_env_runners=True).build(logdir=None))
+    try:
+        with pytest.raises(MappingError, match=r"mapped agent 0 to module 'p9', which does not exist; "
+                                               r"modules: \['p0', 'p1'\]"):
+            for _ in range(200):
+                algo.train()
+        if num_env_runners:
+            assert algo.env_runner_group.manager.num_restarts == 0  # handed to the caller, not restarted
+    finally:
+        algo.stop()
+    assert runner_threads() == []
+
+
 # --- learning (Ray: two streaming runners) -----------------------------------------------------------
 def history(results: list[dict]) -> list:
     """(summed return, each module's return, env steps) per iteration: what a failed learning run's message shows."""

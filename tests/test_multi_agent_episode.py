@@ -12,6 +12,7 @@ import pytest
 from protocols.codec import decode_chunks, encode
 from protocols.episode import EpisodeBuilder, EpisodeChunk
 from protocols.multi_agent_episode import DEFAULT_MODULE_ID, MultiAgentEpisode
+from protocols.multi_agent_episode_checks import MappingError
 
 
 def ob(agent: int, t: int) -> np.ndarray:
@@ -252,11 +253,16 @@ def test_module_mapping_groups_chunks_per_module():
 
 def test_bad_mappings_name_the_agent():
     ep = MultiAgentEpisode(lambda aid, e: "p9", module_ids={"p0", "p1"})
-    with pytest.raises(ValueError, match=r"agent 'a' to module 'p9', which does not exist; modules: \['p0', 'p1'\]"):
+    with pytest.raises(MappingError, match=r"agent 'a' to module 'p9', which does not exist; modules: \['p0', 'p1'\]"):
         ep.add_reset({"a": ob(0, 0)})
     ep = MultiAgentEpisode(lambda aid, e: 3)
-    with pytest.raises(ValueError, match="mapped agent 'a' to 3; it must return a module id"):
+    with pytest.raises(MappingError, match="mapped agent 'a' to 3; it must return a module id"):
         ep.add_reset({"a": ob(0, 0)})
+    ep = MultiAgentEpisode(lambda aid, e: {"b": "p0"}[aid])
+    with pytest.raises(MappingError, match="policy_mapping_fn raised KeyError for agent 'a': 'a'"):
+        ep.add_reset({"a": ob(0, 0)})
+    # the user's error, which a stage group hands to the caller instead of restarting the runner
+    assert issubclass(MappingError, ValueError) and MappingError.runnel_user_code
 
 
 def test_one_agent_with_the_default_module_is_the_single_agent_episode():

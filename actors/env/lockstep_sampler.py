@@ -35,6 +35,7 @@ from actors.env.numpy_acting import acting_rng
 from actors.modules import RLModule
 from protocols import nested
 from protocols.episode import EpisodeChunk, new_episode_id
+from protocols.multi_agent_episode_checks import mapped_module
 
 
 PLAIN_ACTIONS = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)
@@ -180,16 +181,10 @@ class LockstepSampler:
             self.listener.episode_created(index, ep)
         obs, _ = env.reset(seed=seed)
         known = self.acting.modules
+        # every agent's module is picked and checked before any slot changes: a mapping error leaves no
+        # half-started episode behind
+        ep.modules.extend(mapped_module(self.policy_mapping_fn, k, ep, known) for k in range(len(env.possible_agents)))
         for k in range(len(env.possible_agents)):
-            module_id = self.policy_mapping_fn(k, ep)
-            if not isinstance(module_id, str) or not module_id:
-                raise ValueError(f"policy_mapping_fn mapped agent {k!r} to {module_id!r}; it must return a module id "
-                                 "(a non-empty str)")
-            if module_id not in known:
-                raise ValueError(f"policy_mapping_fn mapped agent {k!r} to module {module_id!r}, which does not "
-                                 f"exist; modules: {sorted(known)}. Add it to `.multi_agent(policies=...)` or fix "
-                                 "the mapping")
-            ep.modules.append(module_id)
             j = self.bases[index] + k
             self.obs[j] = obs[k]
             self._chunk_index[j] = self._t_started[j] = 0

@@ -122,7 +122,8 @@ class RunnerStream:
 
     def check_health(self) -> None:
         """Raise RuntimeError if the thread died or sampled nothing for ``stall_timeout_s``."""
-        if isinstance(self.exception, UserCodeError):  # the driver ends the run with it; a restart would repeat it
+        # the user's error: the driver ends the run with it, as a restart would repeat it
+        if isinstance(self.exception, UserCodeError) or getattr(self.exception, "runnel_user_code", False):
             raise self.exception
         if self.error is not None:
             raise RuntimeError(f"{self.sender_id}: sampling thread failed: {self.error}")
