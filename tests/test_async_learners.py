@@ -72,7 +72,8 @@ def test_feed_holds_a_batch_once_ready_and_never_updates_without_one():
         assert status.stats["learner_queue_size"] == 0  # the batch is held for the update, out of the queue
         update = feed.update(timestep=0)
         assert update.num_steps == 100 and int(update.steps.sum()) == 100 and set(update.versions) == {0}
-        assert learner.num_updates == 1 and np.isfinite(update.stats["policy_loss"])
+        # one SGD step per epoch: the batch is one minibatch
+        assert learner.num_updates == learner.config.num_epochs and np.isfinite(update.stats["policy_loss"])
         assert not update.status.ready  # nothing more came
     finally:
         sender.close()
@@ -89,7 +90,7 @@ def test_feed_with_a_circular_buffer_is_ready_while_the_buffer_holds_batches():
         assert first.status.ready and first.status.stats["source"]["size"] == 1  # the batch serves K=2 updates
         second = feed.update(timestep=0)
         assert not second.status.ready and second.status.stats["source"]["size"] == 0
-        assert learner.num_updates == 2
+        assert learner.num_updates == 2 * learner.config.num_epochs
     finally:
         sender.close()
         feed.close()
@@ -115,6 +116,7 @@ def test_two_impala_learners_train_their_own_runners_chunks_each_once(ray_cluste
         weights = algo.learner_group.foreach_learner(lambda l: l.get_weights())
         received = algo.learner_group.foreach_learner(lambda l: l.feed.receiver.stats())
         updates = algo.learner_group.foreach_learner(lambda l: l.num_updates)
+        epochs = algo.config.num_epochs
         modules = algo.learner_group.foreach_learner(loaded_modules)
     finally:
         algo.stop()
@@ -125,10 +127,10 @@ def test_two_impala_learners_train_their_own_runners_chunks_each_once(ray_cluste
         assert not {"ray.tune", "pandas", "pipeline.algorithm"} & set(loaded), sorted(loaded)
     last = results[-1]
     assert algo.weights_version >= 5, algo.weights_version
-    # identical weights after every update (gradients averaged every minibatch): 2 minibatches per update
+    # identical weights after every update (gradients averaged every minibatch): 2 minibatches per epoch
     for k in weights[0]:
         np.testing.assert_array_equal(weights[0][k], weights[1][k])
-    assert updates[0] == updates[1] == 2 * algo.weights_version
+    assert updates[0] == updates[1] == 2 * epochs * algo.weights_version
     # runner i streams to learner i mod 2, and each learner trained chunks of its runner only
     for rank, pieces in enumerate(trained):
         assert pieces and {p[4] for p in pieces} == {2 - rank}, (rank, {p[4] for p in pieces})
@@ -297,16 +299,12 @@ def run_to_450(config_cls):
 
 # Both runs are 'long' (make test-long): on 2 cores two learner processes, two runners and the driver
 # share the CPUs and the learners are slower than their runners, so what they train on is as old as the
-# streams let it be. With the default credit-based streams (one unread fragment per runner,
-# stream_frames_in_flight=1) the lag is ~15 updates and nothing is dropped: measured on a quiet AMD VM
-# (2026-12-02) APPO reached 450 at 399k env steps, IMPALA in three of three runs at 203k-378k (and not in a
-# fourth, beside another learning test: 108 after 1M). With IMPALA's policy-gradient ratio clipped at 3 (its
-# default from 2026-12-05 to 2026-12-06; at 100 since, 6 of 6 at 241k-929k, none fell) 9 of 9 runs to 1M
-# reached 450 at 268k-934k env steps and none fell back, against 8 of 9 and 3 that fell to 9 when clipped at 1 (tests/benchmarks/results_impala_two_learners_amd_2026-12-05.jsonl); one
-# run at 934k is near the budget, so the test stays an xfail. Before
-# (4 frames each side, 256-KiB socket buffers, ~25 of a learner's batches in flight per runner) both ended
-# at 154 and 50 after 1M env steps, and with streams one frame deep and 16-KiB buffers (lag 12-24) IMPALA
-# reached 450 in only three of six runs.
+# streams let it be (one unread fragment per runner: lag ~14 updates, nothing dropped). Measured on the 2-core
+# AMD VM: APPO reached 450 at 399k env steps (2026-12-02). IMPALA was an xfail until 2026-12-06: with its
+# policy-gradient ratio clipped at 1 runs fell to a return of 9 (3 of 9), at 3 one of 9 needed 934k, at 100
+# (the default since) one of 6 needed 929k; with two passes per batch as well (num_epochs=2, IMPALA's default
+# since), 15 of 15 reached 450 at 141k-479k, median 285k, none fell
+# (tests/benchmarks/results_impala_clip_amd_2026-12-06.jsonl; results_impala_two_learners_amd_2026-12-05.jsonl).
 @pytest.mark.learning
 @pytest.mark.long
 def test_appo_with_two_learners_reaches_450(ray_cluster):
@@ -317,11 +315,6 @@ def test_appo_with_two_learners_reaches_450(ray_cluster):
 
 @pytest.mark.learning
 @pytest.mark.long
-@pytest.mark.xfail(strict=False, reason=(
-    "open: two IMPALA learners on 2 cores (lag ~14) may need close to the 1M budget: with the policy-gradient clip at 3 "
-    "9 of 9 runs reached 450 at 268k-934k env steps and none collapsed (2026-12-05; at 100, the default since, 6 of 6 "
-    "at 241k-929k; at 1, one beside another learning test ended at 108 after 1M on 2026-12-02); IMPALA, without APPO's clipping and target network, is the less "
-    "forgiving of lag"))
 def test_impala_with_two_learners_reaches_450(ray_cluster):
     results, streaming = run_to_450(IMPALAConfig)
     check_cartpole(results, streaming)

@@ -53,7 +53,7 @@ def test_impala_update_on_policy_chunks():
     assert stats["rho_clipped_fraction"] < 0.5
     for key in ("policy_loss", "vf_loss", "entropy", "total_loss", "gradients_global_norm", "curr_lr"):
         assert np.isfinite(stats[key]), key
-    assert learner.num_updates == 1  # 100 steps, minibatch 100: one SGD step
+    assert learner.num_updates == learner.config.num_epochs  # 100 steps, minibatch 100: one SGD step per epoch
     after = learner.get_weights()
     assert any(not np.array_equal(before[k], after[k]) for k in before)
 

@@ -57,7 +57,8 @@ def one_run(algo_name: str, overrides: dict, budget: int, num_learners: int = 0,
     algo = config.build()
     rows, start = [], time.perf_counter()
     try:
-        while not rows or (rows[-1][-1] < budget and (stop_at is None or rows[-1][0] < stop_at)):
+        # ``not >=``: an iteration that ended no episode has a NaN return, which has not reached the target
+        while not rows or (rows[-1][-1] < budget and (stop_at is None or not rows[-1][0] >= stop_at)):
             r = algo.train()
             learner = r.get("learners", {}).get("default_policy", {})
             rows.append([round(float(r["env_runners"].get("episode_return_mean", float("nan"))), 1),
