@@ -33,6 +33,7 @@ _HOMES = {
     "pipeline.config.base": ["AlgorithmConfig", "ConfigError"],
     "pipeline.config.multi_agent": ["PolicySpec"],
     "pipeline.config.multi_agent_plan": ["MultiAgentPlan", "multi_agent_plan"],
+    "protocols.multi_agent_episode_checks": ["MappingError"],
     "actors.modules.rl_module_spec": ["MultiRLModuleSpec", "RLModuleSpec"],
     "pipeline.groups.env_runners": ["SingleAgentEnvRunner"],
     "pipeline.envs": ["register_env"],

@@ -333,7 +333,7 @@ class GoesBad:
 def test_a_mapping_gone_bad_mid_run_ends_the_run_with_its_own_message(num_env_runners):
     # The user's error: restarting the runner would meet it again (and a restarted stream used to cut a malformed
     # chunk from the half-started episode it left), so the run ends at once, naming the agent and the module.
-    from protocols.multi_agent_episode_checks import MappingError
+    from pipeline import MappingError
 
     algo = (config(IMPALAConfig).multi_agent(policy_mapping_fn=GoesBad(200)).env_runners(num_env_runners=num_env_runners)
             .fault_tolerance(restart_failed_env_runners=True).build(logdir=None))
