@@ -33,13 +33,6 @@ class IMPALAConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     (189k-613k), and with the learner the bottleneck in 8 of 8 against 15 of 15 (177k-417k). Must not exceed
     ``train_batch_size_per_learner``: lower both for smaller batches."""
 
-    num_epochs: int = 2
-    """Passes over each train batch (runnel's IMPALA default since 2026-12-06; one before, as in RLlib). With the
-    clip above no longer pulling the policy away, a second pass gets CartPole to 450 sooner and more evenly with
-    the learner the bottleneck (the learning test's setting, 65 runs each): median 225k env steps, 90 % by 334k,
-    1 run past 600k (888k, after a fall to 9 it climbed back from), against 323k, 557k and 6 past 600k (1 never
-    there in 1M) for one pass. Two learners: 15 of 15 at 141k-479k, median 285k (``results_impala_clip_amd_2026-12-06.jsonl``)."""
-
     def _problems(self) -> list[str]:
         return super()._problems() + self.async_plan_problems() + self.vtrace_problems()
 
