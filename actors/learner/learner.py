@@ -102,6 +102,9 @@ class Learner(FedByStreams, LearnerRole):
     matters where updates dominate (DQN, SAC, PPO's many minibatches); rounding differs slightly from the
     default path, so IMPALA and APPO keep the default on a CPU and their seeded runs stay as measured. On a GPU
     every learner's Adam is fused."""
+    adam_eps: ClassVar[float] = 1e-5
+    """Adam's epsilon in ``build_optimizers``: the floor under each parameter's gradient scale. Where gradients
+    fade once a task is solved, a small one lets Adam keep stepping at the full learning rate on noise."""
 
     def __init__(self, settings: LearnerSettings, observation_space: gym.Space | None = None,
                  action_space: gym.Space | None = None, *, module_spec: Any = None, device: str = "cpu", rank: int = 0,
@@ -167,7 +170,7 @@ class Learner(FedByStreams, LearnerRole):
 
     def build_optimizers(self) -> dict[str, Optimizer]:
         params = [p for p in self.module.parameters() if p.requires_grad]
-        return {"default": Optimizer(self.adam(params, self.settings.lr, eps=1e-5), params, self.settings.lr)}
+        return {"default": Optimizer(self.adam(params, self.settings.lr, eps=self.adam_eps), params, self.settings.lr)}
 
     def adam(self, params: list[nn.Parameter], lr: float | list, **kwargs: Any) -> torch.optim.Adam:
         """Adam over ``params`` starting at the schedule's first learning rate: fused where the class chooses it

@@ -47,6 +47,14 @@ def impala_loss(module: RLModule, batch: dict[str, Any], config: IMPALAConfig,
 class IMPALALearner(Learner):
     """V-trace targets with the learner's current policy and values, then SGD on ``impala_loss``."""
 
+    adam_eps = 1e-2
+    """runnel's IMPALA since 2026-12-06 (1e-5 before; the paper's RMSProp used 0.01). Once CartPole is solved
+    every episode lasts 500 and the advantages fade; at 1e-5 Adam scales faded gradients back up to full-size
+    steps (the likely reason), and with two passes per batch 7 of 16 runs fell from 500 to a return of 9 when
+    run on to 1M env steps (8 ended below 450); at 1e-3 none of 8, at 1e-2 one of 16 dipped below 50 and climbed
+    back, none ended below 450 (``tests/benchmarks/impala_stability.py``; rows in
+    ``results_impala_clip_amd_2026-12-06.jsonl``)."""
+
     def __init__(self, config: IMPALAConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
         self.config = config
         super().__init__(config.learner_settings(), observation_space, action_space, **placement)
