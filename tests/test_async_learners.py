@@ -305,7 +305,8 @@ def run_to_450(config_cls):
 # fourth, beside another learning test: 108 after 1M). With IMPALA's policy-gradient ratio clipped at 3 (its
 # default from 2026-12-05 to 2026-12-06; at 100 since, 6 of 6 at 241k-929k, none fell) 9 of 9 runs to 1M
 # reached 450 at 268k-934k env steps and none fell back, against 8 of 9 and 3 that fell to 9 when clipped at 1 (tests/benchmarks/results_impala_two_learners_amd_2026-12-05.jsonl); one
-# run at 934k is near the budget, so the test stays an xfail. Before
+# run at 934k was near the budget, so the test was an xfail until 2026-12-06: with two passes per batch and Adam's
+# epsilon at 1e-2 (IMPALA's defaults since) 16 of 16 runs reached 450 at 192k-549k, median 308k. Before
 # (4 frames each side, 256-KiB socket buffers, ~25 of a learner's batches in flight per runner) both ended
 # at 154 and 50 after 1M env steps, and with streams one frame deep and 16-KiB buffers (lag 12-24) IMPALA
 # reached 450 in only three of six runs.
@@ -319,12 +320,6 @@ def test_appo_with_two_learners_reaches_450(ray_cluster):
 
 @pytest.mark.learning
 @pytest.mark.long
-@pytest.mark.xfail(strict=False, reason=(
-    "open: two IMPALA learners on 2 cores (lag ~14) may need close to the 1M budget: with the policy-gradient clip at 3 "
-    "9 of 9 runs reached 450 at 268k-934k env steps and none collapsed (2026-12-05; at 100, the default since, 6 of 6 "
-    "at 241k-929k; at 1, one beside another learning test ended at 108 after 1M on 2026-12-02); IMPALA, without APPO's clipping and target network, is the less "
-    "forgiving of lag; with two passes per batch (num_epochs=2, the default since 2026-12-06) 15 of 15 runs reached 450 "
-    "at 141k-479k, with Adam's epsilon at 1e-5; at 1e-2, the default since the same day, not yet measured with two learners"))
 def test_impala_with_two_learners_reaches_450(ray_cluster):
     results, streaming = run_to_450(IMPALAConfig)
     check_cartpole(results, streaming)
