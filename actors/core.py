@@ -23,6 +23,12 @@ class UserCodeError(RuntimeError):
     Restarting the stage would only repeat it, so a stage group hands it to the caller instead."""
 
 
+def is_user_code_error(err: BaseException | None) -> bool:
+    """Whether ``err`` is marked as the user's: a ``UserCodeError``, or an exception with ``runnel_user_code`` set
+    (``call_user_fn``, ``MappingError``). Restarting the stage that raised it would only repeat it."""
+    return isinstance(err, UserCodeError) or bool(getattr(err, "runnel_user_code", False))
+
+
 class Stage(ABC):
     """What every stage offers its group."""
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from actors.core import UserCodeError
+from actors.core import is_user_code_error
 from actors.replacements import Replacements, cluster_actors, describe as _describe, kill as _kill, kill_and_wait
 
 log = logging.getLogger(__name__)
@@ -463,7 +463,7 @@ def _is_user_error(err: RayError, user_code: bool = False) -> bool:
     code (``UserCodeError``, or an exception with ``runnel_user_code`` set)."""
     if not isinstance(err, RayTaskError):
         return False
-    return user_code or isinstance(err.cause, UserCodeError) or bool(getattr(err.cause, "runnel_user_code", False))
+    return user_code or is_user_code_error(err.cause)
 
 
 def _remote_traceback(err: BaseException) -> str:

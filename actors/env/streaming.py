@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any
 
-from actors.core import UserCodeError
+from actors.core import is_user_code_error
 from protocols.transport import SENDER_COUNTERS, ChunkSender
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,7 @@ class RunnerStream:
 
     def check_health(self) -> None:
         """Raise RuntimeError if the thread died or sampled nothing for ``stall_timeout_s``."""
-        # the user's error: the driver ends the run with it, as a restart would repeat it
-        if isinstance(self.exception, UserCodeError) or getattr(self.exception, "runnel_user_code", False):
+        if is_user_code_error(self.exception):  # the driver ends the run with it; a restart would repeat it
             raise self.exception
         if self.error is not None:
             raise RuntimeError(f"{self.sender_id}: sampling thread failed: {self.error}")
