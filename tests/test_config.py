@@ -36,6 +36,8 @@ def test_key_of_another_group_is_unknown_there():
     ({"minibatch_size": 0}, "minibatch_size must be an int >= 1"),
     ({"lr": "fast"}, "lr must be a number or a schedule"),
     ({"gamma": 1.5}, "gamma must be in [0, 1]"),
+    ({"adam_epsilon": 0}, "adam_epsilon must be a number in (0, 1), or None"),
+    ({"adam_epsilon": "small"}, "adam_epsilon must be a number in (0, 1), or None"),
     ({"rollout_fragment_length": "long"}, "rollout_fragment_length must be 'auto'"),
 ])
 def test_invalid_values_are_named(kwargs, needle):

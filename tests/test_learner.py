@@ -245,3 +245,36 @@ def test_update_accepts_a_codec_frame_of_chunks():
                          rewards=np.ones(3, np.float32))
     Recording(PPOConfig(seed=0), OBS, ACT).update(encode([chunk], compress=False), timestep=0)
     assert len(seen) == 1 and seen[0].episode_id == "ep" and len(seen[0]) == 3
+
+
+def adam_epsilons(learner):
+    return {name: group["eps"] for name, slot in learner.optimizers.items() for group in slot.optimizer.param_groups}
+
+
+def test_adam_epsilon_defaults_to_each_learners_own_and_the_setting_reaches_every_optimizer():
+    """``.training(adam_epsilon=...)`` reaches every optimizer slot; left at None each learner keeps its class's
+    ``adam_eps`` (IMPALA 1e-2, SAC and CQL torch's 1e-8, the others 1e-5), the values their runs were measured at."""
+    from pipeline.algorithms.cql.config import CQLConfig
+    from pipeline.algorithms.cql.learner import CQLLearner
+    from pipeline.algorithms.impala.config import IMPALAConfig
+    from pipeline.algorithms.impala.learner import IMPALALearner
+    from pipeline.algorithms.sac.config import SACConfig
+    from pipeline.algorithms.sac.learner import SACLearner
+    box = gym.spaces.Box(-1, 1, (1,), np.float32)
+    cases = [(PPOConfig, PPOLearner, ACT, 1e-5), (IMPALAConfig, IMPALALearner, ACT, 1e-2),
+             (SACConfig, SACLearner, box, 1e-8), (CQLConfig, CQLLearner, box, 1e-8)]
+    for config_class, learner_class, act, default in cases:
+        extra = {"lagrangian": True} if config_class is CQLConfig else {}  # CQL's fourth optimizer
+        learner = learner_class(config_class(seed=0, **extra), OBS, act)
+        assert set(adam_epsilons(learner).values()) == {default}, learner_class.__name__
+        learner = learner_class(config_class(seed=0, adam_epsilon=3e-3, **extra), OBS, act)
+        slots = adam_epsilons(learner)
+        assert set(slots.values()) == {3e-3}, (learner_class.__name__, slots)
+    assert len(slots) == 4  # CQL: actor, critic, alpha and alpha_prime
+
+
+def test_adam_epsilon_goes_from_the_algorithm_config_to_the_learner():
+    from pipeline import PPOConfig as AlgorithmPPOConfig
+    config = AlgorithmPPOConfig().environment("CartPole-v1").training(adam_epsilon=1e-3)
+    assert config.learner_settings().adam_epsilon == 1e-3
+    assert AlgorithmPPOConfig().learner_settings().adam_epsilon is None

@@ -67,6 +67,8 @@ class LearnerSettings:
     """Clip threshold for gradients (None: no clipping)."""
     grad_clip_by: str = "global_norm"
     """value: each element; norm: each tensor's norm; global_norm: the norm of all of an optimizer's gradients."""
+    adam_epsilon: float | None = None
+    """Adam's epsilon in every optimizer of the learner; None: the learner class's ``adam_eps``."""
     seed: int | None = None
     """Seeds torch (same on every learner: identical initial weights) and the minibatch shuffling."""
     model_config: dict = field(default_factory=dict)
@@ -103,8 +105,9 @@ class Learner(FedByStreams, LearnerRole):
     default path, so IMPALA and APPO keep the default on a CPU and their seeded runs stay as measured. On a GPU
     every learner's Adam is fused."""
     adam_eps: ClassVar[float] = 1e-5
-    """Adam's epsilon in ``build_optimizers``: the floor under each parameter's gradient scale. Where gradients
-    fade once a task is solved, a small one lets Adam keep stepping at the full learning rate on noise."""
+    """Adam's epsilon where the settings name none (``LearnerSettings.adam_epsilon``): the floor under each
+    parameter's gradient scale. Where gradients fade once a task is solved, a small one lets Adam keep stepping
+    at the full learning rate on noise."""
 
     def __init__(self, settings: LearnerSettings, observation_space: gym.Space | None = None,
                  action_space: gym.Space | None = None, *, module_spec: Any = None, device: str = "cpu", rank: int = 0,
@@ -170,14 +173,17 @@ class Learner(FedByStreams, LearnerRole):
 
     def build_optimizers(self) -> dict[str, Optimizer]:
         params = [p for p in self.module.parameters() if p.requires_grad]
-        return {"default": Optimizer(self.adam(params, self.settings.lr, eps=self.adam_eps), params, self.settings.lr)}
+        return {"default": Optimizer(self.adam(params, self.settings.lr), params, self.settings.lr)}
 
     def adam(self, params: list[nn.Parameter], lr: float | list, **kwargs: Any) -> torch.optim.Adam:
         """Adam over ``params`` starting at the schedule's first learning rate: fused where the class chooses it
         and on a GPU (one kernel a step, and ``sgd`` need not read each step's norm, see ``_step_slot``); else
         torch's multi-tensor ``foreach`` path (on the CPU the same numbers, bit for bit, as its default loop
         over tensors, in a dozen calls per step instead of about ten per tensor). ``torch.optim.Adam`` minus its
-        import of ``torch._dynamo`` (``actors.learner.adam``)."""
+        import of ``torch._dynamo`` (``actors.learner.adam``). Its epsilon is the settings' ``adam_epsilon``,
+        else the class's ``adam_eps``."""
+        epsilon = self.settings.adam_epsilon
+        kwargs.setdefault("eps", self.adam_eps if epsilon is None else epsilon)
         if self.fused_adam or self.device.type == "cuda":
             kwargs["fused"] = True
         else:

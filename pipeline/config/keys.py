@@ -24,7 +24,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                     "module_to_env_connector"),
     "learners": ("num_learners", "num_gpus_per_learner", "num_cpus_per_learner", "learner_placement_timeout_s",
                  "learner_precision"),
-    "training": ("gamma", "lr", "grad_clip", "grad_clip_by", "train_batch_size_per_learner",
+    "training": ("gamma", "lr", "grad_clip", "grad_clip_by", "adam_epsilon", "train_batch_size_per_learner",
                  "minibatch_size", "num_epochs", "learner_connector"),
     "rl_module": ("model_config", "rl_module_spec"),
     "multi_agent": ("policies", "policy_mapping_fn", "policies_to_train", "count_steps_by"),

@@ -82,6 +82,11 @@ class CommonSettings:
     """Clip threshold for gradients (None: no clipping)."""
     grad_clip_by: str = "global_norm"
     """value: each element; norm: each tensor's norm; global_norm: the norm of all gradients."""
+    adam_epsilon: float | None = None
+    """Adam's epsilon in every optimizer of the learners: the floor under each parameter's gradient scale (RLlib
+    has this name for DQN only, default 1e-8; here every algorithm reads it). None: the learner's own default,
+    ``Learner.adam_eps``: 1e-2 for IMPALA (a smaller one let runs that had solved CartPole fall back to random
+    play, see the README's "Asynchronous training"), 1e-8 for SAC and CQL, 1e-5 for the others."""
     train_batch_size_per_learner: int = 4000
     """Env steps each learner trains on per update."""
     minibatch_size: int = 128

@@ -19,6 +19,9 @@ def training_problems(config: Any) -> list[str]:
     problems += check_schedule("lr", config.lr)
     if config.grad_clip is not None and (not is_number(config.grad_clip) or config.grad_clip <= 0):
         problems.append(f"grad_clip must be > 0 or None, got {config.grad_clip!r}")
+    if config.adam_epsilon is not None and (not is_number(config.adam_epsilon) or not 0 < config.adam_epsilon < 1):
+        problems.append(f"adam_epsilon must be a number in (0, 1), or None for the learner's own default, got "
+                        f"{config.adam_epsilon!r}")
     return problems
 
 
@@ -57,7 +60,8 @@ def model_config_problems(model_config: dict) -> list[str]:
 
 def learner_settings(config: Any) -> LearnerSettings:
     external = config.external_clients_config  # policy servers that accept non-finite observations
-    return LearnerSettings(lr=config.lr, grad_clip=config.grad_clip, grad_clip_by=config.grad_clip_by, seed=config.seed,
+    return LearnerSettings(lr=config.lr, grad_clip=config.grad_clip, grad_clip_by=config.grad_clip_by,
+                           adam_epsilon=config.adam_epsilon, seed=config.seed,
                            model_config=config.model_config, module_kwargs=config.module_kwargs(),
                            precision=config.learner_precision,
                            callbacks=config.callbacks_spec(), allow_nonfinite_observations=isinstance(external, dict)

@@ -37,7 +37,7 @@ class IMPALAConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     """Passes over each train batch (runnel's IMPALA default since 2026-12-06; one before, as in RLlib). With the
     learner the bottleneck (the learning test's setting, stop at 450, 1M budget) two passes reached CartPole's 450
     at a median 225k env steps (65 runs; 90 % by 334k) against 323k for one pass (557k; 1 of 65 never within 1M);
-    with the learner's Adam epsilon at 1e-2 (``IMPALALearner.adam_eps``, without which 7 of 16 two-pass runs fell
+    with the learner's Adam epsilon at 1e-2 (``IMPALALearner.adam_eps``; ``adam_epsilon`` overrides it; without it 7 of 16 two-pass runs fell
     from 500 to 9 when run on past 450), 30 of 30 at a median 248k, max 501k
     (``results_impala_clip_amd_2026-12-06.jsonl``)."""
 

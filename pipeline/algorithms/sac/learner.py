@@ -74,6 +74,7 @@ class SACLearner(Learner):
 
     module_class = SACModule
     fused_adam = True
+    adam_eps = 1e-8  # torch's default, which SAC's (and CQL's) seeded runs were measured with
     state_fields = ("num_target_updates",)
 
     def __init__(self, config: SACConfig, observation_space: Any, action_space: Any, **placement: Any) -> None:
