@@ -64,6 +64,16 @@ def test_sample_num_episodes_returns_exactly_that_many_fresh_episodes():
     assert all(e.t_started == 0 and len(e) == 4 and e.terminated for e in eps)
 
 
+@pytest.mark.parametrize("bad", [{"num_episodes": 0}, {"num_timesteps": -5}, {"num_timesteps": 2.5},
+                                 {"num_episodes": True}, {"num_timesteps": "100"}])
+def test_sample_counts_that_are_not_whole_numbers_are_named(bad):
+    """Before: num_episodes=0 or a negative num_timesteps returned an empty sample, a string raised a TypeError
+    from inside the loop. Both runners (single- and multi-agent) check them the same way."""
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=f"{name}={value!r}: give a whole number >= 1"):
+        runner().sample(**bad)
+
+
 def test_nested_dict_tuple_observations():
     r = runner(DictObsEnv, num_envs=2, rollout_fragment_length=25)
     chunks = r.sample()

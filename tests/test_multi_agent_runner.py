@@ -445,3 +445,10 @@ def test_an_observation_outside_its_space_is_named_with_its_agent(final, value):
     assert err.value.agent_id == "b"
     unchecked = MultiAgentEnvRunner(settings, {"p": spec}, lambda agent, episode, **kw: "p", check_env=False)
     assert unchecked.sample()  # without the checks the run goes on (the learner's loader checks chunks)
+
+
+@pytest.mark.parametrize("bad", [{"num_episodes": 0}, {"num_timesteps": 2.5}])
+def test_sample_counts_that_are_not_whole_numbers_are_named(bad):
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=f"{name}={value!r}: give a whole number >= 1"):
+        make_runner().sample(**bad)

@@ -34,7 +34,7 @@ from actors.env.episode_hooks import EpisodeHooks
 from actors.env.episode_slots import EpisodeSlots
 from actors.env.process import prepare_process
 from actors.env.sampling import FragmentSampler
-from actors.env.settings import EnvRunnerSettings
+from actors.env.settings import EnvRunnerSettings, check_sample_count
 from actors.env.streaming import StreamingRunner
 from actors.env.task_settable import SubEnvTasks
 from actors.env.vector_env import EnvContext
@@ -152,12 +152,14 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
         """
         explore = self.s.explore if explore is None else explore
         if num_episodes is not None:
+            check_sample_count("num_episodes", num_episodes)
             return self._sample_end_hook(self._sample_episodes(num_episodes, explore))
         complete = self.s.batch_mode == "complete_episodes"
         # no count asked (a streaming runner's loop): one fragment, reset-only steps and all
         one_fragment = num_timesteps is None and not complete
         if num_timesteps is None:
             num_timesteps = self.s.rollout_fragment_length * self.s.num_envs
+        check_sample_count("num_timesteps", num_timesteps)
         if self.sampler.obs is None or force_reset:
             self.sampler.reset()
         out: list[EpisodeChunk] = []

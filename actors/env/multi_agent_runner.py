@@ -46,7 +46,7 @@ from actors.env.multi_agent_runner_parts import CheckedMultiAgentEnv, HeldChunks
 from actors.env.multi_agent_sampler import MultiAgentSample, MultiAgentSampler, PolicyMappingFn
 from actors.env.numpy_acting import acting_rng, rng_state, set_rng_state
 from actors.env.process import prepare_process
-from actors.env.settings import EnvRunnerSettings
+from actors.env.settings import EnvRunnerSettings, check_sample_count
 from actors.env.streaming import StreamingRunner
 from actors.env.vector_env import EnvContext
 from actors.metrics import MetricsLogger
@@ -208,7 +208,7 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
     def _sample_steps(self, num_timesteps: int | None, explore: bool, force_reset: bool) -> list[EpisodeChunk]:
         if num_timesteps is None:
             num_timesteps = self.s.rollout_fragment_length * self.s.num_envs
-        _check_count("num_timesteps", num_timesteps)
+        check_sample_count("num_timesteps", num_timesteps)
         if force_reset or self._fresh_episodes:
             self._reset()
         complete = self.s.batch_mode == "complete_episodes"
@@ -229,7 +229,7 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
         return out
 
     def _sample_episodes(self, num_episodes: int, explore: bool) -> list[EpisodeChunk]:
-        _check_count("num_episodes", num_episodes)
+        check_sample_count("num_episodes", num_episodes)
         self.listener.order = {}
         done: list = []
         out: list[EpisodeChunk] = []
@@ -496,8 +496,3 @@ class MultiAgentEnvRunner(StreamingRunner, EnvRunnerRole):
 
 def _flat(sample: MultiAgentSample) -> list[EpisodeChunk]:
     return [c for chunks in sample.chunks.values() for c in chunks]
-
-
-def _check_count(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}={value!r}: give a whole number >= 1")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import gymnasium as gym
+import numpy as np
 
 from actors.callbacks import CallbacksSpec
 from actors.env.vector_env import EnvContext
@@ -88,3 +89,10 @@ def module_class_of(settings: Any) -> type:
     from actors.modules import ActorCriticModule
 
     return ActorCriticModule
+
+
+def check_sample_count(name: str, value: Any) -> None:
+    """A count ``sample()`` is asked for (``num_timesteps``, ``num_episodes``): a whole number >= 1, else an error
+    naming it, instead of an empty sample or a loop that never ends."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r}: give a whole number >= 1")
