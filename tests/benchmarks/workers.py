@@ -55,10 +55,14 @@ def finish(budget: int, t0: float, build_s: float, reached: bool, env_steps: int
 
 def versions_of(python: str) -> dict:
     code = ("import importlib.metadata as m, json\nout = {}\n"
-            "for p in ('runnel-rl', 'ray', 'torch', 'stable-baselines3', 'gymnasium', 'numpy', 'pettingzoo'):\n"
+            "for p in ('runnel-rl', 'ray', 'torch', 'stable-baselines3', 'sample-factory', 'gymnasium', 'numpy',\n"
+            "          'pettingzoo'):\n"
             "    try: out[p] = m.version(p)\n    except Exception: pass\nprint(json.dumps(out))")
     try:
-        return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout)
+        # from /tmp: "-c" puts the working directory on the path, and a checkout there would show as installed
+        python = os.path.abspath(python) if os.sep in python else python
+        return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60,
+                                         cwd="/tmp").stdout)
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
 
