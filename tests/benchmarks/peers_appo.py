@@ -35,7 +35,6 @@ The systems, each with its own published CartPole settings and the same env-runn
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -44,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from workers import Progress, emit, finish, num, run_worker, train_to_target, versions_of, worker_env
+from workers import Progress, emit, num, run_worker, train_to_target, versions_of, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
