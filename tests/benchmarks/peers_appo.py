@@ -29,8 +29,9 @@ The systems, each with its own published CartPole settings and the same env-runn
               /work/sf-venv/bin/pip install -c /work/anchors-constraints.txt "sample-factory==2.1.1" \\
                   "gymnasium[classic_control]<1.0"
 
-          Sample Factory reports every 5 s (its ``report_interval_sec``); the run stops at the first training step
-          after the report whose 100-episode mean reached 450, so its time to 450 can be late by up to that.
+          After each of its training steps the 100-episode mean of the episodes reported so far is checked (its
+          runner keeps those as they arrive; its console report every 5 s is not waited for); its env steps are
+          those its learner has counted.
 """
 from __future__ import annotations
 
