@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from workers import emit, num, run_worker, train_to_target, versions_of, worker_env
+from workers import emit, median_of, num, run_worker, train_to_target, versions_of, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -258,18 +258,14 @@ def run_one(system: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def summarize(runs: list[dict], systems: list[str]) -> None:
-    def med(xs):
-        xs = [x for x in xs if x is not None]
-        return round(statistics.median(xs), 2) if xs else None
-
     rows = {}
     for system in systems:
         rs = [r for r in runs if r["system"] == system]
         ok = [r for r in rs if r.get("reached")]
-        rows[system] = {"runs": len(rs), "reached": len(ok), "median_wall_s": med([r.get("wall_s") for r in ok]),
-                        "median_env_steps": med([r.get("env_steps") for r in ok]),
-                        "median_t800_s": med([r.get("t800_s") for r in rs if r.get("t800_s")]),
-                        "median_build_s": med([r.get("build_s") for r in rs])}
+        rows[system] = {"runs": len(rs), "reached": len(ok), "median_wall_s": median_of([r.get("wall_s") for r in ok]),
+                        "median_env_steps": median_of([r.get("env_steps") for r in ok]),
+                        "median_t800_s": median_of([r.get("t800_s") for r in rs if r.get("t800_s")]),
+                        "median_build_s": median_of([r.get("build_s") for r in rs])}
     if "rllib" in rows:
         theirs = rows["rllib"]["median_wall_s"]
         for system in ("runnel", "runnel-shared"):

@@ -71,12 +71,11 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
-from workers import Progress, emit, finish, num, run_worker, train_to_target, versions_of, worker_env
+from workers import Progress, emit, finish, median_of, num, run_worker, train_to_target, versions_of, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -318,10 +317,6 @@ def run_one(system: str, t: dict, seed: int, args: argparse.Namespace) -> dict:
 
 
 def summarize(runs: list[dict], systems: list[str], algos: list[str]) -> None:
-    def med(xs):
-        xs = [x for x in xs if x is not None]
-        return round(statistics.median(xs), 2) if xs else None
-
     table = {}
     for algo in algos:
         for system in systems:
@@ -329,10 +324,10 @@ def summarize(runs: list[dict], systems: list[str], algos: list[str]) -> None:
             ok = [r for r in rs if r.get("reached")]
             table[(system, algo)] = {
                 "runs": len(rs), "reached": len(ok),
-                "median_wall_s": med([r.get("wall_s") for r in ok]),
-                "median_env_steps": med([r.get("env_steps") for r in ok]),
-                "median_wall_s_all_runs": med([r.get("wall_s") for r in rs]),
-                "median_build_s": med([r.get("build_s") for r in rs]),
+                "median_wall_s": median_of([r.get("wall_s") for r in ok]),
+                "median_env_steps": median_of([r.get("env_steps") for r in ok]),
+                "median_wall_s_all_runs": median_of([r.get("wall_s") for r in rs]),
+                "median_build_s": median_of([r.get("build_s") for r in rs]),
             }
     for algo in algos:
         mine = table.get(("runnel", algo))

@@ -38,13 +38,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from workers import Progress, emit, num, run_worker, train_to_target, versions_of, worker_env
+from workers import Progress, emit, median_of, num, run_worker, train_to_target, versions_of, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -173,18 +172,14 @@ def run_one(system: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def summarize(runs: list[dict], systems: list[str]) -> None:
-    def med(xs):
-        xs = [x for x in xs if x is not None]
-        return round(statistics.median(xs), 2) if xs else None
-
     table = {}
     for system in systems:
         rs = [r for r in runs if r["system"] == system]
         ok = [r for r in rs if r.get("reached")]
-        table[system] = {"runs": len(rs), "reached": len(ok), "median_train_s": med([r.get("train_s") for r in ok]),
-                         "median_env_steps": med([r.get("env_steps") for r in ok]),
-                         "median_env_steps_per_s": med([r.get("env_steps_per_s") for r in ok]),
-                         "median_build_s": med([r.get("build_s") for r in rs])}
+        table[system] = {"runs": len(rs), "reached": len(ok), "median_train_s": median_of([r.get("train_s") for r in ok]),
+                         "median_env_steps": median_of([r.get("env_steps") for r in ok]),
+                         "median_env_steps_per_s": median_of([r.get("env_steps_per_s") for r in ok]),
+                         "median_build_s": median_of([r.get("build_s") for r in rs])}
     mine = table.get("runnel")
     for system in systems:
         row = dict(table[system])

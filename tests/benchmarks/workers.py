@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -19,6 +20,12 @@ from typing import Callable
 
 def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
+
+
+def median_of(xs) -> float | None:
+    """The median of the values that are not None, to 2 places (None when there are none): a summary's cell."""
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 2) if xs else None
 
 
 def num(x) -> float | None:
