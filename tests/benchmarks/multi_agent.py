@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from workers import emit, median_of, num, run_worker, train_to_target, versions_of, worker_env
+from workers import emit, median_of, num, run_interleaved, run_worker, train_to_target, versions_of, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -324,12 +324,7 @@ def main() -> None:
     if "sampling" in args.parts:
         sampling(args)
     if "train" in args.parts:
-        runs = []
-        for seed in args.seeds:
-            for system in args.systems:
-                r = run_one(system, seed, args)
-                emit(**r)
-                runs.append(r)
+        runs = run_interleaved(args.seeds, args.systems, lambda system, seed: run_one(system, seed, args))
         summarize(runs, args.systems)
 
 

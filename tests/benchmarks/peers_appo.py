@@ -43,7 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from workers import Progress, emit, median_of, num, run_worker, train_to_target, versions_of, worker_env
+from workers import (Progress, emit, median_of, num, run_interleaved, run_worker, train_to_target, versions_of,
+                     worker_env)
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -112,7 +113,8 @@ def worker_sf(a: argparse.Namespace) -> None:
 
     register_env("CartPole-v1", make_cartpole)
     train_dir = tempfile.mkdtemp(prefix="sf_peers_")
-    argv = SF_ARGS + ["--device=cpu", f"--seed={a.seed}", f"--train_for_env_steps={a.budget}", f"--train_dir={train_dir}",
+    argv = SF_ARGS + ["--device=cpu", f"--seed={a.seed}", f"--train_for_env_steps={a.budget}",
+                      f"--train_dir={train_dir}",
                       f"--experiment=cartpole_seed{a.seed}", f"--stats_avg={SMOOTHING}", "--save_every_sec=100000",
                       "--save_best_every_sec=100000", "--keep_checkpoints=1"]
     parser, _ = parse_sf_args(argv=argv)
@@ -176,7 +178,8 @@ def summarize(runs: list[dict], systems: list[str]) -> None:
     for system in systems:
         rs = [r for r in runs if r["system"] == system]
         ok = [r for r in rs if r.get("reached")]
-        table[system] = {"runs": len(rs), "reached": len(ok), "median_train_s": median_of([r.get("train_s") for r in ok]),
+        table[system] = {"runs": len(rs), "reached": len(ok),
+                         "median_train_s": median_of([r.get("train_s") for r in ok]),
                          "median_env_steps": median_of([r.get("env_steps") for r in ok]),
                          "median_env_steps_per_s": median_of([r.get("env_steps_per_s") for r in ok]),
                          "median_build_s": median_of([r.get("build_s") for r in rs])}
@@ -222,12 +225,7 @@ def main() -> None:
          loadavg=os.getloadavg(), versions={s: {"python": pythons[s], **versions_of(pythons[s])} for s in args.systems},
          systems=args.systems, seeds=args.seeds, budget=args.budget, max_minutes=args.max_minutes,
          runners=RUNNERS, envs_per_runner=ENVS)
-    runs = []
-    for seed in args.seeds:
-        for system in args.systems:
-            r = run_one(system, seed, args)
-            emit(**r)
-            runs.append(r)
+    runs = run_interleaved(args.seeds, args.systems, lambda system, seed: run_one(system, seed, args))
     summarize(runs, args.systems)
 
 

@@ -170,3 +170,15 @@ def train_to_target(budget: int, target: float, t0: float, train: Callable[[], d
         finish(budget, t0, build_s, reached, steps, last, it, **crossed, **extra)
         stop()
         emit(bench="teardown", stop_s=round(time.perf_counter() - stop_t, 2))
+
+
+def run_interleaved(seeds: list[int], systems: list[str], run_one: Callable[[str, int], dict]) -> list[dict]:
+    """``run_one(system, seed)`` for every pair, the systems taking turns seed by seed (so a host that slows down
+    slows them alike); each ``run`` line is printed as it ends."""
+    runs = []
+    for seed in seeds:
+        for system in systems:
+            r = run_one(system, seed)
+            emit(**r)
+            runs.append(r)
+    return runs
