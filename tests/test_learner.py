@@ -278,3 +278,15 @@ def test_adam_epsilon_goes_from_the_algorithm_config_to_the_learner():
     config = AlgorithmPPOConfig().environment("CartPole-v1").training(adam_epsilon=1e-3)
     assert config.learner_settings().adam_epsilon == 1e-3
     assert AlgorithmPPOConfig().learner_settings().adam_epsilon is None
+
+
+def test_a_restored_learner_steps_with_its_own_adam_epsilon_not_the_saved_one():
+    """torch's ``load_state_dict`` puts back the saved groups' hyperparameters; a learner restored from a state saved
+    at another epsilon (an older checkpoint, or a changed ``adam_epsilon``) keeps the one its settings name."""
+    saved = make_learner(adam_epsilon=1e-3).get_state()
+    learner = make_learner(adam_epsilon=1e-6)
+    learner.set_state(saved)
+    assert set(adam_epsilons(learner).values()) == {1e-6}
+    default = make_learner()
+    default.set_state(saved)
+    assert set(adam_epsilons(default).values()) == {PPOLearner.adam_eps}

@@ -175,6 +175,12 @@ class Learner(FedByStreams, LearnerRole):
         params = [p for p in self.module.parameters() if p.requires_grad]
         return {"default": Optimizer(self.adam(params, self.settings.lr), params, self.settings.lr)}
 
+    @property
+    def adam_epsilon(self) -> float:
+        """The epsilon of this learner's Adam optimizers: the settings' ``adam_epsilon``, else the class's ``adam_eps``."""
+        epsilon = self.settings.adam_epsilon
+        return self.adam_eps if epsilon is None else float(epsilon)
+
     def adam(self, params: list[nn.Parameter], lr: float | list, **kwargs: Any) -> torch.optim.Adam:
         """Adam over ``params`` starting at the schedule's first learning rate: fused where the class chooses it
         and on a GPU (one kernel a step, and ``sgd`` need not read each step's norm, see ``_step_slot``); else
@@ -182,8 +188,7 @@ class Learner(FedByStreams, LearnerRole):
         over tensors, in a dozen calls per step instead of about ten per tensor). ``torch.optim.Adam`` minus its
         import of ``torch._dynamo`` (``actors.learner.adam``). Its epsilon is the settings' ``adam_epsilon``,
         else the class's ``adam_eps``."""
-        epsilon = self.settings.adam_epsilon
-        kwargs.setdefault("eps", self.adam_eps if epsilon is None else epsilon)
+        kwargs.setdefault("eps", self.adam_epsilon)
         if self.fused_adam or self.device.type == "cuda":
             kwargs["fused"] = True
         else:
@@ -453,7 +458,13 @@ class Learner(FedByStreams, LearnerRole):
         for name, target in self.targets.items():
             target.load_state_dict(state["targets"][name])
         for name, slot in self.optimizers.items():
+            built = [group.get("eps") for group in slot.optimizer.param_groups]
             slot.optimizer.load_state_dict(copy.deepcopy(state["optimizers"][name]))
+            # the saved groups carry the epsilon of the run that saved them (an older default, another
+            # adam_epsilon): the one this learner built its optimizer with wins
+            for group, eps in zip(slot.optimizer.param_groups, built):
+                if eps is not None:
+                    group["eps"] = eps
         for name in self.state_fields:
             setattr(self, name, state["fields"][name])
         self.num_updates = int(state.get("num_updates", 0))
