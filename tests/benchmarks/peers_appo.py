@@ -14,11 +14,11 @@ processes) and ``env_steps_per_s`` (``env_steps / train_s``: sampling while lear
 The systems, each with its own published CartPole settings and the same env-runner shape where it has one:
   runnel  ``APPOConfig()`` with its defaults, 2 env-runner actors x 16 envs (``appo_cartpole.py``'s shape);
           this venv's Python.
-  rllib   RLlib 2.60's ``rllib/examples/algorithms/appo/cartpole_appo.py`` (``circular_buffer_iterations_per_batch
-          =2``, ``vf_loss_coeff=0.05``, ``entropy_coeff=0``, a value function sharing the policy's layers), with 2
-          env runners x 16 envs instead of its 5 x 16 (2 cores here) and what ``run_rllib_example_script_
-          experiment`` adds on a CPU machine; the anchors venv's Python (``--anchors-python``; set up as in
-          ``offpolicy.py``'s docstring).
+  rllib   RLlib 2.60 with the settings of ``rllib/examples/algorithms/appo/cartpole_appo.py`` (not in the wheel;
+          as read at ray-project/ray commit 0c994fb): ``circular_buffer_iterations_per_batch=2``,
+          ``vf_loss_coeff=0.05``, ``entropy_coeff=0``, a value function sharing the policy's layers; 2 env runners x
+          16 envs instead of its 5 x 16 (2 cores here), and what ``run_rllib_example_script_experiment`` adds on a
+          CPU machine. The anchors venv's Python (``--anchors-python``; set up as in ``offpolicy.py``'s docstring).
   sf      Sample Factory 2.1.1's documented CartPole-v1 command (``sf_examples/train_gym_env.py``: APPO without
           V-trace, no RNN, 20 envs per worker, 2 policy workers, batch 512, reward scale 0.1), with its default
           of one rollout worker per CPU (2); the reward it reports is the env's, before scaling. Its own venv
