@@ -25,6 +25,14 @@ from pipeline.groups.env_runners import vectorize_mode
 
 X_LIMIT, THETA_LIMIT = 2.4, 12 * 2 * np.pi / 360
 
+try:
+    import envpool  # noqa: F401 - the optional extra runnel-rl[envpool]
+    HAVE_ENVPOOL = True
+except ImportError:
+    HAVE_ENVPOOL = False
+MODES = ["auto", pytest.param("envpool", marks=pytest.mark.skipif(not HAVE_ENVPOOL, reason="needs runnel-rl[envpool]"))]
+"""The CartPole checks below run on gymnasium's vector implementation and on EnvPool's, which resets the same way."""
+
 
 def runner(num_envs=8, mode="auto", seed=0, fragment=64, **kw):
     settings = EnvRunnerSettings(env_creator=GymMaker("CartPole-v1"), num_envs=num_envs, vectorize_mode=mode,
@@ -56,8 +64,9 @@ def test_auto_picks_the_native_vector_env_for_cartpole_and_sync_otherwise():
         make_vector_env("threads", creator=GymMaker("CartPole-v1"), **kw)
 
 
-def test_reset_steps_are_in_no_chunk_and_no_step_count():
-    r = runner(num_envs=8, fragment=100)
+@pytest.mark.parametrize("mode", MODES)
+def test_reset_steps_are_in_no_chunk_and_no_step_count(mode):
+    r = runner(num_envs=8, fragment=100, mode=mode)
     chunks = []
     for _ in range(12):  # ~ 9600 env steps, a few hundred random-policy episodes
         chunks.extend(r.sample())
@@ -84,8 +93,9 @@ def test_reset_steps_are_in_no_chunk_and_no_step_count():
     assert total < 12 * 100 * 8  # the reset cells are not counted
 
 
-def test_a_requested_count_is_of_env_steps_and_reset_only_steps_are_reported():
-    r = runner(num_envs=8)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_requested_count_is_of_env_steps_and_reset_only_steps_are_reported(mode):
+    r = runner(num_envs=8, mode=mode)
     for _ in range(5):
         chunks = r.sample(num_timesteps=1000)
         assert 1000 <= sum(len(c) for c in chunks) < 1000 + 8  # at most one more step of every sub-env
@@ -94,12 +104,13 @@ def test_a_requested_count_is_of_env_steps_and_reset_only_steps_are_reported():
     assert reset_only > 0
     assert m["num_env_steps_sampled_lifetime"]["value"] == r.num_env_steps_sampled_lifetime
     # no count asked (a streaming runner's loop): one fragment of 64 steps per sub-env, whatever resets it held
-    r2 = runner(num_envs=8, fragment=64)
+    r2 = runner(num_envs=8, fragment=64, mode=mode)
     assert sum(len(c) for c in r2.sample()) == 64 * 8 - r2.get_metrics()["num_env_steps_reset_only_lifetime"]["value"]
 
 
-def test_episode_returns_and_lengths_match_their_chunks():
-    r = runner(num_envs=4, fragment=50)
+@pytest.mark.parametrize("mode", MODES)
+def test_episode_returns_and_lengths_match_their_chunks(mode):
+    r = runner(num_envs=4, fragment=50, mode=mode)
     r.slots.ended_log = []
     chunks = [c for _ in range(10) for c in r.sample()]
     whole = {k: v for k, v in episodes(chunks).items() if v[0].t_started == 0 and (v[-1].terminated or v[-1].truncated)}
@@ -108,10 +119,11 @@ def test_episode_returns_and_lengths_match_their_chunks():
     assert len(whole) > 20 and logged == from_chunks
 
 
-def test_same_seed_same_chunks_and_sample_episodes():
-    a = runner(seed=3)
+@pytest.mark.parametrize("mode", MODES)
+def test_same_seed_same_chunks_and_sample_episodes(mode):
+    a = runner(seed=3, mode=mode)
     ca = a.sample()
-    b = runner(seed=3)  # seeds this process's torch generator again, as a's did
+    b = runner(seed=3, mode=mode)  # seeds this process's torch generator again, as a's did
     cb = b.sample()
     assert len(ca) == len(cb)
     for x, y in zip(ca, cb):
@@ -127,12 +139,13 @@ def test_same_seed_same_chunks_and_sample_episodes():
         np.array_equal(x.obs, y.obs) for x, y in zip(again, done))
 
 
-def test_a_restored_runner_starts_fresh_episodes():
-    r = runner()
+@pytest.mark.parametrize("mode", MODES)
+def test_a_restored_runner_starts_fresh_episodes(mode):
+    r = runner(mode=mode)
     before = {c.episode_id for c in r.sample()}
     state = r.get_state()
     assert state["env"] is None and state["slots"] is None  # nothing to carry a running episode on with
-    fresh = runner()
+    fresh = runner(mode=mode)
     fresh.set_state(state)
     chunks = fresh.sample()
     assert all(c.t_started == 0 and c.chunk_index == 0 and c.episode_id not in before for c in chunks)
@@ -160,7 +173,7 @@ def test_hooks_and_curriculum_keep_separate_sub_envs():
 
 
 def test_config_accepts_the_modes_and_gymnasiums_enum():
-    for mode in ("auto", "sync", "async", "vector_entry_point", gym.VectorizeMode.SYNC):
+    for mode in ("auto", "sync", "async", "vector_entry_point", "envpool", gym.VectorizeMode.SYNC):
         PPOConfig().environment("CartPole-v1").env_runners(gym_env_vectorize_mode=mode).validate()
     with pytest.raises(ConfigError, match="gym_env_vectorize_mode='threads' is not one of"):
         PPOConfig().environment("CartPole-v1").env_runners(gym_env_vectorize_mode="threads").validate()
@@ -227,3 +240,51 @@ def test_a_failing_vector_env_is_recreated_and_its_episodes_truncated():
     settings.restart_failed_sub_environments = False
     with pytest.raises(RuntimeError, match="simulated crash"):
         EnvRunner(settings, worker_index=1).sample()
+
+
+def test_envpool_mode_says_what_is_missing(monkeypatch):
+    """``gym_env_vectorize_mode="envpool"`` is asked for by name; without the extra, or for an id EnvPool does not
+    offer, the error names the fix. ``auto`` never picks EnvPool (a seeded run must not change with what is
+    installed)."""
+    kw = dict(env_config={}, num_envs=2, worker_index=1, num_workers=1, seed=0, restart_failed=False)
+    with monkeypatch.context() as m:
+        m.setitem(__import__("sys").modules, "envpool", None)  # as if not installed
+        with pytest.raises(ValueError, match=r"needs EnvPool.*runnel-rl\[envpool\]"):
+            make_vector_env("envpool", creator=GymMaker("CartPole-v1"), **kw)
+    assert not isinstance(make_vector_env("auto", creator=GymMaker("Pendulum-v1"), **kw), NativeVectorEnv)
+    if HAVE_ENVPOOL:
+        with pytest.raises(ValueError, match="an env id that EnvPool offers.*'auto' or 'sync'"):
+            make_vector_env("envpool", creator=ClassMaker(CartPoleEnv), **kw)
+        with pytest.raises(ValueError, match="batch_size=1 would step only some"):
+            make_vector_env("envpool", creator=GymMaker("CartPole-v1"), **{**kw, "env_config": {"batch_size": 1}})
+
+
+@pytest.mark.skipif(not HAVE_ENVPOOL, reason="needs runnel-rl[envpool]")
+def test_envpool_steps_a_box_action_env_with_checked_observations():
+    """Pendulum has no gymnasium vector implementation; EnvPool's runs its sub-envs in C++. Its episodes are
+    truncated at 200 steps, and every observation lies in the space the driver read from gymnasium's env."""
+    settings = EnvRunnerSettings(env_creator=GymMaker("Pendulum-v1"), num_envs=4, vectorize_mode="envpool",
+                                 rollout_fragment_length=100, seed=0)
+    r = EnvRunner(settings, worker_index=1)
+    assert isinstance(r.env, NativeVectorEnv) and r.env.backend == "envpool"
+    chunks = [c for _ in range(6) for c in r.sample()]
+    space = gym.make("Pendulum-v1").observation_space
+    whole = [v for v in episodes(chunks).values() if v[0].t_started == 0 and v[-1].truncated]
+    assert len(whole) >= 4 and all(sum(len(p) for p in v) == 200 for v in whole)
+    assert all(space.contains(o) for c in chunks for o in c.obs)
+    assert all(np.all((c.rewards <= 0) & (c.rewards >= -16.3)) for c in chunks)
+
+
+@pytest.mark.skipif(not HAVE_ENVPOOL, reason="needs runnel-rl[envpool]")
+def test_envpool_runners_are_seeded_each_their_own_and_unseeded_runs_differ():
+    """EnvPool ignores reset(seed=...): the seed goes in when it is made, one per runner, so two runners of a seeded
+    run do not step the same episodes, and an unseeded run is not EnvPool's fixed default."""
+    def first_obs(seed, worker_index):
+        settings = EnvRunnerSettings(env_creator=GymMaker("CartPole-v1"), num_envs=4, vectorize_mode="envpool",
+                                     rollout_fragment_length=10, seed=seed)
+        r = EnvRunner(settings, worker_index=worker_index)
+        return np.stack([c.obs[0] for c in r.sample() if c.t_started == 0])
+    np.testing.assert_array_equal(first_obs(5, 1), first_obs(5, 1))
+    assert not np.array_equal(first_obs(5, 1), first_obs(5, 2))
+    assert not np.array_equal(first_obs(5, 1), first_obs(6, 1))
+    assert not np.array_equal(first_obs(None, 1), first_obs(None, 1))

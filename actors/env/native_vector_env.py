@@ -14,6 +14,11 @@ Such envs reset sub-envs in one of two ways (gymnasium's ``AutoresetMode``):
   and marks the reset step in ``StepResult.skipped``: the runner keeps that cell out of every chunk and
   every step count, and starts the next episode from the observation the reset step returned.
 
+``gym_env_vectorize_mode="envpool"`` puts EnvPool's vector env (C++, its own thread pool; the optional extra
+``runnel-rl[envpool]``) behind the same adapter: EnvPool's gymnasium API resets ``NEXT_STEP``. ``envpool_id`` says
+whether an id is EnvPool's. ``auto`` does not pick it, even when it is installed: on CartPole gymnasium's numpy
+implementation is faster, and a seeded run should not change with what happens to be installed.
+
 The whole vector is one object, so per-sub-env access (``sub_envs``: ``on_sub_environment_created``, a
 curriculum's ``set_task``, ``foreach_env``) is not available, a failing step recreates every sub-env (their
 episodes end truncated), and a checkpoint does not carry running episodes (a restored runner starts fresh
@@ -22,6 +27,7 @@ ones). Seeded runs seed the vector once, at its first reset: every later episode
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable
 
 import gymnasium as gym
@@ -32,6 +38,32 @@ from actors.env.creators import GymMaker
 from actors.env.vector_env import EnvContext, StepResult, same_step_final_obs, split_infos
 
 log = logging.getLogger(__name__)
+
+
+def envpool_id(creator: Any) -> str:
+    """The id ``creator`` makes, when EnvPool is installed and offers that id; else a ValueError saying why."""
+    try:
+        import envpool
+    except ImportError as err:
+        raise ValueError(f"gym_env_vectorize_mode='envpool' needs EnvPool, which is not installed ({err}): pip "
+                         f"install 'runnel-rl[envpool]', or use 'auto' or 'sync'") from None
+    env_id = creator.env_id if isinstance(creator, GymMaker) else None
+    if env_id is None or env_id not in envpool.list_all_envs():
+        raise ValueError(f"gym_env_vectorize_mode='envpool' needs an env id that EnvPool offers (and gymnasium: the "
+                         f"driver reads the spaces from gymnasium's env), e.g. 'CartPole-v1', 'Acrobot-v1' or "
+                         f"'Pendulum-v1'; got {creator!r}. Use 'auto' or 'sync' for other envs")
+    return env_id
+
+
+def make_envpool(env_id: str, num_envs: int, seed: int, env_config: dict) -> gym.vector.VectorEnv:
+    """EnvPool's gymnasium vector env stepping all ``num_envs`` at once (``env_config``: EnvPool's own options,
+    e.g. ``num_threads``)."""
+    import envpool
+    if env_config.get("batch_size", num_envs) != num_envs:
+        raise ValueError(f"{env_id}: EnvPool's batch_size={env_config['batch_size']!r} would step only some of the "
+                         f"{num_envs} envs at a time (its asynchronous mode); a runner steps them all: leave "
+                         f"batch_size out of env_config")
+    return envpool.make_gymnasium(env_id, num_envs=num_envs, seed=seed, **env_config)
 
 
 def native_vector_id(creator: Any) -> str | None:
@@ -56,8 +88,9 @@ class NativeVectorEnv:
 
     def __init__(self, env_id: str, env_config: dict, num_envs: int, worker_index: int, num_workers: int,
                  seed: int | None, restart_failed: bool, recreated: bool = False, in_evaluation: bool = False,
-                 on_created: Callable | None = None) -> None:
-        self.env_id, self.env_config = env_id, dict(EnvContext(env_config))
+                 on_created: Callable | None = None, backend: str = "gymnasium") -> None:
+        """``backend``: "gymnasium" (the id's ``vector_entry_point``) or "envpool" (``envpool.make_gymnasium``)."""
+        self.env_id, self.env_config, self.backend = env_id, dict(EnvContext(env_config)), backend
         self.num_envs, self.seed, self.restart_failed = num_envs, seed, restart_failed
         self.worker_index = worker_index
         self.before_reset = None
@@ -71,14 +104,24 @@ class NativeVectorEnv:
                              f"(autoreset_mode DISABLED); use gym_env_vectorize_mode='sync'")
         self.next_step = mode is AutoresetMode.NEXT_STEP
         """Ended sub-envs reset on their next step (see the module docstring); else on the same step."""
-        self.single_observation_space = self._env.single_observation_space
-        self.single_action_space = self._env.single_action_space
+        with warnings.catch_warnings():  # EnvPool builds its spaces at each read, float64 bounds cast to float32
+            warnings.simplefilter("ignore", UserWarning)
+            self.single_observation_space = self._env.single_observation_space
+            self.single_action_space = self._env.single_action_space
         self._seeded = False
         self._resetting = np.zeros(num_envs, bool)  # sub-envs whose next step is a reset step (NEXT_STEP)
         self._none = np.zeros(num_envs, bool)  # no episode started (read only)
         self._last_obs: Any = None
 
     def _make(self) -> gym.vector.VectorEnv:
+        if self.backend == "envpool":
+            # EnvPool takes its seed when it is made (reset(seed=...) is ignored): each runner its own, a recreated
+            # vector a new one (not the same episodes again), an unseeded run a random one (not EnvPool's fixed 42)
+            if self.seed is None:
+                seed = int(np.random.SeedSequence().generate_state(1)[0] >> 1)
+            else:
+                seed = self.seed + 10_000 * self.worker_index + 1_000_003 * self.num_restarts
+            return make_envpool(self.env_id, self.num_envs, seed, self.env_config)
         return gym.make_vec(self.env_id, num_envs=self.num_envs, vectorization_mode="vector_entry_point",
                             **self.env_config)
 
@@ -90,7 +133,8 @@ class NativeVectorEnv:
 
     def reset(self) -> Any:
         seed = None
-        if self.seed is not None and not self._seeded:  # once: later resets go on from the seeded stream
+        if self.seed is not None and not self._seeded and self.backend != "envpool":  # EnvPool's: at _make
+            # once: later resets go on from the seeded stream
             seed, self._seeded = self.seed + 10_000 * self.worker_index, True
         obs, info = self._env.reset(seed=seed)
         self.reset_infos = split_infos(info, self.num_envs) if self.keep_infos else [{} for _ in range(self.num_envs)]

@@ -4,12 +4,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from actors.env.native_vector_env import NativeVectorEnv, native_vector_id
+from actors.env.native_vector_env import NativeVectorEnv, envpool_id, native_vector_id
 from actors.env.vector_env import AsyncVectorEnv, SyncVectorEnv
 
 log = logging.getLogger(__name__)
 
-VECTORIZE_MODES = ("auto", "sync", "async", "vector_entry_point")
+VECTORIZE_MODES = ("auto", "sync", "async", "vector_entry_point", "envpool")
 
 
 def make_vector_env(mode: str, **kwargs) -> Any:
@@ -30,6 +30,9 @@ def make_vector_env(mode: str, **kwargs) -> Any:
         except TypeError as err:  # env_config keys its vector implementation does not take
             log.info("%s: its vector implementation refused env_config (%s); stepping separate envs", env_id, err)
             return SyncVectorEnv(**kwargs)
+    if mode == "envpool":  # asked for by name only: see native_vector_env's docstring
+        env_id = envpool_id(kwargs["creator"])
+        return NativeVectorEnv(env_id, backend="envpool", **{k: v for k, v in kwargs.items() if k != "creator"})
     if mode == "sync":
         return SyncVectorEnv(**kwargs)
     if mode == "async":
