@@ -108,7 +108,7 @@ class NativeVectorEnv:
             warnings.simplefilter("ignore", UserWarning)
             self.single_observation_space = self._env.single_observation_space
             self.single_action_space = self._env.single_action_space
-        self._seeded = False
+        self._seeded = backend == "envpool"  # EnvPool took its seed when it was made (see _make)
         self._resetting = np.zeros(num_envs, bool)  # sub-envs whose next step is a reset step (NEXT_STEP)
         self._none = np.zeros(num_envs, bool)  # no episode started (read only)
         self._last_obs: Any = None
@@ -120,10 +120,14 @@ class NativeVectorEnv:
             if self.seed is None:
                 seed = int(np.random.SeedSequence().generate_state(1)[0] >> 1)
             else:
-                seed = self.seed + 10_000 * self.worker_index + 1_000_003 * self.num_restarts
+                seed = self.runner_seed() + 1_000_003 * self.num_restarts
             return make_envpool(self.env_id, self.num_envs, seed, self.env_config)
         return gym.make_vec(self.env_id, num_envs=self.num_envs, vectorization_mode="vector_entry_point",
                             **self.env_config)
+
+    def runner_seed(self) -> int:
+        """This runner's seed: the run's, apart for each runner."""
+        return self.seed + 10_000 * self.worker_index
 
     @property
     def sub_envs(self) -> list[gym.Env]:
@@ -133,9 +137,8 @@ class NativeVectorEnv:
 
     def reset(self) -> Any:
         seed = None
-        if self.seed is not None and not self._seeded and self.backend != "envpool":  # EnvPool's: at _make
-            # once: later resets go on from the seeded stream
-            seed, self._seeded = self.seed + 10_000 * self.worker_index, True
+        if self.seed is not None and not self._seeded:  # once: later resets go on from the seeded stream
+            seed, self._seeded = self.runner_seed(), True
         obs, info = self._env.reset(seed=seed)
         self.reset_infos = split_infos(info, self.num_envs) if self.keep_infos else [{} for _ in range(self.num_envs)]
         self._resetting = np.zeros(self.num_envs, bool)
