@@ -255,8 +255,9 @@ def test_envpool_mode_says_what_is_missing(monkeypatch):
     if HAVE_ENVPOOL:
         with pytest.raises(ValueError, match="an env id that EnvPool offers.*'auto' or 'sync'"):
             make_vector_env("envpool", creator=ClassMaker(CartPoleEnv), **kw)
-        with pytest.raises(ValueError, match="batch_size=1 would step only some"):
-            make_vector_env("envpool", creator=GymMaker("CartPole-v1"), **{**kw, "env_config": {"batch_size": 1}})
+        for own in ("batch_size", "num_threads"):  # each runner sets these itself
+            with pytest.raises(ValueError, match=rf"EnvPool's \['{own}'\].*num_cpus_per_env_runner"):
+                make_vector_env("envpool", creator=GymMaker("CartPole-v1"), **{**kw, "env_config": {own: 1}})
 
 
 @pytest.mark.skipif(not HAVE_ENVPOOL, reason="needs runnel-rl[envpool]")

@@ -70,7 +70,7 @@ class EnvRunner(StreamingRunner, EnvRunnerRole):
             mode, creator=settings.env_creator, env_config=settings.env_config,
             num_envs=settings.num_envs, worker_index=worker_index, num_workers=settings.num_env_runners,
             seed=settings.seed, restart_failed=settings.restart_failed_sub_environments, recreated=recreated,
-            in_evaluation=settings.in_evaluation, on_created=self._sub_env_created,
+            in_evaluation=settings.in_evaluation, on_created=self._sub_env_created, threads=settings.env_threads,
         )
         self.action_space = settings.action_space or self.env.single_action_space
         self.connector = build_pipeline(settings.env_to_module,

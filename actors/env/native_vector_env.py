@@ -16,7 +16,8 @@ Such envs reset sub-envs in one of two ways (gymnasium's ``AutoresetMode``):
 
 ``gym_env_vectorize_mode="envpool"`` puts EnvPool's vector env (C++, its own thread pool; the optional extra
 ``runnel-rl[envpool]``) behind the same adapter: EnvPool's gymnasium API resets ``NEXT_STEP``. ``envpool_id`` says
-whether an id is EnvPool's. ``auto`` does not pick it, even when it is installed: on CartPole gymnasium's numpy
+whether an id is EnvPool's; an ALE id goes to EnvPool's env of its game with ``make_atari``'s settings and frames
+(``envpool_atari``). EnvPool gets as many threads as the runner has CPUs (``threads``). ``auto`` does not pick it, even when it is installed: on CartPole gymnasium's numpy
 implementation is faster, and a seeded run should not change with what happens to be installed.
 
 The whole vector is one object, so per-sub-env access (``sub_envs``: ``on_sub_environment_created``, a
@@ -34,36 +35,49 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from actors.env.creators import GymMaker
+from actors.env.creators import AtariMaker, GymMaker
+from actors.env.envpool_atari import envpool_game_id, make_envpool_atari
 from actors.env.vector_env import EnvContext, StepResult, same_step_final_obs, split_infos
 
 log = logging.getLogger(__name__)
 
 
 def envpool_id(creator: Any) -> str:
-    """The id ``creator`` makes, when EnvPool is installed and offers that id; else a ValueError saying why."""
+    """The id ``creator`` makes, when EnvPool is installed and offers that id (for an ALE id: its game); else a
+    ValueError saying why."""
     try:
         import envpool
     except ImportError as err:
         raise ValueError(f"gym_env_vectorize_mode='envpool' needs EnvPool, which is not installed ({err}): pip "
                          f"install 'runnel-rl[envpool]', or use 'auto' or 'sync'") from None
-    env_id = creator.env_id if isinstance(creator, GymMaker) else None
-    if env_id is None or env_id not in envpool.list_all_envs():
+    env_id = creator.env_id if isinstance(creator, (GymMaker, AtariMaker)) else None
+    offered = envpool_game_id(env_id) if isinstance(creator, AtariMaker) else env_id
+    if offered is None or offered not in envpool.list_all_envs():
         raise ValueError(f"gym_env_vectorize_mode='envpool' needs an env id that EnvPool offers (and gymnasium: the "
-                         f"driver reads the spaces from gymnasium's env), e.g. 'CartPole-v1', 'Acrobot-v1' or "
-                         f"'Pendulum-v1'; got {creator!r}. Use 'auto' or 'sync' for other envs")
+                         f"driver reads the spaces from gymnasium's env), e.g. 'CartPole-v1', 'Acrobot-v1', "
+                         f"'Pendulum-v1' or an ALE id such as 'ALE/Pong-v5'; got {creator!r}. Use 'auto' or 'sync' "
+                         f"for other envs")
     return env_id
 
 
-def make_envpool(env_id: str, num_envs: int, seed: int, env_config: dict) -> gym.vector.VectorEnv:
-    """EnvPool's gymnasium vector env stepping all ``num_envs`` at once (``env_config``: EnvPool's own options,
-    e.g. ``num_threads``)."""
+ENVPOOL_OWN = ("num_threads", "batch_size", "seed", "num_envs")
+"""EnvPool options a runner sets itself: threads from its CPUs, all its envs stepped at once, its seed."""
+
+
+def make_envpool(env_id: str, num_envs: int, seed: int, env_config: dict, threads: int = 1,
+                 atari: bool = False, in_evaluation: bool = False) -> Any:
+    """EnvPool's gymnasium vector env stepping all ``num_envs`` at once on ``threads`` threads of its own
+    (``env_config``: options EnvPool's env takes, which gymnasium's must take too: the driver builds that one to
+    read the spaces). ``atari``: ``env_id`` is an ALE id, built as ``make_atari`` builds it (``envpool_atari``)."""
+    taken = sorted(set(env_config) & set(ENVPOOL_OWN))
+    if taken:
+        raise ValueError(f"{env_id}: env_config sets EnvPool's {taken}, which each runner sets itself: its threads "
+                         f"follow num_cpus_per_env_runner (.env_runners(num_cpus_per_env_runner=...)), it steps all "
+                         f"num_envs_per_env_runner envs at once, its seed follows .debugging(seed=...)")
+    if atari:
+        return make_envpool_atari(env_id, num_envs, seed, env_config, in_evaluation, threads)
     import envpool
-    if env_config.get("batch_size", num_envs) != num_envs:
-        raise ValueError(f"{env_id}: EnvPool's batch_size={env_config['batch_size']!r} would step only some of the "
-                         f"{num_envs} envs at a time (its asynchronous mode); a runner steps them all: leave "
-                         f"batch_size out of env_config")
-    return envpool.make_gymnasium(env_id, num_envs=num_envs, seed=seed, **env_config)
+    return envpool.make_gymnasium(env_id, num_envs=num_envs, seed=seed, num_threads=threads, **env_config)
 
 
 def native_vector_id(creator: Any) -> str | None:
@@ -88,9 +102,13 @@ class NativeVectorEnv:
 
     def __init__(self, env_id: str, env_config: dict, num_envs: int, worker_index: int, num_workers: int,
                  seed: int | None, restart_failed: bool, recreated: bool = False, in_evaluation: bool = False,
-                 on_created: Callable | None = None, backend: str = "gymnasium") -> None:
-        """``backend``: "gymnasium" (the id's ``vector_entry_point``) or "envpool" (``envpool.make_gymnasium``)."""
+                 on_created: Callable | None = None, backend: str = "gymnasium", threads: int = 1) -> None:
+        """``backend``: "gymnasium" (the id's ``vector_entry_point``), "envpool" (``envpool.make_gymnasium``) or
+        "envpool_atari" (an ALE id through EnvPool, ``envpool_atari``); ``threads``: EnvPool's threads."""
+        if backend not in ("gymnasium", "envpool", "envpool_atari"):
+            raise ValueError(f"backend {backend!r} is not 'gymnasium', 'envpool' or 'envpool_atari'")
         self.env_id, self.env_config, self.backend = env_id, dict(EnvContext(env_config)), backend
+        self.threads, self.in_evaluation = max(1, int(threads)), in_evaluation
         self.num_envs, self.seed, self.restart_failed = num_envs, seed, restart_failed
         self.worker_index = worker_index
         self.before_reset = None
@@ -108,22 +126,28 @@ class NativeVectorEnv:
             warnings.simplefilter("ignore", UserWarning)
             self.single_observation_space = self._env.single_observation_space
             self.single_action_space = self._env.single_action_space
-        self._seeded = backend == "envpool"  # EnvPool took its seed when it was made (see _make)
+        self._seeded = backend != "gymnasium"  # EnvPool took its seed when it was made (see _make)
         self._resetting = np.zeros(num_envs, bool)  # sub-envs whose next step is a reset step (NEXT_STEP)
         self._none = np.zeros(num_envs, bool)  # no episode started (read only)
         self._last_obs: Any = None
 
     def _make(self) -> gym.vector.VectorEnv:
-        if self.backend == "envpool":
+        if self.backend != "gymnasium":
             # EnvPool takes its seed when it is made (reset(seed=...) is ignored): each runner its own, a recreated
             # vector a new one (not the same episodes again), an unseeded run a random one (not EnvPool's fixed 42)
             if self.seed is None:
                 seed = int(np.random.SeedSequence().generate_state(1)[0] >> 1)
             else:
                 seed = self.runner_seed() + 1_000_003 * self.num_restarts
-            return make_envpool(self.env_id, self.num_envs, seed, self.env_config)
+            return make_envpool(self.env_id, self.num_envs, seed, self.env_config, self.threads,
+                                atari=self.backend == "envpool_atari", in_evaluation=self.in_evaluation)
         return gym.make_vec(self.env_id, num_envs=self.num_envs, vectorization_mode="vector_entry_point",
                             **self.env_config)
+
+    @property
+    def vector_env(self) -> Any:
+        """The vector env this adapts (gymnasium's, EnvPool's, or ``envpool_atari.EnvPoolFrames``)."""
+        return self._env
 
     def runner_seed(self) -> int:
         """This runner's seed: the run's, apart for each runner."""

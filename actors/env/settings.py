@@ -56,6 +56,8 @@ class EnvRunnerSettings:
     num_env_runners: int = 0
     restart_failed_sub_environments: bool = False
     torch_threads: int = 1
+    env_threads: int = 1
+    """Threads a vector env with threads of its own may use (EnvPool's ``num_threads``): the runner's CPUs."""
     metrics_window: int = 100
     """Episodes the runner's own episode statistics are averaged over."""
     callbacks: CallbacksSpec | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from actors.env.creators import AtariMaker
 from actors.env.native_vector_env import NativeVectorEnv, envpool_id, native_vector_id
 from actors.env.vector_env import AsyncVectorEnv, SyncVectorEnv
 
@@ -12,8 +13,9 @@ log = logging.getLogger(__name__)
 VECTORIZE_MODES = ("auto", "sync", "async", "vector_entry_point", "envpool")
 
 
-def make_vector_env(mode: str, **kwargs) -> Any:
-    """``auto``: the env's own vector implementation when it has one (``native_vector_env``), else ``sync``."""
+def make_vector_env(mode: str, threads: int = 1, **kwargs) -> Any:
+    """``auto``: the env's own vector implementation when it has one (``native_vector_env``), else ``sync``.
+    ``threads``: the CPUs the runner has, EnvPool's threads (``envpool``)."""
     if mode in ("auto", "vector_entry_point"):
         env_id = native_vector_id(kwargs["creator"])
         if env_id is None:
@@ -32,7 +34,9 @@ def make_vector_env(mode: str, **kwargs) -> Any:
             return SyncVectorEnv(**kwargs)
     if mode == "envpool":  # asked for by name only: see native_vector_env's docstring
         env_id = envpool_id(kwargs["creator"])
-        return NativeVectorEnv(env_id, backend="envpool", **{k: v for k, v in kwargs.items() if k != "creator"})
+        backend = "envpool_atari" if isinstance(kwargs["creator"], AtariMaker) else "envpool"
+        return NativeVectorEnv(env_id, backend=backend, threads=threads,
+                               **{k: v for k, v in kwargs.items() if k != "creator"})
     if mode == "sync":
         return SyncVectorEnv(**kwargs)
     if mode == "async":

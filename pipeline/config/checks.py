@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from actors.env.native_vector_env import ENVPOOL_OWN
 from actors.env.vector_modes import VECTORIZE_MODES
 
 
@@ -44,6 +45,12 @@ def range_problems(config: Any) -> list[str]:
     for key in AT_LEAST_ONE:
         if not is_int(getattr(config, key)) or getattr(config, key) < 1:
             problems.append(f"{key} must be an int >= 1, got {getattr(config, key)!r}")
+    own = sorted(set(config.env_config or {}) & set(ENVPOOL_OWN)) if isinstance(config.env_config, dict) else []
+    if getattr(config.gym_env_vectorize_mode, "value", config.gym_env_vectorize_mode) == "envpool" and own:
+        problems.append(f"env_config sets EnvPool's {own}, which each env runner sets itself: EnvPool's threads follow "
+                        f"num_cpus_per_env_runner (num_cpus_for_main_process for the driver's runner), a runner steps "
+                        f"all its num_envs_per_env_runner envs at once, and its seed follows .debugging(seed=...); "
+                        f"remove them from env_config")
     interval = config.learner_snapshot_interval_s
     if interval is not None and (not is_number(interval) or interval <= 0):
         problems.append(f"learner_snapshot_interval_s must be a number of seconds > 0, or None (snapshots only at "

@@ -49,8 +49,8 @@ class CommonSettings:
     copy in a few numpy calls), else sync; sync: separate sub-envs stepped in the runner's process (each one
     reachable, running episodes carried across checkpoints); async: one process per sub-env;
     vector_entry_point: the env's own vector implementation, or an error when it has none; envpool: EnvPool's
-    vector env for the id (the optional extra ``runnel-rl[envpool]``; C++ envs stepped by its own threads; never
-    picked by auto)."""
+    vector env for the id (the optional extra ``runnel-rl[envpool]``; C++ envs stepped by as many threads of its own
+    as the runner has CPUs; ALE ids with runnel's Atari settings and frames; never picked by auto)."""
     env_to_module_connector: Any = None
     """``fn(env) -> piece or [pieces]`` (``pipeline.connectors``: ``MeanStdFilter``, ``FlattenObservations``,
     your ``ConnectorV2`` subclasses): what each runner does to observations before its module sees them;

@@ -33,6 +33,7 @@ def runner_settings(c: AlgorithmConfig, creator: Callable | None, module_class: 
         module_to_env=(resolve_import_path(c.module_to_env_connector, "module_to_env_connector")
                        if isinstance(c.module_to_env_connector, str) else c.module_to_env_connector),
         env_observation_space=env_observation_space,
+        env_threads=max(1, int(c.num_cpus_per_env_runner if c.num_env_runners else c.num_cpus_for_main_process)),
     )
     settings.precision = (c.inference_config or {}).get("precision", "float32")
     if c.external_clients_config is None and not settings_used(c):  # single-agent env runners act
