@@ -279,11 +279,15 @@ def test_a_module_added_while_streaming_trains_and_a_removed_ones_chunks_stop():
         # agent 1 plays for the new module from now on: its chunks must be taken, not dropped as unknown
         algo.add_module("p2", new_agent_to_module_mapping_fn=lambda agent_id, episode, **kw: f"p{2 * int(agent_id)}")
         added = module_weights(algo, "p2")
-        version = algo.weights_version
-        results = train_until_updates(algo, version + 6)
+        # Until the learner reports an update of p2: the first updates after the change may all draw batches cut
+        # before it (APPO's circular buffer, episodes begun under the old mapping) -- one iteration made 7 such
+        # updates on a busy machine, so no fixed number of updates is enough (a fresh clone, 2026-12-06)
+        results = []
+        while not any("p2" in r["learners"] for r in results):
+            assert len(results) < 100, "no update of the added module in 100 iterations"
+            results.append(algo.train())
         assert not same(added, module_weights(algo, "p2")), "the added module did not train"
-        # (an update may draw a batch from before the change out of APPO's circular buffer: look at them all)
-        assert any("p2" in r["learners"] for r in results) and results[-1]["stream"]["num_chunks_dropped_invalid"] == 0
+        assert results[-1]["stream"]["num_chunks_dropped_invalid"] == 0
         algo.remove_module("p1")  # no agent maps to it any more; chunks still naming it are dropped and counted
         version = algo.weights_version
         results = train_until_updates(algo, version + 2)
