@@ -442,3 +442,15 @@ def test_the_tuned_pong_file_is_a_valid_appo_config():
     config = APPOConfig().environment(spec["env"]).update_from_dict(spec["config"])
     config.validate()  # unknown keys or bad values raise
     assert config.env_config == {"repeat_action_probability": 0.0} and config.clip_param == 0.1 and config.grad_clip == 0.5
+    assert config.model_config == {"normalize_input": True}
+
+
+def test_the_tuned_pong_ppo_file_is_a_valid_ppo_config():
+    import yaml
+
+    spec = yaml.safe_load(open("tuned/pong-ppo.yaml"))
+    assert spec["algo"] == "PPO" and ale_env_id(spec["env"]) == "ALE/Pong-v5"
+    config = PPOConfig().environment(spec["env"]).update_from_dict(spec["config"])
+    config.validate()
+    assert (config.train_batch_size_per_learner, config.minibatch_size, config.num_epochs) == (1024, 256, 4)
+    assert config.model_config == {"normalize_input": True}

@@ -41,6 +41,7 @@ from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
 from actors.learner.gradients import FlatGrads, finish_flat, finish_tensors
 from actors.modules import ActorCriticModule, RLModule
+from actors.modules.encoders import input_normalizers
 from actors.modules.rl_module import set_autocast
 from actors.schedules import piecewise
 from protocols import nested
@@ -419,6 +420,32 @@ class Learner(FedByStreams, LearnerRole):
         take a replacement: the learner group has every learner leave, then join a new one."""
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+    def update_input_stats(self, obs: Any) -> None:
+        """``model_config normalize_input``: fold a train batch's observations (the module's input, stacked frames
+        included) into the module's running statistics. Called after the batch's update, so the update saw the
+        statistics the batch was acted with; data-parallel learners pool their batches' moments first and so
+        keep the same statistics. Nothing without the setting."""
+        normalizers = input_normalizers(self.module)
+        if not normalizers:
+            return
+        if isinstance(self.module, RLModule):
+            obs = self.module.split_mask(obs)[0]
+        n = float(nested.first_leaf(obs).shape[0])
+        for norm in normalizers:
+            mean, var = norm.moments(obs)
+            if self.world_size > 1:  # pooled: sums of x and x^2 over every learner's rows
+                parts = np.concatenate([[n], (n * mean).cpu().numpy().ravel(),
+                                        (n * (var + mean.square())).cpu().numpy().ravel()])
+                pooled = self.allreduce_mean(parts)
+                size = mean.numel()
+                rows = float(pooled[0])
+                pooled_mean = torch.as_tensor(pooled[1:1 + size] / rows).reshape(mean.shape)
+                var = torch.as_tensor(pooled[1 + size:] / rows).reshape(mean.shape) - pooled_mean.square()
+                mean, n_all = pooled_mean, rows * self.world_size
+            else:
+                n_all = n
+            norm.merge(mean, var.clamp(min=0.0), int(n_all))
 
     def allreduce_mean(self, values: np.ndarray) -> np.ndarray:
         """Average numbers across learners (e.g. the KL that adapts the KL coefficient)."""

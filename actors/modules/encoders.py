@@ -42,6 +42,13 @@ class ModelConfig:
     """Activation of the CNN layers (and of its fully connected layers)."""
     conv_fc_hiddens: list[int] = field(default_factory=lambda: [512])
     """Fully connected layers that end the CNN, after its flatten (Nature CNN: one of 512)."""
+    normalize_input: bool = False
+    """Image observations only (runnel's, as Sample Factory's ``--normalize_input``): each pixel of the CNN's
+    input is standardised by its own running mean and variance (clipped to +-5) instead of scaled by 1/255.
+    Static background goes to zero and what moves stands out, which speeds early learning where little of the
+    screen matters (APPO and PPO on Pong). The statistics are module buffers: learners update them after each
+    train batch (``InputNormalizer``), so they travel with the weights to runners and into checkpoints. Vector
+    observations take the ``MeanStdFilter`` connector instead."""
     log_std_init: float = 0.0
     """Initial log standard deviation of Gaussian (Box) action distributions."""
     use_lstm: bool = False
@@ -154,8 +161,11 @@ class CNNEncoder(nn.Module):
         self.net = nn.Sequential(*layers)
         self.out_dim = width
         self.scale = 1.0 / 255.0 if space.dtype == np.uint8 else 1.0
+        self.normalizer = InputNormalizer(space.shape, self.scale) if cfg.normalize_input else None
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        if self.normalizer is not None:
+            return self.net(self.normalizer(obs).permute(0, 3, 1, 2))
         x = obs.permute(0, 3, 1, 2)
         if x.is_floating_point():
             return self.net(x.float() * self.scale)
@@ -163,8 +173,64 @@ class CNNEncoder(nn.Module):
         return self.net(x.float().mul_(self.scale))
 
 
+class InputNormalizer(nn.Module):
+    """Per-element running mean and variance of a module's observations (``model_config normalize_input``),
+    and the standardisation by them: ``clip((x - mean) / sqrt(var + 1e-5), -5, 5)``.
+
+    The statistics are buffers (``input_mean``, ``input_var``, ``input_count``), so a module's state carries them
+    to runners and into checkpoints, and a restored module normalises bit for bit as the saved one did. Only a
+    learner changes them: ``moments`` of a batch, then ``merge`` (data-parallel learners average the moments
+    first, so every learner keeps the same statistics). Before the first merge the mean is 0 and the standard
+    deviation ``1 / scale``: an untrained module sees its pixels scaled as without normalisation (by 1/255)."""
+
+    EPSILON, CLIP = 1e-5, 5.0
+
+    def __init__(self, shape: tuple[int, ...], scale: float = 1.0) -> None:
+        super().__init__()
+        self.register_buffer("input_mean", torch.zeros(shape))
+        self.register_buffer("input_var", torch.full(shape, 1.0 / scale ** 2))
+        self.register_buffer("input_count", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        x = obs.to(self.input_mean.dtype) - self.input_mean
+        return x.mul_(torch.rsqrt(self.input_var + self.EPSILON)).clamp_(-self.CLIP, self.CLIP)
+
+    @staticmethod
+    def moments(obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's per-element mean and (population) variance, as float64 (computed in float32: pixels and
+        their squares are exact there, and a float64 copy of a batch of frames would double its memory)."""
+        var, mean = torch.var_mean(obs.detach().float(), 0, unbiased=False)
+        return mean.double(), var.double()
+
+    @torch.no_grad()
+    def merge(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+        """Fold in ``count`` rows' moments (Chan et al.'s parallel update)."""
+        if count < 1:
+            return
+        old_n = float(self.input_count)
+        total = old_n + count
+        old_mean = self.input_mean.to(torch.float64)
+        delta = mean.to(old_mean.device) - old_mean
+        new_mean = old_mean + delta * (count / total)
+        new_var = (self.input_var.to(torch.float64) * old_n + var.to(old_mean.device) * count
+                   + delta.square() * (old_n * count / total)) / total
+        self.input_mean.copy_(new_mean)
+        self.input_var.copy_(new_var)
+        self.input_count.fill_(total)
+
+
+def input_normalizers(module: nn.Module) -> list[InputNormalizer]:
+    """The ``InputNormalizer``s in ``module`` (one per image encoder with ``normalize_input``)."""
+    return [m for m in module.modules() if isinstance(m, InputNormalizer)]
+
+
 def build_encoder(space: gym.Space, cfg: ModelConfig) -> nn.Module:
     """A CNN for a single image observation, else the flattening encoder; ``.out_dim`` is its width."""
+    if cfg.normalize_input and not is_image(space):
+        raise ValueError(f"model_config normalize_input=True standardises image observations (H, W, C) inside the "
+                         f"CNN; these observations are {space}: normalise vectors with the MeanStdFilter connector "
+                         f"(.env_runners(env_to_module_connector=lambda env: [MeanStdFilter()])) and leave "
+                         f"normalize_input False")
     return CNNEncoder(space, cfg) if is_image(space) else ObsEncoder(space)
 
 

@@ -114,6 +114,8 @@ def describe_exploration(exploration: Exploration | None, timestep: int) -> dict
 def _encoder(encoder: nn.Module, space: gym.Space, names: dict[int, str] | None
              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The encoder's leaves, and the ops that follow them (a CNN's layers)."""
+    if type(encoder) is CNNEncoder and encoder.normalizer is not None:
+        raise ValueError(f"a CNN with model_config normalize_input=True has no numpy export -- {_USE_REMOTE}")
     if type(encoder) is CNNEncoder:
         leaf = {"kind": "image", "shape": [int(n) for n in space.shape], "scale": float(encoder.scale)}
         return [leaf], _sequential(encoder.net, names)

@@ -28,7 +28,11 @@ def training_problems(config: Any) -> list[str]:
 def rl_module_problems(config: Any) -> list[str]:
     if not isinstance(config.model_config, dict):
         return [f"model_config must be a dict, got {type(config.model_config).__name__}"]
-    return model_config_problems(config.model_config)
+    problems = model_config_problems(config.model_config)
+    if config.model_config.get("normalize_input") and not getattr(type(config), "updates_input_stats", False):
+        problems.append(f"model_config normalize_input=True: {config.algo_name}'s learner does not update the input "
+                        f"statistics (PPO's, IMPALA's and APPO's do); leave it False here")
+    return problems
 
 
 def recurrent_problems(config: Any, multi_agent: bool) -> list[str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pipeline.algorithms.vtrace import VTraceSettings
 from pipeline.config.base import AlgorithmConfig
@@ -13,6 +14,8 @@ from pipeline.plans.asynchronous import AsyncPlanSettings
 class APPOConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     algo_name = "APPO"
     algorithm_module = "pipeline.algorithms.appo.algorithm"
+    updates_input_stats: ClassVar[bool] = True
+    """Its learner updates ``model_config normalize_input``'s statistics after each train batch."""
 
     broadcast_interval: int = 2
     """Send new weights to the runners every this many updates (APPO updates up to

@@ -98,6 +98,7 @@ class APPOLearner(Learner):
         kl_coeff, entropy_coeff = self.kl_coeff, piecewise(cfg.entropy_coeff, timestep)
         out = sgd_epochs(self, cfg, tensors,
                          lambda mb, out: appo_loss(self.module, mb, cfg, kl_coeff, entropy_coeff, out), len(b), seq)
+        self.update_input_stats(b.obs)
         self.updates_since_target_update += 1
         if self.updates_since_target_update >= cfg.target_network_update_freq:
             target.set_state(self.module.get_state(inference_only=True))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pipeline.algorithms.vtrace import VTraceSettings
 from pipeline.config.base import AlgorithmConfig
@@ -13,6 +14,8 @@ from pipeline.plans.asynchronous import AsyncPlanSettings
 class IMPALAConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     algo_name = "IMPALA"
     algorithm_module = "pipeline.algorithms.impala.algorithm"
+    updates_input_stats: ClassVar[bool] = True
+    """Its learner updates ``model_config normalize_input``'s statistics after each train batch."""
 
     vtrace_clip_pg_rho_threshold: float = 100.0
     """V-trace: clip the importance ratio of the policy-gradient advantages at this. runnel's IMPALA default is

@@ -70,6 +70,7 @@ class IMPALALearner(Learner):
         entropy_coeff = piecewise(cfg.entropy_coeff, timestep)
         out = sgd_epochs(self, cfg, tensors, lambda mb, out: impala_loss(self.module, mb, cfg, entropy_coeff, out),
                          len(b), seq)
+        self.update_input_stats(b.obs)
         rho = torch.exp(target_logp - behaviour_logp)
         out["mean_rho"] = float(rho.mean())
         out["rho_clipped_fraction"] = float((rho > cfg.vtrace_clip_rho_threshold).float().mean())

@@ -12,6 +12,8 @@ class PPOConfig(AlgorithmConfig):
     algo_name = "PPO"
     algorithm_module = "pipeline.algorithms.ppo.algorithm"
     trains_on_policy = True
+    updates_input_stats: ClassVar[bool] = True
+    """Its learner updates ``model_config normalize_input``'s statistics after each train batch."""
     supports_recurrent: ClassVar[bool] = True
     """``model_config`` ``use_lstm``: the learner unrolls chunks as sequences (``train_on_sequences``)."""
 

@@ -93,6 +93,7 @@ class PPOLearner(Learner):
         num_minibatches = -(-cfg.train_batch_size_per_learner // cfg.minibatch_size)
         out = self.sgd(tensors, lambda mb: ppo_loss(self.module, mb, cfg, kl_coeff, entropy_coeff),
                        len(b), cfg.minibatch_size, num_minibatches, cfg.num_epochs)
+        self.update_input_stats(b.obs)
         return self._after_sgd(out, kl_coeff, entropy_coeff, len(b))
 
     def _after_sgd(self, out: dict[str, float], kl_coeff: float, entropy_coeff: float, steps: int) -> dict[str, float]:
@@ -127,5 +128,6 @@ class PPOLearner(Learner):
         num_minibatches = -(-cfg.train_batch_size_per_learner // cfg.minibatch_size)
         out = sequence_sgd(self, seq, steps, lambda mb, out: ppo_loss(self.module, mb, cfg, kl_coeff, entropy_coeff, out),
                            len(b), cfg.minibatch_size, num_minibatches, cfg.num_epochs)
+        self.update_input_stats(b.obs)
         return self._after_sgd(out, kl_coeff, entropy_coeff, len(b))
 
