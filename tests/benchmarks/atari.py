@@ -1,6 +1,7 @@
 """ALE Pong sampled by runnel's env runners (Nature CNN inference included) against a bare stepping loop.
 
-Run: ``.venv/bin/python tests/benchmarks/atari.py [--rounds 5] [--seconds 5] [--no-ray] [--profile 10]``.
+Run: ``.venv/bin/python tests/benchmarks/atari.py [--rounds 5] [--seconds 5] [--no-ray] [--bf16] [--envpool]
+[--profile 10]``.
 Prints one JSON object per line:
 
 1. ``machine``: CPU count, platform, load average, library versions.
@@ -20,11 +21,19 @@ Prints one JSON object per line:
      runnel 2x8      two Ray env runner actors with 8 envs each (``algo.env_runner_group.sample``, chunks
                      encoded in the actors and decoded in the driver), measured at the driver; per core:
                      divided by the two runner processes.
+     bare envpool, runnel 1x8 envpool  with ``--envpool`` (the extra ``runnel-rl[envpool]``): EnvPool's vector
+                     env of the same game and preprocessing (``actors.env.envpool_atari``, one thread of its
+                     own) stepped with random actions, and a runner stepping it (``gym_env_vectorize_mode=
+                     "envpool"``). EnvPool steps on its own thread while the caller waits, so these lines
+                     also carry ``frames_per_cpu_s`` (the process's threads together); the summary gives
+                     ``runnel_over_bare_envpool`` beside ``runnel_over_bare``. ``bare envpool 2 threads``: the
+                     same on two threads of its own, per core (its rate per runner is twice that).
    Rounds alternate the cases, so a shared machine's drift spreads over all of them.
    ``shipped_bytes``: bytes per step of the stacking runner's chunks as codec frames (plain and LZ4) against
    chunks that stored the stacks.
 4. ``sampling_summary`` per case: the median over rounds, and ``runnel_over_bare`` (the issue's target: >= 0.7).
-5. With ``--profile S``: ``profile`` lines, the functions where ``runnel 1x8`` spends its time over S seconds
+5. With ``--profile S``: ``profile`` lines, the functions where ``runnel 1x8`` (in bfloat16 with ``--bf16``) spends
+   its time over S seconds
    (cProfile, by own time), and the share of the CNN forward pass and of the env steps.
 """
 from __future__ import annotations
@@ -119,16 +128,37 @@ def bare_case():
     return sample, lambda: [env.close() for env in envs], 1
 
 
-def runner_case(precision: str = "float32", stack: bool = False):
+def bare_envpool_case(threads: int = 1):
+    """EnvPool's vector env of the same game and preprocessing (``actors.env.envpool_atari``), ``threads`` of its
+    own, random actions: env steps per call."""
+    import numpy as np
+
+    from actors.env.envpool_atari import make_envpool_atari
+
+    env = make_envpool_atari(ENV_ID, NUM_ENVS, 0, {}, in_evaluation=False, num_threads=threads)
+    env.reset()
+    rng = np.random.default_rng(0)
+
+    def sample() -> int:
+        for row in rng.integers(6, size=(FRAGMENT, NUM_ENVS)):
+            env.step(row)  # EnvPool resets ended envs itself
+        return FRAGMENT * NUM_ENVS
+
+    return sample, env.close, threads
+
+
+def runner_case(precision: str = "float32", stack: bool = False, vectorize_mode: str = "auto"):
     """One ``EnvRunner`` in this process; ``stack``: with 4-frame stacking (``FrameStackingEnvToModule``): the CNN
-    gets 84x84x4 stacks, the chunks keep one frame per step."""
+    gets 84x84x4 stacks, the chunks keep one frame per step; ``vectorize_mode`` "envpool": EnvPool steps the
+    envs (one thread of its own)."""
     from actors.env import EnvRunner, EnvRunnerSettings
     from pipeline.connectors import atari_frame_stack
     from pipeline.envs import env_creator
 
     runner = EnvRunner(EnvRunnerSettings(env_creator=env_creator(ENV_ID), num_envs=NUM_ENVS,
                                          rollout_fragment_length=FRAGMENT, seed=0, precision=precision,
-                                         env_to_module=atari_frame_stack if stack else None),
+                                         env_to_module=atari_frame_stack if stack else None,
+                                         vectorize_mode=vectorize_mode),
                        worker_index=1)
     return (lambda: sum(len(c) for c in runner.sample())), runner.stop, 1
 
@@ -173,13 +203,14 @@ def ray_case(precision: str = "float32"):
     return (lambda: sum(len(c) for c in group.sample(2 * NUM_ENVS * FRAGMENT, algo.metrics))), algo.stop, 2
 
 
-def rate(sample, seconds: float) -> float:
-    """Env steps per second of ``sample()`` over at least ``seconds``."""
+def rate(sample, seconds: float) -> tuple[float, float]:
+    """Env steps per second of ``sample()`` over at least ``seconds``, and per CPU-second of this process (its
+    threads together: EnvPool's too)."""
     sample()  # warm-up: a fresh runner resets its envs
-    steps, t0 = 0, time.perf_counter()
+    steps, t0, c0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:
         steps += sample()
-    return steps / (time.perf_counter() - t0)
+    return steps / (time.perf_counter() - t0), steps / max(time.process_time() - c0, 1e-9)
 
 
 def sampling(args: argparse.Namespace) -> None:
@@ -191,6 +222,11 @@ def sampling(args: argparse.Namespace) -> None:
     if args.bf16:
         makers += [("runnel 1x8 bf16", lambda: runner_case("bfloat16")),
                    ("runnel 1x8 stack4 bf16", lambda: stacked_runner_case("bfloat16"))]
+    if args.envpool:
+        makers += [("bare envpool", bare_envpool_case), ("bare envpool 2 threads", lambda: bare_envpool_case(2)),
+                   ("runnel 1x8 envpool", lambda: runner_case(vectorize_mode="envpool"))]
+        if args.bf16:
+            makers.append(("runnel 1x8 envpool bf16", lambda: runner_case("bfloat16", vectorize_mode="envpool")))
     if not args.no_ray:
         ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False, num_cpus=4)
         makers.append(("runnel 2x8", ray_case))
@@ -202,9 +238,11 @@ def sampling(args: argparse.Namespace) -> None:
         built = [(name, *make()) for name, make in makers]
         for rnd in range(args.rounds):
             for name, sample, _, cores in built:
-                per_core = FRAME_SKIP * rate(sample, args.seconds) / cores
+                wall, cpu = rate(sample, args.seconds)
+                per_core = FRAME_SKIP * wall / cores
                 figures.setdefault(name, []).append(per_core)
                 emit(bench="sampling", case=name, round=rnd, frames_per_s_per_core=round(per_core),
+                     **({} if "2x8" in name else {"frames_per_cpu_s": round(FRAME_SKIP * cpu)}),  # Ray: the driver only
                      load_avg=round(os.getloadavg()[0], 2))
     finally:
         for _, _, close, _ in built:
@@ -215,16 +253,18 @@ def sampling(args: argparse.Namespace) -> None:
     for name, rates in figures.items():
         med = statistics.median(rates)
         plain = statistics.median(figures["runnel 1x8 bf16" if "bf16" in name else "runnel 1x8"])
+        extra = {"runnel_over_bare_envpool": round(med / statistics.median(figures["bare envpool"]), 3)} \
+            if "runnel" in name and "envpool" in name else {}
         emit(bench="sampling_summary", case=name, median_frames_per_s_per_core=round(med),
-             runnel_over_bare=round(med / bare, 3), rounds=len(rates),
+             runnel_over_bare=round(med / bare, 3), rounds=len(rates), **extra,
              **({"cost_over_unstacked": round(plain / med, 3)} if "stack" in name else {}))
 
 
-def profile(seconds: float) -> None:
+def profile(seconds: float, precision: str = "float32") -> None:
     import torch
 
     torch.set_num_threads(1)
-    sample, close, _ = runner_case()
+    sample, close, _ = runner_case(precision)
     sample()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -257,6 +297,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-ray", action="store_true", help="leave out the two Ray runner actors")
     p.add_argument("--bf16", action="store_true",
                    help="add each runnel case again with inference precision bfloat16 (on CPUs with AMX/AVX512-BF16)")
+    p.add_argument("--envpool", action="store_true",
+                   help="add EnvPool's Pong (runnel-rl[envpool]): its bare vector loop and a runner stepping it")
     p.add_argument("--profile", type=float, default=0.0, metavar="S",
                    help="also profile the in-process runner for S seconds")
     return p.parse_args()
@@ -269,7 +311,7 @@ def main() -> None:
     shipped_bytes()
     sampling(args)
     if args.profile > 0:
-        profile(args.profile)
+        profile(args.profile, "bfloat16" if args.bf16 else "float32")
 
 
 if __name__ == "__main__":
