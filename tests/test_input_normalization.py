@@ -11,7 +11,7 @@ import torch
 from actors.modules import ActorCriticModule
 from actors.modules.encoders import InputNormalizer, input_normalizers
 from actors.modules.export import export_policy
-from pipeline import APPOConfig, Algorithm, DQNConfig, PPOConfig, register_env
+from pipeline import APPOConfig, Algorithm, DQNConfig, PolicySpec, PPOConfig, register_env
 from pipeline.algorithm_results import lookup
 from pipeline.algorithms.ppo.learner import PPOLearner
 from tests.envs import FrameEnv
@@ -80,6 +80,10 @@ def test_errors_name_the_setting_and_what_to_do():
         ActorCriticModule(gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2), NORMALIZED)
     with pytest.raises(ValueError, match="normalize_input.*(PPO|IMPALA|APPO)"):
         DQNConfig().environment("norm_frames").rl_module(model_config=NORMALIZED).validate()
+    with pytest.raises(ValueError, match=r"policies\['p0'\].*normalize_input.*DQN"):
+        (DQNConfig().environment("norm_frames")
+         .multi_agent(policies={"p0": PolicySpec(config={"model_config": NORMALIZED})},
+                      policy_mapping_fn=lambda agent_id, episode, **kw: "p0").validate())
     with pytest.raises(ValueError, match="normalize_input.*no numpy export.*remote"):
         export_policy(ActorCriticModule(SPACE, gym.spaces.Discrete(6), NORMALIZED, inference_only=True))
 
