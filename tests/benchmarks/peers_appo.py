@@ -43,8 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from workers import (Progress, emit, median_of, num, run_interleaved, run_worker, train_to_target, versions_of,
-                     worker_env)
+from workers import (Progress, emit, median_of, num, run_interleaved, run_worker, split_lists, train_to_target,
+                     versions_of, worker_env)
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS_PYTHON = "/work/anchors-venv/bin/python"
@@ -207,10 +207,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="pass the workers' output and progress to stderr")
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = p.parse_args()
-    args.systems = [s for s in args.systems.split(",") if s]
-    args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    if not args.systems or set(args.systems) - set(SYSTEMS):
-        p.error(f"--systems takes a comma-separated subset of {list(SYSTEMS)}, got {args.systems}")
+    split_lists(p, args, SYSTEMS)
     return args
 
 

@@ -52,8 +52,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
-from workers import Progress, emit, median_of, num, run_interleaved, run_worker, versions_of, worker_env
+from workers import (Progress, emit, median_of, num, run_interleaved, run_worker, split_lists, versions_of,
+                     worker_env)
 
 ROOT = Path(__file__).resolve().parents[2]
 SF_PYTHON = "/work/sf-venv/bin/python"
@@ -83,25 +85,13 @@ def worker_runnel(a: argparse.Namespace) -> None:
     config.environment(spec["env"]).debugging(seed=a.seed)
     algo = config.build()
     build_s = time.perf_counter() - t0
-    progress = Progress(t0)
-    it, steps, trained, ret = 0, 0, 0, None
-    try:
-        while time.perf_counter() - t0 - build_s < a.train_minutes * 60:
-            result = algo.train()
-            it += 1
-            steps = int(lookup(result, "num_env_steps_sampled_lifetime") or 0)
-            trained = int(lookup(result, "num_env_steps_trained_lifetime") or 0)
-            r = num(lookup(result, "env_runners/episode_return_mean"))
-            ret = r if r is not None else ret
-            progress(steps, ret, it)
-    finally:
-        end = time.perf_counter()
-        train_s = end - t0 - build_s
-        emit(bench="result", frames=steps * FRAME_SKIP, frames_passed_to_learner=trained * FRAME_SKIP,
-             train_s=round(train_s, 2), build_s=round(build_s, 2), iterations=it, last_return=ret,
-             config=overrides)
-        algo.stop()
-        emit(bench="teardown", stop_s=round(time.perf_counter() - end, 2))
+
+    def read(result: dict) -> tuple[int, int, float | None]:
+        return (int(lookup(result, "num_env_steps_sampled_lifetime") or 0),
+                int(lookup(result, "num_env_steps_trained_lifetime") or 0),
+                num(lookup(result, "env_runners/episode_return_mean")))
+
+    train_for(a, t0, build_s, algo.train, read, algo.stop, overrides)
 
 
 def worker_rllib(a: argparse.Namespace) -> None:
@@ -133,27 +123,39 @@ def worker_rllib(a: argparse.Namespace) -> None:
     ray.init(address="local", ignore_reinit_error=True, num_cpus=RLLIB_RUNNERS + 3, include_dashboard=False)
     algo = config.build_algo()
     build_s = time.perf_counter() - t0
+
+    def read(result: dict) -> tuple[int, int, float | None]:
+        env = result.get("env_runners", {})
+        learners = result.get("learners", {}).get("__all_modules__", {})
+        return (int(env.get("num_env_steps_sampled_lifetime") or 0),
+                int(learners.get("num_env_steps_trained_lifetime") or 0), num(env.get("episode_return_mean")))
+
+    def stop() -> None:
+        algo.stop()
+        ray.shutdown()
+
+    train_for(a, t0, build_s, algo.train, read, stop,
+              {"num_env_runners": RLLIB_RUNNERS, "num_envs_per_env_runner": 2, "num_aggregator_actors_per_learner": 2})
+
+
+def train_for(a: argparse.Namespace, t0: float, build_s: float, train: Callable[[], dict],
+              read: Callable[[dict], tuple[int, int, float | None]], stop: Callable[[], None], config: dict) -> None:
+    """``train()`` until ``--train-minutes`` of training have passed, each result ``read`` as (env steps sampled, env
+    steps trained, mean return), with progress lines; then the ``result`` line, ``stop()`` and the ``teardown`` line."""
     progress = Progress(t0)
     it, steps, trained, ret = 0, 0, 0, None
     try:
         while time.perf_counter() - t0 - build_s < a.train_minutes * 60:
-            result = algo.train()
+            steps, trained, r = read(train())
             it += 1
-            env = result.get("env_runners", {})
-            steps = int(env.get("num_env_steps_sampled_lifetime") or 0)
-            learners = result.get("learners", {}).get("__all_modules__", {})
-            trained = int(learners.get("num_env_steps_trained_lifetime") or 0)
-            r = num(env.get("episode_return_mean"))
             ret = r if r is not None else ret
             progress(steps, ret, it)
     finally:
         end = time.perf_counter()
         emit(bench="result", frames=steps * FRAME_SKIP, frames_passed_to_learner=trained * FRAME_SKIP,
              train_s=round(end - t0 - build_s, 2), build_s=round(build_s, 2), iterations=it, last_return=ret,
-             config={"num_env_runners": RLLIB_RUNNERS, "num_envs_per_env_runner": 2,
-                     "num_aggregator_actors_per_learner": 2})
-        algo.stop()
-        ray.shutdown()
+             config=config)
+        stop()
         emit(bench="teardown", stop_s=round(time.perf_counter() - end, 2))
 
 
@@ -277,10 +279,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="pass the workers' output and progress to stderr")
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     args = p.parse_args()
-    args.systems = [s for s in args.systems.split(",") if s]
-    args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    if not args.systems or set(args.systems) - set(SYSTEMS):
-        p.error(f"--systems takes a comma-separated subset of {list(SYSTEMS)}, got {args.systems}")
+    split_lists(p, args, SYSTEMS)
     if args.runnel_precision == "auto":
         args.runnel_precision = "bfloat16" if has_fast_bf16() else "float32"
     return args

@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import argparse
 import time
 from typing import Callable
 
@@ -182,3 +183,11 @@ def run_interleaved(seeds: list[int], systems: list[str], run_one: Callable[[str
             emit(**r)
             runs.append(r)
     return runs
+
+
+def split_lists(parser: argparse.ArgumentParser, args: argparse.Namespace, systems: tuple[str, ...]) -> None:
+    """``--systems`` and ``--seeds`` (comma-separated) as lists; a system not in ``systems`` is a usage error."""
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    if not args.systems or set(args.systems) - set(systems):
+        parser.error(f"--systems takes a comma-separated subset of {list(systems)}, got {args.systems}")
