@@ -427,25 +427,10 @@ class Learner(FedByStreams, LearnerRole):
         statistics the batch was acted with; data-parallel learners pool their batches' moments first and so
         keep the same statistics. Nothing without the setting."""
         normalizers = input_normalizers(self.module)
-        if not normalizers:
-            return
-        if isinstance(self.module, RLModule):
+        if isinstance(self.module, RLModule) and normalizers:
             obs = self.module.split_mask(obs)[0]
-        n = float(nested.first_leaf(obs).shape[0])
         for norm in normalizers:
-            mean, var = norm.moments(obs)
-            if self.world_size > 1:  # pooled: sums of x and x^2 over every learner's rows
-                parts = np.concatenate([[n], (n * mean).cpu().numpy().ravel(),
-                                        (n * (var + mean.square())).cpu().numpy().ravel()])
-                pooled = self.allreduce_mean(parts)
-                size = mean.numel()
-                rows = float(pooled[0])
-                pooled_mean = torch.as_tensor(pooled[1:1 + size] / rows).reshape(mean.shape)
-                var = torch.as_tensor(pooled[1 + size:] / rows).reshape(mean.shape) - pooled_mean.square()
-                mean, n_all = pooled_mean, rows * self.world_size
-            else:
-                n_all = n
-            norm.merge(mean, var.clamp(min=0.0), int(n_all))
+            norm.fold_in(obs, self.allreduce_mean if self.world_size > 1 else None, self.world_size)
 
     def allreduce_mean(self, values: np.ndarray) -> np.ndarray:
         """Average numbers across learners (e.g. the KL that adapts the KL coefficient)."""

@@ -202,6 +202,21 @@ class InputNormalizer(nn.Module):
         var, mean = torch.var_mean(obs.detach().float(), 0, unbiased=False)
         return mean.double(), var.double()
 
+    def fold_in(self, obs: torch.Tensor, pool: Any = None, world_size: int = 1) -> None:
+        """Merge a batch's moments. ``pool`` (data-parallel learners: their ``allreduce_mean``) averages each
+        learner's row count and sums of x and x^2 first, so every learner folds in the moments of all their rows."""
+        mean, var = self.moments(obs)
+        count = float(obs.shape[0])
+        if pool is not None:
+            sums = np.concatenate([[count], (count * mean).cpu().numpy().ravel(),
+                                   (count * (var + mean.square())).cpu().numpy().ravel()])
+            pooled = pool(sums)
+            rows, size = float(pooled[0]), mean.numel()
+            mean = torch.as_tensor(pooled[1:1 + size] / rows).reshape(mean.shape)
+            var = torch.as_tensor(pooled[1 + size:] / rows).reshape(mean.shape) - mean.square()
+            count = rows * world_size
+        self.merge(mean, var.clamp(min=0.0), int(count))
+
     @torch.no_grad()
     def merge(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
         """Fold in ``count`` rows' moments (Chan et al.'s parallel update)."""
