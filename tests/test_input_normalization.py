@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from actors.modules import ActorCriticModule
-from actors.modules.encoders import InputNormalizer, input_normalizers
+from actors.modules.normalizers import InputNormalizer, input_normalizers
 from actors.modules.export import export_policy
 from pipeline import APPOConfig, Algorithm, DQNConfig, PolicySpec, PPOConfig, register_env
 from pipeline.algorithm_results import lookup

@@ -41,7 +41,7 @@ from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
 from actors.learner.gradients import FlatGrads, finish_flat, finish_tensors
 from actors.modules import ActorCriticModule, RLModule
-from actors.modules.encoders import input_normalizers
+from actors.modules.normalizers import input_normalizers, return_normalizers
 from actors.modules.rl_module import set_autocast
 from actors.schedules import piecewise
 from protocols import nested
@@ -431,6 +431,14 @@ class Learner(FedByStreams, LearnerRole):
             obs = self.module.split_mask(obs)[0]
         for norm in normalizers:
             norm.fold_in(obs, self.allreduce_mean if self.world_size > 1 else None, self.world_size)
+
+    def update_return_stats(self, targets: Any) -> None:
+        """``model_config normalize_returns``: fold a train batch's value targets into the module's running
+        statistics, before the batch's update (its value loss then standardises them by statistics that include
+        them, as Sample Factory's does); data-parallel learners pool them. Nothing without the setting."""
+        for norm in return_normalizers(self.module):
+            norm.fold_in(torch.as_tensor(targets).reshape(-1), self.allreduce_mean if self.world_size > 1 else None,
+                         self.world_size)
 
     def allreduce_mean(self, values: np.ndarray) -> np.ndarray:
         """Average numbers across learners (e.g. the KL that adapts the KL coefficient)."""

@@ -12,6 +12,7 @@ from torch import nn
 
 from actors.modules.distributions import apply_log_std_init
 from actors.modules.encoders import ModelConfig, build_encoder, head, mlp
+from actors.modules.normalizers import ReturnNormalizer
 from actors.modules.recurrent import unroll, zero_states
 from actors.modules.rl_module import RLModule
 from protocols import nested
@@ -21,7 +22,7 @@ class ActorCriticModule(RLModule):
     """``forward_inference`` gives the action distribution inputs; ``forward_train`` adds the value
     predictions. The inference-only copy that env runners carry has no value trunk or head."""
 
-    train_only_prefixes = ("vf_trunk.", "vf_head.")
+    train_only_prefixes = ("vf_trunk.", "vf_head.", "return_normalizer.")
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space,
                  model_config: dict[str, Any] | ModelConfig | None = None, inference_only: bool = False) -> None:
@@ -36,6 +37,7 @@ class ActorCriticModule(RLModule):
             pi_dim = cfg.lstm_cell_size
         self.pi_head = head(pi_dim, self.dist_spec.input_dim, gain=0.01)
         apply_log_std_init(self.pi_head.bias, self.dist_spec, cfg.log_std_init)
+        self.return_normalizer: ReturnNormalizer | None = None
         if not inference_only:
             if cfg.vf_share_layers:
                 self.vf_trunk, vf_dim = None, pi_dim
@@ -43,6 +45,8 @@ class ActorCriticModule(RLModule):
                 self.vf_trunk, vf_dim = mlp(feat + (cfg.lstm_cell_size if cfg.use_lstm else 0), hiddens,
                                             cfg.fcnet_activation)
             self.vf_head = head(vf_dim, 1, gain=1.0)
+            # normalize_returns: the head learns standardised targets; vf_preds are turned back into returns
+            self.return_normalizer = ReturnNormalizer() if cfg.normalize_returns else None
 
     # --- recurrent (model_config use_lstm) -----------------------------------------------------
     @property
@@ -89,7 +93,7 @@ class ActorCriticModule(RLModule):
             # value has a trunk of its own that reads the LSTM's memory without training it: value errors,
             # large where returns are, would otherwise swamp what the policy needs the memory for
             vf_in = out if self.vf_trunk is None else self.vf_trunk(torch.cat([feats, out.detach()], -1))
-            result["vf_preds"] = self.vf_head(vf_in).reshape(b, t)
+            result["vf_preds"] = self._values(self.vf_head(vf_in)).reshape(b, t)
         return result
 
     def forward_train(self, obs: Any) -> dict[str, torch.Tensor]:
@@ -102,7 +106,10 @@ class ActorCriticModule(RLModule):
         pi_out = self.pi_trunk(feats)
         vf_in = pi_out if self.vf_trunk is None else self.vf_trunk(feats)
         return {"action_dist_inputs": self.mask_outputs(self.pi_head(pi_out), mask, False),
-                "vf_preds": self.vf_head(vf_in).squeeze(-1)}
+                "vf_preds": self._values(self.vf_head(vf_in)).squeeze(-1)}
+
+    def _values(self, head_out: torch.Tensor) -> torch.Tensor:
+        return head_out if self.return_normalizer is None else self.return_normalizer.denormalize(head_out)
 
     def compute_values(self, obs: Any) -> torch.Tensor:
         return self.forward_train(obs)["vf_preds"]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from actors.modules.normalizers import InputNormalizer
 from protocols import nested
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "silu": nn.SiLU, "swish": nn.SiLU, "linear": nn.Identity}
@@ -49,6 +50,12 @@ class ModelConfig:
     screen matters (APPO and PPO on Pong). The statistics are module buffers: learners update them after each
     train batch (``InputNormalizer``), so they travel with the weights to runners and into checkpoints. Vector
     observations take the ``MeanStdFilter`` connector instead."""
+    normalize_returns: bool = False
+    """runnel's, as Sample Factory's ``--normalize_returns`` (PPO, IMPALA, APPO): the value head learns the value
+    targets standardised by their running mean and variance, which the learner updates from each train batch
+    before its update (``ReturnNormalizer``). The module still reports values in the env's units, and the value
+    loss is the squared error of standardised values, so ``vf_loss_coeff`` means the same whatever the scale of
+    the rewards. The statistics are buffers of the value side, saved in checkpoints."""
     log_std_init: float = 0.0
     """Initial log standard deviation of Gaussian (Box) action distributions."""
     use_lstm: bool = False
@@ -171,72 +178,6 @@ class CNNEncoder(nn.Module):
             return self.net(x.float() * self.scale)
         # uint8 frames: .float() makes a new tensor, so scaling it in place spares a second frame-sized buffer
         return self.net(x.float().mul_(self.scale))
-
-
-class InputNormalizer(nn.Module):
-    """Per-element running mean and variance of a module's observations (``model_config normalize_input``),
-    and the standardisation by them: ``clip((x - mean) / sqrt(var + 1e-5), -5, 5)``.
-
-    The statistics are buffers (``input_mean``, ``input_var``, ``input_count``), so a module's state carries them
-    to runners and into checkpoints, and a restored module normalises bit for bit as the saved one did. Only a
-    learner changes them: ``moments`` of a batch, then ``merge`` (data-parallel learners average the moments
-    first, so every learner keeps the same statistics). Before the first merge the mean is 0 and the standard
-    deviation ``1 / scale``: an untrained module sees its pixels scaled as without normalisation (by 1/255)."""
-
-    EPSILON, CLIP = 1e-5, 5.0
-
-    def __init__(self, shape: tuple[int, ...], scale: float = 1.0) -> None:
-        super().__init__()
-        self.register_buffer("input_mean", torch.zeros(shape))
-        self.register_buffer("input_var", torch.full(shape, 1.0 / scale ** 2))
-        self.register_buffer("input_count", torch.zeros((), dtype=torch.float64))
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        x = obs.to(self.input_mean.dtype) - self.input_mean
-        return x.mul_(torch.rsqrt(self.input_var + self.EPSILON)).clamp_(-self.CLIP, self.CLIP)
-
-    @staticmethod
-    def moments(obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch's per-element mean and (population) variance, as float64 (computed in float32: pixels and
-        their squares are exact there, and a float64 copy of a batch of frames would double its memory)."""
-        var, mean = torch.var_mean(obs.detach().float(), 0, unbiased=False)
-        return mean.double(), var.double()
-
-    def fold_in(self, obs: torch.Tensor, pool: Any = None, world_size: int = 1) -> None:
-        """Merge a batch's moments. ``pool`` (data-parallel learners: their ``allreduce_mean``) averages each
-        learner's row count and sums of x and x^2 first, so every learner folds in the moments of all their rows."""
-        mean, var = self.moments(obs)
-        count = float(obs.shape[0])
-        if pool is not None:
-            sums = np.concatenate([[count], (count * mean).cpu().numpy().ravel(),
-                                   (count * (var + mean.square())).cpu().numpy().ravel()])
-            pooled = pool(sums)
-            rows, size = float(pooled[0]), mean.numel()
-            mean = torch.as_tensor(pooled[1:1 + size] / rows).reshape(mean.shape)
-            var = torch.as_tensor(pooled[1 + size:] / rows).reshape(mean.shape) - mean.square()
-            count = rows * world_size
-        self.merge(mean, var.clamp(min=0.0), int(count))
-
-    @torch.no_grad()
-    def merge(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
-        """Fold in ``count`` rows' moments (Chan et al.'s parallel update)."""
-        if count < 1:
-            return
-        old_n = float(self.input_count)
-        total = old_n + count
-        old_mean = self.input_mean.to(torch.float64)
-        delta = mean.to(old_mean.device) - old_mean
-        new_mean = old_mean + delta * (count / total)
-        new_var = (self.input_var.to(torch.float64) * old_n + var.to(old_mean.device) * count
-                   + delta.square() * (old_n * count / total)) / total
-        self.input_mean.copy_(new_mean)
-        self.input_var.copy_(new_var)
-        self.input_count.fill_(total)
-
-
-def input_normalizers(module: nn.Module) -> list[InputNormalizer]:
-    """The ``InputNormalizer``s in ``module`` (one per image encoder with ``normalize_input``)."""
-    return [m for m in module.modules() if isinstance(m, InputNormalizer)]
 
 
 def build_encoder(space: gym.Space, cfg: ModelConfig) -> nn.Module:

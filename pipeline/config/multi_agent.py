@@ -256,7 +256,7 @@ def _module_config_problems(config: Any, policies: Any, spec: Any) -> list[str]:
     """Each module's own settings: ``PolicySpec.config`` keys must be settings, and every module's model
     config keys the default modules read."""
     from pipeline.config.keys import setting_names
-    from pipeline.config.training import input_stats_problems, model_config_problems
+    from pipeline.config.training import statistics_problems, model_config_problems
 
     problems = []
     names = set(setting_names(config))
@@ -269,7 +269,7 @@ def _module_config_problems(config: Any, policies: Any, spec: Any) -> list[str]:
                             f"{type(config).__name__}; write it with {type(config).__name__}.overrides(...)")
         if isinstance(ps.config.get("model_config"), dict):
             problems += [f"policies[{mid!r}].config: {p}" for p in model_config_problems(ps.config["model_config"])
-                         + input_stats_problems(config, ps.config["model_config"])]
+                         + statistics_problems(config, ps.config["model_config"])]
     specs = {}
     if isinstance(spec, MultiRLModuleSpec):
         inner = spec.rl_module_specs
@@ -280,7 +280,7 @@ def _module_config_problems(config: Any, policies: Any, spec: Any) -> list[str]:
         if isinstance(one, RLModuleSpec) and (isinstance(one.model_config, dict) or dataclasses.is_dataclass(one.model_config)):
             problems += [f"rl_module_specs[{mid!r}]: {p}" if mid != "(every module)" else f"rl_module_spec: {p}"
                          for p in model_config_problems(one.model_config_dict())
-                         + input_stats_problems(config, one.model_config_dict())]
+                         + statistics_problems(config, one.model_config_dict())]
     return problems
 
 

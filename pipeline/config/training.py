@@ -28,15 +28,19 @@ def training_problems(config: Any) -> list[str]:
 def rl_module_problems(config: Any) -> list[str]:
     if not isinstance(config.model_config, dict):
         return [f"model_config must be a dict, got {type(config.model_config).__name__}"]
-    return model_config_problems(config.model_config) + input_stats_problems(config, config.model_config)
+    return model_config_problems(config.model_config) + statistics_problems(config, config.model_config)
 
 
-def input_stats_problems(config: Any, model_config: dict) -> list[str]:
-    """``normalize_input`` where the algorithm's learner never updates the statistics (they would stay at 1/255)."""
-    if model_config.get("normalize_input") and not getattr(type(config), "updates_input_stats", False):
-        return [f"model_config normalize_input=True: {config.algo_name}'s learner does not update the input "
-                f"statistics (PPO's, IMPALA's and APPO's do); leave it False here"]
-    return []
+def statistics_problems(config: Any, model_config: dict) -> list[str]:
+    """``normalize_input`` or ``normalize_returns`` where the algorithm's learner never updates those statistics
+    (the pixels would stay scaled by 1/255, the value targets unscaled)."""
+    out = []
+    for key, flag, what in (("normalize_input", "updates_input_stats", "input statistics"),
+                            ("normalize_returns", "updates_return_stats", "value targets' statistics")):
+        if model_config.get(key) and not getattr(type(config), flag, False):
+            out.append(f"model_config {key}=True: {config.algo_name}'s learner does not update the {what} "
+                       f"(PPO's, IMPALA's and APPO's do); leave it False here")
+    return out
 
 
 def recurrent_problems(config: Any, multi_agent: bool) -> list[str]:

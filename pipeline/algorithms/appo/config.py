@@ -15,6 +15,7 @@ class APPOConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     algo_name = "APPO"
     algorithm_module = "pipeline.algorithms.appo.algorithm"
     updates_input_stats: ClassVar[bool] = True
+    updates_return_stats: ClassVar[bool] = True
     """Its learner updates ``model_config normalize_input``'s statistics after each train batch."""
 
     broadcast_interval: int = 2

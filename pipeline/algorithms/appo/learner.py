@@ -13,6 +13,7 @@ from torch import nn
 from actors.learner import ChunkBatch, Learner, grad_if, piecewise
 from actors.learner.feed import TakeBatch
 from actors.modules import RLModule
+from actors.modules.normalizers import value_scale
 from pipeline.algorithms.appo.config import APPOConfig
 from pipeline.algorithms.returns import adapt_kl_coeff, explained_variance, normalized
 from pipeline.algorithms.vtrace import policy_inputs, sgd_epochs, value_pass, vtrace_targets
@@ -44,7 +45,7 @@ def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_co
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - config.clip_param, 1 + config.clip_param) * adv)
     policy_loss = -surrogate.mean()
     targets = batch["vtrace_targets"]
-    vf_loss = 0.5 * (out["vf_preds"] - targets).pow(2).mean()
+    vf_loss = 0.5 * ((out["vf_preds"] - targets) / value_scale(module)).pow(2).mean()
     total = policy_loss + config.vf_loss_coeff * vf_loss
     with grad_if(entropy_coeff != 0):
         entropy = dist.entropy().mean()
@@ -93,6 +94,7 @@ class APPOLearner(Learner):
             old_logp = target.action_dist(old_inputs).logp(b.actions)
         behaviour_logp = b.extra["action_logp"]
         vs, pg_adv = vtrace_targets(cfg, b, behaviour_logp, old_logp, values)
+        self.update_return_stats(vs)
         tensors = {"obs": b.obs, "actions": b.actions, "action_logp": behaviour_logp, "old_action_logp": old_logp,
                    "old_action_dist_inputs": old_inputs, "vtrace_targets": vs, "pg_advantages": pg_adv}
         kl_coeff, entropy_coeff = self.kl_coeff, piecewise(cfg.entropy_coeff, timestep)

@@ -15,6 +15,7 @@ class IMPALAConfig(VTraceSettings, AsyncPlanSettings, AlgorithmConfig):
     algo_name = "IMPALA"
     algorithm_module = "pipeline.algorithms.impala.algorithm"
     updates_input_stats: ClassVar[bool] = True
+    updates_return_stats: ClassVar[bool] = True
     """Its learner updates ``model_config normalize_input``'s statistics after each train batch."""
 
     vtrace_clip_pg_rho_threshold: float = 100.0

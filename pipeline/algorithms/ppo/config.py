@@ -13,6 +13,7 @@ class PPOConfig(AlgorithmConfig):
     algorithm_module = "pipeline.algorithms.ppo.algorithm"
     trains_on_policy = True
     updates_input_stats: ClassVar[bool] = True
+    updates_return_stats: ClassVar[bool] = True
     """Its learner updates ``model_config normalize_input``'s statistics after each train batch."""
     supports_recurrent: ClassVar[bool] = True
     """``model_config`` ``use_lstm``: the learner unrolls chunks as sequences (``train_on_sequences``)."""
