@@ -422,23 +422,22 @@ class Learner(FedByStreams, LearnerRole):
             dist.destroy_process_group()
 
     def update_input_stats(self, obs: Any) -> None:
-        """``model_config normalize_input``: fold a train batch's observations (the module's input, stacked frames
-        included) into the module's running statistics. Called after the batch's update, so the update saw the
-        statistics the batch was acted with; data-parallel learners pool their batches' moments first and so
-        keep the same statistics. Nothing without the setting."""
+        """``model_config normalize_input``: fold a train batch's observations (stacked frames included) into the
+        module's running statistics, after the batch's update (which so saw the statistics it was acted with)."""
         normalizers = input_normalizers(self.module)
         if isinstance(self.module, RLModule) and normalizers:
             obs = self.module.split_mask(obs)[0]
-        for norm in normalizers:
-            norm.fold_in(obs, self.allreduce_mean if self.world_size > 1 else None, self.world_size)
+        self._fold_in(normalizers, obs)
 
     def update_return_stats(self, targets: Any) -> None:
         """``model_config normalize_returns``: fold a train batch's value targets into the module's running
-        statistics, before the batch's update (its value loss then standardises them by statistics that include
-        them, as Sample Factory's does); data-parallel learners pool them. Nothing without the setting."""
-        for norm in return_normalizers(self.module):
-            norm.fold_in(torch.as_tensor(targets).reshape(-1), self.allreduce_mean if self.world_size > 1 else None,
-                         self.world_size)
+        statistics, before the batch's update (whose value loss so standardises them, as Sample Factory's does)."""
+        self._fold_in(return_normalizers(self.module), torch.as_tensor(targets).reshape(-1))
+
+    def _fold_in(self, normalizers: list, rows: Any) -> None:
+        # data-parallel learners pool their batches' moments, so all keep the same statistics
+        for norm in normalizers:
+            norm.fold_in(rows, self.allreduce_mean if self.world_size > 1 else None, self.world_size)
 
     def allreduce_mean(self, values: np.ndarray) -> np.ndarray:
         """Average numbers across learners (e.g. the KL that adapts the KL coefficient)."""
