@@ -52,3 +52,25 @@ def straight_and_resumed(build, k, m, logdir="auto"):
             restored.stop()
     finally:
         straight.stop()
+
+
+def small_batches_config(config_class, env, model_config):
+    """``config_class`` on ``env`` in the driver with batches of 64 steps (2 envs x 32) in minibatches of 32,
+    each batch trained once (APPO's circular buffer too): what the statistics tests count steps with."""
+    config = (config_class().environment(env).rl_module(model_config=model_config)
+              .env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=32)
+              .training(train_batch_size_per_learner=64, minibatch_size=32).debugging(seed=0))
+    if hasattr(config, "circular_buffer_iterations_per_batch"):
+        config.training(circular_buffer_iterations_per_batch=1)
+    return config
+
+
+def train_steps(algo, steps, max_iterations=40):
+    """``algo.train()`` until at least ``steps`` env steps were trained; the results."""
+    from pipeline.algorithm_results import lookup
+
+    results = []
+    while not results or (lookup(results[-1], "num_env_steps_trained_lifetime") or 0) < steps:
+        assert len(results) < max_iterations, f"not {steps} env steps trained in {max_iterations} iterations"
+        results.append(algo.train())
+    return results

@@ -15,6 +15,7 @@ from pipeline import APPOConfig, Algorithm, DQNConfig, PolicySpec, PPOConfig, re
 from pipeline.algorithm_results import lookup
 from pipeline.algorithms.ppo.learner import PPOLearner
 from tests.envs import FrameEnv
+from tests.helpers import small_batches_config, train_steps
 
 SPACE = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)
 NORMALIZED = {"normalize_input": True}
@@ -111,17 +112,9 @@ def test_data_parallel_learners_pool_their_moments():
 def test_learners_fold_in_every_trained_batch_and_checkpoints_keep_the_statistics(config_class, tmp_path):
     """FrameEnv cycles through 8 frames, and each runner's 32-step fragment holds each of them 4 times: the
     statistics after training are those of the 8 frames exactly, counted once per trained step."""
-    config = (config_class().environment("norm_frames").rl_module(model_config=NORMALIZED)
-              .env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=32)
-              .training(train_batch_size_per_learner=64, minibatch_size=32).debugging(seed=0))
-    if config_class is APPOConfig:
-        config.training(circular_buffer_iterations_per_batch=1)
-    algo = config.build()
+    algo = small_batches_config(config_class, "norm_frames", NORMALIZED).build()
     try:
-        results = []
-        while not results or (lookup(results[-1], "num_env_steps_trained_lifetime") or 0) < 128:
-            assert len(results) < 40, "not two batches trained in 40 iterations"
-            results.append(algo.train())
+        results = train_steps(algo, 128)
         [norm] = input_normalizers(algo.get_module())
         stack = torch.from_numpy(FrameEnv().frames).double()
         trained = lookup(results[-1], "num_env_steps_trained_lifetime")

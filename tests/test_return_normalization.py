@@ -19,6 +19,7 @@ from pipeline.algorithm_results import lookup
 from pipeline.algorithms.appo.learner import appo_loss
 from pipeline.algorithms.impala.learner import impala_loss
 from pipeline.algorithms.ppo.learner import PPOLearner, ppo_loss
+from tests.helpers import small_batches_config, train_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 OBS = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
@@ -139,17 +140,9 @@ def test_algorithms_whose_learners_keep_no_return_statistics_refuse_the_setting(
 
 @pytest.mark.parametrize("config_class", [PPOConfig, IMPALAConfig, APPOConfig])
 def test_learners_fold_in_the_value_targets_of_every_trained_batch_once(config_class):
-    config = (config_class().environment("CartPole-v1").rl_module(model_config=NORMALIZED)
-              .env_runners(num_env_runners=0, num_envs_per_env_runner=2, rollout_fragment_length=32)
-              .training(train_batch_size_per_learner=64, minibatch_size=32).debugging(seed=0))
-    if config_class is APPOConfig:
-        config.training(circular_buffer_iterations_per_batch=1)
-    algo = config.build()
+    algo = small_batches_config(config_class, "CartPole-v1", NORMALIZED).build()
     try:
-        results = []
-        while not results or (lookup(results[-1], "num_env_steps_trained_lifetime") or 0) < 128:
-            assert len(results) < 40, "not two batches trained in 40 iterations"
-            results.append(algo.train())
+        results = train_steps(algo, 128)
         state = algo.learner_group.get_state()["module"]  # the learner's module: runners' copies carry no statistics
         trained = lookup(results[-1], "num_env_steps_trained_lifetime")
     finally:
