@@ -129,8 +129,9 @@ def return_normalizers(module: nn.Module) -> list[ReturnNormalizer]:
     return [m for m in module.modules() if isinstance(m, ReturnNormalizer)]
 
 
-def value_scale(module: nn.Module) -> float | torch.Tensor:
-    """What a value loss divides value errors by: the value targets' running standard deviation with
-    ``normalize_returns`` (the module's own ``ReturnNormalizer``), else 1."""
+def value_error(module: nn.Module, values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``values - targets`` as a value loss squares it: divided by the value targets' running standard deviation
+    with ``normalize_returns`` (the module's own ``ReturnNormalizer``), else as it is (no extra op on the hot path)."""
     norm = getattr(module, "return_normalizer", None)
-    return norm.scale().detach() if isinstance(norm, ReturnNormalizer) else 1.0
+    err = values - targets
+    return err / norm.scale().detach() if isinstance(norm, ReturnNormalizer) else err

@@ -13,7 +13,7 @@ from torch import nn
 from actors.learner import ChunkBatch, Learner, grad_if, piecewise
 from actors.learner.feed import TakeBatch
 from actors.modules import RLModule
-from actors.modules.normalizers import value_scale
+from actors.modules.normalizers import value_error
 from pipeline.algorithms.appo.config import APPOConfig
 from pipeline.algorithms.returns import adapt_kl_coeff, explained_variance, normalized
 from pipeline.algorithms.vtrace import policy_inputs, sgd_epochs, value_pass, vtrace_targets
@@ -45,7 +45,7 @@ def appo_loss(module: RLModule, batch: dict[str, Any], config: APPOConfig, kl_co
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - config.clip_param, 1 + config.clip_param) * adv)
     policy_loss = -surrogate.mean()
     targets = batch["vtrace_targets"]
-    vf_loss = 0.5 * ((out["vf_preds"] - targets) / value_scale(module)).pow(2).mean()
+    vf_loss = 0.5 * value_error(module, out["vf_preds"], targets).pow(2).mean()
     total = policy_loss + config.vf_loss_coeff * vf_loss
     with grad_if(entropy_coeff != 0):
         entropy = dist.entropy().mean()

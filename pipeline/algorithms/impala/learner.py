@@ -7,7 +7,7 @@ import torch
 
 from actors.learner import Learner, grad_if, piecewise
 from actors.modules import RLModule
-from actors.modules.normalizers import value_scale
+from actors.modules.normalizers import value_error
 from pipeline.algorithms.impala.config import IMPALAConfig
 from pipeline.algorithms.returns import explained_variance
 from pipeline.algorithms.vtrace import sgd_epochs, value_pass, vtrace_targets
@@ -32,7 +32,7 @@ def impala_loss(module: RLModule, batch: dict[str, Any], config: IMPALAConfig,
     logp = dist.logp(batch["actions"])
     policy_loss = -(logp * batch["pg_advantages"]).mean()
     targets = batch["vtrace_targets"]
-    vf_loss = 0.5 * ((out["vf_preds"] - targets) / value_scale(module)).pow(2).mean()
+    vf_loss = 0.5 * value_error(module, out["vf_preds"], targets).pow(2).mean()
     total = policy_loss + config.vf_loss_coeff * vf_loss
     with grad_if(entropy_coeff != 0):
         entropy = dist.entropy().mean()

@@ -11,7 +11,7 @@ import torch
 from actors.learner import Learner, as_batch, grad_if, piecewise
 from actors.learner.sequences import chunks_to_sequences, sequence_outputs, sequence_sgd
 from actors.modules import RLModule
-from actors.modules.normalizers import value_scale
+from actors.modules.normalizers import value_error
 from pipeline.algorithms.ppo.config import PPOConfig
 from pipeline.algorithms.returns import adapt_kl_coeff, explained_variance, gae, normalized
 from protocols.episode import EpisodeChunk
@@ -48,7 +48,7 @@ def ppo_loss(module: RLModule, batch: dict[str, Any], config: PPOConfig, kl_coef
         total = total + kl_coeff * kl
     stats = {"policy_loss": policy_loss.detach(), "entropy": entropy.detach(), "mean_kl_loss": kl.detach()}
     if config.use_critic:
-        vf_err = ((out["vf_preds"] - batch["value_targets"]) / value_scale(module)).pow(2)
+        vf_err = value_error(module, out["vf_preds"], batch["value_targets"]).pow(2)
         vf_loss = vf_err.clamp(max=config.vf_clip_param) if config.vf_clip_param is not None else vf_err
         vf_mean = vf_loss.mean()
         total = total + config.vf_loss_coeff * vf_mean
