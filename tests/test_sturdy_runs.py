@@ -125,6 +125,41 @@ def test_two_sigterms_stop_at_once_and_the_checkpoint_matches_the_summary(tmp_pa
     assert counters["num_env_steps_sampled_lifetime"] == _summary_steps(out)
 
 
+def test_a_second_sigterm_that_arrives_during_the_last_save_does_not_lose_the_checkpoint(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Two SIGTERMs sent back to back reach a busy process apart: the first stops the loop after its iteration,
+    the second can come only while the last checkpoint is being written. That write must finish (it once
+    raised KeyboardInterrupt inside it and left the run without a checkpoint). Here the signals are sent by
+    the process itself at those two moments, in the main thread, where the CLI's handlers run."""
+    from pipeline.algorithm import Algorithm as Base
+
+    train, save = Base.train, Base.save_to_path
+
+    def train_then_sigterm(self):
+        result = train(self)
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: stop after this iteration
+        return result
+
+    def save_under_sigterm(self, checkpoint_dir=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # the second, while the last checkpoint is written
+        return save(self, checkpoint_dir)
+
+    monkeypatch.setattr(Base, "train", train_then_sigterm)
+    monkeypatch.setattr(Base, "save_to_path", save_under_sigterm)
+    out_dir = tmp_path / "results"
+    code = main(["train", "--algo", "PPO", "--env", "CartPole-v1", "--num-env-runners", "0", "--config", SMALL,
+                 "--stop", ENDLESS, "--output-dir", str(out_dir)])
+    out, err = capsys.readouterr()
+    assert code == 130, err
+    (run_dir,) = out_dir.iterdir()
+    assert [p.name for p in run_dir.iterdir() if p.name.startswith("checkpoint_")] == ["checkpoint_000001"], err
+    assert "SIGTERM: stopping after this iteration" in err and "writing the last checkpoint" in err
+    monkeypatch.undo()
+    iteration, counters = _checkpoint_state(run_dir / "checkpoint_000001")
+    assert iteration == 1 and "after 1 iteration" in out and "stopped by SIGTERM" in out
+    assert counters["num_env_steps_sampled_lifetime"] == _summary_steps(out)
+
+
 def test_keep_checkpoints_keeps_the_best_and_the_latest(tmp_path, capsys):
     out_dir = tmp_path / "results"
     assert main(["train", "--algo", "PPO", "--env", "CartPole-v1", "--num-env-runners", "0", "--config", SMALL,

@@ -47,12 +47,17 @@ def _validate(config: Any) -> None:
 
 class _GracefulStop:
     """First Ctrl-C or SIGTERM: ask the loop to stop after the current iteration (and checkpoint).
-    Second: KeyboardInterrupt now (a checkpoint of the state at that moment is still written)."""
+    Second: KeyboardInterrupt now (a checkpoint of the state at that moment is still written).
+
+    Once the loop is over (``finishing``) no signal interrupts: what is left is writing the last checkpoint,
+    and a second signal that arrives only then (two sent back to back reach a busy process apart) would
+    otherwise abort that write and leave the run with no checkpoint of its last iteration."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self.finishing = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "_GracefulStop":
@@ -65,7 +70,11 @@ class _GracefulStop:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.finishing:
+            say("\nrunnel: writing the last checkpoint; the run ends once it is written", err=True)
+            return
         if self.requested:
+            self.finishing = True
             raise KeyboardInterrupt
         self.requested = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {self.requested} again"
@@ -227,10 +236,12 @@ def _train_loop(algo: Any, spec: TrainSpec, run_dir: str, algo_name: str, resume
                     save(result)
                 reason = stop_reason(result, spec.stop)
                 if reason or stopping.requested:
+                    stopping.finishing = True
                     break
         except KeyboardInterrupt:
             outcome = "interrupted at once"
         except Exception as err:  # noqa: BLE001 - reported as one line; traceback goes to error.txt
+            stopping.finishing = True
             outcome, failure = "failed", err
         if stopping.requested and outcome == "done" and not reason:
             outcome = "interrupted"
