@@ -14,13 +14,12 @@ An algorithm's learner (``PPOLearner``, ``APPOLearner``...) subclasses this and 
 This class does the rest: learning-rate schedules by sampled timestep, the gradient step
 (backward, averaging across data-parallel learners with torch.distributed -- gloo on CPU, nccl on
 GPU -- clipping, optimizer step), minibatch epochs, and a complete ``get_state``/``set_state``
-(module, targets, every optimizer, the named fields, RNGs) that a checkpoint stores with
+(``actors.learner.state``: module, targets, every optimizer, the named fields, RNGs) that a checkpoint stores with
 ``torch.save`` and reads back with ``weights_only=True``. A remote learner of IMPALA or APPO also
 receives its own share of the chunk streams (``FedByStreams``, ``actors.learner.feed``).
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
@@ -40,6 +39,7 @@ from actors.learner.batch import ChunkBatch, batch_slices, check_num_batches, co
 from actors.batch_checks import BatchCheck
 from actors.learner.feed import FedByStreams
 from actors.learner.gradients import FlatGrads, finish_flat, finish_tensors
+from actors.learner.state import learner_state, load_learner_state
 from actors.modules import ActorCriticModule, RLModule
 from actors.modules.normalizers import input_normalizers, return_normalizers
 from actors.modules.rl_module import set_autocast
@@ -456,43 +456,10 @@ class Learner(FedByStreams, LearnerRole):
 
     def get_state(self) -> dict[str, Any]:
         """Everything to continue exactly: tensors, optimizer states, named fields, counters, RNGs."""
-        def tensors(m: nn.Module) -> dict[str, torch.Tensor]:
-            return {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
-
-        return {
-            "module": tensors(self.module),
-            "targets": {name: tensors(t) for name, t in self.targets.items()},
-            # copies: a torch optimizer's state_dict holds its live moment tensors, and load_state_dict
-            # keeps the tensors it is given, so without them two learners would share their moments
-            "optimizers": {name: copy.deepcopy(slot.optimizer.state_dict()) for name, slot in self.optimizers.items()},
-            "fields": {name: getattr(self, name) for name in self.state_fields},
-            "num_updates": self.num_updates,
-            "rng": self.rng.bit_generator.state,
-            "torch_rng": torch.get_rng_state(),
-            "learner_connector": None if self.learner_connector is None else self.learner_connector.get_state(),
-        }
+        return learner_state(self)
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["module"])
-        for name, target in self.targets.items():
-            target.load_state_dict(state["targets"][name])
-        for name, slot in self.optimizers.items():
-            built = [group.get("eps") for group in slot.optimizer.param_groups]
-            slot.optimizer.load_state_dict(copy.deepcopy(state["optimizers"][name]))
-            # the saved groups carry the epsilon of the run that saved them (an older default, another
-            # adam_epsilon): the one this learner built its optimizer with wins
-            for group, eps in zip(slot.optimizer.param_groups, built):
-                if eps is not None:
-                    group["eps"] = eps
-        for name in self.state_fields:
-            setattr(self, name, state["fields"][name])
-        self.num_updates = int(state.get("num_updates", 0))
-        if "rng" in state:
-            self.rng.bit_generator.state = state["rng"]
-        if "torch_rng" in state:
-            torch.set_rng_state(state["torch_rng"])
-        if state.get("learner_connector") is not None and self.learner_connector is not None:
-            self.learner_connector.set_state(state["learner_connector"])
+        load_learner_state(self, state)
 
     def ping(self) -> str:
         return "ok"
